@@ -1,0 +1,86 @@
+"""Measurement primitives shared by every benchmark: the same-run copy
+bandwidth (the roofline ceiling), CUDA-event timing, and run metadata."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+COPY_BYTES = 2 << 30  # 2 GiB source: far past the 60 MB L2, so the copy streams HBM
+
+
+def time_fn(fn, iters: int = 50, warmup: int = 10) -> list[float]:
+    """Per-call times in ms, each from its own pair of CUDA events (after warm-up)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return out
+
+
+def copy_bandwidth(nbytes: int = COPY_BYTES, iters: int = 20) -> dict:
+    """Device-to-device copy, counting bytes read + written. Returns GB/s (1e9) and samples."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    ms = time_fn(lambda: dst.copy_(src), iters=iters, warmup=3)
+    med = statistics.median(ms)
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"gbps": 2 * nbytes / (med * 1e-3) / 1e9, "bytes": 2 * nbytes, "samples_ms": ms}
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=5).stdout.strip()
+        return (sha or "unknown") + ("-dirty" if dirty else "")
+    except Exception:
+        return "unknown"
+
+
+def run_metadata() -> dict:
+    try:
+        import triton
+        tv = triton.__version__
+    except Exception:
+        tv = None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {
+        "command": " ".join(sys.argv),
+        "commit": git_commit(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": tv,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def gpu_slug() -> str:
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return name.lower().replace("nvidia ", "").replace(" ", "-")
+
+
+def result_path(model: str, what: str, results_dir: str | Path = "results") -> Path:
+    date = _dt.date.today().isoformat()
+    return Path(results_dir) / f"{date}-{gpu_slug()}-{model}-{what}.json"
+
+
+def write_result(path: Path, payload: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    return path

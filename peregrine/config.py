@@ -1,0 +1,315 @@
+"""Model and engine configuration.
+
+ModelConfig is parsed from a Hugging Face ``config.json`` (``model_type``
+``kimi_linear``, or ``kimi_k3`` with the text part nested under
+``text_config``). Every field the runtime reads is validated here so a bad
+file fails with a message naming the field, never deep inside the model.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem (bad file, field, preset or option)."""
+
+
+def _req(d: dict, key: str, typ, where: str, *, positive: bool = False, default=...):
+    if key not in d or d[key] is None:
+        if default is not ...:
+            return default
+        raise ConfigError(f"{where}: missing required field '{key}'")
+    v = d[key]
+    ok = isinstance(v, typ) and not (typ in (int, (int, float)) and isinstance(v, bool))
+    if typ is float and isinstance(v, int) and not isinstance(v, bool):
+        v, ok = float(v), True
+    if not ok:
+        raise ConfigError(f"{where}: field '{key}' must be {getattr(typ, '__name__', typ)}, got {v!r}")
+    if positive and not v > 0:
+        raise ConfigError(f"{where}: field '{key}' must be > 0, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    rms_norm_eps: float
+    # layer kinds, 0-based
+    kda_layers: tuple[int, ...]
+    mla_layers: tuple[int, ...]
+    # KDA
+    kda_num_heads: int
+    kda_head_dim: int
+    kda_conv_size: int
+    kda_gate_lower_bound: float | None  # None: softplus gate (Kimi-Linear); else bounded sigmoid gate (K3)
+    kda_full_rank_gate: bool            # output gate W_g x (K3) vs low-rank W_gb W_ga x
+    # MLA
+    mla_num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    mla_output_gate: bool
+    mla_norm_eps: float                 # eps of kv_a_layernorm / q_a_layernorm
+    # FFN
+    hidden_act: str                     # silu (SwiGLU) or situ
+    intermediate_size: int              # dense layers
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    num_experts: int
+    num_experts_per_token: int
+    moe_intermediate_size: int
+    num_shared_experts: int
+    routed_scaling_factor: float
+    moe_renormalize: bool
+    routed_expert_hidden_size: int | None  # K3 latent MoE width
+    situ_beta: float
+    situ_linear_beta: float
+    attn_res_block_size: int | None     # K3 AttnRes
+    expert_quant: str | None            # None (BF16) or "mxfp4"
+    # tokens
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    name: str = "model"
+
+    # ---- derived ----
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one MLA cache entry: the normalised latent c and k_r."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def kda_dim(self) -> int:
+        return self.kda_num_heads * self.kda_head_dim
+
+    def is_kda(self, i: int) -> bool:
+        return i in self.kda_layers
+
+    def is_moe(self, i: int) -> bool:
+        return i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_moe(i))
+
+    @property
+    def is_k3(self) -> bool:
+        return self.model_type == "kimi_k3"
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    # ---- parsing ----
+    @classmethod
+    def from_dict(cls, raw: dict, name: str = "model", where: str = "config.json") -> "ModelConfig":
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}: expected a JSON object")
+        mt = raw.get("model_type")
+        if mt not in ("kimi_linear", "kimi_k3"):
+            raise ConfigError(f"{where}: field 'model_type' must be 'kimi_linear' or 'kimi_k3', got {mt!r}")
+        top = raw
+        if mt == "kimi_k3" and "text_config" in raw:
+            raw = raw["text_config"]
+            if not isinstance(raw, dict):
+                raise ConfigError(f"{where}: field 'text_config' must be an object")
+            where = f"{where} (text_config)"
+        d = raw
+        lac = _req(d, "linear_attn_config", dict, where)
+        lw = f"{where}: linear_attn_config"
+        L = _req(d, "num_hidden_layers", int, where, positive=True)
+        kda = _req(lac, "kda_layers", list, lw)
+        full = _req(lac, "full_attn_layers", list, lw)
+        for lst, key in ((kda, "kda_layers"), (full, "full_attn_layers")):
+            for x in lst:
+                if not isinstance(x, int) or isinstance(x, bool) or not 1 <= x <= L:
+                    raise ConfigError(f"{lw}: '{key}' entries must be 1-based layer numbers in 1..{L}, got {x!r}")
+        if set(kda) & set(full):
+            raise ConfigError(f"{lw}: layers {sorted(set(kda) & set(full))} are in both kda_layers and full_attn_layers")
+        if set(kda) | set(full) != set(range(1, L + 1)):
+            missing = sorted(set(range(1, L + 1)) - set(kda) - set(full))
+            raise ConfigError(f"{lw}: layers {missing} are in neither kda_layers nor full_attn_layers")
+        if not d.get("mla_use_nope", False):
+            raise ConfigError(f"{where}: field 'mla_use_nope' must be true (rotary MLA is not part of this family)")
+        act = d.get("hidden_act", "silu")
+        if act not in ("silu", "situ"):
+            raise ConfigError(f"{where}: field 'hidden_act' must be 'silu' or 'situ', got {act!r}")
+        if d.get("moe_router_activation_func", "sigmoid") != "sigmoid":
+            raise ConfigError(f"{where}: field 'moe_router_activation_func' must be 'sigmoid'")
+        qc = d.get("quantization_config") or top.get("quantization_config")
+        quant = None
+        if qc:
+            fmt = str(qc.get("format", ""))
+            if "mxfp4" not in fmt:
+                raise ConfigError(f"{where}: unsupported quantization_config format {fmt!r} (only MXFP4 experts)")
+            quant = "mxfp4"
+        q_lora = d.get("q_lora_rank")
+        if q_lora is not None:
+            q_lora = _req(d, "q_lora_rank", int, where, positive=True)
+        lb = lac.get("gate_lower_bound")
+        if lb is not None:
+            lb = float(_req(lac, "gate_lower_bound", float, lw))
+        reh = d.get("routed_expert_hidden_size")
+        if reh is not None:
+            reh = _req(d, "routed_expert_hidden_size", int, where, positive=True)
+        arb = d.get("attn_res_block_size")
+        if arb is not None:
+            arb = _req(d, "attn_res_block_size", int, where, positive=True)
+        num_experts = _req(d, "num_experts", int, where, positive=True)
+        topk = _req(d, "num_experts_per_token", int, where, positive=True)
+        if topk > num_experts:
+            raise ConfigError(f"{where}: 'num_experts_per_token' ({topk}) exceeds 'num_experts' ({num_experts})")
+        eos = top.get("eos_token_id", d.get("eos_token_id"))
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        cfg = cls(
+            model_type=mt,
+            hidden_size=_req(d, "hidden_size", int, where, positive=True),
+            num_hidden_layers=L,
+            vocab_size=_req(d, "vocab_size", int, where, positive=True),
+            rms_norm_eps=_req(d, "rms_norm_eps", float, where, positive=True),
+            kda_layers=tuple(sorted(x - 1 for x in kda)),
+            mla_layers=tuple(sorted(x - 1 for x in full)),
+            kda_num_heads=_req(lac, "num_heads", int, lw, positive=True),
+            kda_head_dim=_req(lac, "head_dim", int, lw, positive=True),
+            kda_conv_size=_req(lac, "short_conv_kernel_size", int, lw, positive=True),
+            kda_gate_lower_bound=lb,
+            kda_full_rank_gate=bool(lac.get("use_full_rank_gate", False)),
+            mla_num_heads=_req(d, "num_attention_heads", int, where, positive=True),
+            q_lora_rank=q_lora,
+            kv_lora_rank=_req(d, "kv_lora_rank", int, where, positive=True),
+            qk_nope_head_dim=_req(d, "qk_nope_head_dim", int, where, positive=True),
+            qk_rope_head_dim=_req(d, "qk_rope_head_dim", int, where, positive=True),
+            v_head_dim=_req(d, "v_head_dim", int, where, positive=True),
+            mla_output_gate=bool(d.get("mla_use_output_gate", False)),
+            mla_norm_eps=float(_req(d, "mla_norm_eps", float, where, default=_req(d, "rms_norm_eps", float, where))),
+            hidden_act=act,
+            intermediate_size=_req(d, "intermediate_size", int, where, positive=True),
+            first_k_dense_replace=_req(d, "first_k_dense_replace", int, where, default=0),
+            moe_layer_freq=_req(d, "moe_layer_freq", int, where, positive=True, default=1),
+            num_experts=num_experts,
+            num_experts_per_token=topk,
+            moe_intermediate_size=_req(d, "moe_intermediate_size", int, where, positive=True),
+            num_shared_experts=_req(d, "num_shared_experts", int, where, default=0),
+            routed_scaling_factor=_req(d, "routed_scaling_factor", float, where, positive=True, default=1.0),
+            moe_renormalize=bool(d.get("moe_renormalize", True)),
+            routed_expert_hidden_size=reh,
+            situ_beta=float(d.get("activation_situ_beta", 4.0)),
+            situ_linear_beta=float(d.get("activation_situ_linear_beta", 25.0)),
+            attn_res_block_size=arb,
+            expert_quant=quant,
+            bos_token_id=top.get("bos_token_id", d.get("bos_token_id")),
+            eos_token_id=eos,
+            pad_token_id=top.get("pad_token_id", d.get("pad_token_id")),
+            max_position_embeddings=int(d.get("model_max_length") or d.get("max_position_embeddings") or top.get("model_max_length") or 131072),
+            tie_word_embeddings=bool(top.get("tie_word_embeddings", False)),
+            name=name,
+        )
+        if cfg.num_shared_experts < 0:
+            raise ConfigError(f"{where}: field 'num_shared_experts' must be >= 0")
+        return cfg
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike, name: str | None = None) -> "ModelConfig":
+        p = Path(path)
+        try:
+            raw = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {p}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        return cls.from_dict(raw, name=name or p.parent.name, where=str(p))
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def resolve_model(model: str) -> tuple[ModelConfig, Path | None]:
+    """A preset name or a model folder -> (config, folder holding weights or None)."""
+    p = Path(model)
+    if p.is_dir():
+        cfgp = p / "config.json"
+        if not cfgp.exists():
+            raise ConfigError(f"model folder {p} has no config.json")
+        return ModelConfig.from_json(cfgp, name=p.name), p
+    if (PRESET_DIR / f"{model}.json").exists():
+        weights = PRESET_DIR / model
+        return ModelConfig.from_json(PRESET_DIR / f"{model}.json", name=model), (weights if weights.is_dir() else None)
+    if os.sep in model or model.startswith("."):
+        raise ConfigError(f"model folder not found: {model}")
+    raise ConfigError(f"unknown model '{model}': not a folder, and not a preset (presets: {', '.join(preset_names())})")
+
+
+# ----------------------------------------------------------------------------
+DECODE_BACKENDS = ("standard", "latency_specialized")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 8
+    max_model_len: int | None = None          # default: min(model limit, 4096)
+    max_num_batched_tokens: int = 2048        # prefill chunk budget per step
+    block_size: int = 64                      # tokens per MLA cache block
+    num_cache_blocks: int | None = None       # default: sized from memory
+    kv_cache_dtype: str = "auto"
+    decode_backend: str = "standard"
+    max_decode_batch: int = 8                 # largest B served by the specialized path
+    cuda_graphs: bool = True
+    device: str | None = None                 # default: cuda if available
+    dtype: str | None = None                  # default: bf16 on cuda, fp32 on cpu
+    seed: int = 0
+    gpu_memory_utilization: float = 0.90
+    extra: dict = field(default_factory=dict)
+
+    ADDITIONAL_KEYS = {
+        "decode_backend": DECODE_BACKENDS,
+        "max_decode_batch": "int in 1..16",
+        "cuda_graphs": "bool",
+    }
+
+    def apply_additional_config(self, text_or_dict) -> None:
+        d = text_or_dict
+        if isinstance(d, str):
+            try:
+                d = json.loads(d) if d.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--additional-config is not valid JSON: {e.msg}") from None
+        if not isinstance(d, dict):
+            raise ConfigError("--additional-config must be a JSON object")
+        for k, v in d.items():
+            if k not in self.ADDITIONAL_KEYS:
+                raise ConfigError(f"--additional-config: unknown key '{k}' (valid keys: {', '.join(self.ADDITIONAL_KEYS)})")
+            if k == "decode_backend" and v not in DECODE_BACKENDS:
+                raise ConfigError(f"--additional-config: decode_backend must be one of {', '.join(DECODE_BACKENDS)}, got {v!r}")
+            if k == "max_decode_batch" and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 16):
+                raise ConfigError(f"--additional-config: max_decode_batch must be an int in 1..16, got {v!r}")
+            if k == "cuda_graphs" and not isinstance(v, bool):
+                raise ConfigError(f"--additional-config: cuda_graphs must be true or false, got {v!r}")
+            setattr(self, k, v)
+
+    def validate(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

@@ -1,0 +1,65 @@
+"""StepInput: what one forward step needs, built by the scheduler, read by both runners.
+
+Tokens of all scheduled sequences are flattened: sequence i contributes q_lens[i]
+new tokens (a prefill chunk, or 1 in decode), at positions
+context_lens[i] - q_lens[i] ... context_lens[i] - 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepInput:
+    input_ids: torch.Tensor      # [N] long, new tokens of every sequence back to back
+    positions: torch.Tensor      # [N] long
+    slot_mapping: torch.Tensor   # [N] long, flat MLA cache position (block * block_size + offset)
+    q_lens: list[int]            # [S] new tokens per sequence
+    context_lens: list[int]      # [S] tokens in the cache after this step
+    kda_slots: torch.Tensor      # [S] long, KDA state slot of each sequence
+    block_tables: torch.Tensor   # [S, max_blocks] long, padded with 0
+    context_lens_t: torch.Tensor  # [S] int32 on device (for kernels)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds exactly one token: the specialized path may serve it."""
+        return all(q == 1 for q in self.q_lens)
+
+    @property
+    def logits_indices(self) -> torch.Tensor:
+        """Index of each sequence's last new token in the flat token list."""
+        idx, acc = [], 0
+        for q in self.q_lens:
+            acc += q
+            idx.append(acc - 1)
+        return torch.tensor(idx, dtype=torch.long, device=self.input_ids.device)
+
+    @staticmethod
+    def build(seqs: list[tuple[list[int], int, int, list[int]]], block_size: int, device) -> "StepInput":
+        """seqs: (new_token_ids, start_position, kda_slot, block_table) per sequence."""
+        ids, pos, slots_map, q_lens, ctx, kslots = [], [], [], [], [], []
+        max_blocks = max(1, max(len(s[3]) for s in seqs))
+        bt = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
+        for i, (toks, start, kslot, table) in enumerate(seqs):
+            n = len(toks)
+            if n == 0:
+                raise ValueError("a scheduled sequence must add at least one token")
+            need = (start + n + block_size - 1) // block_size
+            if len(table) < need:
+                raise ValueError(f"block table of {len(table)} blocks cannot hold {start + n} tokens")
+            ids.extend(toks)
+            for p in range(start, start + n):
+                pos.append(p)
+                slots_map.append(table[p // block_size] * block_size + p % block_size)
+            q_lens.append(n)
+            ctx.append(start + n)
+            kslots.append(kslot)
+            bt[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+        t = lambda x, dt=torch.long: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+        return StepInput(t(ids), t(pos), t(slots_map), q_lens, ctx, t(kslots), bt.to(device), t(ctx, torch.int32))

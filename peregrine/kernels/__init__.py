@@ -1,0 +1,45 @@
+"""Fused Triton decode kernels, each file one family with its FP32 reference.
+
+Capability gate: ``available(device)`` says whether the Triton kernels can run
+there (a Hopper-or-newer CUDA device, or any CPU tensor when the Triton
+interpreter is on). Callers fall back to the standard PyTorch path otherwise.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # triton is optional at import time: the standard path never needs it
+    import triton  # noqa: F401
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - depends on the install
+    HAVE_TRITON = False
+
+MIN_CAPABILITY = (9, 0)  # the kernels are tuned for Hopper; older GPUs take the standard path
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available(device: torch.device | str | None = None) -> bool:
+    if not HAVE_TRITON:
+        return False
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cpu":
+        return interpreting()
+    if dev.type == "cuda" and not interpreting():
+        return torch.cuda.get_device_capability(dev) >= MIN_CAPABILITY
+    return False
+
+
+def why_unavailable(device=None) -> str | None:
+    if available(device):
+        return None
+    if not HAVE_TRITON:
+        return "triton is not installed"
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cpu":
+        return "CPU without TRITON_INTERPRET=1"
+    return f"GPU capability below sm_{MIN_CAPABILITY[0]}{MIN_CAPABILITY[1]}"

@@ -1,0 +1,29 @@
+"""Test setup: kernels run under the Triton interpreter when there is no GPU.
+
+TRITON_INTERPRET must be set before triton is first imported, hence here.
+On a GPU machine the same tests compile for real; `pytest -m gpu` selects the
+kernel and device tests, and FULL_SHAPES widens them to every real shape.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+# CI (CPU, interpreter) runs a representative subset of shapes; the GPU pass runs them all.
+FULL_SHAPES = DEVICE == "cuda" or os.environ.get("PEREGRINE_FULL_SHAPES") == "1"
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: kernel/device tests; CPU runs them under the Triton interpreter, the GPU pass compiled")
+    config.addinivalue_line("markers", "slow: long CPU tests")
