@@ -57,14 +57,17 @@ class ModelCache:
         self.fp8 = kv_cache_dtype == "fp8"
         lat_dtype = torch.float8_e4m3fn if self.fp8 else (torch.bfloat16 if kv_cache_dtype == "bf16" else dtype)
         n_mla, n_kda = len(cfg.mla_layers), len(cfg.kda_layers)
+        # one extra block and slot past the allocatable ones: scratch for graph warm-up/capture
+        self.scratch_block, self.scratch_slot = num_blocks, num_slots
+        num_blocks, num_slots = num_blocks + 1, num_slots + 1
         self.latent = torch.zeros(n_mla, num_blocks, block_size, cfg.latent_dim, dtype=lat_dtype, device=device)
         self.scale = (torch.ones(n_mla, num_blocks, block_size, dtype=torch.float32, device=device)
                       if self.fp8 else None)
         H, d = cfg.kda_num_heads, cfg.kda_head_dim
         self.state = torch.zeros(n_kda, num_slots, H, d, d, dtype=torch.float32, device=device)
         self.conv = torch.zeros(n_kda, num_slots, cfg.kda_conv_size - 1, 3 * H * d, dtype=dtype, device=device)
-        self.blocks = BlockAllocator(num_blocks)
-        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self.blocks = BlockAllocator(self.num_blocks)
+        self._free_slots = list(range(self.num_slots - 1, -1, -1))
         self.mla_index = {layer: i for i, layer in enumerate(cfg.mla_layers)}
         self.kda_index = {layer: i for i, layer in enumerate(cfg.kda_layers)}
 

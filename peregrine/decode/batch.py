@@ -21,6 +21,7 @@ class StepInput:
     kda_slots: torch.Tensor      # [S] long, KDA state slot of each sequence
     block_tables: torch.Tensor   # [S, max_blocks] long, padded with 0
     context_lens_t: torch.Tensor  # [S] int32 on device (for kernels)
+    max_context: int = 0         # bound on context_lens read by decode attention (graphs fix it per capture)
 
     @property
     def num_seqs(self) -> int:
@@ -62,4 +63,4 @@ class StepInput:
             kslots.append(kslot)
             bt[i, : len(table)] = torch.tensor(table, dtype=torch.long)
         t = lambda x, dt=torch.long: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
-        return StepInput(t(ids), t(pos), t(slots_map), q_lens, ctx, t(kslots), bt.to(device), t(ctx, torch.int32))
+        return StepInput(t(ids), t(pos), t(slots_map), q_lens, ctx, t(kslots), bt.to(device), t(ctx, torch.int32), max(ctx))

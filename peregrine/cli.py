@@ -1,0 +1,136 @@
+"""peregrine command line: generate | serve | bench | plan | eval.
+
+User mistakes (bad model, config, option or prompt) print one line starting
+with "error:" and exit 2; they never show a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .config import ConfigError, EngineConfig
+
+DEFAULT_MODEL = "tiny-kimi-linear"
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL, help=f"preset name or model folder (config.json + safetensors); default {DEFAULT_MODEL}")
+    g.add_argument("--dummy-weights", action="store_true", help="seeded random weights instead of loading a checkpoint")
+    g.add_argument("--max-num-seqs", type=int, default=8, help="most sequences running at once (default 8)")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt+output per sequence (default min(model limit, 4096))")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"], help="MLA latent cache dtype (auto = model dtype)")
+    g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    g.add_argument("--dtype", default=None, help="bf16 or fp32 (default: bf16 on cuda, fp32 on cpu)")
+    g.add_argument("--seed", type=int, default=0, help="dummy-weight seed (default 0)")
+    g.add_argument("--additional-config", default="", metavar="JSON",
+                   help='engine options as JSON, e.g. \'{"decode_backend": "latency_specialized"}\'')
+
+
+def engine_config(args) -> EngineConfig:
+    ecfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                        kv_cache_dtype=args.kv_cache_dtype, device=args.device, dtype=args.dtype, seed=args.seed)
+    ecfg.apply_additional_config(args.additional_config)
+    ecfg.validate()
+    return ecfg
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise ConfigError(f"--prompt-ids must be integers separated by commas or spaces, got {text!r}") from None
+
+
+def cmd_generate(args) -> int:
+    from .engine import SamplingParams
+    from .engine.build import build_engine
+
+    log = (lambda *a, **k: None) if args.quiet else (lambda m: print(f"[peregrine] {m}", file=sys.stderr, flush=True))
+    engine, tok = build_engine(args.model, engine_config(args), dummy_weights=args.dummy_weights, log=log)
+    ids = parse_ids(args.prompt_ids) if args.prompt_ids is not None else tok.encode(args.prompt)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed,
+                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    stamps: list[float] = []
+    out_ids: list[int] = []
+
+    def on_token(o):
+        for t in o.new_token_ids:
+            stamps.append(time.perf_counter())
+            out_ids.append(t)
+            if args.stream:
+                print(tok.decode([t]), end="", flush=True)
+
+    t0 = time.perf_counter()
+    engine.add_request(ids, params, on_token=on_token)
+    while engine.has_unfinished():
+        engine.step()
+    if args.stream:
+        print()
+    else:
+        print(tok.decode(out_ids))
+    if stamps:
+        itl = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+        med = sorted(itl)[len(itl) // 2] if itl else float("nan")
+        print(f"[peregrine] prompt {len(ids)} tokens, generated {len(out_ids)}; time to first token {(stamps[0] - t0) * 1e3:.1f} ms; "
+              f"median inter-token {med:.2f} ms ({1e3 / med if itl else float('nan'):.1f} tok/s); path {engine.stats.get('steps_by_path')}",
+              file=sys.stderr)
+        if args.timing:
+            print("[peregrine] per-token ms: " + " ".join(f"{x:.2f}" for x in itl), file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="peregrine", description="Low-latency decode for Kimi-family hybrid MoE models.")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    sub.required = True
+
+    g = sub.add_parser("generate", help="generate text for one prompt", description="Generate for one prompt and print the text and token timing.")
+    add_engine_args(g)
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default="The quick brown fox", help="prompt text (default: a short sentence)")
+    src.add_argument("--prompt-ids", default=None, help="prompt as token ids, e.g. '1,2,3'")
+    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sample-seed", type=int, default=None, help="sampling seed (reproducible sampling)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    g.add_argument("--stream", action="store_true", help="print tokens as they come")
+    g.add_argument("--timing", action="store_true", help="also print every inter-token latency")
+    g.add_argument("--quiet", action="store_true", help="no progress output")
+    g.set_defaults(func=cmd_generate)
+
+    try:
+        from .bench import cli as bench_cli
+    except ImportError:  # pragma: no cover
+        bench_cli = None
+    if bench_cli is not None:
+        b = sub.add_parser("bench", help="benchmarks: decode step, kernels, serving; report")
+        bsub = b.add_subparsers(dest="bench_cmd", metavar="BENCH")
+        bsub.required = True
+        bench_cli.add_bench_decode_parser(bsub)
+        bench_cli.add_bench_report_parser(bsub)
+        if hasattr(bench_cli, "add_bench_kernels_parser"):
+            bench_cli.add_bench_kernels_parser(bsub)
+        bench_cli.add_plan_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .engine.request import RequestError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (ConfigError, RequestError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The standard runner: plain PyTorch ops, serves every step, the numerical oracle.
+
+On a GPU, pure decode steps with B ≤ max_graph_batch are replayed from CUDA
+graphs captured per (B, context bucket), so the baseline is not launch-bound.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .batch import StepInput
+
+
+def context_bucket(blocks: int) -> int:
+    """Round a block count up to a power of two: few graphs, at most 2x attention reads."""
+    return 1 << max(0, blocks - 1).bit_length()
+
+
+class GraphCache:
+    """CUDA graphs of a decode step per (B, block bucket), over static input buffers.
+
+    Warm-up and capture run with every static input pointing at the cache's scratch
+    slot and block, so they never touch a live sequence's state.
+    """
+
+    def __init__(self, fn, cache, max_batch: int, log=None):
+        self.fn, self.cache, self.max_batch, self.log = fn, cache, max_batch, log
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.uses: dict[tuple[int, int], int] = {}
+        self.capture_s = 0.0
+
+    def _static(self, B: int, nb: int) -> StepInput:
+        c, dev = self.cache, self.cache.latent.device
+        long = lambda v: torch.full((B,), v, dtype=torch.long, device=dev)  # noqa: E731
+        return StepInput(
+            input_ids=long(0), positions=long(0), slot_mapping=long(c.scratch_block * c.block_size),
+            q_lens=[1] * B, context_lens=[1] * B, kda_slots=long(c.scratch_slot),
+            block_tables=torch.full((B, nb), c.scratch_block, dtype=torch.long, device=dev),
+            context_lens_t=torch.ones(B, dtype=torch.int32, device=dev), max_context=nb * c.block_size)
+
+    def _capture(self, key):
+        B, nb = key
+        t0 = time.time()
+        st = self._static(B, nb)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):  # warm-up: allocator, cuBLAS workspaces, Triton compiles
+                self.fn(st)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = self.fn(st)
+        torch.cuda.synchronize()
+        self.graphs[key] = (g, st, out)
+        dt = time.time() - t0
+        self.capture_s += dt
+        if self.log:
+            self.log(f"captured decode graph B={B} context≤{nb * self.cache.block_size} in {dt:.2f}s "
+                     f"({torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated)")
+
+    def key_for(self, step: StepInput) -> tuple[int, int]:
+        need = (max(step.context_lens) + self.cache.block_size - 1) // self.cache.block_size
+        return step.num_seqs, min(context_bucket(need), self.cache.num_blocks)
+
+    def run(self, step: StepInput):
+        key = self.key_for(step)
+        if key not in self.graphs:
+            self._capture(key)
+        g, st, out = self.graphs[key]
+        nb = key[1]
+        st.input_ids.copy_(step.input_ids)
+        st.positions.copy_(step.positions)
+        st.slot_mapping.copy_(step.slot_mapping)
+        st.kda_slots.copy_(step.kda_slots)
+        w = min(nb, step.block_tables.shape[1])
+        st.block_tables.fill_(self.cache.scratch_block)
+        st.block_tables[:, :w].copy_(step.block_tables[:, :w])
+        st.context_lens_t.copy_(step.context_lens_t)
+        g.replay()
+        self.uses[key] = self.uses.get(key, 0) + 1
+        return out
+
+    def replay_time(self, B: int, iters: int = 100) -> float | None:
+        """Median ms of `iters` replays of B's most-used graph, timed with CUDA events, on scratch inputs."""
+        keys = [k for k in self.graphs if k[0] == B]
+        if not keys:
+            return None
+        key = max(keys, key=lambda k: self.uses.get(k, 0))
+        g, st, _ = self.graphs[key]
+        c = self.cache
+        st.slot_mapping.fill_(c.scratch_block * c.block_size)
+        st.kda_slots.fill_(c.scratch_slot)
+        st.block_tables.fill_(c.scratch_block)
+        st.context_lens_t.fill_(key[1] * c.block_size)
+        from ..bench.gpu import time_fn
+        ms = time_fn(g.replay, iters=iters, warmup=5)
+        return sorted(ms)[len(ms) // 2]
+
+
+class StandardRunner:
+    name = "standard"
+
+    def __init__(self, model, cache, *, cuda_graphs: bool = True, max_graph_batch: int = 16, log=None):
+        self.model, self.cache = model, cache
+        self.last_path = "standard"
+        self.fallback_reasons: dict[str, int] = {}
+        self.graphs = GraphCache(self._forward, cache, max_graph_batch, log) if (
+            cuda_graphs and cache.latent.is_cuda) else None
+        self.record_routing = False
+        self._routing: list[list[int]] = []
+
+    @torch.inference_mode()
+    def _forward(self, step: StepInput) -> torch.Tensor:
+        return self.model(step, self.cache)
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput) -> torch.Tensor:
+        if self.graphs is not None and step.is_decode and step.num_seqs <= self.graphs.max_batch:
+            logits = self.graphs.run(step)
+        else:
+            logits = self._forward(step)
+        if self.record_routing:
+            self._routing.append([int(torch.unique(l.mlp.last_ids).numel()) for l in self.model.layers if l.is_moe])
+        return logits
+
+    def routed_experts_per_step(self) -> list[list[int]]:
+        return self._routing
+
+    def graph_replay_time(self, B: int, iters: int = 100) -> float | None:
+        return self.graphs.replay_time(B, iters) if self.graphs is not None else None

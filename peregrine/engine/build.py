@@ -1,0 +1,97 @@
+"""Build a ready engine from a preset or model folder: config, weights, caches, runner."""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..cache import ModelCache
+from ..config import ConfigError, EngineConfig, resolve_model
+from ..models.kimi import KimiModel
+from ..models.loader import init_dummy_weights, load_weights
+from ..tokenizer import load_tokenizer
+from .engine import LLMEngine
+
+DEFAULT_MAX_MODEL_LEN = 4096  # a cache sized for 1M-token contexts by default would waste memory
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def pick_device(engine_cfg: EngineConfig) -> torch.device:
+    if engine_cfg.device:
+        dev = torch.device(engine_cfg.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda was asked for, but no CUDA GPU is available")
+        return dev
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_dtype(engine_cfg: EngineConfig, dev: torch.device) -> torch.dtype:
+    if engine_cfg.dtype:
+        if engine_cfg.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {engine_cfg.dtype!r}")
+        return DTYPES[engine_cfg.dtype]
+    return torch.bfloat16 if dev.type == "cuda" else torch.float32
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def build_engine(model: str, engine_cfg: EngineConfig | None = None, dummy_weights: bool = False, log=print):
+    """-> (LLMEngine, tokenizer). Raises ConfigError for user mistakes."""
+    ecfg = engine_cfg or EngineConfig()
+    ecfg.validate()
+    cfg, folder = resolve_model(model)
+    dev = pick_device(ecfg)
+    dtype = pick_dtype(ecfg, dev)
+    if ecfg.max_model_len is None:
+        ecfg.max_model_len = min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    elif ecfg.max_model_len > cfg.max_position_embeddings:
+        raise ConfigError(f"max_model_len {ecfg.max_model_len} exceeds the model's limit {cfg.max_position_embeddings}")
+    if not dummy_weights and folder is None:
+        raise ConfigError(f"preset '{model}' ships no weights: pass --dummy-weights, or a model folder with safetensors")
+
+    t0 = time.time()
+    log(f"building {cfg.name} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_experts} experts top-{cfg.num_experts_per_token}) on {dev} in {str(dtype).split('.')[-1]}")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    mem0 = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+    with torch.device(dev):
+        m = KimiModel(cfg, dtype).eval()
+    nparams = sum(p.numel() for p in m.parameters())
+    if dummy_weights:
+        log(f"initialising {nparams / 1e9:.2f}B parameters with seeded dummy weights (seed {ecfg.seed})")
+        init_dummy_weights(m, seed=ecfg.seed, log=log)
+    else:
+        log(f"loading {nparams / 1e9:.2f}B parameters from {folder}")
+        load_weights(m, folder, log=log)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        log(f"weights: {gib(torch.cuda.memory_allocated(dev) - mem0)} on the GPU")
+    log(f"weights ready in {time.time() - t0:.1f}s")
+
+    blocks_per_seq = math.ceil(ecfg.max_model_len / ecfg.block_size)
+    num_blocks = ecfg.num_cache_blocks or ecfg.max_num_seqs * blocks_per_seq
+    need = num_blocks * ecfg.block_size * ModelCache.bytes_per_token(cfg, ecfg.kv_cache_dtype, dtype) + \
+        ecfg.max_num_seqs * ModelCache.bytes_per_slot(cfg, dtype)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        if need > free * ecfg.gpu_memory_utilization:
+            raise ConfigError(f"caches need {gib(need)} but only {gib(free)} is free: lower --max-model-len or --max-num-seqs")
+    cache = ModelCache(cfg, num_blocks=num_blocks, block_size=ecfg.block_size, num_slots=ecfg.max_num_seqs,
+                       dtype=dtype, device=dev, kv_cache_dtype=ecfg.kv_cache_dtype)
+    log(f"caches: {num_blocks} blocks x {ecfg.block_size} tokens ({ecfg.kv_cache_dtype} latent), "
+        f"{ecfg.max_num_seqs} KDA state slots, {gib(cache.nbytes())}")
+    runner = make_runner(m, cache, ecfg, log)
+    engine = LLMEngine(runner, cfg, ecfg, cache)
+    engine.model = m
+    return engine, load_tokenizer(cfg.vocab_size, folder)
+
+
+def make_runner(model, cache, ecfg: EngineConfig, log):
+    from ..decode.standard import StandardRunner
+    if ecfg.decode_backend == "standard":
+        return StandardRunner(model, cache, cuda_graphs=ecfg.cuda_graphs, max_graph_batch=ecfg.max_decode_batch, log=log)
+    raise NotImplementedError(f"decode_backend '{ecfg.decode_backend}' is not available yet (the specialized path lands with issue 5)")

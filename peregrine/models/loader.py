@@ -1,0 +1,140 @@
+"""Weights: load HF safetensors (single file or sharded with an index), save,
+and seeded dummy init. All three walk the model's hf_params() table."""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError
+
+INDEX_FILE = "model.safetensors.index.json"
+# checkpoint tensors we knowingly do not use (e.g. rotary buffers of NoPE models)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+DEFAULT_SHARD_BYTES = 4 << 30  # HF-style 4 GiB shards when saving large models
+
+
+class WeightError(ConfigError):
+    """A checkpoint that does not match the model: names the tensor."""
+
+
+def weight_files(folder: Path) -> list[Path]:
+    idx = folder / INDEX_FILE
+    if idx.exists():
+        try:
+            wm = json.loads(idx.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise WeightError(f"{idx}: not a valid safetensors index ({e})") from None
+        files = sorted({folder / f for f in wm.values()})
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise WeightError(f"{idx} names shard files that do not exist: {', '.join(missing[:3])}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise WeightError(f"no *.safetensors weights in {folder} (use --dummy-weights to run without weights)")
+    return files
+
+
+def load_weights(model, folder: str | Path, log=None) -> None:
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    table = {name: (view, shape) for name, view, shape in model.hf_params()}
+    seen: set[str] = set()
+    t0 = time.time()
+    files = weight_files(folder)
+    for n, f in enumerate(files, 1):
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            for key in fh.keys():
+                if key.endswith(IGNORED_SUFFIXES):
+                    continue
+                if key not in table:
+                    raise WeightError(f"{f.name}: unexpected tensor '{key}' (not part of this {model.cfg.model_type} model)")
+                view, shape = table[key]
+                t = fh.get_tensor(key)
+                if tuple(t.shape) != tuple(shape):
+                    raise WeightError(f"{f.name}: tensor '{key}' has shape {tuple(t.shape)}, the model expects {tuple(shape)}")
+                with torch.no_grad():
+                    view.copy_(t.reshape(view.shape))
+                seen.add(key)
+        if log:
+            log(f"loaded shard {n}/{len(files)} {f.name} ({time.time() - t0:.1f}s)")
+    missing = [k for k in table if k not in seen]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise WeightError(f"checkpoint in {folder} lacks tensor(s) {', '.join(missing[:3])}{more}")
+
+
+def save_weights(model, folder: str | Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
+    """Write HF-named safetensors; shards plus an index when larger than one shard."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    shards, cur, size = [], {}, 0
+    for name, view, shape in model.hf_params():
+        t = view.detach().reshape(shape).contiguous().cpu()
+        if cur and size + t.nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[name], size = t, size + t.nbytes
+    shards.append(cur)
+    if len(shards) == 1:
+        paths = [folder / "model.safetensors"]
+        save_file(shards[0], str(paths[0]), metadata={"format": "pt"})
+        return paths
+    paths, wm = [], {}
+    for i, sh in enumerate(shards, 1):
+        p = folder / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(sh, str(p), metadata={"format": "pt"})
+        paths.append(p)
+        wm.update({k: p.name for k in sh})
+    (folder / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": wm}, indent=1))
+    return paths
+
+
+# ---- dummy weights ----------------------------------------------------------
+OUT_PROJ_NAMES = ("o_proj.weight", "down_proj.weight", "w2.weight")  # write into the residual stream
+
+
+def _init_one(name: str, view: torch.Tensor, shape, num_layers: int, gen: torch.Generator) -> None:
+    base = name.rsplit(".", 1)[0] if name.endswith(".weight") else name
+    if "norm" in base.rsplit(".", 1)[-1]:
+        view.fill_(1.0)
+    elif name.endswith("A_log"):
+        # decay rates exp(A_log) in [1, 16], as KDA initialises them
+        view.copy_(torch.empty(view.shape, device=view.device).uniform_(1, 16, generator=gen).log())
+    elif name.endswith("dt_bias"):
+        # inverse softplus of dt ~ logUniform(1e-3, 1e-1): the usual delta-rule time-step init
+        dt = torch.empty(view.shape, device=view.device).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
+        view.copy_(dt + torch.log(-torch.expm1(-dt)))
+    elif name.endswith("e_score_correction_bias"):
+        view.normal_(0.0, 0.01, generator=gen)
+    elif name.endswith("embed_tokens.weight"):
+        view.normal_(0.0, 1.0, generator=gen)
+    else:
+        fan_in = math.prod(shape[1:])
+        std = fan_in ** -0.5
+        if name.endswith(OUT_PROJ_NAMES):
+            std /= math.sqrt(2 * num_layers)  # GPT-2 style: the residual stream stays O(1) through depth
+        if "conv1d" in name:
+            std = 0.5  # 4-tap conv: keeps SiLU(conv) of O(1) inputs at O(1)
+        view.normal_(0.0, std, generator=gen)
+
+
+@torch.no_grad()
+def init_dummy_weights(model, seed: int = 0, log=None) -> None:
+    """Seeded random weights, scaled so activations neither vanish nor explode through depth."""
+    dev = model.embed_tokens.device
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(seed)
+    table = model.hf_params()
+    t0 = time.time()
+    for n, (name, view, shape) in enumerate(table):
+        _init_one(name, view, shape, model.cfg.num_hidden_layers, gen)
+        if log and (n + 1) % 5000 == 0:
+            log(f"dummy init {n + 1}/{len(table)} tensors ({time.time() - t0:.1f}s)")

@@ -1,0 +1,92 @@
+"""MLA (multi-head latent attention), NoPE: one 576-wide latent entry per token.
+
+Prefill expands the latents through kv_b (plain attention with a causal mask);
+decode uses the absorbed form over the cached latents (MODELS.md). Both read
+the entries back from the cache, so an FP8 cache affects both paths alike.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .layers import HFParam, param, rms_norm, split_rows
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype):
+        super().__init__()
+        if cfg.q_lora_rank is not None or cfg.mla_output_gate:
+            raise NotImplementedError("MLA with q-LoRA / output gate (Kimi K3) is not implemented yet")
+        self.cfg, self.layer = cfg, layer
+        H, D = cfg.mla_num_heads, cfg.hidden_size
+        self.H, self.nope, self.rope, self.vd, self.r = H, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.q_dim = H * cfg.qk_head_dim
+        self.in_proj = param(self.q_dim + cfg.latent_dim, D, dtype=dtype)  # q_proj | kv_a_proj_with_mqa
+        self.kv_norm = param(self.r, dtype=dtype)
+        self.kv_b = param(H * (self.nope + self.vd), self.r, dtype=dtype)
+        self.o_proj = param(D, H * self.vd, dtype=dtype)
+        self.sm_scale = cfg.qk_head_dim ** -0.5
+
+    def hf_params(self, prefix: str) -> list[HFParam]:
+        D = self.cfg.hidden_size
+        return split_rows(self.in_proj, prefix, [("q_proj.weight", self.q_dim), ("kv_a_proj_with_mqa.weight", self.cfg.latent_dim)], (D,)) + [
+            (prefix + "kv_a_layernorm.weight", self.kv_norm, (self.r,)),
+            (prefix + "kv_b_proj.weight", self.kv_b, tuple(self.kv_b.shape)),
+            (prefix + "o_proj.weight", self.o_proj, tuple(self.o_proj.shape))]
+
+    @property
+    def w_uk_uv(self):
+        """Absorbed views of kv_b (no copy): W_UK [H, nope, r], W_UV [H, v, r]."""
+        w = self.kv_b.view(self.H, self.nope + self.vd, self.r)
+        return w[:, : self.nope], w[:, self.nope:]
+
+    def project(self, x):
+        """x [N, D] -> q [N, H, nope+rope], cache entries [N, r+rope] (normalised latent | k_r)."""
+        q, kva = (x @ self.in_proj.T).split([self.q_dim, self.cfg.latent_dim], dim=-1)
+        c = rms_norm(kva[:, : self.r], self.kv_norm, self.cfg.mla_norm_eps)
+        return q.view(-1, self.H, self.cfg.qk_head_dim), torch.cat([c, kva[:, self.r:]], -1)
+
+    def decode_attn(self, q: torch.Tensor, cache, block_tables, context_lens_t, max_len: int) -> torch.Tensor:
+        """Absorbed decode for S sequences, one query each: q [S, H, nope+rope] -> [S, H, v] FP32."""
+        w_uk, w_uv = self.w_uk_uv
+        q_lat = torch.einsum("shn,hnr->shr", q[..., : self.nope].float(), w_uk.float())
+        qh = torch.cat([q_lat, q[..., self.nope:].float()], -1)
+        lat = cache.gather_latent_batch(self.layer, block_tables, max_len)  # [S, L, r+rope]
+        s = torch.einsum("shc,slc->shl", qh, lat) * self.sm_scale
+        pos = torch.arange(max_len, device=q.device)
+        s = s.masked_fill(pos[None, None, :] >= context_lens_t[:, None, None], float("-inf"))
+        o_lat = torch.einsum("shl,slr->shr", torch.softmax(s, -1), lat[..., : self.r])
+        return torch.einsum("shr,hvr->shv", o_lat, w_uv.float())
+
+    def prefill_attn(self, q: torch.Tensor, lat: torch.Tensor, start: int) -> torch.Tensor:
+        """One sequence: q [T, H, nope+rope] at positions start.., lat [L, r+rope] -> [T, H, v] FP32."""
+        kv = (lat[:, : self.r] @ self.kv_b.float().T).view(-1, self.H, self.nope + self.vd)
+        k = torch.cat([kv[..., : self.nope], lat[:, None, self.r:].expand(-1, self.H, -1)], -1)
+        s = torch.einsum("thc,lhc->htl", q.float(), k) * self.sm_scale
+        T, L = q.shape[0], lat.shape[0]
+        causal = torch.arange(L, device=q.device)[None, :] > (start + torch.arange(T, device=q.device))[:, None]
+        p = torch.softmax(s.masked_fill(causal, float("-inf")), -1)
+        return torch.einsum("htl,lhv->thv", p, kv[..., self.nope:])
+
+    def forward(self, x: torch.Tensor, step, cache) -> torch.Tensor:
+        q, entries = self.project(x)
+        cache.write_latent(self.layer, step.slot_mapping, entries)
+        if step.is_decode:
+            o = self.decode_attn(q, cache, step.block_tables, step.context_lens_t, step.max_context)
+        else:
+            o = torch.empty(x.shape[0], self.H, self.vd, dtype=torch.float32, device=x.device)
+            a = 0
+            dec = [i for i, n in enumerate(step.q_lens) if n == 1]
+            if dec:  # decode sequences of a mixed step still take the absorbed path
+                idx = torch.tensor(dec, device=x.device)
+                tok = torch.tensor([sum(step.q_lens[:i]) for i in dec], device=x.device)
+                o[tok] = self.decode_attn(q[tok], cache, step.block_tables[idx], step.context_lens_t[idx],
+                                          max(step.context_lens[i] for i in dec))
+            for i, n in enumerate(step.q_lens):
+                if n > 1:
+                    ctx = step.context_lens[i]
+                    lat = cache.gather_latent(self.layer, step.block_tables[i], ctx)
+                    o[a:a + n] = self.prefill_attn(q[a:a + n], lat, ctx - n)
+                a += n
+        return o.flatten(1).to(x.dtype) @ self.o_proj.T
