@@ -1,0 +1,189 @@
+"""Skinny GEMM microbenchmark and plan tuner (BENCHMARKS.md §2).
+
+Each case is timed as a CUDA graph of REPS calls that rotate over enough weight
+copies to exceed the 60 MB L2, so every call streams its weight from HBM and
+the Python launch cost stays out of the number (the decode step is a graph too).
+    python -m peregrine.bench.kernels_gemm [--quick] [--tune [--write-plan]]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+
+import torch
+
+from peregrine.kernels import gemm
+
+# Weight shapes (N, K) of the decode step.
+SHAPES = [
+    # Kimi-Linear, hidden 2304
+    (12576, 2304),   # fused KDA input projection q|k|v|f_a|g_a|b
+    (2304, 4096),    # KDA o_proj, MLA o_proj
+    (4096, 128),     # KDA f_b / g_b (low rank up)
+    (6720, 2304),    # MLA fused q + kv_a
+    (18432, 2304),   # dense gate|up
+    (2304, 9216),    # dense down
+    (2048, 2304),    # shared expert gate|up
+    (2304, 1024),    # shared expert down
+    (163840, 2304),  # lm_head
+    (256, 2304),     # router
+    # K3 widths, hidden 7168
+    (12288, 7168), (7168, 12288), (2112, 7168), (18432, 1536), (3584, 7168), (7168, 3584), (6144, 7168),
+]
+QUICK = [(12576, 2304), (2304, 4096), (256, 2304), (163840, 2304), (7168, 12288)]
+MS = (1, 2, 4, 8, 16)
+L2_BYTES = 60 << 20
+ROTATE_BYTES = 3 * L2_BYTES  # working set that cannot stay in L2
+MAX_COPIES = 64  # bounds memory for the smallest weights (f_b: 1 MB -> 64 MB)
+REPS = 20  # calls per graph replay: amortises the replay launch
+DTYPE = torch.bfloat16
+
+
+class Case:
+    """Rotated weight copies + inputs for one (M, N, K)."""
+
+    def __init__(self, m, n, k, dtype=DTYPE):
+        wbytes = n * k * torch.finfo(dtype).bits // 8
+        copies = max(1, min(MAX_COPIES, -(-ROTATE_BYTES // wbytes)))
+        self.ws = [torch.randn(n, k, device="cuda").div_(k ** 0.5).to(dtype) for _ in range(copies)]
+        self.x = torch.randn(m, k, device="cuda").to(dtype)
+        self.y = torch.empty(m, n, device="cuda", dtype=dtype)
+        self.bytes = wbytes + (m * k + m * n) * torch.finfo(dtype).bits // 8
+        self.m, self.n, self.k = m, n, k
+
+    def graph(self, call):
+        """A CUDA graph of REPS calls over rotating weights; ms per call = replay / REPS."""
+        seq = [self.ws[i % len(self.ws)] for i in range(REPS)]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for w in seq[:3]:  # compile + allocator warm-up outside capture
+                call(w)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for w in seq:
+                call(w)
+        return g
+
+    def time(self, call, iters=30) -> tuple[float, list[float]]:
+        from peregrine.bench.gpu import time_fn
+        g = self.graph(call)
+        samples = [t / REPS for t in time_fn(g.replay, iters=iters, warmup=3)]
+        del g
+        return statistics.median(samples), samples
+
+
+def _ours(case, cfg=None):
+    return lambda w: gemm.skinny_gemm(case.x, w, out=case.y, config=cfg)
+
+
+def _cublas(case):
+    return lambda w: torch.matmul(case.x, w.t(), out=case.y)
+
+
+def run(copy_gbps: float, full: bool = True, tune: bool = False, iters: int = 30) -> list[dict]:
+    rows = []
+    plan = tune_plan(copy_gbps, full) if tune else None
+    for (n, k), m in itertools.product(SHAPES if full else QUICK, MS):
+        case = Case(m, n, k)
+        cfg = plan[gemm.plan_key(m, n, k)] if plan else gemm.lookup(m, n, k)
+        t, samples = case.time(_ours(case, cfg), iters)
+        tc, _ = case.time(_cublas(case), iters)
+        gbps, gbps_c = case.bytes / t / 1e6, case.bytes / tc / 1e6
+        rows.append({"kernel": cfg["kernel"], "config": cfg, "N": n, "K": k, "M": m, "time_ms": t,
+                     "bytes": case.bytes, "gbps": gbps, "pct_of_copy": gbps / copy_gbps,
+                     "cublas_ms": tc, "cublas_gbps": gbps_c, "cublas_pct_of_copy": gbps_c / copy_gbps,
+                     "samples_ms": samples})
+        del case
+    torch.cuda.empty_cache()
+    return rows
+
+
+def candidates(m: int, n: int, k: int):
+    """A small sweep: compile time, not run time, bounds how many configs we can try."""
+    dots = (False, True) if m <= gemm.FMA_MAX_ROWS else (True,)
+    for dot, bn, bk, warps in itertools.product(dots, (16, 32, 64), (64, 128, 256), (4, 8)):
+        if not dot and m * bn * bk > 8192:  # FMA accumulator would spill
+            continue
+        tiles = -(-n // bn)
+        for split in (1, 2, 4, 8, 16):
+            if split > 1 and (tiles * split > 8 * gemm.NUM_SMS or k < split * bk):
+                continue
+            yield {"kernel": "splitk" if split > 1 else "plain", "BLOCK_N": bn, "BLOCK_K": bk,
+                   "SPLIT_K": split, "num_warps": warps, "num_stages": 3, "dot": dot}
+
+
+def tune_one(m, n, k, copy_gbps: float, iters: int = 10) -> dict:
+    case = Case(m, n, k)
+    ref = gemm.skinny_gemm_ref(case.x, case.ws[0])
+    results = []
+    for cfg in candidates(m, n, k):
+        try:
+            case.y.zero_()
+            gemm.skinny_gemm(case.x, case.ws[0], out=case.y, config=cfg)
+            err = (case.y.float() - ref).norm().item() / ref.norm().item()
+            if not err < 1e-2:
+                continue
+            t, _ = case.time(_ours(case, cfg), iters)
+        except Exception as e:  # noqa: BLE001 - out of resources etc.: skip the config
+            print(f"skip {cfg}: {type(e).__name__}")
+            continue
+        results.append((t, cfg))
+    results.sort(key=lambda r: r[0])
+    t, best = results[0]
+    heur = gemm.heuristic(m, n, k)
+    t_heur = next((r[0] for r in results if r[1] == heur), None)
+    gbps = case.bytes / t / 1e6
+    return best | {"measured": {"time_ms": t, "gbps": gbps, "pct_of_copy": gbps / copy_gbps,
+                                "runner_up_ms": results[1][0] if len(results) > 1 else None,
+                                "heuristic_ms": t_heur, "candidates": len(results)}}
+
+
+def tune_plan(copy_gbps: float, full: bool = True, ms=MS) -> dict:
+    plan = {}
+    for (n, k), m in itertools.product(SHAPES if full else QUICK, ms):
+        plan[gemm.plan_key(m, n, k)] = tune_one(m, n, k, copy_gbps)
+        print(gemm.plan_key(m, n, k), plan[gemm.plan_key(m, n, k)])
+    return plan
+
+
+def write_plan(plan: dict, meta: dict, path=gemm.PLAN_PATH) -> None:
+    old = json.loads(path.read_text()) if path.exists() else {}
+    entries = old.get("entries", {}) | plan
+    path.write_text(json.dumps({"meta": meta, "entries": entries}, indent=1, sort_keys=True) + "\n")
+    gemm.load_plan.cache_clear()
+    gemm.lookup.cache_clear()
+
+
+def table(rows) -> str:
+    head = f"{'N':>7} {'K':>6} {'M':>3} {'kernel':>7} {'ms':>8} {'GB/s':>7} {'%copy':>6} {'cuBLAS ms':>9} {'%copy':>6}"
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['N']:>7} {r['K']:>6} {r['M']:>3} {r['kernel']:>7} {r['time_ms']:>8.4f} {r['gbps']:>7.0f} "
+                     f"{100 * r['pct_of_copy']:>5.1f}% {r['cublas_ms']:>9.4f} {100 * r['cublas_pct_of_copy']:>5.1f}%")
+    return "\n".join(lines)
+
+
+def main():
+    from peregrine.bench.gpu import copy_bandwidth, result_path, run_metadata, write_result
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="five representative shapes only")
+    ap.add_argument("--tune", action="store_true", help="sweep configs per shape before timing")
+    ap.add_argument("--write-plan", action="store_true", help="with --tune: merge the winners into gemm_plan.json")
+    ap.add_argument("--results-dir", default="results")
+    a = ap.parse_args()
+    copy = copy_bandwidth()
+    meta = run_metadata() | {"copy_gbps": copy["gbps"], "copy_samples_ms": copy["samples_ms"]}
+    plan = tune_plan(copy["gbps"], not a.quick) if a.tune else None
+    if plan and a.write_plan:
+        write_plan(plan, {k: meta[k] for k in ("commit", "gpu", "torch", "triton", "time_utc", "copy_gbps")})
+    rows = run(copy["gbps"], full=not a.quick)  # times the (possibly new) plan
+    path = write_result(result_path("kernels", "gemm", a.results_dir), {"meta": meta, "plan": plan, "rows": rows})
+    print(f"copy bandwidth {copy['gbps']:.0f} GB/s\n{table(rows)}\n-> {path}")
+
+
+if __name__ == "__main__":
+    main()

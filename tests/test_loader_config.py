@@ -1,0 +1,152 @@
+"""Checkpoint loading/saving with HF names, config parsing, and their error messages."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from peregrine.cli import main
+from peregrine.config import PRESET_DIR, ConfigError, EngineConfig, ModelConfig, resolve_model
+from peregrine.models.kimi import KimiModel
+from peregrine.models.loader import WeightError, init_dummy_weights, load_weights, save_weights
+
+TINY = json.loads((PRESET_DIR / "tiny-kimi-linear.json").read_text())
+
+
+def model(seed):
+    m = KimiModel(ModelConfig.from_dict(TINY, name="tiny"), torch.float32)
+    init_dummy_weights(m, seed)
+    return m
+
+
+def same_params(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("shard_bytes", [1 << 40, 1 << 20])
+def test_save_load_round_trip(tmp_path, shard_bytes):
+    a, b = model(1), model(2)
+    assert not same_params(a, b)
+    paths = save_weights(a, tmp_path, max_shard_bytes=shard_bytes)
+    if shard_bytes < 1 << 30:
+        assert len(paths) > 1 and (tmp_path / "model.safetensors.index.json").exists()
+    load_weights(b, tmp_path)
+    assert same_params(a, b)
+
+
+def test_checkpoint_uses_hf_names(tmp_path):
+    save_weights(model(1), tmp_path)
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert f.get_slice("model.layers.1.self_attn.A_log").get_shape() == [1, 1, 4, 1]
+    for k in ["model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.gate_proj.weight",
+              "model.layers.1.self_attn.q_conv1d.weight", "model.layers.2.self_attn.kv_b_proj.weight",
+              "model.layers.3.block_sparse_moe.experts.15.w3.weight",
+              "model.layers.3.block_sparse_moe.shared_experts.down_proj.weight",
+              "model.layers.4.self_attn.kv_a_proj_with_mqa.weight"]:
+        assert k in keys, k
+
+
+def _tamper(tmp_path, fn):
+    save_weights(model(1), tmp_path)
+    from safetensors.torch import load_file
+    d = load_file(str(tmp_path / "model.safetensors"))
+    fn(d)
+    save_file(d, str(tmp_path / "model.safetensors"))
+
+
+def test_wrong_shape_names_tensor_and_both_shapes(tmp_path):
+    _tamper(tmp_path, lambda d: d.__setitem__("model.layers.2.self_attn.kv_b_proj.weight", torch.zeros(10, 128)))
+    with pytest.raises(WeightError, match=r"model\.layers\.2\.self_attn\.kv_b_proj\.weight.*\(10, 128\).*\(512, 128\)"):
+        load_weights(model(2), tmp_path)
+
+
+def test_unexpected_and_missing_tensors(tmp_path):
+    _tamper(tmp_path, lambda d: d.__setitem__("model.layers.9.bogus.weight", torch.zeros(2)))
+    with pytest.raises(WeightError, match=r"unexpected tensor 'model\.layers\.9\.bogus\.weight'"):
+        load_weights(model(2), tmp_path)
+    _tamper(tmp_path, lambda d: d.pop("model.norm.weight"))
+    with pytest.raises(WeightError, match=r"lacks tensor\(s\) model\.norm\.weight"):
+        load_weights(model(2), tmp_path)
+
+
+def test_no_weights_in_folder(tmp_path):
+    with pytest.raises(WeightError, match="no \\*.safetensors"):
+        load_weights(model(1), tmp_path)
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("hidden_size", None, "missing required field 'hidden_size'"),
+    ("hidden_size", "big", "field 'hidden_size' must be int"),
+    ("num_experts", 0, "field 'num_experts' must be > 0"),
+    ("model_type", "llama", "field 'model_type' must be 'kimi_linear' or 'kimi_k3'"),
+    ("num_experts_per_token", 99, "'num_experts_per_token' \\(99\\) exceeds 'num_experts'"),
+])
+def test_config_errors_name_the_field(field, value, msg):
+    raw = dict(TINY)
+    if value is None:
+        raw.pop(field)
+    else:
+        raw[field] = value
+    with pytest.raises(ConfigError, match=msg):
+        ModelConfig.from_dict(raw)
+
+
+def test_layer_lists_validated():
+    raw = json.loads(json.dumps(TINY))
+    raw["linear_attn_config"]["kda_layers"] = [1, 2]
+    with pytest.raises(ConfigError, match=r"layers \[4\] are in neither"):
+        ModelConfig.from_dict(raw)
+
+
+def test_presets_parse():
+    k3, _ = resolve_model("kimi-k3")
+    assert (k3.hidden_size, k3.num_experts, k3.num_experts_per_token, k3.q_lora_rank, k3.expert_quant) == (7168, 896, 16, 1536, "mxfp4")
+    assert len(k3.mla_layers) == 24 and len(k3.kda_layers) == 69
+    kl, _ = resolve_model("kimi-linear-48b-a3b")
+    assert kl.mla_layers == (3, 7, 11, 15, 19, 23, 26) and kl.latent_dim == 576 and kl.routed_scaling_factor == 2.446
+
+
+def test_resolve_errors(tmp_path):
+    with pytest.raises(ConfigError, match="unknown model 'nope'.*presets: .*tiny-kimi-linear"):
+        resolve_model("nope")
+    with pytest.raises(ConfigError, match="model folder not found"):
+        resolve_model(str(tmp_path / "missing") + "/")
+    with pytest.raises(ConfigError, match="has no config.json"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        resolve_model(str(tmp_path))
+
+
+def test_additional_config_validation():
+    e = EngineConfig()
+    e.apply_additional_config('{"decode_backend": "latency_specialized"}')
+    assert e.decode_backend == "latency_specialized"
+    with pytest.raises(ConfigError, match="unknown key 'foo'.*valid keys: decode_backend"):
+        e.apply_additional_config('{"foo": 1}')
+    with pytest.raises(ConfigError, match="decode_backend must be one of standard, latency_specialized"):
+        e.apply_additional_config('{"decode_backend": "fast"}')
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        e.apply_additional_config("{")
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["generate", "--model", "nope", "--dummy-weights"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown model 'nope'") and "Traceback" not in err
+    assert main(["generate", "--model", "tiny-kimi-linear"]) == 2  # no weights shipped, no --dummy-weights
+    assert "pass --dummy-weights" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny-kimi-linear", "--dummy-weights", "--prompt", ""]) == 2
+    assert "empty" in capsys.readouterr().err.lower()
+
+
+def test_cli_generates_from_saved_checkpoint(tmp_path, capsys):
+    """A model folder (config.json + safetensors) generates, and matches the same weights in memory."""
+    save_weights(model(0), tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,2,3", "--max-tokens", "4", "--quiet"]) == 0
+    folder_out = capsys.readouterr().out
+    assert main(["generate", "--model", "tiny-kimi-linear", "--dummy-weights", "--prompt-ids", "1,2,3", "--max-tokens", "4", "--quiet"]) == 0
+    assert capsys.readouterr().out == folder_out
