@@ -46,8 +46,8 @@ class StepInput:
         """seqs: (new_token_ids, start_position, kda_slot, block_table) per sequence."""
         ids, pos, slots_map, q_lens, ctx, kslots = [], [], [], [], [], []
         max_blocks = max(1, max(len(s[3]) for s in seqs))
-        bt = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
-        for i, (toks, start, kslot, table) in enumerate(seqs):
+        tables = []
+        for toks, start, kslot, table in seqs:
             n = len(toks)
             if n == 0:
                 raise ValueError("a scheduled sequence must add at least one token")
@@ -61,6 +61,12 @@ class StepInput:
             q_lens.append(n)
             ctx.append(start + n)
             kslots.append(kslot)
-            bt[i, : len(table)] = torch.tensor(table, dtype=torch.long)
-        t = lambda x, dt=torch.long: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
-        return StepInput(t(ids), t(pos), t(slots_map), q_lens, ctx, t(kslots), bt.to(device), t(ctx, torch.int32), max(ctx))
+            tables.extend(table)
+            tables.extend([0] * (max_blocks - len(table)))
+        # one host-to-device copy for every index tensor of the step
+        N, S = len(ids), len(seqs)
+        flat = torch.tensor(ids + pos + slots_map + kslots + ctx + tables, dtype=torch.long).to(device)
+        a = flat[:N], flat[N:2 * N], flat[2 * N:3 * N]
+        kst, ctt = flat[3 * N:3 * N + S], flat[3 * N + S:3 * N + 2 * S]
+        bt = flat[3 * N + 2 * S:].view(S, max_blocks)
+        return StepInput(a[0], a[1], a[2], q_lens, ctx, kst, bt, ctt.to(torch.int32), max(ctx))

@@ -56,6 +56,8 @@ def build_engine(model: str, engine_cfg: EngineConfig | None = None, dummy_weigh
     log(f"building {cfg.name} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"{cfg.num_experts} experts top-{cfg.num_experts_per_token}) on {dev} in {str(dtype).split('.')[-1]}")
     if dev.type == "cuda":
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
     mem0 = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
     with torch.device(dev):
@@ -92,6 +94,8 @@ def build_engine(model: str, engine_cfg: EngineConfig | None = None, dummy_weigh
 
 def make_runner(model, cache, ecfg: EngineConfig, log):
     from ..decode.standard import StandardRunner
+    standard = StandardRunner(model, cache, cuda_graphs=ecfg.cuda_graphs, max_graph_batch=ecfg.max_decode_batch, log=log)
     if ecfg.decode_backend == "standard":
-        return StandardRunner(model, cache, cuda_graphs=ecfg.cuda_graphs, max_graph_batch=ecfg.max_decode_batch, log=log)
-    raise NotImplementedError(f"decode_backend '{ecfg.decode_backend}' is not available yet (the specialized path lands with issue 5)")
+        return standard
+    from ..decode.specialized import SpecializedRunner
+    return SpecializedRunner(model, cache, standard, max_batch=ecfg.max_decode_batch, cuda_graphs=ecfg.cuda_graphs, log=log)

@@ -1,0 +1,152 @@
+"""The latency_specialized runner: pure decode steps at small batch through the
+fused Triton kernels, the whole step (all layers, final norm, lm_head, greedy
+argmax) replayed from one CUDA graph per (B, context bucket).
+
+It reads the model's parameters in place — the model already stores them fused
+(one input projection per attention layer, stacked experts), so nothing is
+re-packed and the standard runner shares every tensor. Steps it cannot serve go
+to the standard runner over the same caches; each reason is counted and logged once.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from .. import kernels
+from ..kernels.gemm import skinny_gemm
+from ..kernels.kda import kda_decode
+from ..kernels.mla import mla_decode
+from ..kernels.moe import moe_experts, moe_route
+from ..kernels.norm import add_rms_norm, rms_norm
+from ..kernels.sampling import argmax
+from ..models.layers import swiglu
+from .standard import GraphCache
+
+MAX_DECODE_BATCH = 16  # the skinny GEMMs are written for M ≤ 16 rows
+
+
+class SpecializedRunner:
+    name = "latency_specialized"
+
+    def __init__(self, model, cache, standard, *, max_batch: int = 8, cuda_graphs: bool = True, log=print):
+        if not 1 <= max_batch <= MAX_DECODE_BATCH:
+            raise ValueError(f"max_decode_batch must be in 1..{MAX_DECODE_BATCH}, got {max_batch}")
+        self.model, self.cache, self.standard, self.max_batch, self.log = model, cache, standard, max_batch, log
+        self.cfg = model.cfg
+        self.last_path = self.name
+        self.fallback_reasons: Counter = Counter()
+        self.greedy_tokens = None  # argmax of the last specialized step (the engine skips its own)
+        dev = cache.latent.device
+        self.unavailable = kernels.why_unavailable(dev)
+        self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self.graphs = GraphCache(self._step, cache, max_batch, log) if (cuda_graphs and dev.type == "cuda") else None
+        self.record_routing = False
+        log(f"latency_specialized: decode B ≤ {max_batch} via fused kernels"
+            + (f", CUDA graphs per batch size" if self.graphs else ", no graphs")
+            + "; weights shared with the standard path in place (0 bytes re-packed)"
+            + (f"; kernels unavailable here ({self.unavailable}): every step falls back" if self.unavailable else ""))
+
+    # ---- dispatch ----
+    def why_not(self, step) -> str | None:
+        if self.unavailable:
+            return f"kernels unavailable: {self.unavailable}"
+        if not step.is_decode:
+            return "prefill in batch"
+        if step.num_seqs > self.max_batch:
+            return "batch too large"
+        return None
+
+    def forward(self, step) -> torch.Tensor:
+        reason = self.why_not(step)
+        if reason is not None:
+            if reason not in self.fallback_reasons:
+                self.log(f"latency_specialized: falling back to standard ({reason}); counted from now on")
+            self.fallback_reasons[reason] += 1
+            self.last_path, self.greedy_tokens = "standard", None
+            return self.standard.forward(step)
+        self.last_path = self.name
+        logits, self.greedy_tokens = self.graphs.run(step) if self.graphs else self._step(step)
+        if self.record_routing:
+            self.standard._routing.append(
+                [int(torch.unique(l.mlp.last_ids).numel()) for l in self.model.layers if l.is_moe])
+        return logits
+
+    def routed_experts_per_step(self):
+        return self.standard.routed_experts_per_step()
+
+    @property
+    def _routing(self):
+        return self.standard._routing
+
+    def graph_replay_time(self, B: int, iters: int = 100) -> float | None:
+        return self.graphs.replay_time(B, iters) if self.graphs else None
+
+    # ---- the step ----
+    @torch.inference_mode()
+    def _step(self, step):
+        m, c, cfg = self.model, self.cache, self.cfg
+        eps = cfg.rms_norm_eps
+        residual = m.embed_tokens[step.input_ids]
+        layers = m.layers
+        h = rms_norm(residual, layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(layers):
+            a = self._kda(layer.attn, h, step) if layer.is_kda else self._mla(layer.attn, h, step)
+            h, residual = add_rms_norm(a, residual, layer.post_attention_layernorm.weight, eps)
+            f = self._moe(layer.mlp, h) if layer.is_moe else self._dense(layer.mlp, h)
+            nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else m.norm.weight
+            h, residual = add_rms_norm(f, residual, nxt, eps)
+        logits = skinny_gemm(h, m.lm_head).float()
+        return logits, argmax(logits)
+
+    def _kda(self, attn, h, step):
+        B = h.shape[0]
+        qkv, fa, ga, b = skinny_gemm(h, attn.in_proj).split(attn.splits, dim=-1)
+        f = skinny_gemm(fa, attn.f_b)
+        r = ga if attn.g_b is None else skinny_gemm(ga, attn.g_b)
+        k = self.cache.kda_index[attn.layer]
+        lb = self.cfg.kda_gate_lower_bound
+        o = kda_decode(qkv.unsqueeze(1), f.unsqueeze(1), b.unsqueeze(1), r.unsqueeze(1), attn.conv_w, attn.A_log,
+                       attn.dt_bias, attn.o_norm, self.cache.state[k], self.cache.conv[k], step.kda_slots,
+                       gate="softplus" if lb is None else "bounded", lower_bound=lb if lb is not None else -5.0,
+                       eps_o=self.cfg.rms_norm_eps)
+        return skinny_gemm(o.view(B, -1), attn.o_proj)
+
+    def _mla(self, attn, h, step):
+        B, c = h.shape[0], self.cache
+        proj = skinny_gemm(h, attn.in_proj)
+        q = proj[:, : attn.q_dim].view(B, attn.H, -1)
+        kva = proj[:, attn.q_dim:]
+        entries = torch.cat([rms_norm(kva[:, : attn.r], attn.kv_norm, self.cfg.mla_norm_eps), kva[:, attn.r:]], -1)
+        c.write_latent(attn.layer, step.slot_mapping, entries)
+        w_uk, w_uv = attn.w_uk_uv
+        q_lat = torch.bmm(q[..., : attn.nope].transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, r]
+        qh = torch.cat([q_lat, q[..., attn.nope:]], -1)
+        mi = c.mla_index[attn.layer]
+        o_lat = mla_decode(qh, c.latent[mi], c.scale[mi] if c.fp8 else None, step.block_tables,
+                           step.context_lens_t, attn.sm_scale, kv_lora_rank=attn.r)
+        o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, v]
+        return skinny_gemm(o.reshape(B, -1), attn.o_proj)
+
+    def _dense(self, mlp, h):
+        return skinny_gemm(swiglu(skinny_gemm(h, mlp.gate_up)), mlp.down)
+
+    def _moe(self, moe, h):
+        cfg = self.cfg
+        shared = None
+        if moe.shared is not None:
+            if self.side is not None:  # the shared expert overlaps the routed ones
+                self.side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.side):
+                    shared = self._dense(moe.shared, h)
+            else:
+                shared = self._dense(moe.shared, h)
+        ids, w = moe_route(h, moe.gate_w, moe.bias, cfg.num_experts_per_token, cfg.moe_renormalize,
+                           cfg.routed_scaling_factor)
+        moe.last_ids = ids
+        y = moe_experts(h, moe.w13, moe.w2, ids, w)
+        if shared is None:
+            return y
+        if self.side is not None:
+            torch.cuda.current_stream().wait_stream(self.side)
+        return y + shared

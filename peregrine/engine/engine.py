@@ -1,0 +1,218 @@
+"""The engine loop: admit → schedule → one forward → sample → stops → stream.
+
+add_request/abort may come from other threads (the server's event loop) while step()
+runs in the engine thread: they only touch a lock-guarded pending queue, drained at the
+start of step() (or at once by abort() when no step is running).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import threading
+import time
+from collections import Counter
+from typing import Callable
+
+from ..cache import ModelCache
+from ..config import EngineConfig, ModelConfig
+from ..decode.batch import StepInput
+from .request import RequestError, RequestOutput, SamplingParams, Sequence, StepInfo
+from .sampling import make_generator, sample
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_MODEL_LEN = 4096  # cap when the user sets none: keeps the block reservation per request modest
+
+
+class LLMEngine:
+    def __init__(self, runner, model_cfg: ModelConfig, engine_cfg: EngineConfig, cache: ModelCache):
+        self.runner, self.model_cfg, self.engine_cfg, self.cache = runner, model_cfg, engine_cfg, cache
+        if engine_cfg.max_model_len is None:
+            engine_cfg.max_model_len = min(model_cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        self.max_model_len = engine_cfg.max_model_len
+        self.device = cache.latent.device
+        self.scheduler = Scheduler(cache, engine_cfg.max_num_seqs, engine_cfg.max_num_batched_tokens, self.max_model_len)
+        self._lock = threading.Lock()        # guards the pending queues and the live-request table
+        self._step_lock = threading.Lock()   # held while the engine state is being changed
+        self._pending_add: list[Sequence] = []
+        self._pending_abort: list[str] = []
+        self._live: dict[str, Sequence] = {}  # every unfinished request, by id
+        self._ids = itertools.count()
+        self._seed_rng = random.Random(engine_cfg.seed)  # seeds for requests that set none
+        self._unreturned: list[RequestOutput] = []        # abort outputs made outside step()
+        self.last_step: StepInfo | None = None
+        self.stats = {"steps_by_path": Counter(), "fallback_reasons": {}, "prompt_tokens": 0,
+                      "generation_tokens": 0, "finished_requests": 0, "aborted_requests": 0}
+
+    # ---- requests (any thread) ----
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    on_token: Callable[[RequestOutput], None] | None = None) -> str:
+        V = self.model_cfg.vocab_size
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate(V)
+        prompt = prompt_token_ids.tolist() if hasattr(prompt_token_ids, "tolist") else list(prompt_token_ids)
+        if not prompt:
+            raise RequestError("prompt is empty: at least one token is needed")
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V]
+        if bad:
+            raise RequestError(f"prompt token ids must be ints in [0, {V}), got {bad[:5]}")
+        if len(prompt) >= self.max_model_len:
+            raise RequestError(f"prompt of {len(prompt)} tokens is too long: max_model_len is {self.max_model_len} "
+                               "(prompt plus at least one generated token)")
+        with self._lock:
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if rid in self._live:
+                raise RequestError(f"duplicate request_id {rid!r}: a request with this id is still running")
+            seq = Sequence(rid, prompt, params, on_token, seed)
+            if not self.scheduler.can_ever_fit(seq):
+                raise RequestError(f"request needs {self.scheduler.blocks_needed(seq)} cache blocks but the cache has "
+                                   f"{self.cache.num_blocks} in total: lower max_tokens or the prompt length")
+            self._live[rid] = seq
+            self._pending_add.append(seq)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            if request_id not in self._live:
+                return False
+            self._pending_abort.append(request_id)
+        if self._step_lock.acquire(blocking=False):  # no step running: free now
+            try:
+                self._unreturned += self._drain()
+            finally:
+                self._step_lock.release()
+        return True
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        with self._lock:
+            return len(self.scheduler.waiting) + len(self._pending_add)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._live)
+
+    # ---- engine thread ----
+    def _drain(self) -> list[RequestOutput]:
+        """Move pending adds into the queue and carry out pending aborts (step lock held)."""
+        with self._lock:
+            adds, self._pending_add = self._pending_add, []
+            aborts, self._pending_abort = self._pending_abort, []
+        self.scheduler.waiting.extend(adds)
+        outs = []
+        for rid in aborts:
+            seq = self._live.get(rid)
+            if seq is None or seq.finished:
+                continue
+            seq.finish_reason = "abort"
+            self.stats["aborted_requests"] += 1
+            outs.append(self._finish(seq, []))
+        return outs
+
+    def _finish(self, seq: Sequence, new: list[int]) -> RequestOutput:
+        self.scheduler.remove(seq)
+        with self._lock:
+            self._live.pop(seq.request_id, None)
+        return self._emit(seq, new)
+
+    def _emit(self, seq: Sequence, new: list[int]) -> RequestOutput:
+        out = seq.output(new)
+        if seq.on_token is not None:
+            try:
+                seq.on_token(out)
+            except Exception:  # a user callback must never take the engine down
+                log.exception("on_token callback of request %s raised", seq.request_id)
+        return out
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if (not p.ignore_eos and tok == self.model_cfg.eos_token_id) or tok in p.stop_token_ids:
+            return "stop"
+        if len(seq.token_ids) - seq.prompt_len >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def step(self) -> list[RequestOutput]:
+        with self._step_lock:
+            outputs, self._unreturned = self._unreturned, []
+            outputs += self._drain()
+            t0 = time.perf_counter()
+            batch = self.scheduler.schedule()
+            if not batch:
+                return outputs
+            bs = self.cache.block_size
+            seqs, n_prefill, n_decode = [], 0, 0
+            for seq, n in batch:
+                start = seq.num_cached
+                if seq.in_prefill:
+                    n_prefill += n
+                else:
+                    n_decode += 1
+                table = seq.blocks[: -(-(start + n) // bs)]  # only the blocks this step can touch
+                seqs.append((seq.token_ids[start:start + n], start, seq.kda_slot, table))
+            logits = self.runner.forward(StepInput.build(seqs, bs, self.device))
+            if logits.shape[0] != len(batch):
+                raise RuntimeError(f"runner returned logits for {logits.shape[0]} sequences, expected {len(batch)}")
+            ready = []  # rows whose sequence has every token in the cache: sample those
+            for i, (seq, n) in enumerate(batch):
+                seq.num_cached += n
+                if seq.num_cached == len(seq.token_ids):
+                    ready.append(i)
+            if ready:
+                rs = [batch[i][0] for i in ready]
+                for s in rs:
+                    if s.generator is None and not s.params.greedy:
+                        s.generator = make_generator(s.seed, self.device)
+                greedy = getattr(self.runner, "greedy_tokens", None)  # argmax already taken inside the step
+                if greedy is not None and len(ready) == len(batch) and all(s.params.greedy for s in rs):
+                    toks = greedy.tolist()
+                else:
+                    toks = sample(logits if len(ready) == len(batch) else logits[ready], [s.params for s in rs],
+                                  [s.generator for s in rs])
+                for seq, tok in zip(rs, toks):
+                    seq.token_ids.append(tok)
+                    seq.finish_reason = self._stop_reason(seq, tok)
+                    if seq.finished:
+                        self.stats["finished_requests"] += 1
+                        outputs.append(self._finish(seq, [tok]))
+                    else:
+                        outputs.append(self._emit(seq, [tok]))
+            path = getattr(self.runner, "last_path", "standard")
+            self.stats["steps_by_path"][path] += 1
+            self.stats["fallback_reasons"] = dict(getattr(self.runner, "fallback_reasons", {}))
+            self.stats["prompt_tokens"] += n_prefill
+            self.stats["generation_tokens"] += len(ready)
+            self.last_step = StepInfo(len(batch), n_prefill, n_decode, path, time.perf_counter() - t0)
+            return outputs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run the prompts to completion; their output token ids, in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise RequestError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        results: dict[str, list[int]] = {}
+
+        def done(out: RequestOutput) -> None:
+            if out.finished:
+                results[out.request_id] = out.output_token_ids
+
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, plist):
+                ids.append(self.add_request(p, sp, on_token=done))
+        except RequestError:
+            for i in ids:  # all or nothing
+                self.abort(i)
+            raise
+        while any(i not in results for i in ids):
+            if not self.has_unfinished():
+                raise RuntimeError("engine has no unfinished requests but some outputs are missing")
+            self.step()
+        return [results[i] for i in ids]

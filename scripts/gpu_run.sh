@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One GPU pass on the device machine: GPU tests, kernel microbenchmarks, the
+# 48B dummy-weight generate and decode-step benchmark. Results land in results/
+# and are bundled into $OUT (the device returns at most 8 files).
+#   STEPS="tests kernels generate decode"  which parts to run (default: all)
+#   DECODE_ARGS="..."                      extra args for `bench decode`
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/peregrine-out}
+mkdir -p "$OUT" results
+STEPS=${STEPS:-"tests kernels generate decode"}
+MODEL=${MODEL:-kimi-linear-48b-a3b}
+DATE=$(date -u +%F)
+if [ -d .whl ]; then  # wheels the GPU image lacks (scripts/fetch_gpu_wheels.sh)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+git log -1 --format='commit %H' 2>/dev/null | tee -a "$OUT/gpu.txt"
+
+for s in $STEPS; do
+  echo "=== $s ($(date -u +%T))"
+  case $s in
+    tests)
+      timeout 300 python3 -m pytest -m gpu -q --timeout=120 -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest-gpu.log" | tail -30 ;;
+    kernels)
+      timeout 300 python3 -m peregrine.cli bench kernels --results-dir results 2>&1 | tee "$OUT/kernels.log" | tail -60 ;;
+    generate)
+      timeout 240 python3 -m peregrine.cli generate --model "$MODEL" --dummy-weights --prompt "The quick brown fox" \
+        --max-tokens 64 --ignore-eos --timing 2>&1 | tee "results/$DATE-h200-$MODEL-generate.txt" | tail -12 ;;
+    decode)
+      timeout 540 python3 -m peregrine.cli bench decode --model "$MODEL" --dummy-weights --batch-sizes 1,2,4,8 \
+        --input-len 1 --backends standard,latency_specialized --results-dir results ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" | tail -40 ;;
+  esac
+done
+tar czf "$OUT/results.tgz" results
+ls -la "$OUT"

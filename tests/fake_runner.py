@@ -1,0 +1,71 @@
+"""A deterministic stand-in model that really goes through the caches.
+
+Each step it writes every input token into the MLA latent cache at slot_mapping and
+folds it into a running hash kept in the KDA state slot; the next-token logits then
+come from the tokens read back through block_tables/context_lens together with that
+state. A scheduling, slot or cache-mapping bug therefore changes the output.
+`ref_logits` is the same model computed straight from a token list, without any cache.
+"""
+from __future__ import annotations
+
+import torch
+
+from peregrine.cache import ModelCache
+from peregrine.decode.batch import StepInput
+
+HASH_MOD = 65521       # prime < 2**16: the running hash stays exact in the FP32 KDA state
+LOGIT_SCALE = 4.0      # peaky enough that greedy is a clear choice, flat enough to sample
+
+
+def fold(h: int, tokens) -> int:
+    for t in tokens:
+        h = (h * 31 + int(t) + 1) % HASH_MOD
+    return h
+
+
+def _logits_for(h: int, n: int, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(h * 1_000_003 + n)
+    return torch.randn(vocab, generator=g) * LOGIT_SCALE
+
+
+def ref_logits(tokens: list[int], vocab: int) -> torch.Tensor:
+    return _logits_for(fold(0, tokens), len(tokens), vocab)
+
+
+class FakeRunner:
+    def __init__(self, cache: ModelCache, vocab: int):
+        self.cache, self.vocab = cache, vocab
+        self.layer = cache.cfg.mla_layers[0]
+        self.last_path = "standard"
+        self.fallback_reasons: dict[str, int] = {}
+        self.steps: list[list[int]] = []   # q_lens of every step
+        self.mismatches = 0                # state hash disagreed with the cache read-back
+        self.prompts: list[tuple[int, ...]] = []  # rows of unfinished prompts come back NaN
+
+    def forward(self, step: StepInput) -> torch.Tensor:
+        c = self.cache
+        self.steps.append(list(step.q_lens))
+        lat = c.latent[c.mla_index[self.layer]].view(-1, c.cfg.latent_dim)
+        lat[step.slot_mapping, 0] = step.input_ids.float()
+        out = torch.full((step.num_seqs, self.vocab), float("nan"))  # poisoned: unwritten rows stay NaN
+        ids, pos, off = step.input_ids.tolist(), step.positions.tolist(), 0
+        for i, q in enumerate(step.q_lens):
+            n = step.context_lens[i]
+            assert pos[off:off + q] == list(range(n - q, n)), "positions do not follow the context"
+            slot = int(step.kda_slots[i])
+            st = c.state[0, slot, 0, 0, 0]
+            s = fold(int(st.item()), ids[off:off + q])
+            st.fill_(float(s))
+            off += q
+            hist = c.gather_latent(self.layer, step.block_tables[i], n)[:, 0].round().long().tolist()
+            h = fold(0, hist)
+            if h != s:
+                self.mismatches += 1
+            if any(len(p) > n and list(p[:n]) == hist for p in self.prompts):
+                continue  # mid-prompt: the engine must not sample this row
+            out[i] = _logits_for(h if h == s else h + s + 1, n, self.vocab)
+        decode = step.is_decode
+        self.last_path = "latency_specialized" if decode else "standard"
+        if not decode:
+            self.fallback_reasons["prefill in batch"] = self.fallback_reasons.get("prefill in batch", 0) + 1
+        return out
