@@ -112,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
         bsub.required = True
         bench_cli.add_bench_decode_parser(bsub)
         bench_cli.add_bench_report_parser(bsub)
-        if hasattr(bench_cli, "add_bench_kernels_parser"):
-            bench_cli.add_bench_kernels_parser(bsub)
+        from .bench.kernels import add_bench_kernels_parser
+        add_bench_kernels_parser(bsub)
         bench_cli.add_plan_parser(sub)
     return p
 

@@ -1,0 +1,192 @@
+"""KDA one-kernel decode vs its FP32 reference (VERIFY.md §1), and the reference
+itself vs an independent whole-sequence formulation (F.conv1d + [V,K] state)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from peregrine.kernels import available
+from peregrine.kernels.kda import kda_decode, kda_decode_ref
+from peregrine.testing import SENTINEL, assert_close, poisoned, rel_rmse
+from conftest import DEVICE, FULL_SHAPES
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(DEVICE), reason="no Triton backend")]
+
+W = 4            # conv width of both family members
+NUM_SLOTS = 8    # slots in the cache; the batch uses a scattered subset
+FP32_TOL = 1e-5  # VERIFY.md: FP32 paths
+BF16_TOL = 1e-2  # VERIFY.md: BF16 operands
+STATE_BF16_TOL = 1e-4  # FP32 state fed by BF16 inputs, vs the reference on the same inputs
+
+# (H, d, slots): odd head counts, a non-power-of-2 d (masked tile), B = 1 and 3
+SHAPES = [(2, 16, [5, 2]), (3, 24, [6]), (1, 32, [7, 0, 3])]
+if FULL_SHAPES:
+    SHAPES += [(4, 64, [1, 4]), (32, 128, [5, 2, 7, 0, 1, 3, 6, 4])]  # real Kimi-Linear head shape, B = 8
+
+
+def make_case(H, d, slots, T, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B, C = len(slots), 3 * H * d
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+    inp = dict(
+        qkv=rnd(B, T, C), f=rnd(B, T, H * d), b=rnd(B, T, H), r=rnd(B, T, H * d),
+        conv_w=rnd(C, W, scale=0.5),
+        A_log=torch.empty(H).uniform_(0.0, 2.7, generator=g).to(DEVICE),  # exp(A) in [1, 15]
+        dt_bias=rnd(H * d, scale=0.5), o_norm_w=(1 + torch.randn(d, generator=g) * 0.1).to(dtype).to(DEVICE),
+    )
+    state = torch.full((NUM_SLOTS, H, d, d), SENTINEL, dtype=torch.float32)
+    conv = torch.full((NUM_SLOTS, W - 1, C), SENTINEL, dtype=dtype)
+    idx = torch.tensor(slots)
+    state[idx] = torch.randn(B, H, d, d, generator=g) * 0.1  # a carried, non-zero state
+    conv[idx] = torch.randn(B, W - 1, C, generator=g).to(dtype)
+    return inp, state.to(DEVICE), conv.to(DEVICE), idx.to(DEVICE)
+
+
+def run_both(inp, state, conv, slots, gate, ckpt):
+    """Kernel on poisoned outputs, reference on copies; returns (kernel, reference) results."""
+    B, T, C = inp["qkv"].shape
+    H = inp["b"].shape[-1]
+    d = C // (3 * H)
+    res = []
+    for fn in (kda_decode, kda_decode_ref):
+        st, cv = state.clone(), conv.clone()
+        out = poisoned((B, T, H * d), inp["qkv"].dtype, DEVICE)
+        kw = {}
+        if ckpt:
+            kw = dict(state_ckpt=poisoned((B, T, H, d, d), torch.float32, DEVICE),
+                      conv_ckpt=poisoned((B, T, W - 1, C), conv.dtype, DEVICE))
+        o = fn(**inp, state=st, conv_state=cv, slots=slots, gate=gate, out=out, **kw)
+        assert o is out
+        res.append((o, st, cv, kw))
+    return res
+
+
+def check_untouched(state, conv, slots):
+    others = [s for s in range(NUM_SLOTS) if s not in slots.tolist()]
+    assert torch.equal(state[others], torch.full_like(state[others], SENTINEL))
+    assert torch.equal(conv[others], torch.full_like(conv[others], SENTINEL))
+
+
+@pytest.mark.parametrize("gate", ["softplus", "bounded"])
+@pytest.mark.parametrize("T,ckpt", [(1, False), (3, False), (3, True)])
+@pytest.mark.parametrize("H,d,slots", SHAPES)
+def test_matches_reference_fp32(H, d, slots, T, ckpt, gate):
+    inp, state, conv, idx = make_case(H, d, slots, T, seed=H * 1000 + d + T)
+    (o, st, cv, kw), (o_r, st_r, cv_r, kw_r) = run_both(inp, state, conv, idx, gate, ckpt)
+    assert_close(o, o_r, FP32_TOL, "output")
+    assert_close(st[idx], st_r[idx], FP32_TOL, "state")
+    assert torch.equal(cv, cv_r), "conv state must be the exact last W-1 raw inputs"
+    check_untouched(st, cv, idx)
+    if ckpt:
+        for t in range(T):
+            assert_close(kw["state_ckpt"][:, t], kw_r["state_ckpt"][:, t], FP32_TOL, f"state ckpt t={t}")
+            assert torch.equal(kw["conv_ckpt"][:, t], kw_r["conv_ckpt"][:, t]), f"conv ckpt t={t}"
+        assert torch.equal(kw["state_ckpt"][:, -1], st[idx]), "last checkpoint is the final state"
+        assert torch.equal(kw["conv_ckpt"][:, -1], cv[idx])
+
+
+@pytest.mark.parametrize("gate", ["softplus", "bounded"])
+def test_steps_carry_state(gate):
+    """Several calls in a row (T = 1, 1, 2, 1): kernel and reference each keep their own caches."""
+    H, d, slots = (32, 128, [5, 2]) if FULL_SHAPES else (2, 32, [5, 2])
+    _, state, conv, idx = make_case(H, d, slots, 1)
+    st_k, cv_k, st_r, cv_r = state.clone(), conv.clone(), state.clone(), conv.clone()
+    for step, T in enumerate([1, 1, 2, 1]):
+        inp, _, _, _ = make_case(H, d, slots, T, seed=100 + step)
+        o = kda_decode(**inp, state=st_k, conv_state=cv_k, slots=idx, gate=gate)
+        o_r = kda_decode_ref(**inp, state=st_r, conv_state=cv_r, slots=idx, gate=gate)
+        assert_close(o, o_r, FP32_TOL, f"output step {step}")
+        assert_close(st_k[idx], st_r[idx], FP32_TOL, f"state step {step}")
+        assert torch.equal(cv_k, cv_r)
+    check_untouched(st_k, cv_k, idx)
+
+
+@pytest.mark.parametrize("T,ckpt", [(1, False), (2, True)])
+def test_bf16(T, ckpt):
+    H, d, slots = (32, 128, [3, 6, 1, 0]) if FULL_SHAPES else (2, 64, [3, 6])
+    inp, state, conv, idx = make_case(H, d, slots, T, dtype=torch.bfloat16, seed=7)
+    (o, st, cv, kw), (o_r, st_r, cv_r, kw_r) = run_both(inp, state, conv, idx, "softplus", ckpt)
+    assert o.dtype == torch.bfloat16
+    assert_close(o, o_r, BF16_TOL, "output")
+    assert_close(st[idx], st_r[idx], STATE_BF16_TOL, "state")
+    assert torch.equal(cv, cv_r)
+    check_untouched(st, cv, idx)
+    if ckpt:
+        assert_close(kw["state_ckpt"], kw_r["state_ckpt"], STATE_BF16_TOL, "state ckpt")
+        assert torch.equal(kw["conv_ckpt"], kw_r["conv_ckpt"])
+
+
+def test_strided_views_of_one_gemm_output():
+    """qkv | f | b | r as column slices of one fused projection output, out=None."""
+    H, d, slots, T = 2, 16, [4, 1, 6], 2
+    inp, state, conv, idx = make_case(H, d, slots, T, seed=3)
+    fused = torch.cat([inp["qkv"], inp["f"], inp["b"], inp["r"]], -1)
+    widths = [3 * H * d, H * d, H, H * d]
+    views = dict(zip(["qkv", "f", "b", "r"], torch.split(fused, widths, -1)))
+    assert not views["f"].is_contiguous()
+    st, cv = state.clone(), conv.clone()
+    o = kda_decode(**{**inp, **views}, state=st, conv_state=cv, slots=idx, gate="bounded")
+    o_r = kda_decode_ref(**inp, state=state, conv_state=conv, slots=idx, gate="bounded")
+    assert_close(o, o_r, FP32_TOL)
+    assert_close(st, state, FP32_TOL, "state")
+
+
+def test_repeatable():
+    """Same inputs twice -> bitwise-identical results (a moving error would be a race)."""
+    inp, state, conv, idx = make_case(*((32, 128, [1, 2]) if FULL_SHAPES else (2, 16, [1, 2])), 3, seed=11)
+    outs = []
+    for _ in range(2):
+        st, cv = state.clone(), conv.clone()
+        outs.append((kda_decode(**inp, state=st, conv_state=cv, slots=idx), st, cv))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def independent_sequence(x, f, b, r, conv_w, A_log, dt_bias, onw, H, d, gate, eps_qk=1e-6, eps_o=1e-5):
+    """One sequence from zero caches, written differently: F.conv1d over the whole
+    sequence, state kept as [V, K] matrices, gates and norms spelled out."""
+    L = x.shape[0]
+    y = F.conv1d(F.pad(x.T[None], (W - 1, 0)), conv_w[:, None, :], groups=x.shape[1])[0].T  # [L, C]
+    y = F.silu(y)
+    outs = []
+    for h in range(H):
+        M = torch.zeros(d, d, dtype=torch.float64)  # M = Sᵀ: [V, K]
+        sl = slice(h * d, (h + 1) * d)
+        for t in range(L):
+            q, k, v = (y[t, i * H * d:][sl].double() for i in range(3))
+            q = q / torch.sqrt(q.dot(q) + eps_qk) / d ** 0.5
+            k = k / torch.sqrt(k.dot(k) + eps_qk)
+            z = f[t, sl].double() + dt_bias[sl].double()
+            A = torch.exp(A_log[h].double())
+            gam = -A * torch.log1p(torch.exp(z)) if gate == "softplus" else -5.0 / (1 + torch.exp(-A * z))
+            M = M @ torch.diag(torch.exp(gam))
+            bt = 1 / (1 + torch.exp(-b[t, h].double()))
+            M = M + bt * torch.outer(v - M @ k, k)
+            o = M @ q
+            o = o / torch.sqrt((o * o).mean() + eps_o) * onw.double() / (1 + torch.exp(-r[t, sl].double()))
+            outs.append((t, h, o))
+    res = torch.empty(L, H * d, dtype=torch.float64)
+    for t, h, o in outs:
+        res[t, h * d:(h + 1) * d] = o
+    return res
+
+
+@pytest.mark.parametrize("gate", ["softplus", "bounded"])
+def test_reference_is_the_model_math(gate):
+    """kda_decode_ref stepped one token at a time == the independent whole-sequence form."""
+    H, d, L = 2, 8, 6
+    inp, _, _, _ = make_case(H, d, [0], L, seed=21)
+    inp = {k: v.cpu() for k, v in inp.items()}
+    st = torch.zeros(1, H, d, d)
+    cv = torch.zeros(1, W - 1, 3 * H * d)
+    slots = torch.tensor([0])
+    outs = []
+    for t in range(L):
+        one = {k: (v[:, t:t + 1] if k in ("qkv", "f", "b", "r") else v) for k, v in inp.items()}
+        outs.append(kda_decode_ref(**one, state=st, conv_state=cv, slots=slots, gate=gate))
+    got = torch.cat(outs, 1)[0]
+    want = independent_sequence(inp["qkv"][0], inp["f"][0], inp["b"][0], inp["r"][0], inp["conv_w"],
+                                inp["A_log"], inp["dt_bias"], inp["o_norm_w"], H, d, gate)
+    assert rel_rmse(got, want) <= FP32_TOL

@@ -1,0 +1,199 @@
+"""MLA absorbed decode over the paged latent cache vs an independent FP32 reference (VERIFY.md §1)."""
+import math
+
+import pytest
+import torch
+
+from peregrine.cache import quantize_fp8
+from peregrine.kernels import available
+from peregrine.kernels.mla import MAX_SPLITS, MlaTiling, mla_decode, pick_num_splits
+from peregrine.testing import SENTINEL, assert_close, poisoned
+from tests.conftest import DEVICE, FULL_SHAPES
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(DEVICE), reason="triton kernels unavailable")]
+
+SM_SCALE = 192 ** -0.5          # Kimi-Linear: (nope 128 + rope 64)^-1/2
+TINY = (4, 128, 32)             # tiny-kimi-linear: H, kv_lora, rope
+REAL = (32, 512, 64)            # Kimi-Linear
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, "fp8": 1e-2}
+RAGGED = [1, 3, 63, 64, 65, 200]
+# With an explicit num_splits: small tiles and no minimum split, so short contexts really
+# spread over several splits (and a split can end mid-block).
+SPLIT_TILING = MlaTiling(block_n=16, min_split_tokens=16)
+FP8_NAN_BITS = 0x7F             # e4m3fn NaN (torch can't masked_fill FP8 directly)
+
+
+def reference(q, latent, scale, block_tables, lens, kv_lora):
+    """Written from MODELS.md, independent of the kernel: gather, dequantise, softmax, weight c (FP64, CPU)."""
+    q, latent, block_tables = q.cpu().double(), latent.cpu(), block_tables.cpu()
+    B, H, L = q.shape
+    page = latent.shape[1]
+    out = torch.zeros(B, H, kv_lora, dtype=torch.float64)
+    for b in range(B):
+        n = int(lens[b])
+        if n == 0:
+            continue
+        t = torch.arange(n)
+        blk, off = block_tables[b, t // page], t % page
+        ent = latent[blk, off].double()
+        if scale is not None:
+            ent = ent * scale.cpu()[blk, off].double()[:, None]
+        s = q[b] @ ent.T * SM_SCALE
+        p = torch.exp(s - s.max(-1, keepdim=True).values)
+        out[b] = (p / p.sum(-1, keepdim=True)) @ ent[:, :kv_lora]
+    return out.float()
+
+
+def make_case(lens, H, C, R, page, dtype, fp8=False, seed=0, spare_blocks=3):
+    """Cache with every entry that is not part of a sequence set to NaN, blocks permuted,
+    and block-table slots past a sequence's blocks pointing at NaN blocks."""
+    g = torch.Generator().manual_seed(seed)
+    B, L = len(lens), C + R
+    need = [math.ceil(n / page) for n in lens]
+    max_blocks = max(need + [1]) + 1  # one spare table column: capacity past the longest sequence
+    nblk = sum(need) + spare_blocks
+    perm = torch.randperm(nblk, generator=g)
+    vals = torch.randn(nblk, page, L, generator=g)
+    valid = torch.zeros(nblk, page, dtype=torch.bool)
+    bt = torch.empty(B, max_blocks, dtype=torch.int64)
+    k = 0
+    for b, n in enumerate(lens):
+        for j in range(max_blocks):
+            if j < need[b]:
+                blk = int(perm[k]); k += 1
+                bt[b, j] = blk
+                valid[blk, : min(page, n - j * page)] = True
+            else:  # unused slot: a NaN block (reading it would poison the output)
+                bt[b, j] = int(perm[-1 - (j % spare_blocks)])
+    if fp8:
+        lat, scale = quantize_fp8(vals)
+        lat.view(torch.uint8)[~valid] = FP8_NAN_BITS
+        scale[~valid] = float("nan")
+    else:
+        lat, scale = vals.to(dtype), None
+        lat[~valid] = float("nan")
+    q = torch.randn(B, H, L, generator=g).to(dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    dev = lambda x: None if x is None else x.to(DEVICE)
+    return dev(q), dev(lat), dev(scale), dev(bt), dev(lens_t)
+
+
+def run_checked(q, lat, scale, bt, lens, C, num_splits=None, **kw):
+    """Kernel call into a NaN-poisoned slice of a SENTINEL buffer; checks the inputs and the
+    rows around the output are left bit-for-bit alone."""
+    B, H, _ = q.shape
+    big = torch.full((B + 2, H, C), SENTINEL, dtype=q.dtype, device=q.device)
+    out = big[1:B + 1]
+    out.copy_(poisoned(out.shape, q.dtype, q.device))
+    before = [x.clone() for x in (q, lat, bt, lens) + ((scale,) if scale is not None else ())]
+    if num_splits is not None:
+        kw.setdefault("tiling", SPLIT_TILING)
+    got = mla_decode(q, lat, scale, bt, lens, SM_SCALE, kv_lora_rank=C, out=out, num_splits=num_splits, **kw)
+    assert got.data_ptr() == out.data_ptr()
+    for edge in (big[0], big[-1]):  # SENTINEL as rounded to the dtype, bit for bit
+        assert torch.equal(edge, torch.full_like(edge, SENTINEL))
+    after = (q, lat, bt, lens) + ((scale,) if scale is not None else ())
+    for x, y in zip(before, after):
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), "kernel wrote into an input"
+    return got
+
+
+CASES = [  # (dims, page, dtype, num_splits, lens)
+    (TINY, 16, torch.float32, None, RAGGED),
+    (TINY, 64, torch.float32, 1, RAGGED),
+    (TINY, 16, torch.float32, 3, [200, 7, 0, 100]),
+    (TINY, 64, torch.bfloat16, None, [65, 1, 130]),
+    (REAL, 64, torch.float32, None, [200, 1, 65]),
+    (REAL, 16, torch.bfloat16, 2, [3, 100]),
+]
+if FULL_SHAPES:
+    CASES += [
+        (REAL, 64, torch.bfloat16, None, RAGGED),
+        (REAL, 64, torch.bfloat16, None, [8192, 1, 5000]),
+        (REAL, 64, torch.bfloat16, None, [32768]),
+        (REAL, 16, torch.float32, None, [4097, 8191]),
+        ((96, 512, 64), 64, torch.bfloat16, None, [1, 8192, 3000]),  # K3 heads: 3 head groups
+    ]
+
+
+@pytest.mark.parametrize("dims,page,dtype,num_splits,lens", CASES)
+def test_mla_decode(dims, page, dtype, num_splits, lens):
+    H, C, R = dims
+    q, lat, scale, bt, lens_t = make_case(lens, H, C, R, page, dtype)
+    got = run_checked(q, lat, scale, bt, lens_t, C, num_splits=num_splits)
+    assert got.dtype == dtype
+    assert_close(got.float(), reference(q, lat, scale, bt, lens_t, C), TOL[dtype])
+
+
+FP8_CASES = [(TINY, 16, torch.float32, None, RAGGED), (REAL, 64, torch.float32, 3, [65, 200])]
+if FULL_SHAPES:
+    FP8_CASES += [(REAL, 64, torch.bfloat16, None, [1, 8192, 65]), (REAL, 64, torch.bfloat16, None, [32768])]
+
+
+@pytest.mark.parametrize("dims,page,dtype,num_splits,lens", FP8_CASES)
+def test_mla_decode_fp8(dims, page, dtype, num_splits, lens):
+    H, C, R = dims
+    q, lat, scale, bt, lens_t = make_case(lens, H, C, R, page, dtype, fp8=True)
+    got = run_checked(q, lat, scale, bt, lens_t, C, num_splits=num_splits)
+    assert_close(got.float(), reference(q, lat, scale, bt, lens_t, C), TOL["fp8"])
+
+
+def test_empty_sequence_gives_zeros():
+    H, C, R = TINY
+    q, lat, scale, bt, lens_t = make_case([0, 5], H, C, R, 16, torch.float32)
+    for s in (1, 4):
+        got = run_checked(q, lat, scale, bt, lens_t, C, num_splits=s)
+        assert torch.equal(got[0], torch.zeros_like(got[0]))
+
+
+def test_non_contiguous_query():
+    H, C, R = TINY
+    q, lat, scale, bt, lens_t = make_case([70, 9], H, C, R, 16, torch.float32)
+    wide = torch.randn(q.shape[0], H + 1, C + R + 16, device=q.device)
+    wide[:, 1:, : C + R] = q
+    qv = wide[:, 1:, : C + R]  # strided in batch and head
+    got = run_checked(qv, lat, scale, bt, lens_t, C, num_splits=2)
+    assert_close(got, reference(q, lat, scale, bt, lens_t, C), TOL[torch.float32])
+
+
+def test_deterministic_and_batch_invariant():
+    """Bitwise: repeated calls agree, and a sequence's output doesn't depend on its batch mates."""
+    H, C, R = TINY
+    lens = [200, 3, 64, 130]
+    q, lat, scale, bt, lens_t = make_case(lens, H, C, R, 16, torch.float32, seed=3)
+    a = mla_decode(q, lat, scale, bt, lens_t, SM_SCALE, kv_lora_rank=C, num_splits=4, tiling=SPLIT_TILING)
+    b = mla_decode(q, lat, scale, bt, lens_t, SM_SCALE, kv_lora_rank=C, num_splits=4, tiling=SPLIT_TILING)
+    assert torch.equal(a, b)
+    for i in (0, 2):
+        one = mla_decode(q[i:i + 1], lat, scale, bt[i:i + 1], lens_t[i:i + 1], SM_SCALE, kv_lora_rank=C, num_splits=4, tiling=SPLIT_TILING)
+        assert torch.equal(one[0], a[i])
+
+
+def test_lengths_change_under_a_fixed_grid():
+    """Graph replay: same buffers, same grid, context_lens updated in place between calls."""
+    H, C, R = TINY
+    q, lat, scale, bt, lens_t = make_case([200, 150], H, C, R, 16, torch.float32, seed=5)
+    out = torch.empty(2, H, C, device=q.device)
+    for lens in ([200, 150], [1, 150], [65, 0], [130, 17]):
+        lens_t.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        mla_decode(q, lat, scale, bt, lens_t, SM_SCALE, kv_lora_rank=C, num_splits=5, out=out, tiling=SPLIT_TILING)
+        assert_close(out, reference(q, lat, scale, bt, lens_t, C), TOL[torch.float32], f"lens {lens}")
+
+
+def test_pick_num_splits():
+    for B in (1, 2, 4, 8, 64):
+        prev = 0
+        for ctx in (1, 64, 1024, 8192, 131072):
+            s = pick_num_splits(B, 32, ctx, DEVICE)
+            assert 1 <= s <= MAX_SPLITS and s >= prev  # grows with the bound, never past the cap
+            prev = s
+    assert pick_num_splits(1, 32, 64, DEVICE) == 1
+
+
+def test_many_splits_keep_a_minimum_chunk():
+    """A long-capacity table's many splits: short sequences use few, full splits (default tiling)."""
+    H, C, R = TINY
+    q, lat, scale, bt, lens_t = make_case([1, 200, 129, 300], H, C, R, 16, torch.float32, seed=7)
+    got = run_checked(q, lat, scale, bt, lens_t, C, num_splits=8, tiling=MlaTiling())
+    assert_close(got, reference(q, lat, scale, bt, lens_t, C), TOL[torch.float32])

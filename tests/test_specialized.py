@@ -1,0 +1,141 @@
+"""latency_specialized vs standard (VERIFY.md §2): same weights, same prompts.
+
+On CPU the specialized runner goes through the Triton interpreter (no graphs)
+on a micro config so CI stays fast; the GPU pass (`pytest -m gpu`) runs the
+tiny preset with CUDA graphs and ≥ 256 greedy steps.
+"""
+import json
+
+import pytest
+import torch
+
+from conftest import DEVICE, FULL_SHAPES
+from peregrine.config import PRESET_DIR, EngineConfig, ModelConfig
+from peregrine.engine import SamplingParams
+from peregrine.engine.build import build_engine
+
+pytestmark = pytest.mark.gpu
+
+MICRO = {  # same architecture as tiny-kimi-linear, narrower: the interpreter's cost scales with it
+    "hidden_size": 64, "num_hidden_layers": 4, "vocab_size": 300, "intermediate_size": 96,
+    "linear_attn_config": {"full_attn_layers": [2, 4], "kda_layers": [1, 3], "head_dim": 16, "num_heads": 2,
+                           "short_conv_kernel_size": 4},
+    "num_attention_heads": 2, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+    "num_experts": 8, "num_experts_per_token": 2, "moe_intermediate_size": 32,
+}
+STEPS = 256 if FULL_SHAPES else 24   # greedy steps compared token for token
+TOL = 1e-4 if DEVICE == "cpu" else 3e-2  # FP32 on CPU; BF16 on the GPU
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A model folder: the micro config on CPU, the tiny preset on the GPU; dummy weights saved once."""
+    raw = json.loads((PRESET_DIR / "tiny-kimi-linear.json").read_text())
+    if not FULL_SHAPES:
+        raw.update(MICRO)
+    d = tmp_path_factory.mktemp("model")
+    (d / "config.json").write_text(json.dumps(raw))
+    from peregrine.models.kimi import KimiModel
+    from peregrine.models.loader import init_dummy_weights, save_weights
+    m = KimiModel(ModelConfig.from_dict(raw), torch.float32)
+    init_dummy_weights(m, seed=3)
+    for name, view, _ in m.hf_params():  # sharper logits: confident greedy choices, as a trained model has
+        if name == "lm_head.weight":
+            view.mul_(4.0)
+    save_weights(m, d)
+    return str(d)
+
+
+def engine(model_dir, backend, **kw):
+    ecfg = EngineConfig(decode_backend=backend, max_num_seqs=kw.pop("max_num_seqs", 8), max_model_len=512, block_size=16, **kw)
+    e, _ = build_engine(model_dir, ecfg, log=lambda m: None)
+    logits = []
+    fwd = e.runner.forward
+
+    def recording(step):
+        out = fwd(step)
+        logits.append((e.runner.last_path, out.detach().float().cpu().clone()))
+        return out
+    e.runner.forward = recording
+    return e, logits
+
+
+def greedy(n):
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def prompts(k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (k,), generator=g)]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_logits_close_and_tokens_identical(model_dir, seed):
+    ps = prompts(2, seed)
+    std, lstd = engine(model_dir, "standard")
+    spec, lspec = engine(model_dir, "latency_specialized")
+    a = std.generate(ps, greedy(STEPS))
+    b = spec.generate(ps, greedy(STEPS))
+    paths = [p for p, _ in lspec]
+    assert paths[0] == "standard" and set(paths[1:]) == {"latency_specialized"}, "decode steps must take the specialized path"
+    assert len(lstd) == len(lspec)
+    for i, ((_, x), (_, y)) in enumerate(zip(lstd, lspec)):
+        err = (x - y).norm() / x.norm()
+        assert err < TOL, f"step {i}: logits relative error {err:.2e}"
+    assert a == b
+
+
+def test_path_switch_mid_generation(model_dir):
+    """A decodes on the specialized path, B's prefill joins (standard step), then both decode specialized.
+    A's tokens equal a run that never switched (standard only)."""
+    pa, pb = [5, 17, 99, 3], [42, 7, 7, 1, 250, 12]
+    ref, _ = engine(model_dir, "standard")
+    want_a = ref.generate([pa], greedy(12))[0]
+    want_b = ref.generate([pb], greedy(6))[0]
+    spec, log = engine(model_dir, "latency_specialized")
+    got = {}
+    ra = spec.add_request(pa, greedy(12), on_token=lambda o: o.finished and got.__setitem__("a", o.output_token_ids))
+    for _ in range(4):
+        spec.step()
+    spec.add_request(pb, greedy(6), on_token=lambda o: o.finished and got.__setitem__("b", o.output_token_ids))
+    while spec.has_unfinished():
+        spec.step()
+    assert got["a"] == want_a and got["b"] == want_b
+    paths = [p for p, _ in log]
+    assert "standard" in paths[1:] and paths.count("latency_specialized") >= 8, paths
+    assert spec.stats["fallback_reasons"].get("prefill in batch", 0) >= 2
+    assert ra
+
+
+def test_batch_invariance(model_dir):
+    ps = prompts(4, seed=7)
+    spec, _ = engine(model_dir, "latency_specialized")
+    together = spec.generate(ps, greedy(8))
+    alone = [spec.generate([p], greedy(8))[0] for p in ps[:2]]
+    assert together[:2] == alone
+
+
+def test_batch_too_large_falls_back_and_is_counted(model_dir):
+    spec, log = engine(model_dir, "latency_specialized", max_decode_batch=2)
+    spec.generate(prompts(3, seed=9), greedy(3))
+    reasons = spec.stats["fallback_reasons"]
+    assert reasons.get("batch too large", 0) >= 2 and reasons.get("prefill in batch", 0) >= 1
+    assert spec.stats["steps_by_path"]["standard"] == sum(reasons.values())
+
+
+def test_repeated_step_is_bitwise_identical(model_dir):
+    """Run the same decode step twice from the same cache contents: outputs must match bit for bit."""
+    spec, _ = engine(model_dir, "latency_specialized")
+    r = spec.runner
+    spec.generate(prompts(3, seed=11), greedy(2))  # fills caches with real content
+    from peregrine.decode.batch import StepInput
+    c = r.cache
+    st = StepInput.build([([7], 3, 0, [0]), ([9], 5, 1, [1]), ([1], 2, 2, [2])], c.block_size, c.latent.device)
+    saved = [t.clone() for t in (c.state, c.conv, c.latent)]
+    outs = []
+    for _ in range(2):
+        for t, s in zip((c.state, c.conv, c.latent), saved):
+            t.copy_(s)
+        logits, _ = r._step(st)
+        outs.append((logits.clone(), c.state.clone()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
