@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="no progress output")
     g.set_defaults(func=cmd_generate)
 
+    from .server.cli import add_serve_parser
+    add_serve_parser(sub)
+
     try:
         from .bench import cli as bench_cli
     except ImportError:  # pragma: no cover
@@ -114,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
         bench_cli.add_bench_report_parser(bsub)
         from .bench.kernels import add_bench_kernels_parser
         add_bench_kernels_parser(bsub)
+        from .server.cli import add_bench_serve_parser
+        add_bench_serve_parser(bsub)
         bench_cli.add_plan_parser(sub)
     return p
 

@@ -1,0 +1,116 @@
+"""argparse glue for `peregrine serve` and `peregrine bench serve`.
+
+add_serve_parser(subparsers) / add_bench_serve_parser(bench_subparsers) each add
+one sub-command whose func(args) returns an exit code.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from .app import DEFAULT_MAX_QUEUE
+
+DEFAULT_DRAIN_S = 60.0  # SIGTERM waits this long for in-flight requests before cutting them
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2,4,8, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"values must be positive integers, got {text!r}")
+    return vals
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    from ..cli import add_engine_args
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                              description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.")
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    g.add_argument("--served-model-name", default=None, help="model name clients use (default: the --model value)")
+    g.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help=f"waiting requests beyond which new ones get 429 (default {DEFAULT_MAX_QUEUE})")
+    g.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_S,
+                   help=f"seconds SIGTERM waits for in-flight requests (default {DEFAULT_DRAIN_S:g})")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from ..cli import engine_config
+    from ..config import ConfigError, resolve_model
+    from ..engine.build import build_engine
+    from .app import create_app
+    from .chat import ChatTemplate
+
+    if args.max_queue < 0:
+        raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
+    logging.basicConfig(level=args.log_level.upper(), format="[peregrine] %(levelname)s %(name)s: %(message)s")
+    log = lambda m: print(f"[peregrine] {m}", file=sys.stderr, flush=True)  # noqa: E731
+    engine, tok = build_engine(args.model, engine_config(args), dummy_weights=args.dummy_weights, log=log)
+    _, folder = resolve_model(args.model)
+    tmpl = ChatTemplate(folder)
+    name = args.served_model_name or args.model
+    log(f"serving '{name}' on http://{args.host}:{args.port} (chat template: {tmpl.kind}, max queue {args.max_queue})")
+    app = create_app(engine, tok, name, max_queue=args.max_queue, chat_template=tmpl)
+    # uvicorn turns SIGTERM into a graceful shutdown (stop accepting, finish in-flight requests), then
+    # re-raises it to the handler that was there before: a no-op one makes a clean drain exit 0
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.drain_timeout)
+    return 0
+
+
+def add_bench_serve_parser(bench_subparsers) -> argparse.ArgumentParser:
+    p = bench_subparsers.add_parser("serve", help="serving load: TTFT, TPOT, ITL, tok/s/user, throughput (BENCHMARKS.md §3)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to drive (default http://127.0.0.1:8000)")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first /v1/models entry)")
+    p.add_argument("--max-concurrency", type=_int_list, default=[1, 2, 4, 8], help="levels, e.g. 1,2,4,8")
+    p.add_argument("--num-prompts", type=int, default=None, help="requests per level (default 5 x concurrency)")
+    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens (default 1024)")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens, eos ignored (default 128)")
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="lengths drawn uniformly in [len*(1-r), len*(1+r)] (default 0: fixed)")
+    p.add_argument("--token-range", default="32,127", help="prompt token ids drawn from [LO,HI) (default 32,127)")
+    p.add_argument("--num-gpus", type=int, default=1, help="GPUs the server uses, for throughput per GPU")
+    p.add_argument("--warmup", type=int, default=2, help="untimed requests before the levels (default 2)")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--label", default=None, help="configuration name in the JSON and the plot")
+    p.add_argument("--results-dir", default="results")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.set_defaults(func=cmd_bench_serve)
+    return p
+
+
+def cmd_bench_serve(args) -> int:
+    from ..bench.serve import run_cli
+    return run_cli(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..config import ConfigError
+    from ..engine.request import RequestError
+    p = argparse.ArgumentParser(prog="python -m peregrine.server")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    sub.required = True
+    add_serve_parser(sub)
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_cmd", metavar="BENCH")
+    bsub.required = True
+    add_bench_serve_parser(bsub)
+    args = p.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (ConfigError, RequestError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,90 @@
+"""Prometheus metrics of one server (own registry, so several servers can live in one process).
+
+Latencies are observed by the server as tokens arrive; engine-side counters
+(steps by path, fallback reasons) and gauges (running, waiting, cache usage) are
+read from the engine at scrape time.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# buckets span a sub-ms decode step up to minute-long queues
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+def _safe_copy(d) -> dict:
+    """The engine thread may grow these dicts while we read them: retry on a concurrent change."""
+    for _ in range(5):
+        try:
+            return dict(d)
+        except RuntimeError:
+            continue
+    return {}
+
+
+class EngineCollector:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        e = self.engine
+        g = GaugeMetricFamily("peregrine:num_requests_running", "Requests being decoded now")
+        g.add_metric([], e.num_running)
+        yield g
+        g = GaugeMetricFamily("peregrine:num_requests_waiting", "Requests queued for a cache slot")
+        g.add_metric([], e.num_waiting)
+        yield g
+        blocks = e.cache.blocks
+        g = GaugeMetricFamily("peregrine:cache_usage_perc", "Fraction of MLA cache blocks in use (0..1)")
+        g.add_metric([], 1.0 - blocks.num_free / max(1, blocks.num_blocks))
+        yield g
+        g = GaugeMetricFamily("peregrine:kda_slot_usage_perc", "Fraction of KDA state slots in use (0..1)")
+        g.add_metric([], 1.0 - e.cache.num_free_slots / max(1, e.cache.num_slots))
+        yield g
+        c = CounterMetricFamily("peregrine:decode_steps", "Engine steps by forward path", labels=["path"])
+        for path, n in _safe_copy(e.stats.get("steps_by_path", {})).items():
+            c.add_metric([path], n)
+        yield c
+        c = CounterMetricFamily("peregrine:decode_fallbacks", "Steps the specialized path handed to the standard one, by reason",
+                                labels=["reason"])
+        for reason, n in _safe_copy(e.stats.get("fallback_reasons", {})).items():
+            c.add_metric([reason], n)
+        yield c
+
+
+class Metrics:
+    def __init__(self, engine, model_name: str):
+        disable_created_metrics()  # the *_created series only double the scrape size
+        self.registry = r = CollectorRegistry()
+        lbl = ["model_name"]
+        self.ttft = Histogram("peregrine:time_to_first_token_seconds", "Arrival to first token", lbl,
+                              buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("peregrine:inter_token_latency_seconds", "Gap between consecutive tokens of a request", lbl,
+                             buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("peregrine:e2e_request_latency_seconds", "Arrival to last token", lbl,
+                             buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("peregrine:prompt_tokens", "Prompt tokens of admitted requests", lbl,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("peregrine:generation_tokens", "Generated tokens", lbl,
+                                         registry=r).labels(model_name)
+        self._success = Counter("peregrine:request_success", "Finished requests by finish reason",
+                                lbl + ["finished_reason"], registry=r)
+        self._errors = Counter("peregrine:request_errors", "Requests answered with an error, by HTTP status",
+                               lbl + ["status"], registry=r)
+        self.engine_errors = Counter("peregrine:engine_step_errors", "Engine steps that raised", lbl,
+                                     registry=r).labels(model_name)
+        self.model_name = model_name
+        r.register(EngineCollector(engine))
+
+    def success(self, reason: str) -> None:
+        self._success.labels(self.model_name, reason).inc()
+
+    def error(self, status: int) -> None:
+        self._errors.labels(self.model_name, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

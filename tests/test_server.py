@@ -1,0 +1,409 @@
+"""OpenAI-compatible server end to end: the tiny preset with dummy weights behind
+uvicorn on loopback, driven by the official `openai` client and raw httpx.
+
+Greedy outputs are checked against a second engine's `generate` (same seeded
+weights, no HTTP), streams against non-stream answers, usage and /metrics
+against the requests sent, and disconnects against the engine's free cache.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from peregrine.config import EngineConfig
+from peregrine.engine import SamplingParams
+from peregrine.engine.build import build_engine
+from peregrine.server import BackgroundServer, create_app
+
+pytestmark = pytest.mark.gpu  # device-agnostic: the GPU pass runs it on CUDA
+MODEL = "tiny-kimi-linear"
+NAME = "tiny"
+MAX_LEN = 256       # small cache: a long-request test reserves few blocks
+EOS = 257           # tiny preset's eos_token_id
+LONG = 4096         # tokens: a request that outlives the 429 test even on a fast GPU
+T = 60              # seconds: bound on any single request / wait in this file
+quiet = lambda *a, **k: None  # noqa: E731
+
+
+def make_engine(**kw):
+    ecfg = EngineConfig(max_model_len=MAX_LEN, dtype="fp32", **kw)
+    return build_engine(MODEL, ecfg, dummy_weights=True, log=quiet)
+
+
+@pytest.fixture(scope="module")
+def ref():
+    """Independent path: a second engine with the same seeded weights, memoised."""
+    eng, tok = make_engine()
+    memo = {}
+
+    def gen(ids, max_tokens, ignore_eos=False):
+        key = (tuple(ids), max_tokens, ignore_eos)
+        if key not in memo:
+            memo[key] = eng.generate([list(ids)], SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))[0]
+        return memo[key]
+    gen.tok = tok
+    return gen
+
+
+@pytest.fixture(scope="module")
+def srv():
+    eng, tok = make_engine(max_num_seqs=8)
+    app = create_app(eng, tok, NAME)
+    with BackgroundServer(app) as s:
+        s.engine, s.tok, s.state = eng, tok, app.state.peregrine
+        s.free0 = eng.cache.blocks.num_free
+        s.client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=T)
+        yield s
+
+
+def wait_idle(s, timeout=T):
+    """Engine has nothing running and every block and slot is back."""
+    deadline = time.time() + timeout
+    e = s.engine
+    while time.time() < deadline:
+        if (not e.has_unfinished() and e.num_running == 0 and e.cache.blocks.num_free == s.free0
+                and e.cache.num_free_slots == e.cache.num_slots):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"engine not idle: running {e.num_running}, free blocks {e.cache.blocks.num_free}/{s.free0}")
+
+
+def expected_text(tok, ids, finish):
+    return tok.decode(ids[:-1] if finish == "stop" else ids)
+
+
+def scrape(s) -> dict:
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(s.url + "/metrics", timeout=T).text):
+        for smp in fam.samples:
+            labels = tuple(sorted((k, v) for k, v in smp.labels.items() if k != "model_name"))
+            out[(smp.name, labels)] = smp.value
+    return out
+
+
+# ---------------------------------------------------------------- basics
+def test_models_and_health(srv):
+    assert httpx.get(srv.url + "/health", timeout=T).json() == {"status": "ok"}
+    ids = [m.id for m in srv.client.models.list().data]
+    assert ids == [NAME]
+
+
+@pytest.mark.parametrize("prompt", ["Hello, world", [72, 105, 33]])
+def test_completion_matches_engine(srv, ref, prompt):
+    r = srv.client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0,
+                                      extra_body={"return_token_ids": True})
+    ids = srv.tok.encode(prompt) if isinstance(prompt, str) else prompt
+    want = ref(ids, 6)
+    c = r.choices[0]
+    assert c.token_ids == want
+    assert c.finish_reason == ("stop" if want[-1] == EOS else "length")
+    assert c.text == expected_text(srv.tok, want, c.finish_reason)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), len(want), len(ids) + len(want))
+
+
+def test_stream_equals_non_stream(srv, ref):
+    kw = dict(model=NAME, prompt="abc", max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
+    full = srv.client.completions.create(**kw)
+    chunks = list(srv.client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    token_chunks = [c for c in chunks if c.choices]
+    assert len(token_chunks) == 7  # one chunk per token
+    assert "".join(c.choices[0].text for c in token_chunks) == full.choices[0].text
+    assert token_chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in token_chunks[:-1])
+    assert chunks[-1].usage.completion_tokens == 7 and chunks[-1].usage.prompt_tokens == 3
+    assert full.choices[0].text == srv.tok.decode(ref(srv.tok.encode("abc"), 7, ignore_eos=True))
+
+
+def test_chat_simple_template(srv, ref):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    ids = srv.tok.encode("<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n")  # documented simple template
+    want = ref(ids, 5)
+    r = srv.client.chat.completions.create(model=NAME, messages=msgs, max_tokens=5, temperature=0)
+    finish = r.choices[0].finish_reason
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == expected_text(srv.tok, want, finish)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(want)
+    st = list(srv.client.chat.completions.create(model=NAME, messages=msgs, max_tokens=5, temperature=0, stream=True))
+    assert st[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in st) == r.choices[0].message.content
+    assert st[-1].choices[0].finish_reason == finish
+
+
+def test_many_concurrent_clients(srv, ref):
+    prompts = [f"q{i}" * (1 + i % 3) for i in range(12)]
+
+    def one(i):
+        kw = dict(model=NAME, prompt=prompts[i], max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+        if i % 2:
+            return "".join(c.choices[0].text for c in srv.client.completions.create(stream=True, **kw) if c.choices)
+        return srv.client.completions.create(**kw).choices[0].text
+    with ThreadPoolExecutor(12) as ex:
+        got = list(ex.map(one, range(12), timeout=3 * T))
+    for p, g in zip(prompts, got):
+        assert g == srv.tok.decode(ref(srv.tok.encode(p), 4, ignore_eos=True))
+    wait_idle(srv)
+
+
+# ---------------------------------------------------------------- disconnects
+def test_stream_disconnect_aborts_and_frees(srv):
+    before = scrape(srv).get(("peregrine:request_success_total", (("finished_reason", "abort"),)), 0)
+    with httpx.Client(timeout=T) as c:
+        for _ in range(3):
+            body = {"model": NAME, "prompt": "long one", "max_tokens": MAX_LEN - 16, "ignore_eos": True, "stream": True}
+            with c.stream("POST", srv.url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                n = 0
+                for line in r.iter_lines():
+                    n += line.startswith("data: ")
+                    if n == 2:
+                        break  # leave mid-stream: closing the response drops the connection
+    wait_idle(srv)
+    after = scrape(srv)[("peregrine:request_success_total", (("finished_reason", "abort"),))]
+    assert after - before == 3
+
+
+def test_non_stream_disconnect_aborts(srv):
+    body = {"model": NAME, "prompt": "x", "max_tokens": MAX_LEN - 16, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + "/v1/completions", json=body, timeout=httpx.Timeout(T, read=0.5))
+    wait_idle(srv)
+
+
+# ---------------------------------------------------------------- malformed
+BAD = [
+    (b"{not json", "not valid JSON"),
+    (b"[1, 2]", "JSON object"),
+    ({"model": "other", "prompt": "a"}, "does not exist"),
+    ({"model": NAME, "prompt": 5}, "prompt"),
+    ({"model": NAME, "prompt": ""}, "empty"),
+    ({"model": NAME, "prompt": ["a", "b"]}, "one prompt"),
+    ({"model": NAME, "prompt": [1, 99999]}, "token ids"),
+    ({"model": NAME, "prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"model": NAME, "prompt": "a", "max_tokens": -3}, "max_tokens"),
+    ({"model": NAME, "prompt": "a", "max_tokens": "5"}, "max_tokens"),
+    ({"model": NAME, "prompt": "a", "temperature": "hot"}, "temperature"),
+    ({"model": NAME, "prompt": "a", "top_p": 0}, "top_p"),
+    ({"model": NAME, "prompt": "a", "stream": "yes"}, "stream"),
+    ({"model": NAME, "prompt": "a", "n": 2}, "'n'"),
+    ({"model": NAME, "prompt": "a", "logprobs": 2}, "logprobs"),
+    ({"model": NAME, "prompt": "a", "stop": ["\n"]}, "stop"),
+    ({"model": NAME, "prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": NAME, "prompt": "x" * MAX_LEN}, "limit"),
+    ({"model": NAME, "prompt": "abc", "max_tokens": MAX_LEN}, "limit"),
+    ({"model": NAME, "prompt": "a", "stop_token_ids": [1000]}, "stop_token_ids"),
+]
+BAD_CHAT = [
+    ({"model": NAME}, "messages"),
+    ({"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ({"model": NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+]
+
+
+def _post(srv, path, body):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    return httpx.post(srv.url + path, timeout=T, headers={"content-type": "application/json"}, **kw)
+
+
+@pytest.mark.parametrize("body,needle", BAD)
+def test_malformed_completions_400(srv, body, needle):
+    r = _post(srv, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body,needle", BAD_CHAT)
+def test_malformed_chat_400(srv, body, needle):
+    r = _post(srv, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_openai_client_sees_bad_request(srv):
+    with pytest.raises(openai.BadRequestError) as ei:
+        srv.client.completions.create(model=NAME, prompt="a", max_tokens=0)
+    assert "max_tokens" in str(ei.value)
+    with pytest.raises(openai.BadRequestError):
+        srv.client.completions.create(model="nope", prompt="a", max_tokens=1)
+
+
+# ---------------------------------------------------------------- metrics
+def test_metrics_counters_move(srv):
+    wait_idle(srv)
+    a = scrape(srv)
+    reqs = [("ab", 3), ("cdef", 5), ("g", 2)]
+    for p, n in reqs:
+        srv.client.completions.create(model=NAME, prompt=p, max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
+    with pytest.raises(openai.BadRequestError):
+        srv.client.completions.create(model=NAME, prompt="a", max_tokens=0)
+    b = scrape(srv)
+    d = lambda name, labels=(): b.get((name, labels), 0) - a.get((name, labels), 0)  # noqa: E731
+    assert d("peregrine:prompt_tokens_total") == sum(len(p) for p, _ in reqs)
+    assert d("peregrine:generation_tokens_total") == sum(n for _, n in reqs)
+    assert d("peregrine:time_to_first_token_seconds_count") == 3
+    assert d("peregrine:inter_token_latency_seconds_count") == sum(n - 1 for _, n in reqs)
+    assert d("peregrine:e2e_request_latency_seconds_count") == 3
+    assert d("peregrine:request_success_total", (("finished_reason", "length"),)) == 3
+    assert d("peregrine:request_errors_total", (("status", "400"),)) == 1
+    steps = sum(v - a.get(k, 0) for k, v in b.items() if k[0] == "peregrine:decode_steps_total")
+    assert steps >= max(n for _, n in reqs)  # at least one step per generated token of the longest
+    assert ("peregrine:decode_steps_total", (("path", "standard"),)) in b
+    assert b[("peregrine:num_requests_running", ())] == 0 and b[("peregrine:num_requests_waiting", ())] == 0
+    assert b[("peregrine:cache_usage_perc", ())] == 0.0
+
+
+# ---------------------------------------------------------------- failures
+def test_engine_error_fails_requests_and_keeps_serving(srv):
+    runner = srv.engine.runner
+    orig = runner.forward
+    calls = {"n": 0}
+
+    def boom(step):
+        calls["n"] += 1
+        raise RuntimeError("injected failure")
+    runner.forward = boom
+    try:
+        r = _post(srv, "/v1/completions", {"model": NAME, "prompt": "a", "max_tokens": 3})
+        assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=T,
+                          json={"model": NAME, "prompt": "a", "max_tokens": 3, "stream": True}) as s:
+            lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+        assert "injected failure" in json.loads(lines[0][6:])["error"]["message"] and lines[-1] == "data: [DONE]"
+    finally:
+        runner.forward = orig
+    assert calls["n"] >= 2
+    wait_idle(srv)
+    r = srv.client.completions.create(model=NAME, prompt="a", max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens >= 1
+    assert scrape(srv)[("peregrine:engine_step_errors_total", ())] >= 2
+
+
+def test_unexpected_error_answers_500(srv, monkeypatch):
+    def broken(text):
+        raise ValueError("tokenizer exploded")
+    monkeypatch.setattr(srv.tok, "encode", broken)
+    r = _post(srv, "/v1/completions", {"model": NAME, "prompt": "a", "max_tokens": 1})
+    assert r.status_code == 500 and "tokenizer exploded" in r.json()["error"]["message"]
+    monkeypatch.undo()
+    assert _post(srv, "/v1/completions", {"model": NAME, "prompt": "a", "max_tokens": 1}).status_code == 200
+
+
+def test_queue_full_answers_429():
+    eng, tok = build_engine(MODEL, EngineConfig(max_model_len=LONG, max_num_seqs=1, dtype="fp32"), dummy_weights=True,
+                            log=quiet)
+    with BackgroundServer(create_app(eng, tok, NAME, max_queue=1)) as s, httpx.Client(timeout=T) as c:
+        body = {"model": NAME, "prompt": "zz", "max_tokens": LONG - 8, "ignore_eos": True, "stream": True}
+        with c.stream("POST", s.url + "/v1/completions", json=body) as r1:
+            lines1 = r1.iter_lines()  # kept referenced: a dropped iterator closes the connection
+            next(lines1)  # r1 is running
+            with c.stream("POST", s.url + "/v1/completions", json=body) as r2:
+                assert r2.status_code == 200  # queued behind r1
+                deadline = time.time() + T
+                while eng.num_waiting < 1 and time.time() < deadline:
+                    time.sleep(0.02)
+                assert eng.num_running == 1 and eng.num_waiting == 1
+                r3 = c.post(s.url + "/v1/completions", json={"model": NAME, "prompt": "a", "max_tokens": 1})
+                assert r3.status_code == 429
+                assert "busy" in r3.json()["error"]["message"]
+                with pytest.raises(openai.RateLimitError):
+                    openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=T).completions.create(
+                        model=NAME, prompt="a", max_tokens=1)
+        deadline = time.time() + T
+        while eng.has_unfinished() and time.time() < deadline:
+            time.sleep(0.05)
+        assert not eng.has_unfinished() and eng.cache.blocks.num_free == eng.cache.num_blocks
+        assert c.get(s.url + "/health").status_code == 200
+
+
+# ---------------------------------------------------------------- bench + CLI
+def test_bench_serve_against_server(srv, tmp_path):
+    from peregrine.bench.serve import run_cli
+    from peregrine.server.cli import add_bench_serve_parser
+    p = argparse.ArgumentParser()
+    add_bench_serve_parser(p.add_subparsers())
+    args = p.parse_args(["serve", "--base-url", srv.url, "--max-concurrency", "1,2", "--num-prompts", "2",
+                         "--input-len", "6", "--output-len", "3", "--warmup", "0", "--timeout", str(T),
+                         "--results-dir", str(tmp_path)])
+    assert run_cli(args) == 0
+    (js,) = tmp_path.glob("*-serve.json")
+    data = json.loads(js.read_text())
+    assert [lv["concurrency"] for lv in data["levels"]] == [1, 2]
+    for lv in data["levels"]:
+        assert lv["errors"] == 0 and lv["completed"] == 2 and lv["output_tokens"] == 6
+        assert 0 < lv["ttft_ms"]["p50"] <= lv["ttft_ms"]["p99"] and lv["tpot_ms"]["p50"] > 0
+        assert lv["tok_s_user"] > 0 and lv["throughput_per_gpu"] > 0
+    if importlib.util.find_spec("matplotlib"):
+        assert js.with_suffix(".png").stat().st_size > 1000
+    wait_idle(srv)
+
+
+def test_serve_parser_options():
+    from peregrine.server.cli import add_serve_parser
+    p = argparse.ArgumentParser()
+    add_serve_parser(p.add_subparsers())
+    a = p.parse_args(["serve", "--model", MODEL, "--dummy-weights", "--port", "0", "--max-queue", "3",
+                      "--kv-cache-dtype", "fp8", "--additional-config", '{"cuda_graphs": false}'])
+    assert (a.max_queue, a.kv_cache_dtype, a.served_model_name, a.host) == (3, "fp8", None, "127.0.0.1")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_drains_in_flight(tmp_path):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "peregrine.server", "serve", "--model", MODEL, "--dummy-weights",
+                             "--port", str(port), "--max-model-len", str(MAX_LEN), "--dtype", "fp32",
+                             "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.time() + 2 * T
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.time() < deadline, "server did not come up"
+            time.sleep(0.2)
+        body = {"model": MODEL, "prompt": "drain", "max_tokens": 12, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        chunks = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=T) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[6:]))
+                    if len(chunks) == 1:
+                        proc.send_signal(signal.SIGTERM)  # mid-stream
+        assert chunks[-1]["usage"]["completion_tokens"] == 12
+        assert [c for c in chunks if c["choices"]][-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=T) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_zz_still_healthy(srv):
+    assert httpx.get(srv.url + "/health", timeout=T).status_code == 200
+    r = srv.client.completions.create(model=NAME, prompt="end", max_tokens=2, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    wait_idle(srv)
