@@ -23,14 +23,14 @@ for s in $STEPS; do
   echo "=== $s ($(date -u +%T))"
   case $s in
     tests)
-      timeout 300 python3 -m pytest -m gpu -q --timeout=120 -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest-gpu.log" | tail -30 ;;
+      timeout ${TEST_TIMEOUT:-200} python3 -m pytest -m gpu -q --timeout=120 -p no:cacheprovider ${TESTS:-tests/test_kernels_*.py tests/test_specialized.py} 2>&1 | tee "$OUT/pytest-gpu.log" | tail -30 ;;
     kernels)
-      timeout 300 python3 -m peregrine.cli bench kernels --results-dir results 2>&1 | tee "$OUT/kernels.log" | tail -60 ;;
+      timeout ${KERNELS_TIMEOUT:-300} python3 -m peregrine.cli bench kernels --results-dir results ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/kernels.log" | tail -60 ;;
     generate)
-      timeout 240 python3 -m peregrine.cli generate --model "$MODEL" --dummy-weights --prompt "The quick brown fox" \
+      timeout 120 python3 -m peregrine.cli generate --model "$MODEL" --dummy-weights --prompt "The quick brown fox" \
         --max-tokens 64 --ignore-eos --timing 2>&1 | tee "results/$DATE-h200-$MODEL-generate.txt" | tail -12 ;;
     decode)
-      timeout 540 python3 -m peregrine.cli bench decode --model "$MODEL" --dummy-weights --batch-sizes 1,2,4,8 \
+      timeout ${DECODE_TIMEOUT:-540} python3 -m peregrine.cli bench decode --model "$MODEL" --dummy-weights --batch-sizes 1,2,4,8 \
         --input-len 1 --backends standard,latency_specialized --results-dir results ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" | tail -40 ;;
   esac
 done

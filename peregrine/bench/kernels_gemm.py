@@ -36,9 +36,10 @@ QUICK = [(12576, 2304), (2304, 4096), (256, 2304), (163840, 2304), (7168, 12288)
 MS = (1, 2, 4, 8, 16)
 L2_BYTES = 60 << 20
 ROTATE_BYTES = 3 * L2_BYTES  # working set that cannot stay in L2
-MAX_COPIES = 64  # bounds memory for the smallest weights (f_b: 1 MB -> 64 MB)
-REPS = 20  # calls per graph replay: amortises the replay launch
+MAX_COPIES = 192  # bounds memory for the smallest weights (f_b: 1 MB -> 180 MB)
+REPS = 20  # min calls per graph replay (amortises the replay launch); every copy is used once
 DTYPE = torch.bfloat16
+DEVICE = "cuda"  # a module constant so the bench logic can be smoke-tested on CPU
 
 
 class Case:
@@ -47,33 +48,32 @@ class Case:
     def __init__(self, m, n, k, dtype=DTYPE):
         wbytes = n * k * torch.finfo(dtype).bits // 8
         copies = max(1, min(MAX_COPIES, -(-ROTATE_BYTES // wbytes)))
-        self.ws = [torch.randn(n, k, device="cuda").div_(k ** 0.5).to(dtype) for _ in range(copies)]
-        self.x = torch.randn(m, k, device="cuda").to(dtype)
-        self.y = torch.empty(m, n, device="cuda", dtype=dtype)
+        self.ws = [torch.randn(n, k, device=DEVICE).div_(k ** 0.5).to(dtype) for _ in range(copies)]
+        self.x = torch.randn(m, k, device=DEVICE).to(dtype)
+        self.y = torch.empty(m, n, device=DEVICE, dtype=dtype)
         self.bytes = wbytes + (m * k + m * n) * torch.finfo(dtype).bits // 8
         self.m, self.n, self.k = m, n, k
 
-    def graph(self, call):
-        """A CUDA graph of REPS calls over rotating weights; ms per call = replay / REPS."""
-        seq = [self.ws[i % len(self.ws)] for i in range(REPS)]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for w in seq[:3]:  # compile + allocator warm-up outside capture
-                call(w)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for w in seq:
-                call(w)
-        return g
-
     def time(self, call, iters=30) -> tuple[float, list[float]]:
-        from peregrine.bench.gpu import time_fn
-        g = self.graph(call)
-        samples = [t / REPS for t in time_fn(g.replay, iters=iters, warmup=3)]
-        del g
-        return statistics.median(samples), samples
+        return graph_time([lambda w=self.ws[i % len(self.ws)]: call(w) for i in range(max(REPS, len(self.ws)))], iters)
+
+
+def graph_time(calls, iters: int = 30) -> tuple[float, list[float]]:
+    """Capture `calls` in one CUDA graph; returns (median ms per call, samples ms per call)."""
+    from peregrine.bench.gpu import time_fn
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls[:3]:  # compile + allocator warm-up outside capture
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    samples = [t / len(calls) for t in time_fn(g.replay, iters=iters, warmup=3)]
+    del g
+    return statistics.median(samples), samples
 
 
 def _ours(case, cfg=None):
@@ -84,12 +84,16 @@ def _cublas(case):
     return lambda w: torch.matmul(case.x, w.t(), out=case.y)
 
 
-def run(copy_gbps: float, full: bool = True, tune: bool = False, iters: int = 30) -> list[dict]:
+def run(copy_gbps: float, full: bool = True, tune: bool = False, iters: int = 30, plan: dict | None = None,
+        ms=MS) -> list[dict]:
+    """One row per (shape, M): ours (plan config, or freshly tuned with tune=True) vs cuBLAS."""
     rows = []
-    plan = tune_plan(copy_gbps, full) if tune else None
-    for (n, k), m in itertools.product(SHAPES if full else QUICK, MS):
+    if tune and plan is None:
+        plan = tune_plan(copy_gbps, full, ms)
+    for (n, k), m in itertools.product(SHAPES if full else QUICK, ms):
         case = Case(m, n, k)
         cfg = plan[gemm.plan_key(m, n, k)] if plan else gemm.lookup(m, n, k)
+        cfg = {key: v for key, v in cfg.items() if key != "measured"}
         t, samples = case.time(_ours(case, cfg), iters)
         tc, _ = case.time(_cublas(case), iters)
         gbps, gbps_c = case.bytes / t / 1e6, case.bytes / tc / 1e6
@@ -105,22 +109,25 @@ def run(copy_gbps: float, full: bool = True, tune: bool = False, iters: int = 30
 def candidates(m: int, n: int, k: int):
     """A small sweep: compile time, not run time, bounds how many configs we can try."""
     dots = (False, True) if m <= gemm.FMA_MAX_ROWS else (True,)
-    for dot, bn, bk, warps in itertools.product(dots, (16, 32, 64), (64, 128, 256), (4, 8)):
-        if not dot and m * bn * bk > 8192:  # FMA accumulator would spill
-            continue
+    bm = min(1 << (m - 1).bit_length(), gemm.FMA_MAX_ROWS)
+    for dot, bn, bk, warps in itertools.product(dots, (16, 32, 64), (128, 256, 512, 1024), (4, 8)):
+        if (not dot and bm * bn * bk > gemm.FMA_ACC_REGS * 32 * warps) or (dot and bn * bk > 64 * 256):
+            continue  # accumulator or tile would spill registers
         tiles = -(-n // bn)
         for split in (1, 2, 4, 8, 16):
-            if split > 1 and (tiles * split > 8 * gemm.NUM_SMS or k < split * bk):
-                continue
+            if split > 1 and (tiles >= 2 * gemm.NUM_SMS or tiles * split > 8 * gemm.NUM_SMS or k < split * bk):
+                continue  # enough programs already / too many partials / empty splits
             yield {"kernel": "splitk" if split > 1 else "plain", "BLOCK_N": bn, "BLOCK_K": bk,
-                   "SPLIT_K": split, "num_warps": warps, "num_stages": 3, "dot": dot}
+                   "SPLIT_K": split, "num_warps": warps, "num_stages": 2, "dot": dot}
 
 
 def tune_one(m, n, k, copy_gbps: float, iters: int = 10) -> dict:
     case = Case(m, n, k)
     ref = gemm.skinny_gemm_ref(case.x, case.ws[0])
     results = []
-    for cfg in candidates(m, n, k):
+    heur = gemm.heuristic(m, n, k)
+    cfgs = list(candidates(m, n, k))
+    for cfg in cfgs + ([heur] if heur not in cfgs else []):
         try:
             case.y.zero_()
             gemm.skinny_gemm(case.x, case.ws[0], out=case.y, config=cfg)
@@ -134,7 +141,6 @@ def tune_one(m, n, k, copy_gbps: float, iters: int = 10) -> dict:
         results.append((t, cfg))
     results.sort(key=lambda r: r[0])
     t, best = results[0]
-    heur = gemm.heuristic(m, n, k)
     t_heur = next((r[0] for r in results if r[1] == heur), None)
     gbps = case.bytes / t / 1e6
     return best | {"measured": {"time_ms": t, "gbps": gbps, "pct_of_copy": gbps / copy_gbps,
@@ -173,14 +179,16 @@ def main():
     ap.add_argument("--quick", action="store_true", help="five representative shapes only")
     ap.add_argument("--tune", action="store_true", help="sweep configs per shape before timing")
     ap.add_argument("--write-plan", action="store_true", help="with --tune: merge the winners into gemm_plan.json")
+    ap.add_argument("--ms", default="1,2,4,8,16", help="row counts M, comma separated")
     ap.add_argument("--results-dir", default="results")
     a = ap.parse_args()
+    ms = tuple(int(v) for v in a.ms.split(","))
     copy = copy_bandwidth()
     meta = run_metadata() | {"copy_gbps": copy["gbps"], "copy_samples_ms": copy["samples_ms"]}
-    plan = tune_plan(copy["gbps"], not a.quick) if a.tune else None
+    plan = tune_plan(copy["gbps"], not a.quick, ms) if a.tune else None
     if plan and a.write_plan:
         write_plan(plan, {k: meta[k] for k in ("commit", "gpu", "torch", "triton", "time_utc", "copy_gbps")})
-    rows = run(copy["gbps"], full=not a.quick)  # times the (possibly new) plan
+    rows = run(copy["gbps"], full=not a.quick, plan=plan, ms=ms)
     path = write_result(result_path("kernels", "gemm", a.results_dir), {"meta": meta, "plan": plan, "rows": rows})
     print(f"copy bandwidth {copy['gbps']:.0f} GB/s\n{table(rows)}\n-> {path}")
 

@@ -28,7 +28,7 @@ from .protocol import (DEFAULT_COMPLETION_TOKENS, APIError, completion_prompt_id
                        parse_common, usage)
 
 log = logging.getLogger(__name__)
-DEFAULT_MAX_QUEUE = 256  # waiting requests before 429: ~a minute of backlog at small batch
+from .cli import DEFAULT_MAX_QUEUE  # noqa: E402  (one definition, in the import-light cli module)
 REPLACEMENT = "\ufffd"   # what a cut multi-byte character decodes to: held back until complete
 
 

@@ -10,7 +10,7 @@ import logging
 import signal
 import sys
 
-from .app import DEFAULT_MAX_QUEUE
+DEFAULT_MAX_QUEUE = 256  # waiting requests before 429: ~a minute of backlog at small batch
 
 DEFAULT_DRAIN_S = 60.0  # SIGTERM waits this long for in-flight requests before cutting them
 

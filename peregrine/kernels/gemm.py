@@ -1,0 +1,195 @@
+"""Skinny GEMM for decode: y = x @ w.T with x [M, K] (M = 1..16), w [N, K].
+
+At M <= 16 the GEMM is a weight-streaming problem: every program owns a tile
+of N, reads its rows of w exactly once and produces all M rows from that one
+load. Two variants share one kernel body:
+  plain   grid (N tiles, 1, M tiles), writes y directly;
+  splitk  grid (N tiles, SPLIT_K, M tiles), writes FP32 partials to a
+          workspace, then a second kernel sums them in a fixed order (no
+          atomics: bitwise reproducible run to run).
+Inner product either on tensor cores (tl.dot, rows padded to 16) or as FMAs
+into a [BM, BN, BK] accumulator reduced once at the end (cheap for M <= 4).
+gemm_plan.json maps "M,N,K" -> config, measured on the GPU by
+peregrine.bench.kernels_gemm --tune; other shapes use `heuristic`.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from peregrine.kernels import interpreting
+
+PLAN_PATH = Path(__file__).with_name("gemm_plan.json")
+NUM_SMS = 132  # H200; the heuristic aims for >= 2 waves of programs
+DOT_MIN_ROWS = 16  # tl.dot needs >= 16 rows; smaller M is zero-padded
+FMA_MAX_ROWS = 4  # above this the FMA path does too much ALU work per weight byte
+FMA_ACC_REGS = 64  # FP32 accumulator registers per thread for the FMA path (no spills at 64)
+MAX_SPLIT_K = 16  # more partials cost more workspace traffic than they save
+SUPPORTED = (torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys, k_per_split,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    k0 = pid_s * k_per_split
+    m_ok = rm < M
+    n_ok = rn < N
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :]
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :]
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, k_per_split, BLOCK_K):
+        if EVEN_K:
+            xk = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            wk = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = (k0 + k + rk) < K
+            xk = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            wk = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if USE_DOT:
+            if IEEE:  # FP32 operands: exact FP32 products, not TF32 (see _use_ieee)
+                acc = tl.dot(xk.to(tl.float32), tl.trans(wk.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xk.to(tl.bfloat16), tl.trans(wk.to(tl.bfloat16)), acc)
+        else:
+            acc3 += xk.to(tl.float32)[:, None, :] * wk.to(tl.float32)[None, :, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if not USE_DOT:
+        acc = tl.sum(acc3, axis=2)
+    y_ptrs = y_ptr + pid_s.to(tl.int64) * stride_ys + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _splitk_reduce_kernel(ws_ptr, y_ptr, N, stride_ws_s, stride_ws_m, stride_ym,
+                          SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    m = tl.program_id(1)
+    rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rn < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # fixed order: deterministic
+        acc += tl.load(ws_ptr + s * stride_ws_s + m * stride_ws_m + rn, mask=ok, other=0.0)
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+REDUCE_BLOCK = 1024  # the reduction is tiny (SPLIT_K * M * N floats); one wide tile per program
+
+
+def skinny_gemm_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """FP32 reference: x @ w.T."""
+    return x.float() @ w.float().t()
+
+
+def heuristic(M: int, N: int, K: int) -> dict:
+    """A config for shapes not in the plan. Triton does not software-pipeline these loads
+    (no cp.async in the PTX), so the bytes in flight per program are one BN x BK tile:
+    make it ~16 KB, and have enough programs to fill the GPU twice."""
+    dot = M > FMA_MAX_ROWS
+    warps = 4
+    block_n = next((b for b in (64, 32) if triton.cdiv(N, b) >= 2 * NUM_SMS), 16)
+    if dot:
+        block_k = 256 if block_n <= 32 else 128
+    else:  # FMA accumulator BM x BN x BK fp32 within ~64 registers per thread
+        bm = min(triton.next_power_of_2(M), FMA_MAX_ROWS)
+        block_n = 16
+        warps = 4 if bm == 1 else 8
+        block_k = min(512, FMA_ACC_REGS * 32 * warps // (bm * block_n))
+    block_k = min(block_k, max(DOT_MIN_ROWS, triton.next_power_of_2(K)))  # no all-masked tail
+    tiles = triton.cdiv(N, block_n)
+    split = 1
+    while tiles * split < 2 * NUM_SMS and K >= split * 2 * 2 * block_k and split < MAX_SPLIT_K:
+        split *= 2
+    return {"kernel": "splitk" if split > 1 else "plain", "BLOCK_N": block_n, "BLOCK_K": block_k,
+            "SPLIT_K": split, "num_warps": warps, "num_stages": 2, "dot": dot}
+
+
+@functools.cache
+def load_plan(path: str | None = None) -> dict:
+    p = Path(path) if path else PLAN_PATH
+    if not p.exists():
+        return {}
+    return json.loads(p.read_text()).get("entries", {})
+
+
+def plan_key(M: int, N: int, K: int) -> str:
+    return f"{M},{N},{K}"
+
+
+@functools.lru_cache(maxsize=4096)
+def lookup(M: int, N: int, K: int) -> dict:
+    entry = load_plan().get(plan_key(M, N, K))
+    if entry is None:
+        return heuristic(M, N, K)
+    cfg = heuristic(M, N, K)
+    cfg.update({k: v for k, v in entry.items() if k in cfg})
+    return cfg
+
+
+def _check_2d(t: torch.Tensor, name: str) -> None:
+    assert t.dim() == 2 and t.stride(1) == 1, f"{name} must be 2-D with unit inner stride"
+    assert t.dtype in SUPPORTED, f"{name}: dtype {t.dtype} not supported"
+
+
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                config: dict | None = None) -> torch.Tensor:
+    """y = x @ w.T, FP32 accumulation, y in x.dtype (or written into `out`, which may be
+    a row-strided view such as a column slice of a wider buffer). `config` overrides the plan."""
+    lead = x.shape[:-1]
+    if x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1])
+    M, K = x.shape
+    N = w.shape[0]
+    assert w.shape[1] == K, f"K mismatch: x {tuple(x.shape)}, w {tuple(w.shape)}"
+    _check_2d(x, "x")
+    _check_2d(w, "w")
+    y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
+    assert y.shape == (M, N), f"out shape {tuple(y.shape)} != {(M, N)}"
+    _check_2d(y, "out")
+    if M == 0:
+        return y
+    cfg = config or lookup(M, N, K)
+    launch(x, w, y, cfg)
+    return y.reshape(*lead, N) if out is None and len(lead) != 1 else y
+
+
+def _use_ieee(x, w) -> bool:
+    # FP32 operands need an IEEE dot (Triton's default is TF32). The Triton 3.6 interpreter
+    # returns garbage for BF16 tl.dot, so there BF16 operands are widened to FP32 (exact).
+    return (x.dtype == torch.float32 and w.dtype == torch.float32) or interpreting()
+
+
+def launch(x, w, y, cfg: dict) -> None:
+    M, K = x.shape
+    N = w.shape[0]
+    bn, bk, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"] if cfg["kernel"] == "splitk" else 1
+    dot = cfg.get("dot", M > FMA_MAX_ROWS)
+    bm = DOT_MIN_ROWS if dot else min(triton.next_power_of_2(M), FMA_MAX_ROWS)
+    k_per = triton.cdiv(triton.cdiv(K, split), bk) * bk
+    split = triton.cdiv(K, k_per)  # drop splits that would start past K
+    even_k = k_per * split == K
+    ieee = _use_ieee(x, w)
+    grid = (triton.cdiv(N, bn), split, triton.cdiv(M, bm))
+    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot, IEEE=ieee, EVEN_K=even_k,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split == 1:
+        _gemm_kernel[grid](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), 0, k_per, **meta)
+        return
+    ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+    _gemm_kernel[grid](x, w, ws, M, N, K, x.stride(0), w.stride(0), N, M * N, k_per, **meta)
+    rgrid = (triton.cdiv(N, REDUCE_BLOCK), M)
+    _splitk_reduce_kernel[rgrid](ws, y, N, M * N, N, y.stride(0), SPLIT_K=split, BLOCK=REDUCE_BLOCK, num_warps=4)

@@ -1,0 +1,103 @@
+"""RMSNorm / fused add + RMSNorm (peregrine/kernels/norm.py) against FP32 math written here."""
+import pytest
+import torch
+
+from conftest import FULL_SHAPES
+from peregrine.kernels import norm
+from peregrine.kernels.norm import add_rms_norm, rms_norm
+from peregrine.testing import SENTINEL, assert_close, poisoned
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+EPS = 1e-5  # the presets' rms_norm_eps
+DS = [256, 100, 4097, 2304] + ([7168, 512, 9000] if FULL_SHAPES else [])
+MS = [1, 3, 7, 16]
+
+
+def ref_norm(v, w, eps=EPS):
+    v = v.double()
+    return (v / torch.sqrt((v * v).sum(-1, keepdim=True) / v.shape[-1] + eps) * w.double()).float()
+
+
+def _rand(shape, dtype, device, seed, scale=1.0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(shape, generator=g, device=device) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("d", DS)
+def test_rms_norm(d, m, dtype, device):
+    x, w = _rand((m, d), dtype, device, 0, 3.0), _rand((d,), dtype, device, 1)
+    out = poisoned((m, d), dtype, device)
+    rms_norm(x, w, EPS, out=out)
+    assert_close(out, ref_norm(x, w), TOL[dtype])
+    assert torch.equal(rms_norm(x, w, EPS), out)
+
+
+@pytest.mark.parametrize("res_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,d", [(1, 256), (7, 100), (3, 4097), (16, 2304)])
+def test_add_rms_norm(m, d, dtype, res_dtype, device):
+    x, w = _rand((m, d), dtype, device, 2), _rand((d,), dtype, device, 3)
+    res = _rand((m, d), res_dtype, device, 4, 2.0)
+    want_res = (res.double() + x.double()).to(res_dtype)  # one rounding of the exact sum
+    out = poisoned((m, d), dtype, device)
+    y, r = add_rms_norm(x, res, w, EPS, out=out)
+    assert r is res and y is out
+    if res_dtype == dtype == torch.bfloat16 and device == "cuda":  # exact FP32 sum, one RTNE rounding
+        assert torch.equal(res, want_res)
+    if res_dtype == torch.bfloat16:  # the interpreter rounds FP32 -> BF16 toward zero: one ulp
+        assert ((res.double() - want_res.double()).abs() <= want_res.double().abs() * 2 ** -7).all()
+    else:
+        assert_close(res, want_res, 1e-7, "residual")
+    assert_close(out, ref_norm(res, w), TOL[dtype])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_two_pass_path(fused, device, monkeypatch):
+    monkeypatch.setattr(norm, "MAX_BLOCK", 1024)  # 4097 -> five chunks, two passes
+    m, d = 3, 4097
+    x, w = _rand((m, d), torch.float32, device, 5), _rand((d,), torch.float32, device, 6)
+    out = poisoned((m, d), torch.float32, device)
+    if fused:
+        res = _rand((m, d), torch.float32, device, 7)
+        want = ref_norm(res + x, w)
+        add_rms_norm(x, res, w, EPS, out=out)
+    else:
+        want = ref_norm(x, w)
+        rms_norm(x, w, EPS, out=out)
+    assert_close(out, want, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_strided_rows_leave_neighbours(fused, device):
+    m, d = 5, 100
+    xb = _rand((m, d + 9), torch.bfloat16, device, 8)
+    x, w = xb[:, 4:4 + d], _rand((d,), torch.bfloat16, device, 9)
+    buf = torch.full((m + 2, d + 16), SENTINEL, dtype=torch.bfloat16, device=device)
+    before = buf.clone()
+    out = buf[1:m + 1, 8:8 + d]
+    if fused:
+        rb = torch.full((m, d + 6), SENTINEL, dtype=torch.float32, device=device)
+        rb[:, 3:3 + d] = _rand((m, d), torch.float32, device, 10)
+        rb_before = rb.clone()
+        add_rms_norm(x, rb[:, 3:3 + d], w, EPS, out=out)
+        want = ref_norm(rb[:, 3:3 + d], w)
+        assert torch.equal(rb[:, :3], rb_before[:, :3]) and torch.equal(rb[:, 3 + d:], rb_before[:, 3 + d:])
+    else:
+        rms_norm(x, w, EPS, out=out)
+        want = ref_norm(x, w)
+    assert_close(out, want, TOL[torch.bfloat16])
+    keep = torch.ones_like(buf, dtype=torch.bool)
+    keep[1:m + 1, 8:8 + d] = False
+    assert torch.equal(buf[keep], before[keep])
+
+
+def test_references_agree(device):
+    x, w = _rand((3, 100), torch.float32, device, 11), _rand((100,), torch.float32, device, 12)
+    res = _rand((3, 100), torch.bfloat16, device, 13)
+    assert_close(norm.rms_norm_ref(x, w, EPS), ref_norm(x, w), 1e-6)
+    y, r = norm.add_rms_norm_ref(x, res, w, EPS)
+    assert r.dtype == torch.bfloat16 and torch.equal(r, (res.float() + x).to(torch.bfloat16))

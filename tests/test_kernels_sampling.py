@@ -1,0 +1,137 @@
+"""argmax / sample (peregrine/kernels/sampling.py) against references written here."""
+import pytest
+import torch
+
+from conftest import FULL_SHAPES
+from peregrine.kernels import sampling
+from peregrine.kernels.sampling import argmax, sample
+
+pytestmark = pytest.mark.gpu
+
+VOCAB = 163840  # Kimi vocab
+
+
+# The interpreter costs ~25 ms per program whatever its size, so CPU runs keep program
+# counts (rows x vocab chunks) small; the GPU pass runs the larger sample counts.
+CPU = not FULL_SHAPES
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Shrink the vocab chunk so a small vocab still spans several programs and stage 2 merges them."""
+    monkeypatch.setattr(sampling, "BLOCK_V", 64)
+
+
+def _logits(b, v, device, seed=0, dtype=torch.float32, scale=3.0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(b, v, generator=g, device=device) * scale).to(dtype)
+
+
+def ref_dist(row, t, k, p):
+    """FP64 distribution after temperature, top-k, renormalisation and nucleus."""
+    q = torch.softmax(row.double() / t, -1)
+    qs, order = torch.sort(q, descending=True, stable=True)
+    kk = k if k > 0 else q.numel()
+    qs, order = qs[:kk], order[:kk]
+    before = torch.cumsum(qs, 0) - qs
+    keep = before < p * qs.sum()
+    keep[0] = True
+    out = torch.zeros_like(q)
+    out[order[keep]] = qs[keep]
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,v", [(1, VOCAB), (3, 100), (7, 4097), (16, 257)] + ([(8, VOCAB)] if FULL_SHAPES else []))
+def test_argmax(b, v, dtype, device):
+    x = _logits(b, v, device, dtype=dtype)
+    top = x.float().max() + 1
+    x[0, v - 1] = top  # a tie across chunks: the lower index must win
+    x[0, v // 3] = top
+    if b > 1:
+        x[1] = float("-inf")  # all -inf: index 0 like torch
+        x[1, v - 1] = top if b > 2 else x[1, v - 1]
+    got = argmax(x)
+    assert got.dtype == torch.int64 and got.shape == (b,)
+    assert torch.equal(got, torch.argmax(x.float(), dim=-1))
+
+
+def test_argmax_strided_rows(small_chunks, device):
+    big = _logits(5, 150, device, seed=3)
+    x = big[:, 20:120]
+    assert torch.equal(argmax(x), torch.argmax(x, dim=-1))
+
+
+def _params(b, device, temps, ks, ps, seed0=0, off=0):
+    f = lambda vals, dt: torch.tensor([vals[i % len(vals)] for i in range(b)], dtype=dt, device=device)
+    return (f(temps, torch.float32), f(ks, torch.int32), f(ps, torch.float32),
+            torch.arange(seed0, seed0 + b, dtype=torch.int64, device=device),
+            torch.full((b,), off, dtype=torch.int64, device=device))
+
+
+def test_greedy_rows_equal_argmax(device):
+    x = _logits(7, 300, device, seed=4)
+    t, k, p, s, o = _params(7, device, [0.0, 1.0, 0.0, 0.8], [0, 5, 3, 0], [1.0, 0.9, 0.5, 0.3])
+    got = sample(x, t, k, p, s, o)
+    greedy = torch.argmax(x, dim=-1)
+    assert torch.equal(got[t == 0], greedy[t == 0])
+    one = _params(7, device, [1.0], [1], [1.0])  # top_k = 1 and top_p = 0 are greedy too
+    assert torch.equal(sample(x, *one), greedy)
+    zero_p = _params(7, device, [1.5], [0], [0.0])
+    assert torch.equal(sample(x, *zero_p), greedy)
+
+
+@pytest.mark.parametrize("v", [50, 1000])
+def test_samples_stay_in_topk_topp(v, device):
+    b = 24 if CPU else 96
+    x = _logits(b, v, device, seed=5, scale=2.0)
+    cfg = dict(temps=[0.5, 1.0, 1.7], ks=[0, 1, 7, 40], ps=[1.0, 0.9, 0.6, 0.2])
+    allowed = []
+    for i in range(b):
+        t, k, p = cfg["temps"][i % 3], cfg["ks"][i % 4], cfg["ps"][i % 4]
+        allowed.append(ref_dist(x[i].cpu(), t, k, p + 1e-6) > 0)  # slack for FP ties at the edge
+    allowed = torch.stack(allowed)
+    for off in range(2 if CPU else 8):
+        got = sample(x, *_params(b, device, **cfg, off=off)).cpu()
+        assert allowed[torch.arange(b), got].all(), f"offset {off}: sample outside the kept set"
+
+
+@pytest.mark.parametrize("t,k,p", [(0.7, 5, 0.9)] + ([] if CPU else [(1.0, 0, 1.0), (1.3, 0, 0.75)]))
+def test_distribution_matches(t, k, p, device):
+    v, n = 12, 400 if CPU else 20000
+    row = _logits(1, v, device, seed=6, scale=1.5)[0]
+    want = ref_dist(row.cpu(), t, k, p)
+    x = row.expand(n, v)
+    got = sample(x, *_params(n, device, [t], [k], [p], seed0=1000)).cpu()
+    counts = torch.bincount(got, minlength=v).double()
+    assert counts[want == 0].sum() == 0
+    exp = want[want > 0] * n
+    chi2 = (((counts[want > 0] - exp) ** 2) / exp).sum().item()
+    df = int((want > 0).sum()) - 1
+    assert chi2 < df + 6 * (2 * df) ** 0.5 + 10, f"chi2 {chi2:.1f} with {df} dof"  # ~6 sigma
+
+
+def test_same_seed_offset_same_token_whatever_the_batch(small_chunks, device):
+    v = 200
+    x = _logits(8, v, device, seed=7, scale=1.0)
+    t, k, p, s, o = _params(8, device, [1.0, 0.9, 0.0, 1.2], [0, 50, 0, 10], [1.0, 0.95, 1.0, 0.8], off=11)
+    full = sample(x, t, k, p, s, o)
+    for i in (0, 3, 5):
+        alone = sample(x[i:i + 1], t[i:i + 1], k[i:i + 1], p[i:i + 1], s[i:i + 1], o[i:i + 1])
+        assert alone.item() == full[i].item()
+    perm = torch.tensor([5, 1, 7, 0, 3, 2, 6, 4], device=device)
+    shuffled = sample(x[perm], t[perm], k[perm], p[perm], s[perm], o[perm])
+    assert torch.equal(shuffled, full[perm])
+    assert torch.equal(sample(x, t, k, p, s, o), full)
+    # the offset is part of the key: a flat distribution must not repeat one token
+    flat = torch.zeros(1, v, device=device)
+    draws = {sample(flat, *_params(1, device, [1.0], [0], [1.0], seed0=3, off=j)).item() for j in range(12)}
+    assert len(draws) > 6
+
+
+def test_full_vocab_sample(device):
+    x = _logits(2, VOCAB, device, seed=8)
+    t, k, p, s, o = _params(2, device, [1.0], [0, 20], [0.9, 1.0])
+    got = sample(x, t, k, p, s, o)
+    for i in range(2):
+        assert ref_dist(x[i].cpu(), 1.0, int(k[i]), float(p[i]) + 1e-6)[got[i].item()] > 0
