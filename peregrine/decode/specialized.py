@@ -66,7 +66,8 @@ class SpecializedRunner:
             self.last_path, self.greedy_tokens = "standard", None
             return self.standard.forward(step)
         self.last_path = self.name
-        logits, self.greedy_tokens = self.graphs.run(step) if self.graphs else self._step(step)
+        out = self.graphs.run(step) if self.graphs else None
+        logits, self.greedy_tokens = out if out is not None else self._step(step)
         if self.record_routing:
             self.standard._routing.append(
                 [int(torch.unique(l.mlp.last_ids).numel()) for l in self.model.layers if l.is_moe])

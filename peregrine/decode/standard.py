@@ -30,6 +30,7 @@ class GraphCache:
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.uses: dict[tuple[int, int], int] = {}
         self.capture_s = 0.0
+        self.broken: str | None = None
 
     def _static(self, B: int, nb: int) -> StepInput:
         c, dev = self.cache, self.cache.latent.device
@@ -66,9 +67,19 @@ class GraphCache:
         return step.num_seqs, min(context_bucket(need), self.cache.num_blocks)
 
     def run(self, step: StepInput):
+        """Replay the step's graph; None if graphs are off after a failed capture (caller runs eagerly)."""
+        if self.broken:
+            return None
         key = self.key_for(step)
         if key not in self.graphs:
-            self._capture(key)
+            try:
+                self._capture(key)
+            except Exception as e:  # keep serving, loudly: an eager step is slow but correct
+                self.broken = f"{type(e).__name__}: {e}"
+                if self.log:
+                    self.log(f"WARNING: CUDA graph capture failed ({self.broken}); running eagerly from now on")
+                torch.cuda.synchronize()
+                return None
         g, st, out = self.graphs[key]
         nb = key[1]
         st.input_ids.copy_(step.input_ids)
@@ -118,9 +129,10 @@ class StandardRunner:
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:
+        logits = None
         if self.graphs is not None and step.is_decode and step.num_seqs <= self.graphs.max_batch:
             logits = self.graphs.run(step)
-        else:
+        if logits is None:
             logits = self._forward(step)
         if self.record_routing:
             self._routing.append([int(torch.unique(l.mlp.last_ids).numel()) for l in self.model.layers if l.is_moe])
