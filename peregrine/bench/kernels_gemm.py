@@ -121,12 +121,21 @@ def candidates(m: int, n: int, k: int):
                    "SPLIT_K": split, "num_warps": warps, "num_stages": 2, "dot": dot}
 
 
-def tune_one(m, n, k, copy_gbps: float, iters: int = 10) -> dict:
+def fast_candidates(m: int, n: int, k: int):
+    """The heuristic tile with and without tensor cores, and cuBLAS: a plan in seconds per shape."""
+    heur = gemm.heuristic(m, n, k)
+    yield heur
+    if not heur["dot"]:  # small M: the tensor-core tile (rows padded to 16) may still win
+        yield gemm.heuristic(gemm.FMA_MAX_ROWS + 1, n, k)
+    yield heur | {"kernel": "torch"}
+
+
+def tune_one(m, n, k, copy_gbps: float, iters: int = 10, fast: bool = False) -> dict:
     case = Case(m, n, k)
     ref = gemm.skinny_gemm_ref(case.x, case.ws[0])
     results = []
     heur = gemm.heuristic(m, n, k)
-    cfgs = list(candidates(m, n, k))
+    cfgs = list(fast_candidates(m, n, k) if fast else candidates(m, n, k)) + ([] if fast else [heur | {"kernel": "torch"}])
     for cfg in cfgs + ([heur] if heur not in cfgs else []):
         try:
             case.y.zero_()
@@ -148,10 +157,10 @@ def tune_one(m, n, k, copy_gbps: float, iters: int = 10) -> dict:
                                 "heuristic_ms": t_heur, "candidates": len(results)}}
 
 
-def tune_plan(copy_gbps: float, full: bool = True, ms=MS) -> dict:
+def tune_plan(copy_gbps: float, full: bool = True, ms=MS, fast: bool = False) -> dict:
     plan = {}
     for (n, k), m in itertools.product(SHAPES if full else QUICK, ms):
-        plan[gemm.plan_key(m, n, k)] = tune_one(m, n, k, copy_gbps)
+        plan[gemm.plan_key(m, n, k)] = tune_one(m, n, k, copy_gbps, fast=fast)
         print(gemm.plan_key(m, n, k), plan[gemm.plan_key(m, n, k)])
     return plan
 
@@ -179,13 +188,14 @@ def main():
     ap.add_argument("--quick", action="store_true", help="five representative shapes only")
     ap.add_argument("--tune", action="store_true", help="sweep configs per shape before timing")
     ap.add_argument("--write-plan", action="store_true", help="with --tune: merge the winners into gemm_plan.json")
+    ap.add_argument("--fast", action="store_true", help="with --tune: only heuristic tile (FMA / tensor-core) vs cuBLAS")
     ap.add_argument("--ms", default="1,2,4,8,16", help="row counts M, comma separated")
     ap.add_argument("--results-dir", default="results")
     a = ap.parse_args()
     ms = tuple(int(v) for v in a.ms.split(","))
     copy = copy_bandwidth()
     meta = run_metadata() | {"copy_gbps": copy["gbps"], "copy_samples_ms": copy["samples_ms"]}
-    plan = tune_plan(copy["gbps"], not a.quick, ms) if a.tune else None
+    plan = tune_plan(copy["gbps"], not a.quick, ms, fast=a.fast) if a.tune else None
     if plan and a.write_plan:
         write_plan(plan, {k: meta[k] for k in ("commit", "gpu", "torch", "triton", "time_utc", "copy_gbps")})
     rows = run(copy["gbps"], full=not a.quick, plan=plan, ms=ms)

@@ -24,6 +24,7 @@ from ..models.layers import swiglu
 from .standard import GraphCache
 
 MAX_DECODE_BATCH = 16  # the skinny GEMMs are written for M ≤ 16 rows
+MOE_DOWN = "partials"  # H200 run 2026-11-29: 0.082 vs 0.114 ms (B=1), 0.42 vs 0.66 ms (B=8) for "fused"
 
 
 class SpecializedRunner:
@@ -145,7 +146,7 @@ class SpecializedRunner:
         ids, w = moe_route(h, moe.gate_w, moe.bias, cfg.num_experts_per_token, cfg.moe_renormalize,
                            cfg.routed_scaling_factor)
         moe.last_ids = ids
-        y = moe_experts(h, moe.w13, moe.w2, ids, w)
+        y = moe_experts(h, moe.w13, moe.w2, ids, w, down=MOE_DOWN)
         if shared is None:
             return y
         if self.side is not None:

@@ -94,6 +94,7 @@ class GraphCache:
         self.uses[key] = self.uses.get(key, 0) + 1
         return out
 
+    @torch.inference_mode()  # the static buffers are inference tensors when captured under it
     def replay_time(self, B: int, iters: int = 100) -> float | None:
         """Median ms of `iters` replays of B's most-used graph, timed with CUDA events, on scratch inputs."""
         keys = [k for k in self.graphs if k[0] == B]

@@ -176,6 +176,12 @@ def _use_ieee(x, w) -> bool:
 def launch(x, w, y, cfg: dict) -> None:
     M, K = x.shape
     N = w.shape[0]
+    if cfg["kernel"] == "torch":  # the plan picked cuBLAS: it measured faster for this shape
+        if y.is_contiguous():
+            torch.matmul(x, w.t(), out=y)
+        else:
+            y.copy_(torch.matmul(x, w.t()))
+        return
     bn, bk, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"] if cfg["kernel"] == "splitk" else 1
     dot = cfg.get("dot", M > FMA_MAX_ROWS)
     bm = DOT_MIN_ROWS if dot else min(triton.next_power_of_2(M), FMA_MAX_ROWS)
