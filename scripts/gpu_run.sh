@@ -23,12 +23,12 @@ for s in $STEPS; do
   echo "=== $s ($(date -u +%T))"
   case $s in
     tests)
-      timeout ${TEST_TIMEOUT:-200} python3 -m pytest -m gpu -q --timeout=120 -p no:cacheprovider ${TESTS:-tests/test_kernels_*.py tests/test_specialized.py} 2>&1 | tee "$OUT/pytest-gpu.log" | tail -30 ;;
+      timeout ${TEST_TIMEOUT:-200} python3 -m pytest -m gpu -q --timeout=120 -p no:cacheprovider ${TESTS:-tests/test_kernels_*.py tests/test_specialized.py} -rf 2>&1 | tee "$OUT/pytest-gpu.log" | tail -30 ;;
     tune)  # plan table: heuristic tile vs tensor-core tile vs cuBLAS for every projection shape
       timeout ${TUNE_TIMEOUT:-240} python3 -m peregrine.bench.kernels_gemm --tune --fast --write-plan --results-dir results 2>&1 | tee "$OUT/tune.log" | tail -95
       cp peregrine/kernels/gemm_plan.json "$OUT/" ;;
     profile)  # per-kernel breakdown of one decode step, next to its graph replay time
-      timeout ${PROFILE_TIMEOUT:-240} python3 -m peregrine.bench.profile_step --model "$MODEL" --dummy-weights --batch-sizes 1,8 \
+      timeout ${PROFILE_TIMEOUT:-240} python3 -m peregrine.bench.profile_step --model "$MODEL" --dummy-weights --batch-sizes 1,8 ${PROFILE_ARGS:-} \
         --results-dir results 2>&1 | tee "$OUT/profile.log" | tail -70 ;;
     kernels)
       timeout ${KERNELS_TIMEOUT:-300} python3 -m peregrine.cli bench kernels --results-dir results ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/kernels.log" | tail -60 ;;

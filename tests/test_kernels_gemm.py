@@ -84,9 +84,22 @@ def test_plan_entries_valid_and_fallback():
     for key, e in gemm.load_plan().items():
         m, n, k = map(int, key.split(","))
         cfg = gemm.lookup(m, n, k)
-        assert cfg["kernel"] in ("plain", "splitk") and cfg["BLOCK_K"] & (cfg["BLOCK_K"] - 1) == 0, key
+        assert cfg["kernel"] in ("plain", "splitk", "torch") and cfg["BLOCK_K"] & (cfg["BLOCK_K"] - 1) == 0, key
         assert e.get("kernel") == cfg["kernel"]
+        assert e["measured"]["time_ms"] > 0, key  # every entry carries the timing that chose it
     cfg = gemm.lookup(3, 12345, 6789)  # not in any plan
     assert cfg == gemm.heuristic(3, 12345, 6789)
     small_n = gemm.heuristic(1, 256, 2304)  # router: few N tiles -> split K
     assert small_n["kernel"] == "splitk" and small_n["SPLIT_K"] > 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cublas_plan_entry_into_strided_out(device, dtype):
+    """A plan entry may pick cuBLAS ("torch"); it must honour `out` slices like the Triton kernels."""
+    x, w = torch.randn(3, 100, device=device, dtype=dtype), torch.randn(40, 100, device=device, dtype=dtype)
+    buf = torch.full((3, 64), SENTINEL, device=device, dtype=dtype)
+    y = buf[:, 8:48]
+    y.fill_(float("nan"))
+    skinny_gemm(x, w, out=y, config=gemm.heuristic(3, 40, 100) | {"kernel": "torch"})
+    assert_close(y, gemm.skinny_gemm_ref(x, w), 1e-5 if dtype == torch.float32 else 1e-2)
+    assert (buf[:, :8] == SENTINEL).all() and (buf[:, 48:] == SENTINEL).all()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 
 import torch
 
@@ -83,6 +84,8 @@ def main() -> None:
     rows = []
     for be in a.backends.split(","):
         rows += profile_backend(a.model, be, bs, a.dummy_weights)
+        gc.collect()  # the engine sits in a reference cycle; two 92 GiB models do not fit together
+        torch.cuda.empty_cache()
     path = gpu.write_result(gpu.result_path(a.model, "profile", a.results_dir),
                             {"meta": gpu.run_metadata(), "copy_bandwidth": copy, "rows": rows})
     print(f"wrote {path}")
