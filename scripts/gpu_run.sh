@@ -23,7 +23,7 @@ for s in $STEPS; do
   echo "=== $s ($(date -u +%T))"
   case $s in
     tests)
-      timeout ${TEST_TIMEOUT:-200} python3 -m pytest -m gpu -q --timeout=120 -p no:cacheprovider ${TESTS:-tests/test_kernels_*.py tests/test_specialized.py} -rf 2>&1 | tee "$OUT/pytest-gpu.log" | tail -30 ;;
+      timeout ${TEST_TIMEOUT:-200} python3 -m pytest -m gpu -v --timeout=120 -p no:cacheprovider ${TESTS:-tests/test_kernels_*.py tests/test_specialized.py} -rf 2>&1 | tee "$OUT/pytest-gpu.log" | tail -30 ;;
     tune)  # plan table: heuristic tile vs tensor-core tile vs cuBLAS for every projection shape
       timeout ${TUNE_TIMEOUT:-240} python3 -m peregrine.bench.kernels_gemm --tune --fast --write-plan --results-dir results 2>&1 | tee "$OUT/tune.log" | tail -95
       cp peregrine/kernels/gemm_plan.json "$OUT/" ;;
