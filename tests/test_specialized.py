@@ -69,8 +69,15 @@ def prompts(k, seed=0):
     return [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (k,), generator=g)]
 
 
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_logits_close_and_tokens_identical(model_dir, seed):
+    """Every step's logits within tolerance; greedy tokens identical (FP32). In BF16 a near-tie may
+    flip a token: then, at the first divergence, each side's token must be in the other's top-5
+    (vLLM's check_logprobs_close rule) and every earlier step must be within tolerance."""
     ps = prompts(2, seed)
     std, lstd = engine(model_dir, "standard")
     spec, lspec = engine(model_dir, "latency_specialized")
@@ -79,10 +86,17 @@ def test_logits_close_and_tokens_identical(model_dir, seed):
     paths = [p for p, _ in lspec]
     assert paths[0] == "standard" and set(paths[1:]) == {"latency_specialized"}, "decode steps must take the specialized path"
     assert len(lstd) == len(lspec)
-    for i, ((_, x), (_, y)) in enumerate(zip(lstd, lspec)):
-        err = (x - y).norm() / x.norm()
-        assert err < TOL, f"step {i}: logits relative error {err:.2e}"
-    assert a == b
+    div = [first_divergence(x, y) for x, y in zip(a, b)]
+    if DEVICE == "cpu":
+        assert div == [None, None], f"FP32 greedy tokens differ at {div}"
+    for i, ((_, x), (_, y)) in enumerate(zip(lstd, lspec)):  # step i produced token i of each request
+        for r in range(len(ps)):
+            if div[r] is not None and i > div[r]:
+                continue  # histories differ from here on: nothing left to compare
+            err = (x[r] - y[r]).norm() / x[r].norm()
+            assert err < TOL, f"request {r} step {i}: logits relative error {err:.2e}"
+            if i == div[r]:
+                assert b[r][i] in x[r].topk(5).indices.tolist() and a[r][i] in y[r].topk(5).indices.tolist()
 
 
 def test_path_switch_mid_generation(model_dir):
