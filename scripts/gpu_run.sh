@@ -17,7 +17,7 @@ if [ -d .whl ]; then  # wheels the GPU image lacks (scripts/fetch_gpu_wheels.sh)
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-git log -1 --format='commit %H' 2>/dev/null | tee -a "$OUT/gpu.txt"
+cat .commit 2>/dev/null | sed "s/^/commit /" | tee -a "$OUT/gpu.txt"
 
 for s in $STEPS; do
   echo "=== $s ($(date -u +%T))"

@@ -43,12 +43,22 @@ def copy_bandwidth(nbytes: int = COPY_BYTES, iters: int = 20) -> dict:
 
 
 def git_commit() -> str:
+    """HEAD (+ "-dirty"), or, where the tree has no git history (the device machine gets a bare
+    working-tree copy), the commit written to .commit by scripts/device_commit.sh before the run."""
+    import os
+    import re
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=5).stdout.strip()
-        return (sha or "unknown") + ("-dirty" if dirty else "")
+        if re.fullmatch(r"[0-9a-f]{40}", sha):
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                   text=True, timeout=5).stdout.strip()
+            return sha + ("-dirty" if dirty else "")
     except Exception:
-        return "unknown"
+        pass
+    try:
+        return Path(".commit").read_text().strip() + " (from .commit)"
+    except OSError:
+        return os.environ.get("PEREGRINE_COMMIT", "unknown")
 
 
 def run_metadata() -> dict:

@@ -67,7 +67,7 @@ class SpecializedRunner:
             self.last_path, self.greedy_tokens = "standard", None
             return self.standard.forward(step)
         self.last_path = self.name
-        out = self.graphs.run(step) if self.graphs else None
+        out = self.graphs.run(step) if self.graphs and not self.record_routing else None  # record eagerly
         logits, self.greedy_tokens = out if out is not None else self._step(step)
         if self.record_routing:
             self.standard._routing.append(

@@ -131,7 +131,8 @@ class StandardRunner:
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:
         logits = None
-        if self.graphs is not None and step.is_decode and step.num_seqs <= self.graphs.max_batch:
+        # routing is recorded eagerly: a replayed graph's ids live in that graph's own buffers
+        if self.graphs is not None and step.is_decode and step.num_seqs <= self.graphs.max_batch and not self.record_routing:
             logits = self.graphs.run(step)
         if logits is None:
             logits = self._forward(step)
