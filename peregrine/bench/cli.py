@@ -14,7 +14,7 @@ from ..config import DECODE_BACKENDS, KV_CACHE_DTYPES, ConfigError
 EXIT_USAGE = 2  # argparse's own code for bad usage
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -54,7 +54,7 @@ def add_bench_decode_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("decode", help="decode step time per batch size (BENCHMARKS.md §1)")
     p.add_argument("--model", required=True, help="preset name or model folder")
     p.add_argument("--dummy-weights", action="store_true", help="random weights (no checkpoint needed)")
-    p.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 4, 8])
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8])
     p.add_argument("--input-len", type=_positive(int), default=1)
     p.add_argument("--output-len", type=_positive(int), default=1024)
     p.add_argument("--backends", type=_backends, default=list(DECODE_BACKENDS))

@@ -12,17 +12,9 @@ import sys
 
 DEFAULT_MAX_QUEUE = 256  # waiting requests before 429: ~a minute of backlog at small batch
 
+from ..bench.cli import int_list  # noqa: E402  (one parser for comma lists)
+
 DEFAULT_DRAIN_S = 60.0  # SIGTERM waits this long for in-flight requests before cutting them
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2,4,8, got {text!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"values must be positive integers, got {text!r}")
-    return vals
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -74,7 +66,7 @@ def add_bench_serve_parser(bench_subparsers) -> argparse.ArgumentParser:
     p = bench_subparsers.add_parser("serve", help="serving load: TTFT, TPOT, ITL, tok/s/user, throughput (BENCHMARKS.md §3)")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to drive (default http://127.0.0.1:8000)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first /v1/models entry)")
-    p.add_argument("--max-concurrency", type=_int_list, default=[1, 2, 4, 8], help="levels, e.g. 1,2,4,8")
+    p.add_argument("--max-concurrency", type=int_list, default=[1, 2, 4, 8], help="levels, e.g. 1,2,4,8")
     p.add_argument("--num-prompts", type=int, default=None, help="requests per level (default 5 x concurrency)")
     p.add_argument("--input-len", type=int, default=1024, help="prompt tokens (default 1024)")
     p.add_argument("--output-len", type=int, default=128, help="generated tokens, eos ignored (default 128)")
