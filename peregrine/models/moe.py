@@ -2,14 +2,25 @@
 
 Experts are stored stacked — w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I] —
 so one tensor serves the standard path (grouped GEMM) and the fused kernels.
+K3: experts live in a latent space (z = W_down x, out = W_up RMSNorm(y)) and may be
+MXFP4 — then w13/w2 are None and the packed codes + E8M0 scales are stored stacked the
+same way (w13_q [E, 2I, Dz/2], w13_s [E, 2I, Dz/32], w2_q [E, Dz, I/2], w2_s [E, Dz, I/32]).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..config import ModelConfig
-from .layers import DenseMLP, HFParam, param, swiglu
+from ..config import ConfigError, ModelConfig
+from . import mxfp4
+from .layers import DenseMLP, HFParam, param, rms_norm, situ, swiglu
+
+
+def activation(cfg: ModelConfig):
+    """The gated activation of every MLP of the model (dense, shared, routed)."""
+    if cfg.hidden_act == "situ":
+        return lambda gu: situ(gu, cfg.situ_beta, cfg.situ_linear_beta)
+    return swiglu
 
 
 def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scaling: float):
@@ -22,7 +33,7 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int,
     return ids, w * scaling
 
 
-def grouped_experts(x, w13, w2, ids, w, act) -> torch.Tensor:
+def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None) -> torch.Tensor:
     """Σ_k w[n,k]·E_ids[n,k](x[n]) with each used expert's weights read once per step.
 
     Token-expert pairs are sorted by expert and run as one grouped GEMM (no host
@@ -34,7 +45,9 @@ def grouped_experts(x, w13, w2, ids, w, act) -> torch.Tensor:
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
     xs = x[order // k]
-    if hasattr(torch, "_grouped_mm") and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
+    if grouped is None:  # the grouped GEMM on CUDA/BF16; its CPU fallback is slower than looping over used experts
+        grouped = hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+    if grouped:
         counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         offs = torch.cumsum(counts, 0).to(torch.int32)  # bincount would sync on its size
         h = act(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs))
@@ -50,28 +63,73 @@ def grouped_experts(x, w13, w2, ids, w, act) -> torch.Tensor:
     return (y.view(N, k, -1).float() * w.unsqueeze(-1)).sum(1).to(x.dtype)
 
 
+def mxfp4_experts(x, q13, s13, q2, s2, ids, w, act) -> torch.Tensor:
+    """grouped_experts over MXFP4 weights, dequantizing only the experts this step uses.
+
+    Few pairs (decode): gather each (token, expert) pair's weights, no host sync (graph-capturable).
+    Many pairs (prefill): dequantize each distinct expert once and reuse grouped_experts.
+    """
+    N, k = ids.shape
+    if N * k <= q13.shape[0]:
+        flat = ids.flatten()
+        w13 = mxfp4.dequantize(q13[flat], s13[flat], x.dtype)  # [N·k, 2I, Dz]
+        w2 = mxfp4.dequantize(q2[flat], s2[flat], x.dtype)      # [N·k, Dz, I]
+        xs = x.repeat_interleave(k, 0).unsqueeze(-1)
+        h = act(torch.bmm(w13, xs).squeeze(-1))
+        ys = torch.bmm(w2, h.unsqueeze(-1)).squeeze(-1)
+        return (ys.view(N, k, -1).float() * w.unsqueeze(-1)).sum(1).to(x.dtype)
+    used, local = torch.unique(ids, return_inverse=True)
+    w13 = mxfp4.dequantize(q13[used], s13[used], x.dtype)
+    w2 = mxfp4.dequantize(q2[used], s2[used], x.dtype)
+    return grouped_experts(x, w13, w2, local, w, act)
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype):
         super().__init__()
-        if cfg.routed_expert_hidden_size is not None or cfg.expert_quant:
-            raise NotImplementedError("latent / MXFP4 MoE (Kimi K3) is not implemented yet")
         self.cfg = cfg
         E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        Dz = cfg.routed_expert_hidden_size or D  # width the routed experts read and write
+        self.act = activation(cfg)
         self.gate_w = param(E, D, dtype=dtype)
         self.bias = param(E, dtype=torch.float32)
-        self.w13 = param(E, 2 * I, D, dtype=dtype)
-        self.w2 = param(E, D, I, dtype=dtype)
+        self.mx = cfg.expert_quant == "mxfp4"
+        if self.mx:
+            if Dz % mxfp4.GROUP or I % mxfp4.GROUP:
+                raise ConfigError(f"{cfg.name}: MXFP4 experts need widths divisible by {mxfp4.GROUP} (got {Dz}, {I})")
+            u8 = torch.uint8
+            self.w13 = self.w2 = None
+            self.w13_q, self.w13_s = param(E, 2 * I, Dz // 2, dtype=u8), param(E, 2 * I, Dz // mxfp4.GROUP, dtype=u8)
+            self.w2_q, self.w2_s = param(E, Dz, I // 2, dtype=u8), param(E, Dz, I // mxfp4.GROUP, dtype=u8)
+        else:
+            self.w13 = param(E, 2 * I, Dz, dtype=dtype)
+            self.w2 = param(E, Dz, I, dtype=dtype)
+        self.latent = cfg.routed_expert_hidden_size is not None
+        if self.latent:
+            self.down = param(Dz, D, dtype=dtype)
+            self.up = param(D, Dz, dtype=dtype)
+            self.norm = param(Dz, dtype=dtype)
         ns = cfg.num_shared_experts
-        self.shared = DenseMLP(D, I * ns, dtype) if ns else None
+        self.shared = DenseMLP(D, I * ns, dtype, act=self.act) if ns else None
         self.last_ids = None  # routed expert ids of the last forward (roofline counts them)
 
     def hf_params(self, prefix: str) -> list[HFParam]:
-        E, I, D = self.w13.shape[0], self.cfg.moe_intermediate_size, self.cfg.hidden_size
+        E, I, D = self.gate_w.shape[0], self.cfg.moe_intermediate_size, self.cfg.hidden_size
+        Dz, G = self.cfg.routed_expert_hidden_size or D, mxfp4.GROUP
         out = [(prefix + "gate.weight", self.gate_w, (E, D)), (prefix + "gate.e_score_correction_bias", self.bias, (E,))]
+        if self.latent:
+            out += [(prefix + "routed_expert_down_proj.weight", self.down, (Dz, D)),
+                    (prefix + "routed_expert_norm.weight", self.norm, (Dz,)),
+                    (prefix + "routed_expert_up_proj.weight", self.up, (D, Dz))]
         for e in range(E):
             p = f"{prefix}experts.{e}."
-            out += [(p + "w1.weight", self.w13[e, :I], (I, D)), (p + "w3.weight", self.w13[e, I:], (I, D)),
-                    (p + "w2.weight", self.w2[e], (D, I))]
+            if self.mx:
+                out += [(p + "w1.weight_packed", self.w13_q[e, :I], (I, Dz // 2)), (p + "w1.weight_scale", self.w13_s[e, :I], (I, Dz // G)),
+                        (p + "w3.weight_packed", self.w13_q[e, I:], (I, Dz // 2)), (p + "w3.weight_scale", self.w13_s[e, I:], (I, Dz // G)),
+                        (p + "w2.weight_packed", self.w2_q[e], (Dz, I // 2)), (p + "w2.weight_scale", self.w2_s[e], (Dz, I // G))]
+            else:
+                out += [(p + "w1.weight", self.w13[e, :I], (I, Dz)), (p + "w3.weight", self.w13[e, I:], (I, Dz)),
+                        (p + "w2.weight", self.w2[e], (Dz, I))]
         if self.shared is not None:
             out += self.shared.hf_params(prefix + "shared_experts.")
         return out
@@ -80,5 +138,11 @@ class MoE(nn.Module):
         c = self.cfg
         ids, w = route(x, self.gate_w, self.bias, c.num_experts_per_token, c.moe_renormalize, c.routed_scaling_factor)
         self.last_ids = ids
-        y = grouped_experts(x, self.w13, self.w2, ids, w, swiglu)
+        z = x @ self.down.T if self.latent else x
+        if self.mx:
+            y = mxfp4_experts(z, self.w13_q, self.w13_s, self.w2_q, self.w2_s, ids, w, self.act)
+        else:
+            y = grouped_experts(z, self.w13, self.w2, ids, w, self.act)
+        if self.latent:
+            y = rms_norm(y, self.norm, c.rms_norm_eps) @ self.up.T
         return y + self.shared(x) if self.shared is not None else y
