@@ -40,18 +40,25 @@ class SpecializedRunner:
         self.greedy_tokens = None  # argmax of the last specialized step (the engine skips its own)
         dev = cache.latent.device
         self.unavailable = kernels.why_unavailable(dev)
+        # model features the fused kernels do not cover yet: every step of such a model falls back
+        self.unsupported = ", ".join(f for f, on in (
+            ("K3 layers (latent MoE, q-LoRA MLA, AttnRes)", self.cfg.is_k3),
+            ("MXFP4 experts", self.cfg.expert_quant is not None)) if on)
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self.graphs = GraphCache(self._step, cache, max_batch, log) if (cuda_graphs and dev.type == "cuda") else None
         self.record_routing = False
         log(f"latency_specialized: decode B ≤ {max_batch} via fused kernels"
             + (f", CUDA graphs per batch size" if self.graphs else ", no graphs")
             + "; weights shared with the standard path in place (0 bytes re-packed)"
-            + (f"; kernels unavailable here ({self.unavailable}): every step falls back" if self.unavailable else ""))
+            + (f"; kernels unavailable here ({self.unavailable}): every step falls back" if self.unavailable else "")
+            + (f"; unsupported: {self.unsupported}: every step falls back" if self.unsupported else ""))
 
     # ---- dispatch ----
     def why_not(self, step) -> str | None:
         if self.unavailable:
             return f"kernels unavailable: {self.unavailable}"
+        if self.unsupported:
+            return f"unsupported feature: {self.unsupported}"
         if not step.is_decode:
             return "prefill in batch"
         if step.num_seqs > self.max_batch:
