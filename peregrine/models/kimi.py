@@ -1,15 +1,38 @@
 """The Kimi hybrid family model, driven by ModelConfig: KDA / MLA attention,
-dense layer 0 then MoE, pre-norm residuals, final norm, untied lm_head."""
+dense layer 0 then MoE, pre-norm residuals, final norm, untied lm_head.
+K3 adds AttnRes block residual mixing (MODELS.md "K3 AttnRes") and names its
+tensors under ``language_model.``."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..config import ConfigError, ModelConfig
+from ..config import ModelConfig
 from .kda import KDA
 from .layers import DenseMLP, HFParam, RMSNorm, param
 from .mla import MLA
-from .moe import MoE
+from .moe import MoE, activation
+
+K3_PREFIX = "language_model."  # K3 (a multimodal checkpoint) keeps its text model under this
+
+
+class AttnRes(nn.Module):
+    """Softmax mix over the block list and the current stream: one score per entry from
+    its RMS-normalised values against w_n ⊙ w_p (FP32)."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        super().__init__()
+        self.norm, self.proj, self.eps = param(dim, dtype=dtype), param(1, dim, dtype=dtype), eps
+
+    def hf_params(self, norm_name: str, proj_name: str) -> list[HFParam]:
+        D = self.norm.shape[0]
+        return [(norm_name + ".weight", self.norm, (D,)), (proj_name + ".weight", self.proj, (1, D))]
+
+    def forward(self, p: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
+        V = torch.stack([*blocks, p]).float()  # [n+1, N, D]
+        k = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + self.eps)
+        alpha = torch.softmax(k @ (self.norm.float() * self.proj.float()[0]), 0)  # [n+1, N]
+        return (alpha.unsqueeze(-1) * V).sum(0).to(p.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -19,18 +42,35 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.attn = KDA(cfg, i, dtype) if self.is_kda else MLA(cfg, i, dtype)
-        self.mlp = MoE(cfg, dtype) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.mlp = MoE(cfg, dtype) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, act=activation(cfg))
+        self.res = cfg.attn_res_block_size is not None
+        if self.res:
+            self.attn_res = AttnRes(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.mlp_res = AttnRes(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.block_start = i % cfg.attn_res_block_size == 0
 
     def hf_params(self, prefix: str) -> list[HFParam]:
         D = self.input_layernorm.weight.shape[0]
-        return ([(prefix + "input_layernorm.weight", self.input_layernorm.weight, (D,)),
-                 (prefix + "post_attention_layernorm.weight", self.post_attention_layernorm.weight, (D,))]
-                + self.attn.hf_params(prefix + "self_attn.")
+        out = [(prefix + "input_layernorm.weight", self.input_layernorm.weight, (D,)),
+               (prefix + "post_attention_layernorm.weight", self.post_attention_layernorm.weight, (D,))]
+        if self.res:
+            out += self.attn_res.hf_params(prefix + "self_attention_res_norm", prefix + "self_attention_res_proj")
+            out += self.mlp_res.hf_params(prefix + "mlp_res_norm", prefix + "mlp_res_proj")
+        return (out + self.attn.hf_params(prefix + "self_attn.")
                 + self.mlp.hf_params(prefix + ("block_sparse_moe." if self.is_moe else "mlp.")))
 
     def forward(self, x, step, cache):
         h = x + self.attn(self.input_layernorm(x), step, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_res(self, p, blocks: list, step, cache):
+        """AttnRes layer: p is the block's residual stream, `blocks` (appended to here) the block list."""
+        x = self.attn_res(p, blocks) if blocks else p
+        if self.block_start:
+            blocks.append(p)
+        a = self.attn(self.input_layernorm(x), step, cache)
+        p = a if self.block_start else p + a
+        return p + self.mlp(self.post_attention_layernorm(self.mlp_res(p, blocks)))
 
 
 class KimiModel(nn.Module):
@@ -38,34 +78,45 @@ class KimiModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype=torch.float32):
         super().__init__()
-        if cfg.is_k3:
-            raise ConfigError(f"{cfg.name}: running kimi_k3 models is not implemented yet "
-                              "(its config parses and `peregrine plan` covers it)")
         self.cfg, self.dtype = cfg, dtype
         self.embed_tokens = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.output_res = AttnRes(cfg.hidden_size, cfg.rms_norm_eps, dtype) if cfg.attn_res_block_size else None
+        self._blocks: list[torch.Tensor] = []  # AttnRes block list of the last hidden_states call
 
     def hf_params(self) -> list[HFParam]:
         V, D = self.embed_tokens.shape
-        out = [("model.embed_tokens.weight", self.embed_tokens, (V, D))]
+        top = K3_PREFIX if self.cfg.is_k3 else ""
+        out = [(top + "model.embed_tokens.weight", self.embed_tokens, (V, D))]
         for i, layer in enumerate(self.layers):
-            out += layer.hf_params(f"model.layers.{i}.")
-        return out + [("model.norm.weight", self.norm.weight, (D,)), ("lm_head.weight", self.lm_head, (V, D))]
+            out += layer.hf_params(f"{top}model.layers.{i}.")
+        if self.output_res is not None:
+            out += self.output_res.hf_params(top + "model.output_attn_res_norm", top + "model.output_attn_res_proj")
+        return out + [(top + "model.norm.weight", self.norm.weight, (D,)), (top + "lm_head.weight", self.lm_head, (V, D))]
 
     def hidden_states(self, step, cache, record: list | None = None) -> torch.Tensor:
+        """Final residual stream [N, D]; with AttnRes the block list is kept for compute_logits."""
         x = self.embed_tokens[step.input_ids]
+        blocks: list[torch.Tensor] = []
         for layer in self.layers:
-            x = layer(x, step, cache)
+            x = layer.forward_res(x, blocks, step, cache) if layer.res else layer(x, step, cache)
             if record is not None:
                 record.append(x)
+        self._blocks = blocks
         return x
 
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, h: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """h: rows of the last hidden_states call (idx selects rows of it, AttnRes mixes them with their blocks)."""
+        if self.output_res is not None:
+            blocks = self._blocks if idx is None else [b[idx] for b in self._blocks]
+            h = self.output_res(h, blocks)
         return (self.norm(h) @ self.lm_head.T).float()
 
     def forward(self, step, cache, record: list | None = None) -> torch.Tensor:
         """Logits [S, V] FP32 of each sequence's last new token."""
         h = self.hidden_states(step, cache, record)
-        return self.compute_logits(h if step.is_decode else h[step.logits_indices])
+        if step.is_decode:
+            return self.compute_logits(h)
+        return self.compute_logits(h[step.logits_indices], step.logits_indices)

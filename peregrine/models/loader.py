@@ -10,10 +10,16 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
+from . import mxfp4
+from .kimi import K3_PREFIX  # K3 text tensors live under it; checkpoints without it are accepted too
 
 INDEX_FILE = "model.safetensors.index.json"
 # checkpoint tensors we knowingly do not use (e.g. rotary buffers of NoPE models)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# K3 is multimodal: its vision tensors are not part of the text model we serve
+IGNORED_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.", "vision_model.")
+E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", None)
+RESHAPE_OK = ("A_log",)  # stored as [H] or [1,1,H,1] in different exports: any shape with the same squeezed form
 DEFAULT_SHARD_BYTES = 4 << 30  # HF-style 4 GiB shards when saving large models
 
 
@@ -45,28 +51,57 @@ def load_weights(model, folder: str | Path, log=None) -> None:
     folder = Path(folder)
     table = {name: (view, shape) for name, view, shape in model.hf_params()}
     seen: set[str] = set()
+    ignored = 0
     t0 = time.time()
     files = weight_files(folder)
     for n, f in enumerate(files, 1):
         with safe_open(str(f), framework="pt", device="cpu") as fh:
-            for key in fh.keys():
+            for ckpt_key in fh.keys():
+                key = _table_name(ckpt_key, table)
                 if key.endswith(IGNORED_SUFFIXES):
                     continue
+                if key.removeprefix(K3_PREFIX).startswith(IGNORED_PREFIXES):
+                    ignored += 1
+                    continue
                 if key not in table:
-                    raise WeightError(f"{f.name}: unexpected tensor '{key}' (not part of this {model.cfg.model_type} model)")
+                    raise WeightError(f"{f.name}: unexpected tensor '{ckpt_key}' (not part of this {model.cfg.model_type} model)")
                 view, shape = table[key]
-                t = fh.get_tensor(key)
-                if tuple(t.shape) != tuple(shape):
-                    raise WeightError(f"{f.name}: tensor '{key}' has shape {tuple(t.shape)}, the model expects {tuple(shape)}")
+                t = fh.get_tensor(ckpt_key)
+                if t.dtype == E8M0_DTYPE:  # some exports type MXFP4 scales as E8M0: the same bytes
+                    t = t.view(torch.uint8)
+                if not _shape_ok(key, tuple(t.shape), tuple(shape)):
+                    raise WeightError(f"{f.name}: tensor '{ckpt_key}' has shape {tuple(t.shape)}, the model expects {tuple(shape)}")
+                if (view.dtype == torch.uint8) != (t.dtype == torch.uint8):
+                    raise WeightError(f"{f.name}: tensor '{ckpt_key}' has dtype {t.dtype}, the model expects {view.dtype}")
                 with torch.no_grad():
                     view.copy_(t.reshape(view.shape))
                 seen.add(key)
         if log:
             log(f"loaded shard {n}/{len(files)} {f.name} ({time.time() - t0:.1f}s)")
+    if ignored and log:
+        log(f"ignored {ignored} vision tensor(s): only the text model is served")
     missing = [k for k in table if k not in seen]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise WeightError(f"checkpoint in {folder} lacks tensor(s) {', '.join(missing[:3])}{more}")
+
+
+def _table_name(key: str, table: dict) -> str:
+    """A checkpoint name as the model's table spells it (adds or strips K3's `language_model.`)."""
+    if key in table:
+        return key
+    if key.startswith(K3_PREFIX) and key[len(K3_PREFIX):] in table:
+        return key[len(K3_PREFIX):]
+    if K3_PREFIX + key in table:
+        return K3_PREFIX + key
+    return key
+
+
+def _shape_ok(key: str, got: tuple, want: tuple) -> bool:
+    if got == want:
+        return True
+    squeeze = lambda s: tuple(x for x in s if x != 1)  # noqa: E731
+    return key.endswith(RESHAPE_OK) and squeeze(got) == squeeze(want)
 
 
 def save_weights(model, folder: str | Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
@@ -98,12 +133,23 @@ def save_weights(model, folder: str | Path, max_shard_bytes: int = DEFAULT_SHARD
 
 
 # ---- dummy weights ----------------------------------------------------------
-OUT_PROJ_NAMES = ("o_proj.weight", "down_proj.weight", "w2.weight")  # write into the residual stream
+# write into the residual stream (K3: routed_expert_up_proj; the routed w2 feeds a norm there)
+OUT_PROJ_NAMES = ("o_proj.weight", "down_proj.weight", "w2.weight", "routed_expert_up_proj.weight")
 
 
-def _init_one(name: str, view: torch.Tensor, shape, num_layers: int, gen: torch.Generator) -> None:
+def _init_one(name: str, view: torch.Tensor, shape, num_layers: int, gen: torch.Generator,
+              scales: dict | None = None, latent: bool = False) -> None:
+    """`scales`: MXFP4 weight_scale views by name; `latent`: routed w2 feeds a norm, not the residual."""
     base = name.rsplit(".", 1)[0] if name.endswith(".weight") else name
-    if "norm" in base.rsplit(".", 1)[-1]:
+    residual = name.endswith(OUT_PROJ_NAMES) and not (latent and ".experts." in name)
+    if name.endswith(".weight_scale"):
+        return  # set together with its weight_packed (MXFP4)
+    if name.endswith(".weight_packed"):
+        std = (2 * shape[1]) ** -0.5  # fan-in: two values a byte
+        if name.endswith("w2.weight_packed") and not latent:
+            std /= math.sqrt(2 * num_layers)
+        mxfp4.random_fill(view, scales[name.removesuffix("_packed") + "_scale"], std, gen)
+    elif "norm" in base.rsplit(".", 1)[-1]:
         view.fill_(1.0)
     elif name.endswith("A_log"):
         # decay rates exp(A_log) in [1, 16], as KDA initialises them
@@ -119,7 +165,7 @@ def _init_one(name: str, view: torch.Tensor, shape, num_layers: int, gen: torch.
     else:
         fan_in = math.prod(shape[1:])
         std = fan_in ** -0.5
-        if name.endswith(OUT_PROJ_NAMES):
+        if residual:
             std /= math.sqrt(2 * num_layers)  # GPT-2 style: the residual stream stays O(1) through depth
         if "conv1d" in name:
             std = 0.5  # 4-tap conv: keeps SiLU(conv) of O(1) inputs at O(1)
@@ -133,8 +179,13 @@ def init_dummy_weights(model, seed: int = 0, log=None) -> None:
     gen = torch.Generator(device=dev)
     gen.manual_seed(seed)
     table = model.hf_params()
+    cfg = model.cfg
+    scales = {name: view for name, view, _ in table if name.endswith(".weight_scale")}
+    latent = cfg.routed_expert_hidden_size is not None
+    # AttnRes restarts the residual stream every block: depth scaling counts the layers of one block
+    depth = min(cfg.num_hidden_layers, cfg.attn_res_block_size or cfg.num_hidden_layers)
     t0 = time.time()
     for n, (name, view, shape) in enumerate(table):
-        _init_one(name, view, shape, model.cfg.num_hidden_layers, gen)
+        _init_one(name, view, shape, depth, gen, scales, latent)
         if log and (n + 1) % 5000 == 0:
             log(f"dummy init {n + 1}/{len(table)} tensors ({time.time() - t0:.1f}s)")

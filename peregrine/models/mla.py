@@ -1,5 +1,8 @@
 """MLA (multi-head latent attention), NoPE: one 576-wide latent entry per token.
 
+K3 adds a q-LoRA (q = W_qb RMSNorm(W_qa x)) and a sigmoid output gate
+(o ← o ⊙ σ(W_g x) before o_proj); W_qa and W_g read x, so they join the fused in_proj.
+
 Prefill expands the latents through kv_b (plain attention with a causal mask);
 decode uses the absorbed form over the cached latents (MODELS.md). Both read
 the entries back from the cache, so an FP8 cache affects both paths alike.
@@ -16,21 +19,30 @@ from .layers import HFParam, param, rms_norm, split_rows
 class MLA(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype):
         super().__init__()
-        if cfg.q_lora_rank is not None or cfg.mla_output_gate:
-            raise NotImplementedError("MLA with q-LoRA / output gate (Kimi K3) is not implemented yet")
         self.cfg, self.layer = cfg, layer
         H, D = cfg.mla_num_heads, cfg.hidden_size
         self.H, self.nope, self.rope, self.vd, self.r = H, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         self.q_dim = H * cfg.qk_head_dim
-        self.in_proj = param(self.q_dim + cfg.latent_dim, D, dtype=dtype)  # q_proj | kv_a_proj_with_mqa
+        ql = cfg.q_lora_rank
+        self.gate_dim = H * self.vd if cfg.mla_output_gate else 0
+        # in_proj rows: q_proj (or q_a_proj) | kv_a_proj_with_mqa | g_proj (K3)
+        self.splits = [ql or self.q_dim, cfg.latent_dim, self.gate_dim]
+        self.in_proj = param(sum(self.splits), D, dtype=dtype)
+        self.q_a_norm = param(ql, dtype=dtype) if ql else None
+        self.q_b = param(self.q_dim, ql, dtype=dtype) if ql else None
         self.kv_norm = param(self.r, dtype=dtype)
         self.kv_b = param(H * (self.nope + self.vd), self.r, dtype=dtype)
         self.o_proj = param(D, H * self.vd, dtype=dtype)
         self.sm_scale = cfg.qk_head_dim ** -0.5
 
     def hf_params(self, prefix: str) -> list[HFParam]:
-        D = self.cfg.hidden_size
-        return split_rows(self.in_proj, prefix, [("q_proj.weight", self.q_dim), ("kv_a_proj_with_mqa.weight", self.cfg.latent_dim)], (D,)) + [
+        D, ql = self.cfg.hidden_size, self.cfg.q_lora_rank
+        parts = [("q_a_proj.weight", ql) if ql else ("q_proj.weight", self.q_dim), ("kv_a_proj_with_mqa.weight", self.cfg.latent_dim)]
+        parts += [("g_proj.weight", self.gate_dim)] if self.gate_dim else []
+        out = split_rows(self.in_proj, prefix, parts, (D,))
+        if ql:
+            out += [(prefix + "q_a_layernorm.weight", self.q_a_norm, (ql,)), (prefix + "q_b_proj.weight", self.q_b, (self.q_dim, ql))]
+        return out + [
             (prefix + "kv_a_layernorm.weight", self.kv_norm, (self.r,)),
             (prefix + "kv_b_proj.weight", self.kv_b, tuple(self.kv_b.shape)),
             (prefix + "o_proj.weight", self.o_proj, tuple(self.o_proj.shape))]
@@ -42,10 +54,12 @@ class MLA(nn.Module):
         return w[:, : self.nope], w[:, self.nope:]
 
     def project(self, x):
-        """x [N, D] -> q [N, H, nope+rope], cache entries [N, r+rope] (normalised latent | k_r)."""
-        q, kva = (x @ self.in_proj.T).split([self.q_dim, self.cfg.latent_dim], dim=-1)
+        """x [N, D] -> q [N, H, nope+rope], cache entries [N, r+rope] (normalised latent | k_r), gate logits [N, H·v] or None."""
+        q, kva, g = (x @ self.in_proj.T).split(self.splits, dim=-1)
+        if self.q_b is not None:
+            q = rms_norm(q, self.q_a_norm, self.cfg.mla_norm_eps) @ self.q_b.T
         c = rms_norm(kva[:, : self.r], self.kv_norm, self.cfg.mla_norm_eps)
-        return q.view(-1, self.H, self.cfg.qk_head_dim), torch.cat([c, kva[:, self.r:]], -1)
+        return q.view(-1, self.H, self.cfg.qk_head_dim), torch.cat([c, kva[:, self.r:]], -1), (g if self.gate_dim else None)
 
     def decode_attn(self, q: torch.Tensor, cache, block_tables, context_lens_t, max_len: int) -> torch.Tensor:
         """Absorbed decode for S sequences, one query each: q [S, H, nope+rope] -> [S, H, v] FP32."""
@@ -70,7 +84,7 @@ class MLA(nn.Module):
         return torch.einsum("htl,lhv->thv", p, kv[..., self.nope:])
 
     def forward(self, x: torch.Tensor, step, cache) -> torch.Tensor:
-        q, entries = self.project(x)
+        q, entries, gate = self.project(x)
         cache.write_latent(self.layer, step.slot_mapping, entries)
         if step.is_decode:
             o = self.decode_attn(q, cache, step.block_tables, step.context_lens_t, step.max_context)
@@ -89,4 +103,7 @@ class MLA(nn.Module):
                     lat = cache.gather_latent(self.layer, step.block_tables[i], ctx)
                     o[a:a + n] = self.prefill_attn(q[a:a + n], lat, ctx - n)
                 a += n
-        return o.flatten(1).to(x.dtype) @ self.o_proj.T
+        o = o.flatten(1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate.float())
+        return o.to(x.dtype) @ self.o_proj.T

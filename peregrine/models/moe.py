@@ -70,7 +70,8 @@ def mxfp4_experts(x, q13, s13, q2, s2, ids, w, act) -> torch.Tensor:
     Many pairs (prefill): dequantize each distinct expert once and reuse grouped_experts.
     """
     N, k = ids.shape
-    if N * k <= q13.shape[0]:
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()  # torch.unique would sync
+    if N * k <= q13.shape[0] or capturing:
         flat = ids.flatten()
         w13 = mxfp4.dequantize(q13[flat], s13[flat], x.dtype)  # [N·k, 2I, Dz]
         w2 = mxfp4.dequantize(q2[flat], s2[flat], x.dtype)      # [N·k, Dz, I]
