@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .server.cli import add_serve_parser
     add_serve_parser(sub)
+    from .eval import add_eval_parser
+    add_eval_parser(sub)
 
     try:
         from .bench import cli as bench_cli

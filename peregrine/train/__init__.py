@@ -1,0 +1,1 @@
+"""Training the tiny Kimi-Linear model on checkable tasks: tasks, differentiable forward, train loop."""
