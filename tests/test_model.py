@@ -190,3 +190,17 @@ def test_grouped_gemm_moe_equals_expert_loop():
     b = grouped_experts(x, w13, w2, ids, w, swiglu, grouped=False)
     ref = torch.stack([sum(w[n, j] * (w2[e] @ swiglu(w13[e] @ x[n])) for j, e in enumerate(ids[n].tolist())) for n in range(N)])
     assert rel_rmse(a, ref) < 1e-5 and rel_rmse(b, ref) < 1e-5
+
+
+def test_long_prefill_chunked_equals_token_by_token(model):
+    """Prefill chunks ≥ CHUNKED_MIN_TOKENS take the chunked KDA form: same logits and states as decoding."""
+    from peregrine.models.kda import CHUNKED_MIN_TOKENS
+    cfg, m = model
+    T = CHUNKED_MIN_TOKENS + 37
+    toks = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(9)).tolist()
+    table = list(range(0, 2 * (T // BS + 1), 2))
+    a, b = new_cache(cfg), new_cache(cfg)
+    full = run(m, a, [(toks, 0, a.allocate_slot(), table)])
+    last = decode_all(m, b, toks, b.allocate_slot(), table)[-1:]
+    assert rel_rmse(full, last) < 1e-4
+    assert rel_rmse(a.state, b.state) < 1e-4 and rel_rmse(a.conv, b.conv) < 1e-6

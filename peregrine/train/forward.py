@@ -14,72 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..models.kda import causal_conv, kda_gate, l2norm
+from ..models.kda import CHUNK, causal_conv, chunk_kda, kda_gate, l2norm
 from ..models.layers import rms_norm, swiglu
 from ..models.moe import route
-
-CHUNK = 32  # KDA chunk: the intra-chunk [C, C, K] decay tensor grows with C, the chunk count shrinks
-
-
-def chunk_kda(q, k, v, g, beta, S0=None, chunk: int = CHUNK):
-    """Gated delta rule over whole sequences, chunk by chunk; equals the recurrence
-    S ← diag(exp g_t) S; u = β_t (v_t − Sᵀk_t); S ← S + k_t u_tᵀ; o_t = Sᵀq_t.
-
-    q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; S0 [B, H, K, V] or None.
-    Returns o [B, T, H, V] and the final state, FP32.
-
-    Within a chunk, with G_t the inclusive cumulative log-decay (per key channel):
-      u = (I + A)⁻¹ (βv − β (e^{G}⊙k) S0),  A[t,s] = β_t Σ_c k_t k_s e^{G_t − G_s}  (s < t)
-      o_t = (e^{G_t}⊙q_t) S0 + Σ_{s≤t} (Σ_c q_t k_s e^{G_t − G_s}) u_s
-      S_end = e^{G_C} ⊙ S0 + Σ_s (e^{G_C − G_s}⊙k_s) u_sᵀ
-    Every exponent is ≤ 0 (pairwise differences are masked to s ≤ t), so strong
-    decays underflow to 0 instead of overflowing.
-    """
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    chunk = max(1, min(chunk, T))  # short batches: no padding up to a whole chunk
-    pad = (-T) % chunk
-    if pad:  # zero gate (no decay), zero k/v/β: padded steps leave the state unchanged
-        q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
-        beta = F.pad(beta, (0, 0, 0, pad))
-    N, C = (T + pad) // chunk, chunk
-    # -> [B, H, N, C, ...]
-    q, k, v, g = (x.view(B, N, C, H, -1).permute(0, 3, 1, 2, 4) for x in (q, k, v, g))
-    beta = beta.view(B, N, C, H).permute(0, 3, 1, 2)
-    G = g.cumsum(3)
-    diff = G.unsqueeze(4) - G.unsqueeze(3)                     # [B,H,N,C(t),C(s),K] = G_t − G_s
-    idx = torch.arange(C, device=q.device)
-    incl = idx[:, None] >= idx[None, :]                         # s ≤ t
-    decay = torch.exp(diff.masked_fill(~incl[:, :, None], float("-inf")))
-    A = torch.einsum("bhntc,bhnsc,bhntsc->bhnts", k, k, decay) * beta.unsqueeze(-1)
-    A = A.masked_fill(idx[:, None] == idx[None, :], 0.0)        # strictly lower (decay is 0 above)
-    P = torch.einsum("bhntc,bhnsc,bhntsc->bhnts", q, k, decay)  # inclusive lower (decay is 0 above)
-    eye = torch.eye(C, device=q.device)
-    L = eye + A
-    solve = lambda rhs: torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)  # noqa: E731
-    eG = torch.exp(G)
-    U0 = solve(beta.unsqueeze(-1) * v)                           # [B,H,N,C,V]
-    Wk = solve(beta.unsqueeze(-1) * (eG * k))                    # [B,H,N,C,K]
-    Qg = eG * q
-    Kend = torch.exp(G[:, :, :, -1:] - G) * k                    # e^{G_C − G_s} k_s
-    gend = eG[:, :, :, -1]                                       # [B,H,N,K]
-    # chunk n maps its start state S to e^{G_C}⊙S + Kendᵀ(U0 − Wk S) = M_n S + R_n; a log-depth scan of
-    # these affine maps gives every chunk's start state with no per-chunk Python loop
-    M = torch.diag_embed(gend) - Kend.transpose(-1, -2) @ Wk     # [B,H,N,K,K]
-    R = Kend.transpose(-1, -2) @ U0                              # [B,H,N,K,V]
-    step = 1
-    while step < N:  # Hillis-Steele: map n becomes map n ∘ map n-step ∘ ...
-        M, R = (torch.cat([M[:, :, :step], M[:, :, step:] @ M[:, :, :-step]], 2),
-                torch.cat([R[:, :, :step], M[:, :, step:] @ R[:, :, :-step] + R[:, :, step:]], 2))
-        step *= 2
-    S0 = torch.zeros(B, H, 1, K, V, device=q.device) if S0 is None else S0.float().unsqueeze(2)
-    S_after = M @ S0 + R                                         # state after each chunk
-    S_start = torch.cat([S0, S_after[:, :, :-1]], 2)
-    o = (Qg - P @ Wk) @ S_start + P @ U0                         # [B,H,N,C,V]
-    o = o.reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2)
-    return o, S_after[:, :, -1]
-
 
 def kda_forward(attn, x: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     """KDA layer over x [B, T, D] from zero conv/recurrent state."""
