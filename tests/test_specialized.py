@@ -153,3 +153,19 @@ def test_repeated_step_is_bitwise_identical(model_dir):
         logits, _ = r._step(st)
         outs.append((logits.clone(), c.state.clone()))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_graph_keys():
+    """The specialized runner keeps one graph per B (block tables of fixed width); the standard
+    runner one per (B, power-of-two block bucket)."""
+    from peregrine.cache import ModelCache
+    from peregrine.config import resolve_model
+    from peregrine.decode.batch import StepInput
+    from peregrine.decode.standard import GraphCache
+    cfg, _ = resolve_model("tiny-kimi-linear")
+    c = ModelCache(cfg, num_blocks=40, block_size=4, num_slots=4, dtype=torch.float32, device="cpu")
+    fixed, bucketed = GraphCache(None, c, 4, fixed_blocks=16), GraphCache(None, c, 4)
+    for ctx, bucket in [(1, 1), (5, 2), (9, 4), (17, 8), (33, 16), (64, 16)]:
+        st = StepInput.build([([1], ctx - 1, 0, list(range(-(-ctx // 4)))), ([2], 0, 1, [20])], 4, "cpu")
+        assert fixed.key_for(st) == (2, 16)
+        assert bucketed.key_for(st) == (2, bucket)

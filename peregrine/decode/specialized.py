@@ -30,7 +30,8 @@ MOE_DOWN = "partials"  # H200 run 2026-11-29: 0.082 vs 0.114 ms (B=1), 0.42 vs 0
 class SpecializedRunner:
     name = "latency_specialized"
 
-    def __init__(self, model, cache, standard, *, max_batch: int = 8, cuda_graphs: bool = True, log=print):
+    def __init__(self, model, cache, standard, *, max_batch: int = 8, cuda_graphs: bool = True, log=print,
+                 max_blocks: int | None = None):
         if not 1 <= max_batch <= MAX_DECODE_BATCH:
             raise ValueError(f"max_decode_batch must be in 1..{MAX_DECODE_BATCH}, got {max_batch}")
         self.model, self.cache, self.standard, self.max_batch, self.log = model, cache, standard, max_batch, log
@@ -45,13 +46,17 @@ class SpecializedRunner:
             ("K3 layers (latent MoE, q-LoRA MLA, AttnRes)", self.cfg.is_k3),
             ("MXFP4 experts", self.cfg.expert_quant is not None)) if on)
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
-        self.graphs = GraphCache(self._step, cache, max_batch, log) if (cuda_graphs and dev.type == "cuda") else None
+        # one graph per B: the MLA decode grid depends only on the block-table width, not on lengths
+        self.graphs = GraphCache(self._step, cache, max_batch, log, fixed_blocks=max_blocks) if (
+            cuda_graphs and dev.type == "cuda") else None
         self.record_routing = False
         log(f"latency_specialized: decode B ≤ {max_batch} via fused kernels"
             + (f", CUDA graphs per batch size" if self.graphs else ", no graphs")
             + "; weights shared with the standard path in place (0 bytes re-packed)"
             + (f"; kernels unavailable here ({self.unavailable}): every step falls back" if self.unavailable else "")
             + (f"; unsupported: {self.unsupported}: every step falls back" if self.unsupported else ""))
+        if self.graphs is not None and max_blocks is not None and not (self.unavailable or self.unsupported):
+            self.graphs.capture_all()
 
     # ---- dispatch ----
     def why_not(self, step) -> str | None:

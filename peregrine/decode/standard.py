@@ -24,9 +24,12 @@ class GraphCache:
     slot and block, so they never touch a live sequence's state.
     """
 
-    def __init__(self, fn, cache, max_batch: int, log=None):
+    def __init__(self, fn, cache, max_batch: int, log=None, fixed_blocks: int | None = None):
+        """fixed_blocks: one graph per B whose block tables span that many blocks (kernels whose grid
+        does not depend on the context length); None: one graph per (B, power-of-two bucket)."""
         self.fn, self.cache, self.max_batch, self.log = fn, cache, max_batch, log
-        self.pool = torch.cuda.graph_pool_handle()
+        self.fixed_blocks = fixed_blocks
+        self.pool = None  # one memory pool shared by every graph, made at the first capture
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.uses: dict[tuple[int, int], int] = {}
         self.capture_s = 0.0
@@ -44,6 +47,8 @@ class GraphCache:
     def _capture(self, key):
         B, nb = key
         t0 = time.time()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         st = self._static(B, nb)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -64,7 +69,27 @@ class GraphCache:
 
     def key_for(self, step: StepInput) -> tuple[int, int]:
         need = (max(step.context_lens) + self.cache.block_size - 1) // self.cache.block_size
+        if self.fixed_blocks is not None and need <= self.fixed_blocks:
+            return step.num_seqs, self.fixed_blocks
         return step.num_seqs, min(context_bucket(need), self.cache.num_blocks)
+
+    def capture_all(self) -> None:
+        """Capture every batch size's graph now (fixed_blocks only), with progress output."""
+        import time as _time
+        t0 = _time.time()
+        for B in range(1, self.max_batch + 1):
+            if self.log:
+                self.log(f"capturing decode graphs: B={B}/{self.max_batch}")
+            try:
+                self._capture((B, self.fixed_blocks))
+            except Exception as e:  # same policy as a lazy capture: warn, run eagerly
+                self.broken = f"{type(e).__name__}: {e}"
+                if self.log:
+                    self.log(f"WARNING: CUDA graph capture failed ({self.broken}); running eagerly from now on")
+                return
+        if self.log:
+            self.log(f"captured {self.max_batch} decode graphs in {_time.time() - t0:.1f}s "
+                     f"({torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated)")
 
     def run(self, step: StepInput):
         """Replay the step's graph; None if graphs are off after a failed capture (caller runs eagerly)."""
