@@ -49,7 +49,6 @@ class SpecializedRunner:
         # one graph per B: the MLA decode grid depends only on the block-table width, not on lengths
         self.graphs = GraphCache(self._step, cache, max_batch, log, fixed_blocks=max_blocks) if (
             cuda_graphs and dev.type == "cuda") else None
-        self.record_routing = False
         log(f"latency_specialized: decode B ≤ {max_batch} via fused kernels"
             + (f", CUDA graphs per batch size" if self.graphs else ", no graphs")
             + "; weights shared with the standard path in place (0 bytes re-packed)"
@@ -82,16 +81,19 @@ class SpecializedRunner:
         out = self.graphs.run(step) if self.graphs and not self.record_routing else None  # record eagerly
         logits, self.greedy_tokens = out if out is not None else self._step(step)
         if self.record_routing:
-            self.standard._routing.append(
-                [int(torch.unique(l.mlp.last_ids).numel()) for l in self.model.layers if l.is_moe])
+            self.standard.record_step_routing()  # same model, same log
         return logits
+
+    @property
+    def record_routing(self) -> bool:
+        return self.standard.record_routing
+
+    @record_routing.setter
+    def record_routing(self, on: bool) -> None:  # fallback steps record too, one entry per step
+        self.standard.record_routing = on
 
     def routed_experts_per_step(self):
         return self.standard.routed_experts_per_step()
-
-    @property
-    def _routing(self):
-        return self.standard._routing
 
     def graph_replay_time(self, B: int, iters: int = 100) -> float | None:
         return self.graphs.replay_time(B, iters) if self.graphs else None

@@ -67,6 +67,17 @@ class GraphCache:
             self.log(f"captured decode graph B={B} context≤{nb * self.cache.block_size} in {dt:.2f}s "
                      f"({torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated)")
 
+    def _try_capture(self, key) -> bool:
+        try:
+            self._capture(key)
+            return True
+        except Exception as e:  # keep serving, loudly: an eager step is slow but correct
+            self.broken = f"{type(e).__name__}: {e}"
+            if self.log:
+                self.log(f"WARNING: CUDA graph capture failed ({self.broken}); running eagerly from now on")
+            torch.cuda.synchronize()
+            return False
+
     def key_for(self, step: StepInput) -> tuple[int, int]:
         need = (max(step.context_lens) + self.cache.block_size - 1) // self.cache.block_size
         if self.fixed_blocks is not None and need <= self.fixed_blocks:
@@ -80,12 +91,7 @@ class GraphCache:
         for B in range(1, self.max_batch + 1):
             if self.log:
                 self.log(f"capturing decode graphs: B={B}/{self.max_batch}")
-            try:
-                self._capture((B, self.fixed_blocks))
-            except Exception as e:  # same policy as a lazy capture: warn, run eagerly
-                self.broken = f"{type(e).__name__}: {e}"
-                if self.log:
-                    self.log(f"WARNING: CUDA graph capture failed ({self.broken}); running eagerly from now on")
+            if not self._try_capture((B, self.fixed_blocks)):
                 return
         if self.log:
             self.log(f"captured {self.max_batch} decode graphs in {_time.time() - t0:.1f}s "
@@ -96,15 +102,8 @@ class GraphCache:
         if self.broken:
             return None
         key = self.key_for(step)
-        if key not in self.graphs:
-            try:
-                self._capture(key)
-            except Exception as e:  # keep serving, loudly: an eager step is slow but correct
-                self.broken = f"{type(e).__name__}: {e}"
-                if self.log:
-                    self.log(f"WARNING: CUDA graph capture failed ({self.broken}); running eagerly from now on")
-                torch.cuda.synchronize()
-                return None
+        if key not in self.graphs and not self._try_capture(key):
+            return None
         g, st, out = self.graphs[key]
         nb = key[1]
         st.input_ids.copy_(step.input_ids)
@@ -162,8 +161,12 @@ class StandardRunner:
         if logits is None:
             logits = self._forward(step)
         if self.record_routing:
-            self._routing.append([int(torch.unique(l.mlp.last_ids).numel()) for l in self.model.layers if l.is_moe])
+            self.record_step_routing()
         return logits
+
+    def record_step_routing(self) -> None:
+        """Distinct experts each MoE layer used in the step just run (host sync: untimed passes only)."""
+        self._routing.append([int(torch.unique(l.mlp.last_ids).numel()) for l in self.model.layers if l.is_moe])
 
     def routed_experts_per_step(self) -> list[list[int]]:
         return self._routing
