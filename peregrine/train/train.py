@@ -215,6 +215,7 @@ def train(args) -> dict:
             acc = evaluate(model, device, args.eval_n, args.eval_context)
             history.append({"step": step, "time_s": round(time.time() - t0, 1), **acc})
             log(f"eval step {step}: " + " ".join(f"{k} {v:.3f}" for k, v in acc.items()))
+            save(model, cfg_raw, Path(args.out), {"steps": step, "partial": True, "history": history})  # survives a kill
     acc = evaluate(model, device, args.eval_n, args.eval_context)
     history.append({"step": step, "time_s": round(time.time() - t0, 1), **acc})
     log(f"final eval step {step}: " + " ".join(f"{k} {v:.3f}" for k, v in acc.items()))
