@@ -11,7 +11,7 @@ import time
 
 from .config import ConfigError, EngineConfig
 
-DEFAULT_MODEL = "tiny-kimi-linear"
+DEFAULT_MODEL = "peregrine-tiny"  # the trained checkable model that ships with its weights
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -55,12 +55,17 @@ def cmd_generate(args) -> int:
     stamps: list[float] = []
     out_ids: list[int] = []
 
+    finish = []
+
     def on_token(o):
         for t in o.new_token_ids:
             stamps.append(time.perf_counter())
             out_ids.append(t)
-            if args.stream:
+            # the token that stopped generation (EOS or a stop id) is not text: like the server, do not print it
+            if args.stream and not (o.finished and o.finish_reason == "stop" and t == o.output_token_ids[-1]):
                 print(tok.decode([t]), end="", flush=True)
+        if o.finished:
+            finish.append(o.finish_reason)
 
     t0 = time.perf_counter()
     engine.add_request(ids, params, on_token=on_token)
@@ -69,12 +74,13 @@ def cmd_generate(args) -> int:
     if args.stream:
         print()
     else:
-        print(tok.decode(out_ids))
+        print(tok.decode(out_ids[:-1] if finish == ["stop"] else out_ids))
     if stamps:
         itl = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
         med = sorted(itl)[len(itl) // 2] if itl else float("nan")
         print(f"[peregrine] prompt {len(ids)} tokens, generated {len(out_ids)}; time to first token {(stamps[0] - t0) * 1e3:.1f} ms; "
-              f"median inter-token {med:.2f} ms ({1e3 / med if itl else float('nan'):.1f} tok/s); path {engine.stats.get('steps_by_path')}",
+              f"median inter-token {med:.2f} ms ({1e3 / med if itl else float('nan'):.1f} tok/s); finish {finish[0] if finish else '?'}; "
+              f"path {engine.stats.get('steps_by_path')}",
               file=sys.stderr)
         if args.timing:
             print("[peregrine] per-token ms: " + " ".join(f"{x:.2f}" for x in itl), file=sys.stderr)

@@ -193,8 +193,12 @@ def test_compare_detects_differences_and_passes_identical(tmp_path, capsys, monk
         eval_cli(base + ["--compare", '{"bogus": 1}'])
 
 
-def test_peregrine_tiny_without_weights_gives_clear_error():
-    if (PRESET_DIR / "peregrine-tiny").is_dir():
-        pytest.skip("trained weights are shipped")
-    with pytest.raises(ConfigError, match="ships no weights"):
-        eval_cli(["--task", "add", "--n", "1", "--results-dir", ""])
+def test_shipped_peregrine_tiny_answers_held_out_problems():
+    """The committed weights load through the real engine and answer problems they never saw
+    (the task generator, not the model, says what is right)."""
+    from peregrine.eval import run_eval
+    assert (PRESET_DIR / "peregrine-tiny" / "model.safetensors").is_file()
+    r = run_eval("peregrine-tiny", "copy", n=12, context=0, dummy_weights=False, results_dir=None)
+    assert r["accuracy"] >= 0.9, r["wrong"][:3]
+    r = run_eval("peregrine-tiny", "recall", n=4, context=256, dummy_weights=False, results_dir=None)
+    assert r["accuracy"] >= 0.75, r["wrong"][:3]

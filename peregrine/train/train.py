@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ..config import PRESET_DIR, ModelConfig
 from ..models.kimi import KimiModel
-from ..models.loader import init_dummy_weights, save_weights
+from ..models.loader import init_dummy_weights, load_weights, save_weights
 from . import tasks
 from .forward import CHUNK, train_logits
 
@@ -83,8 +83,8 @@ def collate(rows: list[tuple[list[int], list[int]]], device) -> tuple[torch.Tens
     return ids.to(device), tgt.to(device)
 
 
-def short_batch(r: random.Random, n: int, device):
-    names, weights = zip(*SHORT_MIX)
+def short_batch(r: random.Random, n: int, device, mix=SHORT_MIX):
+    names, weights = zip(*mix)
     make = {"add": tasks.make_add, "copy": tasks.make_copy, "reverse": tasks.make_reverse}
     probs = [make[t](r) for t in r.choices(names, weights, k=n)]
     return collate([example(p.prompt_ids(), p.answer_ids()) for p in probs], device)
@@ -93,6 +93,17 @@ def short_batch(r: random.Random, n: int, device):
 def recall_batch(r: random.Random, context: int, token_budget: int, device):
     n = max(1, token_budget // context)
     return collate([recall_example(r, context, RECALL_QUERIES) for _ in range(n)], device)
+
+
+def parse_mix(text: str) -> tuple[tuple[str, float], ...]:
+    try:
+        mix = tuple((t, float(w)) for t, w in (part.split("=") for part in text.split(",")))
+    except ValueError:
+        raise SystemExit(f"--short-mix: expected task=weight,..., got {text!r}")
+    bad = [t for t, _ in mix if t not in ("add", "copy", "reverse")]
+    if bad or not mix:
+        raise SystemExit(f"--short-mix: unknown task(s) {bad} (short tasks: add, copy, reverse)")
+    return mix
 
 
 # ---- model -------------------------------------------------------------------
@@ -157,8 +168,8 @@ def save(model, cfg_raw: dict, out: Path, extra: dict) -> Path:
 
 
 # ---- loop --------------------------------------------------------------------
-def lr_at(step: int, progress: float, base: float) -> float:
-    warm = min(1.0, (step + 1) / WARMUP_STEPS)
+def lr_at(step: int, progress: float, base: float, warmup: int = WARMUP_STEPS) -> float:
+    warm = min(1.0, (step + 1) / max(1, warmup))
     return base * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
@@ -169,7 +180,11 @@ def train(args) -> dict:
     cfg = ModelConfig.from_dict(cfg_raw, name="peregrine-tiny")
     with torch.device(device):
         model = KimiModel(cfg, torch.float32)
-    init_dummy_weights(model, seed=args.seed)
+    if args.init:  # continue from a saved model folder (e.g. a second, addition-weighted stage)
+        load_weights(model, args.init)
+    else:
+        init_dummy_weights(model, seed=args.seed)
+    mix = parse_mix(args.short_mix)
     for name, p in model.named_parameters():
         p.requires_grad_(not name.endswith(".bias"))  # router bias: moved by balance(), not by gradients
     params = [p for p in model.parameters() if p.requires_grad]
@@ -191,22 +206,24 @@ def train(args) -> dict:
             break
         ctx = int(RECALL_MIN_CONTEXT + (args.recall_max_context - RECALL_MIN_CONTEXT) * min(1.0, 2 * progress))
         ctx = r.randint(min(RECALL_MIN_CONTEXT, ctx), ctx)
-        lr = lr_at(step, progress, args.lr)
+        lr = lr_at(step, progress, args.lr, args.warmup)
         for grp in opt.param_groups:
             grp["lr"] = lr
         loads: list[torch.Tensor] = []
-        s_ids, s_tgt = short_batch(r, args.batch, device)
-        l_ids, l_tgt = recall_batch(r, ctx, args.recall_tokens, device)
+        s_ids, s_tgt = short_batch(r, args.batch, device, mix)
         loss_s = loss_of(model, s_ids, s_tgt, loads, args.chunk)
         loss_s.backward()
-        loss_l = loss_of(model, l_ids, l_tgt, loads, args.chunk)
-        loss_l.backward()
+        if step % args.recall_every == 0:
+            l_ids, l_tgt = recall_batch(r, ctx, args.recall_tokens, device)
+            loss_l = loss_of(model, l_ids, l_tgt, loads, args.chunk)
+            loss_l.backward()
+            ntok += l_ids.numel()
         torch.nn.utils.clip_grad_norm_(params, args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         balance(model, loads)
         step += 1
-        ntok += s_ids.numel() + l_ids.numel()
+        ntok += s_ids.numel()
         if step % args.log_every == 0 or step == 1:
             dt = time.time() - t0
             log(f"step {step} loss short {loss_s.item():.4f} recall {loss_l.item():.4f} (ctx {ctx}) lr {lr:.2e} "
@@ -235,7 +252,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="model config.json (default: the peregrine-tiny preset)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", default=None, help="start from this model folder instead of seeded random weights")
+    p.add_argument("--short-mix", default=",".join(f"{t}={w}" for t, w in SHORT_MIX),
+                   help="short-task weights, e.g. add=0.8,copy=0.1,reverse=0.1")
+    p.add_argument("--recall-every", type=int, default=1, help="a recall batch every N steps (default: every step)")
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=WARMUP_STEPS, help=f"linear warmup steps (default {WARMUP_STEPS})")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--batch", type=int, default=256, help="short-task sequences per step")
