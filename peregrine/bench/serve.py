@@ -125,16 +125,20 @@ def run(base_url: str, concurrencies: list[int], input_len: int, output_len: int
             "range_ratio": range_ratio, "num_gpus": num_gpus, "levels": levels}
 
 
-def plot(payload: dict, path) -> None:
+def plot(payload: dict | list[dict], path) -> None:
+    """Interactivity (x) against throughput per GPU (y), one line per payload (configuration)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    lv = payload["levels"]
-    x, y = [v["tok_s_user"] for v in lv], [v["throughput_per_gpu"] for v in lv]
+    payloads = payload if isinstance(payload, list) else [payload]
+    payload = payloads[0]
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    ax.plot(x, y, "o-", label=payload.get("label") or payload["model"])
-    for v, xi, yi in zip(lv, x, y):
-        ax.annotate(f"c={v['concurrency']}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    for pl in payloads:
+        lv = pl["levels"]
+        x, y = [v["tok_s_user"] for v in lv], [v["throughput_per_gpu"] for v in lv]
+        ax.plot(x, y, "o-", label=pl.get("label") or pl["model"])
+        for v, xi, yi in zip(lv, x, y):
+            ax.annotate(f"c={v['concurrency']}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xlabel("interactivity (tok/s/user)")
     ax.set_ylabel("throughput per GPU (output tok/s)")
     ax.set_title(f"{payload['model']}: ISL {payload['input_len']} / OSL {payload['output_len']}")
@@ -168,7 +172,8 @@ def run_cli(args) -> int:
     payload["label"] = args.label
     payload["meta"] = run_metadata()
     slug = payload["model"].replace("/", "_")
-    path = write_result(result_path(slug, "serve", args.results_dir), payload)
+    what = "serve" + (f"-{args.label}" if args.label else "")
+    path = write_result(result_path(slug, what, args.results_dir), payload)
     log(f"wrote {path}")
     if not args.no_plot:
         png = path.with_suffix(".png")
@@ -178,3 +183,19 @@ def run_cli(args) -> int:
         except ImportError:
             log("matplotlib is not installed: no PNG (the JSON has every number)")
     return 1 if any(lv["errors"] for lv in payload["levels"]) else 0
+
+
+def combine_main(argv: list[str] | None = None) -> int:
+    """python -m peregrine.bench.serve OUT.png RUN.json [RUN.json ...]: one plot of several runs."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m peregrine.bench.serve", description=combine_main.__doc__)
+    ap.add_argument("png")
+    ap.add_argument("runs", nargs="+")
+    a = ap.parse_args(argv)
+    plot([json.loads(open(r).read()) for r in a.runs], a.png)
+    print(f"wrote {a.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(combine_main())

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Serving benchmark (BENCHMARKS.md §3) for each decode backend on this machine: start
+# `peregrine serve`, wait for /health, drive it with `peregrine bench serve`, save /metrics,
+# SIGTERM (drains), next backend; then one plot of both. Server logs and metrics go to $OUT.
+#   MODEL (kimi-linear-48b-a3b, dummy weights), BACKENDS, CONC (1,2,4,8), ISL (1024), OSL (128),
+#   NP (requests per level; default 5 x concurrency), PORT, READY_TIMEOUT (s)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" results
+PY=${PY:-python3}
+MODEL=${MODEL:-kimi-linear-48b-a3b}; BACKENDS=${BACKENDS:-"standard latency_specialized"}
+CONC=${CONC:-1,2,4,8}; ISL=${ISL:-1024}; OSL=${OSL:-128}; PORT=${PORT:-8011}
+NP_ARG=${NP:+--num-prompts $NP}
+URL=http://127.0.0.1:$PORT
+get() { $PY -c "import sys, urllib.request as u; sys.stdout.write(u.urlopen(sys.argv[1], timeout=5).read().decode())" "$1" 2>/dev/null; }
+runs=(); rc=0
+for be in $BACKENDS; do
+  $PY -m peregrine serve --model "$MODEL" --dummy-weights --port "$PORT" --max-num-seqs 8 \
+      --additional-config "{\"decode_backend\": \"$be\"}" > "$OUT/serve-$be.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 "${READY_TIMEOUT:-300}"); do
+    get "$URL/health" > /dev/null && break
+    kill -0 $pid 2>/dev/null || break
+    sleep 1
+  done
+  if ! get "$URL/health" > /dev/null; then
+    echo "server ($be) did not become healthy; log tail:"; tail -20 "$OUT/serve-$be.log"; kill -9 $pid 2>/dev/null; rc=1; continue
+  fi
+  $PY -m peregrine bench serve --base-url "$URL" --max-concurrency "$CONC" --input-len "$ISL" --output-len "$OSL" \
+      $NP_ARG --label "$be" --results-dir results 2>&1 | tee "$OUT/bench-serve-$be.log" || rc=1
+  get "$URL/metrics" > "$OUT/metrics-$be.txt"
+  kill -TERM $pid; wait $pid; echo "server ($be) exit $?"
+  runs+=("$(ls -t results/*-"$MODEL"-serve-"$be".json | head -1)")
+done
+[ ${#runs[@]} -gt 0 ] && $PY -m peregrine.bench.serve "results/$(basename "${runs[0]%-serve-*}")-serve.png" "${runs[@]}"
+exit $rc
