@@ -6,9 +6,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-N=${N:-500}; NCMP=${NCMP:-$N}; TASKS=${TASKS:-"add copy recall"}
+N=${N:-500}; NCMP=${NCMP:-$N}; TASKS=${TASKS:-"add copy recall"}; STAGES=${STAGES:-"acc spec fp8"}
 rc=0
-for t in $TASKS; do $PY -m peregrine eval --task "$t" --n "$N" "$@" || rc=1; done
-for t in $TASKS; do $PY -m peregrine eval --task "$t" --n "$NCMP" --compare '{"decode_backend": "latency_specialized"}' "$@" || rc=1; done
-for t in $TASKS; do $PY -m peregrine eval --task "$t" --n "$N" --compare '{"kv_cache_dtype": "fp8"}' --tolerance-points 1 "$@" || rc=1; done
+for st in $STAGES; do for t in $TASKS; do
+  case $st in
+    acc)  $PY -m peregrine eval --task "$t" --n "$N" "$@" || rc=1 ;;
+    spec) $PY -m peregrine eval --task "$t" --n "$NCMP" --compare '{"decode_backend": "latency_specialized"}' "$@" || rc=1 ;;
+    fp8)  $PY -m peregrine eval --task "$t" --n "$N" --compare '{"kv_cache_dtype": "fp8"}' --tolerance-points 1 "$@" || rc=1 ;;
+  esac
+done; done
 exit $rc
