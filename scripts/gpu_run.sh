@@ -6,6 +6,7 @@
 #   DECODE_ARGS="..."                      extra args for `bench decode`
 set -uo pipefail
 cd "$(dirname "$0")/.."
+[ -f .commit ] && export PEREGRINE_COMMIT=${PEREGRINE_COMMIT:-$(cat .commit)}  # the device copy's git HEAD can be stale
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/peregrine-out}
 mkdir -p "$OUT" results

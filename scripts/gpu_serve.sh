@@ -6,6 +6,7 @@
 #   NP (requests per level; default 5 x concurrency), PORT, READY_TIMEOUT (s)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+[ -f .commit ] && export PEREGRINE_COMMIT=${PEREGRINE_COMMIT:-$(cat .commit)}  # the device copy's git HEAD can be stale
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" results
 PY=${PY:-python3}
 MODEL=${MODEL:-kimi-linear-48b-a3b}; BACKENDS=${BACKENDS:-"standard latency_specialized"}

@@ -272,3 +272,11 @@ def test_bench_decode_real_engine_tiny(tmp_path):
     for x in std["batches"]:
         assert x["n"] == 2 and x["median_ms"] > 0 and x["bytes_per_step"] > 0
         assert x["distinct_experts_mean"] <= 16
+
+
+def test_git_commit_prefers_the_device_run_env(monkeypatch):
+    from peregrine.bench.gpu import git_commit
+    monkeypatch.setenv("PEREGRINE_COMMIT", "abc123")
+    assert git_commit().startswith("abc123")
+    monkeypatch.delenv("PEREGRINE_COMMIT")
+    assert not git_commit().startswith("abc123")

@@ -43,10 +43,12 @@ def copy_bandwidth(nbytes: int = COPY_BYTES, iters: int = 20) -> dict:
 
 
 def git_commit() -> str:
-    """HEAD (+ "-dirty"), or, where the tree has no git history (the device machine gets a bare
-    working-tree copy), the commit written to .commit by scripts/device_commit.sh before the run."""
+    """PEREGRINE_COMMIT when set (device runs: `export PEREGRINE_COMMIT=$(cat .commit)`, since the
+    device copy's git metadata can be stale), else HEAD (+ "-dirty"), else .commit."""
     import os
     import re
+    if os.environ.get("PEREGRINE_COMMIT"):
+        return os.environ["PEREGRINE_COMMIT"] + " (PEREGRINE_COMMIT)"
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
         if re.fullmatch(r"[0-9a-f]{40}", sha):
@@ -58,7 +60,7 @@ def git_commit() -> str:
     try:
         return Path(".commit").read_text().strip() + " (from .commit)"
     except OSError:
-        return os.environ.get("PEREGRINE_COMMIT", "unknown")
+        return "unknown"
 
 
 def run_metadata() -> dict:
