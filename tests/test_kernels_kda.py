@@ -307,3 +307,16 @@ def test_split_under_cuda_graph(fresh_counters, monkeypatch):
         assert torch.equal(out, w)
     assert torch.equal(st, st_e) and torch.equal(cv, cv_e)
     assert counters_zero()
+
+
+def test_bench_plan_writer_round_trips(tmp_path):
+    """What `kernels_kda --tune` writes is what the loader reads (same keys, measured info ignored)."""
+    from peregrine.bench import kernels_kda as bench
+    cfgs = bench.candidates()
+    assert all(kda_mod.is_valid(c) for c in cfgs) and len(set(cfgs)) == len(cfgs)
+    best = {1: {"config": {"split": 8, "num_warps": 2, "num_stages": 2, "finish": "last"}, "time_ms": 0.004},
+            8: {"config": {"split": 4, "num_warps": 4, "num_stages": 1, "finish": "launch"}, "time_ms": 0.012}}
+    p = tmp_path / "kda_plan.json"
+    bench.write_plan(best, {"gpu": "test"}, path=p)
+    plan = load_plan(str(p))
+    assert plan == {(bench.H, bench.D, B): KdaConfig(**r["config"]) for B, r in best.items()}
