@@ -250,3 +250,19 @@ def test_plan_loader_and_fallbacks(tmp_path):
     committed = load_plan()
     for (cache, b, ctx), (t, s) in committed.items():
         assert 1 <= s <= MAX_SPLITS
+
+
+def test_bench_plan_writer_round_trips(tmp_path):
+    """What `kernels_mla --tune` writes is what mla_decode's plan loader reads."""
+    from peregrine.bench import kernels_mla as bench
+    from peregrine.kernels import mla
+    assert all(mla._valid(t) for ts in bench.TUNE_TILINGS.values() for t in ts)
+    t = MlaTiling(block_n=32, num_stages=4, fp8_compute="fp16", min_split_tokens=32)
+    best = {mla.plan_key("fp8", 8, 32768): {"tiling": vars(t), "num_splits": 16, "time_ms": 0.1, "gbps": 3000.0},
+            mla.plan_key("bf16", 1, 8192): {"tiling": vars(MlaTiling()), "num_splits": 132, "time_ms": 0.01}}
+    p = tmp_path / "mla_plan.json"
+    bench.write_plan(best, {"gpu": "test"}, path=p)
+    assert load_plan(str(p)) == {("fp8", 8, 32768): (t, 16), ("bf16", 1, 8192): (MlaTiling(), 132)}
+    row = {"cache": "fp8", "B": 8, "context": 32768, "num_splits": 16, "time_ms": 0.1, "gbps": 3000.0,
+           "pct_of_copy": 0.7, "rel_err": 1e-3, "tiling": vars(t)}
+    assert "fp16" in bench.table([row])

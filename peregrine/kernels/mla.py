@@ -269,6 +269,21 @@ def _mla_combine_kernel(
     tl.store(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + oc, res.to(out_ptr.dtype.element_ty), mask=cm)
 
 
+def resolve(B, H, capacity, latent_dtype, q_dtype, device, tiling=None, num_splits=None):
+    """(tiling, num_splits) mla_decode uses: the plan on a GPU with a BF16 model (unless a tiling
+    is given), else the default tiling for the cache dtype and pick_num_splits."""
+    fp8 = latent_dtype == torch.float8_e4m3fn
+    planned = None
+    if tiling is None and q_dtype == torch.bfloat16 and torch.device(device).type == "cuda":
+        planned = lookup("fp8" if fp8 else "bf16", B, capacity)
+    if planned is not None:
+        t, S = planned
+    else:
+        t = tiling or (FP8_TILING if fp8 else FP32_TILING if latent_dtype == torch.float32 else DEFAULT_TILING)
+        S = pick_num_splits(B, H, capacity, device, t)
+    return t, min(num_splits or S, MAX_SPLITS)
+
+
 def mla_decode(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lora_rank,
                num_splits=None, out=None, tiling: MlaTiling | None = None):
     """Attention of q [B, H, L] over the paged latent cache; returns o [B, H, kv_lora_rank] in q.dtype.
@@ -293,17 +308,7 @@ def mla_decode(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lor
     assert out.shape == (B, H, C) and out.dtype == q.dtype and out.stride(2) == 1
     if B == 0:
         return out
-    capacity = block_tables.shape[1] * page
-    planned = None
-    if tiling is None and q.dtype == torch.bfloat16 and q.device.type == "cuda":
-        planned = lookup("fp8" if fp8 else "bf16", B, capacity)
-    if planned is not None:
-        t, S = planned
-        S = num_splits or S
-    else:
-        t = tiling or (FP8_TILING if fp8 else FP32_TILING if latent.element_size() == 4 else DEFAULT_TILING)
-        S = num_splits or pick_num_splits(B, H, capacity, q.device, t)
-    S = min(S, MAX_SPLITS)
+    t, S = resolve(B, H, block_tables.shape[1] * page, latent.dtype, q.dtype, q.device, tiling, num_splits)
     block_h = _block_h(H, t)
     block_c = max(MIN_DOT, triton.next_power_of_2(C))
     block_r = max(MIN_DOT, triton.next_power_of_2(R))
