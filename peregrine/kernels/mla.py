@@ -207,10 +207,21 @@ def _mla_split_kernel(
         blk = tl.load(bt_row + t // PAGE, mask=tm, other=0).to(tl.int64)
         off = t % PAGE
         row = lat_ptr + blk * s_lblk + off * s_ltok
-        kc = tl.load(row[:, None] + oc[None, :], mask=tm[:, None] & cm[None, :], other=0.0).to(CDT)
-        kr = tl.load(row[:, None] + C + orr[None, :], mask=tm[:, None] & rm[None, :], other=0.0).to(CDT)
-        s = tl.dot(q_c, tl.trans(kc), input_precision=PREC)
-        s += tl.dot(q_r, tl.trans(kr), input_precision=PREC)
+        if FP8:
+            # Each use gets its own load of the tile (the second is an L2 hit), with no register
+            # transpose between the convert and the dot: that form is what lets the pipeliner
+            # stream both through shared memory. One tile used twice, as for BF16, made the
+            # FP8 load synchronous (the convert and transpose sat between it and the dots).
+            kct = tl.load(row[None, :] + oc[:, None], mask=cm[:, None] & tm[None, :], other=0.0).to(CDT)
+            krt = tl.load(row[None, :] + C + orr[:, None], mask=rm[:, None] & tm[None, :], other=0.0).to(CDT)
+            s = tl.dot(q_c, kct, input_precision=PREC)
+            s += tl.dot(q_r, krt, input_precision=PREC)
+            kc = tl.load(row[:, None] + oc[None, :], mask=tm[:, None] & cm[None, :], other=0.0).to(CDT)
+        else:
+            kc = tl.load(row[:, None] + oc[None, :], mask=tm[:, None] & cm[None, :], other=0.0).to(CDT)
+            kr = tl.load(row[:, None] + C + orr[None, :], mask=tm[:, None] & rm[None, :], other=0.0).to(CDT)
+            s = tl.dot(q_c, tl.trans(kc), input_precision=PREC)
+            s += tl.dot(q_r, tl.trans(kr), input_precision=PREC)
         if FP8:  # value = fp8 · scale: scale the score columns, not the tile
             sc = tl.load(scale_ptr + blk * s_sblk + off * s_stok, mask=tm, other=0.0)
             s = s * sc[None, :]
