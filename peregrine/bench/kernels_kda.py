@@ -42,6 +42,7 @@ OUT_TOL = 1e-2                  # VERIFY.md: BF16 output vs the FP32 reference
 STATE_TOL = 1e-4                # FP32 state fed by BF16 inputs
 TUNE_SPLITS = (2, 4, 8, 16)
 TUNE_WARPS = (1, 2, 4, 8)
+STATE_PER_THREAD = (8, 64)      # FP32 state values per thread a candidate may hold (ptxas: no spills up to 64)
 TUNE_STAGES = (2, 3)            # second pass, on the TOP_K fastest first-pass configs
 TOP_K = 2
 
@@ -156,9 +157,13 @@ def fla_compare(case: Case, iters: int) -> dict:
 # ---- tuning ----
 
 def candidates() -> list[KdaConfig]:
-    out = [KdaConfig(split=1, num_warps=w) for w in (4, 8, 16)]
-    out += [KdaConfig(split=s, num_warps=w, finish=f)
-            for s, w, f in itertools.product(TUNE_SPLITS, TUNE_WARPS, ("last", "launch"))]
+    """The unsplit kernel as the baseline (8 warps as before; ptxas: 25 KB of spills), then every
+    split × warps whose state tile is 8..64 FP32 values per thread (above that it spills, below
+    most threads idle), with both finishers."""
+    out = [KdaConfig(split=1, num_warps=8)]
+    for s, w, f in itertools.product(TUNE_SPLITS, TUNE_WARPS, ("last", "launch")):
+        if STATE_PER_THREAD[0] <= D * (D // s) // (32 * w) <= STATE_PER_THREAD[1]:
+            out.append(KdaConfig(split=s, num_warps=w, finish=f))
     return out
 
 
