@@ -10,6 +10,7 @@ PKGS=(
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0 sniffio==1.3.1
   Jinja2==3.1.6 MarkupSafe==3.0.4   # model chat templates
+  fla-core==0.6.0 einops==0.8.2     # KDA decode baseline in peregrine.bench.kernels_kda (pure Python + Triton)
 )
 mkdir -p .whl
 for p in "${PKGS[@]}"; do

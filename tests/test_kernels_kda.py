@@ -1,11 +1,13 @@
 """KDA one-kernel decode vs its FP32 reference (VERIFY.md §1), and the reference
 itself vs an independent whole-sequence formulation (F.conv1d + [V,K] state)."""
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from peregrine.kernels import available
-from peregrine.kernels.kda import kda_decode, kda_decode_ref
+from peregrine.kernels import available, kda as kda_mod
+from peregrine.kernels.kda import KdaConfig, heuristic, kda_decode, kda_decode_ref, load_plan, lookup
 from peregrine.testing import SENTINEL, assert_close, poisoned, rel_rmse
 from conftest import DEVICE, FULL_SHAPES
 
@@ -44,7 +46,7 @@ def make_case(H, d, slots, T, dtype=torch.float32, seed=0):
     return inp, state.to(DEVICE), conv.to(DEVICE), idx.to(DEVICE)
 
 
-def run_both(inp, state, conv, slots, gate, ckpt):
+def run_both(inp, state, conv, slots, gate, ckpt, config=None):
     """Kernel on poisoned outputs, reference on copies; returns (kernel, reference) results."""
     B, T, C = inp["qkv"].shape
     H = inp["b"].shape[-1]
@@ -57,7 +59,7 @@ def run_both(inp, state, conv, slots, gate, ckpt):
         if ckpt:
             kw = dict(state_ckpt=poisoned((B, T, H, d, d), torch.float32, DEVICE),
                       conv_ckpt=poisoned((B, T, W - 1, C), conv.dtype, DEVICE))
-        o = fn(**inp, state=st, conv_state=cv, slots=slots, gate=gate, out=out, **kw)
+        o = fn(**inp, state=st, conv_state=cv, slots=slots, gate=gate, out=out, config=config, **kw)
         assert o is out
         res.append((o, st, cv, kw))
     return res
@@ -87,6 +89,59 @@ def test_matches_reference_fp32(H, d, slots, T, ckpt, gate):
         assert torch.equal(kw["conv_ckpt"][:, -1], cv[idx])
 
 
+# V split over programs: both finishers, a masked last slice (d = 24 -> BLOCK_V 8 of 32),
+# one-column-of-sectors slices, several warps.
+SPLIT_CONFIGS = [KdaConfig(split=2, num_warps=1), KdaConfig(split=4, finish="launch"),
+                 KdaConfig(split=4, finish="last", num_warps=2), KdaConfig(split=8, finish="last")]
+SPLIT_CASES = [(2, 32, [5, 2], 1, False, "softplus"), (3, 24, [6], 3, True, "bounded"),
+               (1, 32, [7, 0, 3], 2, True, "softplus")]
+if FULL_SHAPES:
+    SPLIT_CONFIGS += [KdaConfig(split=16, num_warps=2), KdaConfig(split=8, finish="launch", num_warps=8)]
+    SPLIT_CASES += [(32, 128, [5, 2, 7, 0, 1, 3, 6, 4], 1, False, "bounded"), (32, 128, [1, 6], 3, True, "softplus")]
+
+
+def counters_zero():
+    return all(int(b.abs().sum()) == 0 for bufs in kda_mod._COUNTERS.values() for b in bufs)
+
+
+@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=str)
+@pytest.mark.parametrize("H,d,slots,T,ckpt,gate", SPLIT_CASES)
+def test_split_matches_reference(H, d, slots, T, ckpt, gate, config):
+    inp, state, conv, idx = make_case(H, d, slots, T, seed=H * 100 + d + T)
+    (o, st, cv, kw), (o_r, st_r, cv_r, kw_r) = run_both(inp, state, conv, idx, gate, ckpt, config=config)
+    assert_close(o, o_r, FP32_TOL, "output")
+    assert_close(st[idx], st_r[idx], FP32_TOL, "state")
+    assert torch.equal(cv, cv_r), "conv state must be the exact last W-1 raw inputs"
+    check_untouched(st, cv, idx)
+    if ckpt:
+        assert_close(kw["state_ckpt"], kw_r["state_ckpt"], FP32_TOL, "state ckpt")
+        assert torch.equal(kw["conv_ckpt"], kw_r["conv_ckpt"])
+    assert counters_zero(), "the last program of each head must reset its counter"
+
+
+def test_split_steps_carry_state_and_are_repeatable():
+    """T = 1, 2, 1 with a split config, twice from the same caches: bitwise equal runs (a race
+    between the V slices and the finisher would move bits) that track the reference."""
+    H, d, slots = (32, 128, [5, 2, 3]) if FULL_SHAPES else (2, 32, [5, 2])
+    cfg = KdaConfig(split=8 if FULL_SHAPES else 4, finish="last")
+    _, state, conv, idx = make_case(H, d, slots, 1)
+    runs = []
+    for _ in range(2):
+        st_k, cv_k, st_r, cv_r = state.clone(), conv.clone(), state.clone(), conv.clone()
+        outs = []
+        for step, T in enumerate([1, 2, 1]):
+            inp, _, _, _ = make_case(H, d, slots, T, seed=200 + step)
+            outs.append(kda_decode(**inp, state=st_k, conv_state=cv_k, slots=idx, gate="bounded", config=cfg))
+            o_r = kda_decode_ref(**inp, state=st_r, conv_state=cv_r, slots=idx, gate="bounded")
+            assert_close(outs[-1], o_r, FP32_TOL, f"output step {step}")
+            assert_close(st_k[idx], st_r[idx], FP32_TOL, f"state step {step}")
+            assert torch.equal(cv_k, cv_r)
+        check_untouched(st_k, cv_k, idx)
+        runs.append(outs + [st_k, cv_k])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("gate", ["softplus", "bounded"])
 def test_steps_carry_state(gate):
     """Several calls in a row (T = 1, 1, 2, 1): kernel and reference each keep their own caches."""
@@ -103,11 +158,12 @@ def test_steps_carry_state(gate):
     check_untouched(st_k, cv_k, idx)
 
 
+@pytest.mark.parametrize("config", [None, KdaConfig(split=4, finish="last")], ids=str)
 @pytest.mark.parametrize("T,ckpt", [(1, False), (2, True)])
-def test_bf16(T, ckpt):
+def test_bf16(T, ckpt, config):
     H, d, slots = (32, 128, [3, 6, 1, 0]) if FULL_SHAPES else (2, 64, [3, 6])
     inp, state, conv, idx = make_case(H, d, slots, T, dtype=torch.bfloat16, seed=7)
-    (o, st, cv, kw), (o_r, st_r, cv_r, kw_r) = run_both(inp, state, conv, idx, "softplus", ckpt)
+    (o, st, cv, kw), (o_r, st_r, cv_r, kw_r) = run_both(inp, state, conv, idx, "softplus", ckpt, config=config)
     assert o.dtype == torch.bfloat16
     assert_close(o, o_r, BF16_TOL, "output")
     assert_close(st[idx], st_r[idx], STATE_BF16_TOL, "state")
@@ -127,7 +183,8 @@ def test_strided_views_of_one_gemm_output():
     views = dict(zip(["qkv", "f", "b", "r"], torch.split(fused, widths, -1)))
     assert not views["f"].is_contiguous()
     st, cv = state.clone(), conv.clone()
-    o = kda_decode(**{**inp, **views}, state=st, conv_state=cv, slots=idx, gate="bounded")
+    o = kda_decode(**{**inp, **views}, state=st, conv_state=cv, slots=idx, gate="bounded",
+                   config=KdaConfig(split=2, finish="launch"))
     o_r = kda_decode_ref(**inp, state=state, conv_state=conv, slots=idx, gate="bounded")
     assert_close(o, o_r, FP32_TOL)
     assert_close(st, state, FP32_TOL, "state")
@@ -190,3 +247,126 @@ def test_reference_is_the_model_math(gate):
     want = independent_sequence(inp["qkv"][0], inp["f"][0], inp["b"][0], inp["r"][0], inp["conv_w"],
                                 inp["A_log"], inp["dt_bias"], inp["o_norm_w"], H, d, gate)
     assert rel_rmse(got, want) <= FP32_TOL
+
+
+def test_plan_loader_and_fallbacks(tmp_path):
+    """Exact entry, nearest planned batch above then below, heuristic for an unplanned shape
+    or a missing / corrupt file; invalid entries are skipped."""
+    good = {"split": 8, "num_warps": 2, "num_stages": 1, "finish": "launch"}
+    entries = {"32,128,1": good, "32,128,4": {"split": 4, "num_warps": 4}, "32,128,8": {"split": 3, "num_warps": 4},
+               "32,128,16": {"split": 2}, "bad key": good}
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps({"entries": entries}))
+    plan = load_plan(str(p))
+    assert set(plan) == {(32, 128, 1), (32, 128, 4)}  # split 3 and a missing num_warps are rejected
+    assert lookup(32, 128, 1, path=str(p)) == KdaConfig(split=8, num_warps=2, finish="launch")
+    assert lookup(32, 128, 2, path=str(p)) == KdaConfig(split=4, num_warps=4)  # next planned B above
+    assert lookup(32, 128, 16, path=str(p)) == KdaConfig(split=4, num_warps=4)  # largest planned B
+    assert lookup(4, 64, 2, path=str(p)) == heuristic(4, 64, 2)
+    bad = tmp_path / "corrupt.json"
+    bad.write_text("{not json")
+    assert load_plan(str(bad)) == {} and lookup(32, 128, 1, path=str(bad)) == heuristic(32, 128, 1)
+    assert load_plan(str(tmp_path / "missing.json")) == {}
+
+
+def test_heuristic_and_committed_plan():
+    for B in (1, 2, 4, 8, 16):
+        c = heuristic(32, 128, B, "cuda" if DEVICE == "cuda" else "cpu")
+        assert kda_mod.is_valid(c) and 16 <= 128 // c.split <= 32  # V slices of 16..32 columns
+        assert kda_mod.is_valid(lookup(32, 128, B))
+    assert heuristic(2, 16, 1).split == 1  # tiny heads stay whole
+    for key, e in json.loads(kda_mod.PLAN_PATH.read_text())["entries"].items() if kda_mod.PLAN_PATH.exists() else ():
+        assert tuple(int(x) for x in key.split(",")) in load_plan(), f"committed plan entry {key} is rejected"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+@pytest.mark.parametrize("fresh_counters", [False, True])
+def test_split_under_cuda_graph(fresh_counters, monkeypatch):
+    """Replays match eager calls; counters first made inside a capture fall back to the launch finisher."""
+    H, d, slots = 32, 128, [5, 2]
+    cfg = KdaConfig(split=8, finish="last")
+    inp, state, conv, idx = make_case(H, d, slots, 1, dtype=torch.bfloat16, seed=31)
+    st_e, cv_e = state.clone(), conv.clone()
+    want = [kda_decode(**inp, state=st_e, conv_state=cv_e, slots=idx, config=cfg).clone() for _ in range(3)]
+    kda_decode(**inp, state=state.clone(), conv_state=conv.clone(), slots=idx,  # compile outside the capture
+               config=KdaConfig(split=8, finish="launch"))
+    if fresh_counters:
+        monkeypatch.setattr(kda_mod, "_COUNTERS", {})
+    st, cv = state.clone(), conv.clone()
+    out = torch.empty_like(want[0])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            kda_decode(**inp, state=st, conv_state=cv, slots=idx, config=cfg, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    st.copy_(state), cv.copy_(conv)
+    for w in want:
+        g.replay()
+        assert torch.equal(out, w)
+    assert torch.equal(st, st_e) and torch.equal(cv, cv_e)
+    assert counters_zero()
+
+
+def test_bench_plan_writer_round_trips(tmp_path):
+    """What `kernels_kda --tune` writes is what the loader reads (same keys, measured info ignored)."""
+    from peregrine.bench import kernels_kda as bench
+    cfgs = bench.candidates()
+    assert all(kda_mod.is_valid(c) for c in cfgs) and len(set(cfgs)) == len(cfgs)
+    best = {1: {"config": {"split": 8, "num_warps": 2, "num_stages": 2, "finish": "last"}, "time_ms": 0.004},
+            8: {"config": {"split": 4, "num_warps": 4, "num_stages": 1, "finish": "launch"}, "time_ms": 0.012}}
+    p = tmp_path / "kda_plan.json"
+    bench.write_plan(best, {"gpu": "test"}, path=p)
+    plan = load_plan(str(p))
+    assert plan == {(bench.H, bench.D, B): KdaConfig(**r["config"]) for B, r in best.items()}
+
+
+AOT_SCRIPT = r"""
+import inspect, json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from peregrine.kernels import kda
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+fn = kda._kda_decode_kernel
+names = list(inspect.signature(fn.fn).parameters)
+ptr = {"A_log": "*fp32", "state": "*fp32", "sck": "*fp32", "osc": "*fp32", "slots": "*i64", "counters": "*i32"}
+res = {}
+for B in (1, 8):
+    c = kda.lookup(32, 128, B, "cpu")
+    ce = dict(W=4, BLOCK_W=4, BLOCK_D=128, BLOCK_V=128 // c.split, SPLIT=c.split, FINISH=0 if c.split == 1 else 1,
+              SOFTPLUS=True, CKPT=False)
+    sig = {n: "constexpr" if n in ce else ptr.get(n, "*bf16") if n in names[:16] else
+           "fp32" if n in ("lower_bound", "eps_qk", "eps_o", "q_scale") else "i32" for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+    k = triton.compile(ASTSource(fn, sig, ce, attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": c.num_warps, "num_stages": c.num_stages})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(k.asm["ptx"])
+        f.flush()
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True).stderr
+    res[B] = [str(c), int(re.search(r"(\d+) bytes spill stores", info).group(1))]
+print(json.dumps(res))
+"""
+
+
+def test_default_configs_compile_for_sm90_without_spills():
+    """Ahead-of-time sm_90a compile (no GPU needed, a subprocess without the interpreter): the
+    planned / heuristic split configs keep the state in registers. The unsplit kernel spilled
+    ~25 KB per thread under ptxas -v, which is where its 18.7 us at B = 1 went."""
+    import os
+    import subprocess
+    import sys
+    import triton
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")):
+        pytest.skip("triton's ptxas is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", AOT_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    if r.returncode != 0 and ("GPUTarget" in r.stderr or "ASTSource" in r.stderr):
+        pytest.skip("no ahead-of-time compile API in this triton")
+    assert r.returncode == 0, r.stderr[-2000:]
+    for B, (cfg, spill) in json.loads(r.stdout.strip().splitlines()[-1]).items():
+        assert spill == 0, f"B={B} {cfg}: {spill} bytes of spill stores"

@@ -1,4 +1,5 @@
 """MLA absorbed decode over the paged latent cache vs an independent FP32 reference (VERIFY.md §1)."""
+import json
 import math
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 
 from peregrine.cache import quantize_fp8
 from peregrine.kernels import available
-from peregrine.kernels.mla import MAX_SPLITS, MlaTiling, mla_decode, pick_num_splits
+from peregrine.kernels.mla import MAX_SPLITS, MlaTiling, load_plan, lookup, mla_decode, pick_num_splits
 from peregrine.testing import SENTINEL, assert_close, poisoned
 from tests.conftest import DEVICE, FULL_SHAPES
 
@@ -182,13 +183,17 @@ def test_lengths_change_under_a_fixed_grid():
 
 
 def test_pick_num_splits():
-    for B in (1, 2, 4, 8, 64):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 8
+    for B in (1, 2, 3, 4, 8, 64):
         prev = 0
         for ctx in (1, 64, 1024, 8192, 131072):
             s = pick_num_splits(B, 32, ctx, DEVICE)
             assert 1 <= s <= MAX_SPLITS and s >= prev  # grows with the bound, never past the cap
+            assert B * s <= max(sms, B), "programs past one wave leave a nearly empty second wave"
             prev = s
     assert pick_num_splits(1, 32, 64, DEVICE) == 1
+    assert pick_num_splits(8, 32, 131072, DEVICE) == max(1, sms // 8)
+    assert pick_num_splits(2, 32, 131072, DEVICE, MlaTiling(programs_per_sm=2)) == min(MAX_SPLITS, sms)
 
 
 def test_many_splits_keep_a_minimum_chunk():
@@ -197,3 +202,67 @@ def test_many_splits_keep_a_minimum_chunk():
     q, lat, scale, bt, lens_t = make_case([1, 200, 129, 300], H, C, R, 16, torch.float32, seed=7)
     got = run_checked(q, lat, scale, bt, lens_t, C, num_splits=8, tiling=MlaTiling())
     assert_close(got, reference(q, lat, scale, bt, lens_t, C), TOL[torch.float32])
+
+
+# FP8 cache with FP16 dot operands: PV weights in log space (their own running max), q̂ pre-scaled.
+FP16_TILING = MlaTiling(block_n=16, min_split_tokens=16, fp8_compute="fp16")
+
+
+@pytest.mark.parametrize("dims,lens,num_splits", [(TINY, [200, 1, 65], None), (TINY, [300, 0, 40], 5),
+                                                  (REAL, [130, 7], 3)] + ([(REAL, [8192, 1, 3000], None)] if FULL_SHAPES else []))
+def test_mla_decode_fp8_fp16_operands(dims, lens, num_splits):
+    H, C, R = dims
+    q, lat, scale, bt, lens_t = make_case(lens, H, C, R, 64, torch.bfloat16, fp8=True, seed=13)
+    scale.mul_(1e-3)  # small scales: p·scale would leave FP16's normal range
+    tiling = FP16_TILING if not FULL_SHAPES or num_splits else MlaTiling(block_n=32, fp8_compute="fp16")
+    got = run_checked(q, lat, scale, bt, lens_t, C, num_splits=num_splits, tiling=tiling)
+    assert_close(got.float(), reference(q, lat, scale, bt, lens_t, C), TOL["fp8"])
+    if 0 in lens:
+        assert torch.equal(got[lens.index(0)], torch.zeros_like(got[0]))
+
+
+def test_combine_with_many_splits():
+    """More splits than one combine tile row group (BLOCK_S 256, 16-channel slices), ragged lengths."""
+    H, C, R = TINY
+    q, lat, scale, bt, lens_t = make_case([3300, 17, 1000], H, C, R, 64, torch.float32, seed=17)
+    got = run_checked(q, lat, scale, bt, lens_t, C, num_splits=200)
+    assert_close(got, reference(q, lat, scale, bt, lens_t, C), TOL[torch.float32])
+
+
+def test_plan_loader_and_fallbacks(tmp_path):
+    good = {"num_splits": 64, "block_h": 32, "block_n": 32, "num_warps": 8, "num_stages": 2, "fp8_compute": "fp16"}
+    entries = {"fp8,1,8192": good, "fp8,1,32768": good | {"num_splits": 132}, "fp8,8,8192": good | {"num_splits": 16},
+               "bf16,1,8192": good | {"block_n": 48}, "bf16,2,8192": good | {"fp8_compute": "fp4"},
+               "bf16,4,8192": {"block_n": 64}, "fp8,2,x": good}
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps({"entries": entries}))
+    plan = load_plan(str(p))
+    assert set(plan) == {("fp8", 1, 8192), ("fp8", 1, 32768), ("fp8", 8, 8192)}
+    t, s = lookup("fp8", 1, 8192, path=str(p))
+    assert s == 64 and t == MlaTiling(block_n=32, num_stages=2, fp8_compute="fp16")
+    assert lookup("fp8", 1, 10000, path=str(p))[1] == 132   # next bucket up
+    assert lookup("fp8", 1, 1 << 20, path=str(p))[1] == 132  # past the largest: the largest
+    assert lookup("fp8", 3, 4096, path=str(p))[1] == 16      # next planned batch up
+    assert lookup("bf16", 1, 8192, path=str(p)) is None      # nothing valid planned: heuristic
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2")
+    assert load_plan(str(bad)) == {} and load_plan(str(tmp_path / "none.json")) == {}
+    committed = load_plan()
+    for (cache, b, ctx), (t, s) in committed.items():
+        assert 1 <= s <= MAX_SPLITS
+
+
+def test_bench_plan_writer_round_trips(tmp_path):
+    """What `kernels_mla --tune` writes is what mla_decode's plan loader reads."""
+    from peregrine.bench import kernels_mla as bench
+    from peregrine.kernels import mla
+    assert all(mla._valid(t) for ts in bench.TUNE_TILINGS.values() for t in ts)
+    t = MlaTiling(block_n=32, num_stages=4, fp8_compute="fp16", min_split_tokens=32)
+    best = {mla.plan_key("fp8", 8, 32768): {"tiling": vars(t), "num_splits": 16, "time_ms": 0.1, "gbps": 3000.0},
+            mla.plan_key("bf16", 1, 8192): {"tiling": vars(MlaTiling()), "num_splits": 132, "time_ms": 0.01}}
+    p = tmp_path / "mla_plan.json"
+    bench.write_plan(best, {"gpu": "test"}, path=p)
+    assert load_plan(str(p)) == {("fp8", 8, 32768): (t, 16), ("bf16", 1, 8192): (MlaTiling(), 132)}
+    row = {"cache": "fp8", "B": 8, "context": 32768, "num_splits": 16, "time_ms": 0.1, "gbps": 3000.0,
+           "pct_of_copy": 0.7, "rel_err": 1e-3, "tiling": vars(t)}
+    assert "fp16" in bench.table([row])

@@ -3,15 +3,22 @@
 Each case is a CUDA graph of REPS calls rotating over disjoint copies of the cache (block
 tables into one pool, blocks shuffled), so every call streams its entries from HBM, not L2.
 Bytes = cache entries (+ FP8 scales) + block-table entries + q + o; the FP32 split
-partials are overhead, not counted. `tune=True` adds a sweep of splits × tilings.
-    python -m peregrine.bench.kernels_mla [--quick] [--tune]
+partials are overhead, not counted.
+
+--tune, per (cache dtype, B, context bucket): every tiling at the wave-filling split count,
+then the TOP_K tilings over a range of split counts; the fastest config whose error is
+within tolerance goes into peregrine/kernels/mla_plan.json (read by mla_decode at run time).
+A time budget stops the sweep cleanly (what was tuned is still written).
+    python -m peregrine.bench.kernels_mla [--quick] [--tune [--no-write] [--budget-s 420]]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import itertools
+import json
 import statistics
+import time
 
 import torch
 
@@ -22,21 +29,24 @@ L = KV_LORA + ROPE
 SM_SCALE = 192 ** -0.5
 PAGE = 64                               # default cache block size
 BATCHES = (1, 2, 4, 8)
-CONTEXTS = (1024, 8192, 32768, 131072)
+CONTEXTS = (1024, 8192, 32768, 131072)  # also the plan's context buckets
 MAX_CACHE_BYTES = 8 << 30               # skip cases whose cache alone exceeds this
 L2_BYTES = 60 << 20
 ROTATE_BYTES = 3 * L2_BYTES             # rotation working set that cannot stay in L2
 MAX_COPIES = 64
 REPS = 20                               # calls per graph replay: amortises the replay launch
 DTYPE = torch.bfloat16
-TUNE_SPLITS = (16, 32, 64, 132, 264)
-TUNE_TILINGS = (
-    mla.MlaTiling(),
-    mla.MlaTiling(block_n=32),
-    mla.MlaTiling(block_n=64, num_stages=2),
-    mla.MlaTiling(block_n=32, num_stages=4),
-    mla.MlaTiling(block_h=16, block_n=64),
-)
+TOL = 1e-2                              # VERIFY.md: BF16 output vs the FP32 reference
+TOP_K = 2                               # tilings carried into the split sweep
+WAVE_FACTORS = (0.5, 1, 2, 4)           # split candidates: these many waves of programs
+TUNE_TILINGS = {
+    "bf16": (mla.MlaTiling(), mla.MlaTiling(block_n=32), mla.MlaTiling(num_stages=2),
+             mla.MlaTiling(block_n=32, num_stages=4), mla.MlaTiling(block_h=16),
+             mla.MlaTiling(block_n=32, num_warps=4, num_stages=2)),
+    "fp8": (mla.MlaTiling(block_n=32), mla.MlaTiling(), mla.MlaTiling(block_n=32, fp8_compute="fp16"),
+            mla.MlaTiling(fp8_compute="fp16"), mla.MlaTiling(block_n=32, num_stages=4, fp8_compute="fp16"),
+            mla.MlaTiling(block_h=16, fp8_compute="fp16"), mla.MlaTiling(block_h=16, block_n=32)),
+}
 
 
 def entry_bytes(fp8: bool) -> int:
@@ -48,6 +58,7 @@ class Case:
 
     def __init__(self, batch: int, ctx: int, fp8: bool):
         nb = -(-ctx // PAGE)
+        self.batch, self.ctx, self.fp8 = batch, ctx, fp8
         self.cache_bytes = batch * ctx * entry_bytes(fp8)
         copies = max(1, min(MAX_COPIES, -(-ROTATE_BYTES // self.cache_bytes)))
         total = copies * batch * nb
@@ -63,6 +74,8 @@ class Case:
         self.out = torch.empty(batch, H, KV_LORA, device="cuda", dtype=DTYPE)
         io = batch * (nb * 8 + H * L * DTYPE.itemsize + H * KV_LORA * DTYPE.itemsize)
         self.bytes = self.cache_bytes + io
+        self.ref = mla.mla_decode_ref(self.q, self.latent, self.scale, self.tables[0], self.lens, SM_SCALE,
+                                      kv_lora_rank=KV_LORA)
 
     def call(self, bt, **kw):
         return mla.mla_decode(self.q, self.latent, self.scale, bt, self.lens, SM_SCALE,
@@ -70,9 +83,7 @@ class Case:
 
     def rel_err(self, **kw) -> float:
         self.call(self.tables[0], **kw)
-        ref = mla.mla_decode_ref(self.q, self.latent, self.scale, self.tables[0], self.lens, SM_SCALE,
-                                 kv_lora_rank=KV_LORA)
-        return ((self.out.float() - ref).norm() / ref.norm()).item()
+        return ((self.out.float() - self.ref).norm() / self.ref.norm()).item()
 
     def time(self, iters: int = 30, **kw) -> tuple[float, list[float]]:
         from peregrine.bench.gpu import time_fn
@@ -103,64 +114,127 @@ def _quantize(vals):
     return torch.cat(qs), torch.cat(ss)
 
 
-def _row(case, batch, ctx, fp8, copy_gbps, t, samples, **extra) -> dict:
+def _row(case, copy_gbps, t, samples, **extra) -> dict:
     gbps = case.bytes / t / 1e6
-    return {"H": H, "L": L, "B": batch, "context": ctx, "cache": "fp8" if fp8 else "bf16", "time_ms": t,
+    return {"H": H, "L": L, "B": case.batch, "context": case.ctx, "cache": "fp8" if case.fp8 else "bf16",
+            "shape": f"{'fp8' if case.fp8 else 'bf16'} B={case.batch} ctx={case.ctx}", "time_ms": t,
             "cache_bytes": case.cache_bytes, "bytes": case.bytes, "gbps": gbps, "pct_of_copy": gbps / copy_gbps,
             "samples_ms": samples} | extra
 
 
-def run(copy_gbps: float, full: bool = True, tune: bool = False, iters: int = 30) -> list[dict]:
-    """One row per (cache dtype, B, context) with the default heuristic; with tune=True also
-    sweep rows (B = 1, 8K and 32K) marked "sweep": True."""
-    rows = []
+def cases(full: bool):
     batches, contexts = (BATCHES, CONTEXTS) if full else ((1, 8), (8192, 32768))
     for fp8, batch, ctx in itertools.product((False, True), batches, contexts):
-        if batch * ctx * entry_bytes(fp8) > MAX_CACHE_BYTES:
-            continue
+        if batch * ctx * entry_bytes(fp8) <= MAX_CACHE_BYTES:
+            yield fp8, batch, ctx
+
+
+def run(copy_gbps: float, full: bool = True, tune: bool = False, iters: int = 30, write: bool = True,
+        budget_s: float = 420.0, meta: dict | None = None) -> list[dict]:
+    """One row per (cache dtype, B, context) with the planned config; with tune=True, the sweep
+    rows (marked "sweep": True) and the winners written to the plan."""
+    rows, best = [], {}
+    t_end = time.monotonic() + budget_s
+    print(table([], head=True))
+    for fp8, batch, ctx in cases(full):
+        cache = "fp8" if fp8 else "bf16"
         case = Case(batch, ctx, fp8)
-        err = case.rel_err()
-        t, samples = case.time(iters)
-        splits = mla.pick_num_splits(batch, H, case.tables[0].shape[1] * PAGE, "cuda")
-        rows.append(_row(case, batch, ctx, fp8, copy_gbps, t, samples, num_splits=splits, rel_err=err))
-        print(table(rows[-1:], head=not rows[:-1]), flush=True)
+        tiling, splits = mla.resolve(batch, H, case.tables[0].shape[1] * PAGE, case.latent.dtype, DTYPE, "cuda")
+        row = None
+        try:
+            err = case.rel_err()
+            t, samples = case.time(iters)
+            row = _row(case, copy_gbps, t, samples, num_splits=splits, rel_err=err,
+                       tiling=dataclasses.asdict(tiling), kernel="mla_decode")
+            rows.append(row)
+        except Exception as e:  # noqa: BLE001 - one failing shape must not hide the rest
+            print(f"{cache} B={batch} ctx={ctx}: planned config FAILED {type(e).__name__}: {e}")
+        if tune and time.monotonic() < t_end:
+            win, recs = sweep(case, copy_gbps, max(10, iters // 3))
+            rows += recs
+            if win is not None:
+                best[mla.plan_key(cache, batch, ctx)] = win
+                if row is not None:
+                    row |= {"tuned_ms": win["time_ms"], "tuned_splits": win["num_splits"], "tuned_tiling": win["tiling"]}
+        elif tune:
+            print(f"budget spent: not tuning {cache} B={batch} ctx={ctx}")
+        if row is not None:
+            print(table([row], head=False), flush=True)
         del case
         torch.cuda.empty_cache()
-    if tune:
-        rows += sweep(copy_gbps, iters=max(10, iters // 3))
+    if tune and best and write:
+        write_plan(best, meta or {})
+        print(f"wrote {mla.PLAN_PATH} ({len(best)} entries)")
     return rows
 
 
-def sweep(copy_gbps: float, iters: int = 10) -> list[dict]:
-    rows = []
-    for fp8, ctx in itertools.product((False, True), (8192, 32768)):
-        case = Case(1, ctx, fp8)
-        for tiling, splits in itertools.product(TUNE_TILINGS, TUNE_SPLITS):
-            tiling = dataclasses.replace(tiling, min_split_tokens=tiling.block_n)  # let `splits` rule
-            try:
-                err = case.rel_err(num_splits=splits, tiling=tiling)
-                t, samples = case.time(iters, num_splits=splits, tiling=tiling)
-            except Exception as e:  # noqa: BLE001 - out of resources: skip the config
-                print(f"skip {tiling} splits={splits}: {type(e).__name__}")
-                continue
-            rows.append(_row(case, 1, ctx, fp8, copy_gbps, t, samples, num_splits=splits, rel_err=err,
-                             tiling=vars(tiling), sweep=True))
-        del case
-        torch.cuda.empty_cache()
-    best = {}
-    for r in rows:
-        k = (r["cache"], r["context"])
-        if k not in best or r["time_ms"] < best[k]["time_ms"]:
-            best[k] = r
-    print("best per (cache, context):\n" + table(best.values()))
-    return rows
+def _try(case, copy_gbps, iters, tiling, splits) -> dict:
+    rec = {"num_splits": splits, "tiling": dataclasses.asdict(tiling), "sweep": True}
+    try:
+        err = case.rel_err(num_splits=splits, tiling=tiling)
+        if err > TOL:
+            return rec | {"rel_err": err, "error": "wrong result"}
+        t, samples = case.time(iters, num_splits=splits, tiling=tiling)
+        return _row(case, copy_gbps, t, samples, **rec, rel_err=err)
+    except Exception as e:  # noqa: BLE001 - out of resources etc.: skip the config
+        return rec | {"error": f"{type(e).__name__}: {e}"[:200]}
+
+
+def _splits_for(case, tiling, waves: float) -> int:
+    groups = -(-H // mla._block_h(H, tiling))
+    cap = min(mla.MAX_SPLITS, -(-case.ctx // tiling.block_n))
+    return max(1, min(cap, int(waves * mla._num_sms(mla._device("cuda"))) // (case.batch * groups)))
+
+
+def sweep(case, copy_gbps: float, iters: int = 10) -> tuple[dict | None, list[dict]]:
+    """Stage 1: every tiling at one wave of programs; stage 2: the TOP_K over split counts."""
+    recs = []
+    cache = "fp8" if case.fp8 else "bf16"
+    for tiling in TUNE_TILINGS[cache]:
+        tiling = dataclasses.replace(tiling, min_split_tokens=tiling.block_n)  # let the split count rule
+        recs.append(_try(case, copy_gbps, iters, tiling, _splits_for(case, tiling, 1)))
+    ok = sorted((r for r in recs if "time_ms" in r), key=lambda r: r["time_ms"])
+    for r in ok[:TOP_K]:
+        tiling = mla.MlaTiling(**r["tiling"])
+        for s in sorted({_splits_for(case, tiling, f) for f in WAVE_FACTORS} - {r["num_splits"]}):
+            recs.append(_try(case, copy_gbps, iters, tiling, s))
+    for r in recs:
+        if "error" in r:
+            print(f"  skip {cache} B={case.batch} ctx={case.ctx} splits={r['num_splits']} {r['tiling']}: {r['error']}")
+    ok = sorted((r for r in recs if "time_ms" in r), key=lambda r: r["time_ms"])
+    if not ok:
+        return None, recs
+    win = ok[0] | {"candidates": len(recs), "runner_up_ms": ok[1]["time_ms"] if len(ok) > 1 else None}
+    return win, recs
+
+
+def write_plan(best: dict, meta: dict, path=None) -> None:
+    path = path or mla.PLAN_PATH
+    try:
+        old = json.loads(path.read_text()).get("entries", {})
+    except (OSError, ValueError):
+        old = {}
+    new = {k: r["tiling"] | {"num_splits": r["num_splits"], "measured": {
+        f: r.get(f) for f in ("time_ms", "gbps", "pct_of_copy", "rel_err", "runner_up_ms", "candidates")}}
+        for k, r in best.items()}
+    key = lambda kv: (kv[0].split(",")[0], *[int(x) for x in kv[0].split(",")[1:]])  # noqa: E731
+    doc = {"comment": "MLA decode tiling + splits per 'cache,B,context bucket', from "
+                      "python -m peregrine.bench.kernels_mla --tune", "meta": meta,
+           "entries": dict(sorted((old | new).items(), key=key))}
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    mla.load_plan.cache_clear()
 
 
 def table(rows, head: bool = True) -> str:
-    lines = [f"{'cache':>5} {'B':>2} {'ctx':>7} {'splits':>6} {'ms':>8} {'GB/s':>7} {'%copy':>6} {'err':>8} tiling"] if head else []
+    lines = [f"{'cache':>5} {'B':>2} {'ctx':>7} {'splits':>6} {'ms':>8} {'GB/s':>7} {'%copy':>6} {'err':>8} "
+             f"{'tuned ms':>8} tiling"] if head else []
     for r in rows:
-        lines.append(f"{r['cache']:>5} {r['B']:>2} {r['context']:>7} {r['num_splits']:>6} {r['time_ms']:>8.4f} "
-                     f"{r['gbps']:>7.0f} {100 * r['pct_of_copy']:>5.1f}% {r['rel_err']:>8.1e} {r.get('tiling', '')}")
+        t = r.get("tuned_tiling") or r.get("tiling") or {}
+        tl = f"h{t.get('block_h')}/n{t.get('block_n')}/w{t.get('num_warps')}/st{t.get('num_stages')}/{t.get('fp8_compute')}"
+        tuned = f"{r['tuned_ms']:>8.4f}" if "tuned_ms" in r else f"{'-':>8}"
+        lines.append(f"{r['cache']:>5} {r['B']:>2} {r['context']:>7} {r.get('tuned_splits', r['num_splits']):>6} "
+                     f"{r['time_ms']:>8.4f} {r['gbps']:>7.0f} {100 * r['pct_of_copy']:>5.1f}% {r['rel_err']:>8.1e} "
+                     f"{tuned} {tl}")
     return "\n".join(lines)
 
 
@@ -168,13 +242,17 @@ def main():
     from peregrine.bench.gpu import copy_bandwidth, result_path, run_metadata, write_result
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="B 1, 8 at 8K and 32K only")
-    ap.add_argument("--tune", action="store_true", help="also sweep num_splits x tilings at B = 1")
+    ap.add_argument("--tune", action="store_true", help="sweep tilings x splits per case and write mla_plan.json")
+    ap.add_argument("--no-write", action="store_true", help="with --tune: report only, leave the plan alone")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="with --tune: stop tuning new cases after this")
     ap.add_argument("--results-dir", default="results")
     a = ap.parse_args()
     copy = copy_bandwidth()
     meta = run_metadata() | {"copy_gbps": copy["gbps"], "copy_samples_ms": copy["samples_ms"]}
-    rows = run(copy["gbps"], full=not a.quick, tune=a.tune)
-    path = write_result(result_path("kernels", "mla", a.results_dir), {"meta": meta, "rows": rows})
+    rows = run(copy["gbps"], full=not a.quick, tune=a.tune, write=not a.no_write, budget_s=a.budget_s,
+               meta={k: meta[k] for k in ("commit", "gpu", "torch", "triton", "time_utc", "copy_gbps")})
+    path = write_result(result_path("kernels", "mla-tune" if a.tune else "mla", a.results_dir),
+                        {"meta": meta, "rows": rows})
     print(f"copy bandwidth {copy['gbps']:.0f} GB/s\n{table([r for r in rows if not r.get('sweep')])}\n-> {path}")
 
 

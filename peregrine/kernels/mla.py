@@ -6,7 +6,18 @@ The W_UK absorption before and the W_UV projection after are GEMMs outside this 
 
 Flash-decoding: grid (B, num_splits, head_groups). A program owns BLOCK_H heads of one
 sequence and one contiguous token range, so each cache entry is read once per
-(sequence, head group). A combine kernel merges the splits by log-sum-exp.
+(sequence, head group). A combine kernel merges the splits by log-sum-exp; it loads every
+split of a head at once ([splits, channels] tiles), so its latency does not grow with the
+split count.
+
+Why the first version reached only 10-44 % of copy bandwidth (H200, 2026-11-29): the split
+count was cdiv(SMs, B·groups), e.g. 17 × 8 = 136 programs for 132 SMs, one program per SM
+(its 3-stage tiles take most of the shared memory) — two waves, the second nearly empty;
+and the combine walked the splits one dependent load at a time (132 at B = 1). Splits now
+fill whole waves (`pick_num_splits`), the plan (`mla_plan.json`, from `python -m
+peregrine.bench.kernels_mla --tune`) picks splits and tiles per (cache dtype, B, context
+bucket), and an FP8 cache can use FP16 dot operands (one native cvt per 2 values instead
+of three on sm_90).
 
 CUDA-graph friendliness: the grid depends only on static shapes — B, H and the block-table
 capacity (max_blocks · block_size, the bound on the context) — never on context_lens.
@@ -18,7 +29,9 @@ the result is deterministic. A sequence of length 0 yields zeros (padded graph r
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -29,9 +42,14 @@ from . import interpreting
 LOG2E = 1.4426950408889634  # scores go through exp2: fold log2(e) into the scale once
 MIN_DOT = 16                # smallest tl.dot dimension on the tensor cores
 CPU_SMS = 8                 # pretend SM count off-GPU: keeps interpreter grids small
-MAX_SPLITS = 256            # bounds the partial buffers and the combine loop
+MAX_SPLITS = 256            # bounds the partial buffers and the combine tile
 L_FLOOR = tl.constexpr(1e-30)  # softmax sums are >= 1 when any token exists; length 0 gives 0/floor = 0
-COMBINE_BLOCK_C = 128       # latent channels per combine program: spreads the merge over many SMs
+FLT_BIG = tl.constexpr(3.0e38)  # finite stand-in for the max of an all-inactive split set
+SC_FLOOR = tl.constexpr(1e-30)  # log2 of an FP8 scale: a zero scale (all-zero entry) stays finite
+COMBINE_TILE = 4096         # [splits, channels] FP32 elements one combine program loads at once
+COMBINE_MAX_C = 128         # widest channel slice per combine program
+Q_FP16_SCALE = 1.0 / 16     # q̂ in FP16 operands is pre-scaled: range to ~1e6, subnormal floor < 1e-3
+PLAN_PATH = Path(__file__).with_name("mla_plan.json")
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -45,9 +63,11 @@ class MlaTiling:
     # than its share of the cache. Applied in the kernel too, so a long-capacity block table
     # (many splits) still gives a short sequence few, fuller splits.
     min_split_tokens: int = 128
+    fp8_compute: str = "bf16"  # FP8 cache: dot operand dtype, "bf16" or "fp16" (native e4m3->f16 cvt)
+    programs_per_sm: int = 1   # resident split programs per SM the split count is sized for
 
 
-# Chosen from ptxas -v on sm_90a (no spills); the benchmark sweeps alternatives on the GPU.
+# Chosen from ptxas -v on sm_90a (no spills); the plan overrides them where measured.
 DEFAULT_TILING = MlaTiling()
 FP8_TILING = MlaTiling(block_n=32)  # the FP8→BF16 converts need registers: 64 tokens spill
 FP32_TILING = MlaTiling(block_n=32, num_stages=2)  # tests only: FP32 tiles would overflow shared memory
@@ -60,20 +80,80 @@ def _num_sms(device: torch.device) -> int:
     return CPU_SMS
 
 
-def pick_num_splits(batch: int, num_heads: int, max_context: int, device, tiling: MlaTiling = DEFAULT_TILING) -> int:
-    """Splits per sequence: enough programs to cover the SMs once, but no split under
-    tiling.min_split_tokens of the bound. Depends only on static sizes (graph-safe)."""
-    groups = triton.cdiv(num_heads, _block_h(num_heads, tiling))
+def _device(device) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    want = triton.cdiv(_num_sms(dev), max(1, batch * groups))
+    return dev
+
+
+def pick_num_splits(batch: int, num_heads: int, max_context: int, device, tiling: MlaTiling = DEFAULT_TILING) -> int:
+    """Splits per sequence: as many as fill one wave of programs_per_sm programs on every SM
+    (rounded down: one program more than a wave costs a whole second wave), but no split
+    under tiling.min_split_tokens of the bound. Depends only on static sizes (graph-safe)."""
+    groups = triton.cdiv(num_heads, _block_h(num_heads, tiling))
+    wave = _num_sms(_device(device)) * max(1, tiling.programs_per_sm)
+    want = max(1, wave // max(1, batch * groups))
     cap = triton.cdiv(max(1, max_context), tiling.min_split_tokens)
     return max(1, min(MAX_SPLITS, want, cap))
 
 
 def _block_h(num_heads: int, tiling: MlaTiling) -> int:
     return max(MIN_DOT, min(tiling.block_h, triton.next_power_of_2(num_heads)))
+
+
+# ---- plan: (cache dtype, B, context bucket) -> (tiling, splits) ----
+
+def plan_key(cache: str, batch: int, context: int) -> str:
+    return f"{cache},{batch},{context}"
+
+
+@functools.lru_cache(maxsize=None)
+def load_plan(path: str | None = None) -> dict:
+    """{(cache, B, context): (MlaTiling, num_splits)}; a missing/corrupt file or a bad entry is skipped."""
+    p = Path(path) if path else PLAN_PATH
+    try:
+        entries = json.loads(p.read_text()).get("entries", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    plan = {}
+    for key, e in entries.items() if isinstance(entries, dict) else ():
+        try:
+            cache, b, ctx = key.split(",")
+            fields = {k: e[k] for k in MlaTiling.__dataclass_fields__ if k in e}
+            t, s = MlaTiling(**fields), int(e["num_splits"])
+            if not (cache in ("bf16", "fp8") and _valid(t) and 1 <= s <= MAX_SPLITS):
+                continue
+            plan[(cache, int(b), int(ctx))] = (t, s)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return plan
+
+
+def _valid(t: MlaTiling) -> bool:
+    pow2 = lambda x: isinstance(x, int) and x >= 1 and x & (x - 1) == 0  # noqa: E731
+    return (pow2(t.block_h) and t.block_h >= MIN_DOT and pow2(t.block_n) and t.block_n >= MIN_DOT
+            and pow2(t.num_warps) and isinstance(t.num_stages, int) and 1 <= t.num_stages <= 8
+            and isinstance(t.min_split_tokens, int) and t.min_split_tokens >= 1
+            and t.fp8_compute in ("bf16", "fp16") and isinstance(t.programs_per_sm, int) and t.programs_per_sm >= 1)
+
+
+def lookup(cache: str, batch: int, max_context: int, path: str | None = None):
+    """(tiling, num_splits) planned for the smallest planned batch >= B (else the largest) and
+    the smallest planned context bucket >= max_context (else the largest); None if unplanned."""
+    plan = load_plan(path)
+    keys = [k for k in plan if k[0] == cache]
+    if not keys:
+        return None
+    bs = sorted({k[1] for k in keys})
+    b = next((x for x in bs if x >= batch), bs[-1])
+    cs = sorted(k[2] for k in keys if k[1] == b)
+    c = next((x for x in cs if x >= max_context), cs[-1])
+    return plan[(cache, b, c)]
+
+
+def tiling_dict(t: MlaTiling) -> dict:
+    return asdict(t)
 
 
 @triton.jit
@@ -87,12 +167,12 @@ def _split_bounds(n, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr)
 @triton.jit
 def _mla_split_kernel(
     q_ptr, lat_ptr, scale_ptr, bt_ptr, len_ptr, part_ptr, lse_ptr, out_ptr,
-    qk_scale, H, num_splits,
+    qk_scale, q_mul, H, num_splits,
     s_qb, s_qh, s_lblk, s_ltok, s_sblk, s_stok, s_btb,
-    s_pb, s_ps, s_ph, s_eb, s_es, s_ob, s_oh,
+    s_pb, s_ph, s_ps, s_eb, s_eh, s_ob, s_oh,
     C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, PAGE: tl.constexpr,
-    FP8: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr, CDT: tl.constexpr,
+    FP8: tl.constexpr, PV_LOG: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr, CDT: tl.constexpr,
 ):
     b = tl.program_id(0)
     sp = tl.program_id(1)
@@ -113,11 +193,12 @@ def _mla_split_kernel(
     orr = tl.arange(0, BLOCK_R)
     rm = orr < R
     q_row = q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh
-    q_c = tl.load(q_row + oc[None, :], mask=hm[:, None] & cm[None, :], other=0.0).to(CDT)
-    q_r = tl.load(q_row + C + orr[None, :], mask=hm[:, None] & rm[None, :], other=0.0).to(CDT)
+    q_c = (tl.load(q_row + oc[None, :], mask=hm[:, None] & cm[None, :], other=0.0).to(tl.float32) * q_mul).to(CDT)
+    q_r = (tl.load(q_row + C + orr[None, :], mask=hm[:, None] & rm[None, :], other=0.0).to(tl.float32) * q_mul).to(CDT)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
+    mv_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # PV_LOG: running max of s + log2(scale)
     acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * s_btb
     for t0 in range(start, end, BLOCK_N):
@@ -126,10 +207,21 @@ def _mla_split_kernel(
         blk = tl.load(bt_row + t // PAGE, mask=tm, other=0).to(tl.int64)
         off = t % PAGE
         row = lat_ptr + blk * s_lblk + off * s_ltok
-        kc = tl.load(row[:, None] + oc[None, :], mask=tm[:, None] & cm[None, :], other=0.0).to(CDT)
-        kr = tl.load(row[:, None] + C + orr[None, :], mask=tm[:, None] & rm[None, :], other=0.0).to(CDT)
-        s = tl.dot(q_c, tl.trans(kc), input_precision=PREC)
-        s += tl.dot(q_r, tl.trans(kr), input_precision=PREC)
+        if FP8:
+            # Each use gets its own load of the tile (the second is an L2 hit), with no register
+            # transpose between the convert and the dot: that form is what lets the pipeliner
+            # stream both through shared memory. One tile used twice, as for BF16, made the
+            # FP8 load synchronous (the convert and transpose sat between it and the dots).
+            kct = tl.load(row[None, :] + oc[:, None], mask=cm[:, None] & tm[None, :], other=0.0).to(CDT)
+            krt = tl.load(row[None, :] + C + orr[:, None], mask=rm[:, None] & tm[None, :], other=0.0).to(CDT)
+            s = tl.dot(q_c, kct, input_precision=PREC)
+            s += tl.dot(q_r, krt, input_precision=PREC)
+            kc = tl.load(row[:, None] + oc[None, :], mask=tm[:, None] & cm[None, :], other=0.0).to(CDT)
+        else:
+            kc = tl.load(row[:, None] + oc[None, :], mask=tm[:, None] & cm[None, :], other=0.0).to(CDT)
+            kr = tl.load(row[:, None] + C + orr[None, :], mask=tm[:, None] & rm[None, :], other=0.0).to(CDT)
+            s = tl.dot(q_c, tl.trans(kc), input_precision=PREC)
+            s += tl.dot(q_r, tl.trans(kr), input_precision=PREC)
         if FP8:  # value = fp8 · scale: scale the score columns, not the tile
             sc = tl.load(scale_ptr + blk * s_sblk + off * s_stok, mask=tm, other=0.0)
             s = s * sc[None, :]
@@ -138,48 +230,69 @@ def _mla_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if FP8:
-            p = p * sc[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(CDT), kc, input_precision=PREC)
         m_i = m_new
+        if PV_LOG:
+            # FP16 operands: p·scale can fall below FP16's normal range, so the PV weights get
+            # their own running max over s + log2(scale) and stay in [0, 1].
+            sv = s + tl.log2(tl.maximum(sc, SC_FLOOR))[None, :]
+            mv_new = tl.maximum(mv_i, tl.max(sv, 1))
+            pv = tl.exp2(sv - mv_new[:, None])
+            acc = acc * tl.exp2(mv_i - mv_new)[:, None] + tl.dot(pv.to(CDT), kc, input_precision=PREC)
+            mv_i = mv_new
+        else:
+            if FP8:
+                p = p * sc[None, :]
+            acc = acc * alpha[:, None] + tl.dot(p.to(CDT), kc, input_precision=PREC)
 
+    if PV_LOG:  # acc = 2^-mv Σ 2^s·scale·c, l = 2^-m Σ 2^s
+        acc = acc * tl.where(l_i > 0, tl.exp2(mv_i - m_i), 0.0)[:, None]
     o = acc / tl.maximum(l_i, L_FLOOR)[:, None]
     om = hm[:, None] & cm[None, :]
     if DIRECT:  # one split: no combine, write the output itself
         out = out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + oc[None, :]
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=om)
     else:
-        part = part_ptr + b.to(tl.int64) * s_pb + sp * s_ps + heads[:, None] * s_ph + oc[None, :]
+        part = part_ptr + b.to(tl.int64) * s_pb + heads[:, None] * s_ph + sp * s_ps + oc[None, :]
         tl.store(part, o, mask=om)
-        tl.store(lse_ptr + b.to(tl.int64) * s_eb + sp * s_es + heads, m_i + tl.log2(l_i), mask=hm)
+        tl.store(lse_ptr + b.to(tl.int64) * s_eb + heads * s_eh + sp, m_i + tl.log2(l_i), mask=hm)
 
 
 @triton.jit
 def _mla_combine_kernel(
     part_ptr, lse_ptr, len_ptr, out_ptr, num_splits,
-    s_pb, s_ps, s_ph, s_eb, s_es, s_ob, s_oh,
-    C: tl.constexpr, BLOCK_CC: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
+    s_pb, s_ph, s_ps, s_eb, s_eh, s_ob, s_oh,
+    C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_CC: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
 ):
+    """One (sequence, head, channel slice): all of its splits in one [BLOCK_S, BLOCK_CC] tile."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     oc = tl.program_id(2) * BLOCK_CC + tl.arange(0, BLOCK_CC)
     cm = oc < C
     n = tl.load(len_ptr + b)
     chunk, n_active = _split_bounds(n, num_splits, BLOCK_N, MIN_CHUNK)
-    m = float("-inf")
-    l = 0.0
-    acc = tl.zeros([BLOCK_CC], tl.float32)
-    for sp in range(0, n_active):  # inactive splits were never written: never read them
-        lse = tl.load(lse_ptr + b.to(tl.int64) * s_eb + sp * s_es + h)
-        o = tl.load(part_ptr + b.to(tl.int64) * s_pb + sp * s_ps + h * s_ph + oc, mask=cm, other=0.0)
-        m_new = tl.maximum(m, lse)
-        a = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * a + o * w
-        l = l * a + w
-        m = m_new
-    res = acc / tl.maximum(l, L_FLOOR)
+    sp = tl.arange(0, BLOCK_S)
+    sm = sp < n_active  # inactive splits were never written: never read them
+    lse = tl.load(lse_ptr + b.to(tl.int64) * s_eb + h * s_eh + sp, mask=sm, other=float("-inf"))
+    w = tl.where(sm, tl.exp2(lse - tl.maximum(tl.max(lse, 0), -FLT_BIG)), 0.0)  # no -inf - -inf
+    o = tl.load(part_ptr + b.to(tl.int64) * s_pb + h * s_ph + sp[:, None] * s_ps + oc[None, :],
+                mask=sm[:, None] & cm[None, :], other=0.0)
+    res = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), L_FLOOR)
     tl.store(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + oc, res.to(out_ptr.dtype.element_ty), mask=cm)
+
+
+def resolve(B, H, capacity, latent_dtype, q_dtype, device, tiling=None, num_splits=None):
+    """(tiling, num_splits) mla_decode uses: the plan on a GPU with a BF16 model (unless a tiling
+    is given), else the default tiling for the cache dtype and pick_num_splits."""
+    fp8 = latent_dtype == torch.float8_e4m3fn
+    planned = None
+    if tiling is None and q_dtype == torch.bfloat16 and torch.device(device).type == "cuda":
+        planned = lookup("fp8" if fp8 else "bf16", B, capacity)
+    if planned is not None:
+        t, S = planned
+    else:
+        t = tiling or (FP8_TILING if fp8 else FP32_TILING if latent_dtype == torch.float32 else DEFAULT_TILING)
+        S = pick_num_splits(B, H, capacity, device, t)
+    return t, min(num_splits or S, MAX_SPLITS)
 
 
 def mla_decode(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lora_rank,
@@ -188,8 +301,9 @@ def mla_decode(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lor
 
     latent [num_blocks, block_size, L] (model dtype or float8_e4m3fn), scale [num_blocks, block_size]
     FP32 when FP8 else None, block_tables [B, max_blocks] (int64/int32), context_lens [B] int32.
-    num_splits=None picks pick_num_splits(B, H, max_blocks * block_size): fixed for a given
-    (B, H, block-table capacity), so it is safe under CUDA-graph replay with changing lengths.
+    Tiling and split count come from the plan for (cache dtype, B, max_blocks · block_size), else
+    the defaults and pick_num_splits; `tiling` / `num_splits` override. All of it depends only on
+    static sizes, so it is safe under CUDA-graph replay with changing lengths.
     """
     B, H, L = q.shape
     C = kv_lora_rank
@@ -198,7 +312,6 @@ def mla_decode(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lor
     assert L2 == L and R >= 1, f"latent dim {L2} vs q {L} (kv_lora {C})"
     assert latent.stride(2) == 1 and q.stride(2) == 1, "last dims must be contiguous"
     fp8 = latent.dtype == torch.float8_e4m3fn
-    t = tiling or (FP8_TILING if fp8 else FP32_TILING if latent.element_size() == 4 else DEFAULT_TILING)
     assert (scale is not None) == fp8, "scale is required exactly for an FP8 cache"
     assert block_tables.shape[0] == B and context_lens.shape[0] == B
     if out is None:
@@ -206,7 +319,7 @@ def mla_decode(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lor
     assert out.shape == (B, H, C) and out.dtype == q.dtype and out.stride(2) == 1
     if B == 0:
         return out
-    S = num_splits or pick_num_splits(B, H, block_tables.shape[1] * page, q.device, t)
+    t, S = resolve(B, H, block_tables.shape[1] * page, latent.dtype, q.dtype, q.device, tiling, num_splits)
     block_h = _block_h(H, t)
     block_c = max(MIN_DOT, triton.next_power_of_2(C))
     block_r = max(MIN_DOT, triton.next_power_of_2(R))
@@ -215,31 +328,35 @@ def mla_decode(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lor
         part = lse = out  # unused placeholders
         ps = es = (0, 0, 0)
     else:
-        part = torch.empty(B, S, H, C, dtype=torch.float32, device=q.device)
-        lse = torch.empty(B, S, H, dtype=torch.float32, device=q.device)
+        part = torch.empty(B, H, S, C, dtype=torch.float32, device=q.device)
+        lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
         ps, es = part.stride()[:3], lse.stride()[:2]
     sc = scale if fp8 else latent  # placeholder pointer when not FP8
     s_sblk, s_stok = (scale.stride(0), scale.stride(1)) if fp8 else (0, 0)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # FP32 tests need exact FP32 dots
-    # Dot operands in the model dtype with FP32 accumulation; FP32 under the interpreter,
-    # whose BF16 tl.dot is wrong in triton 3.6 (returns garbage ~1e10).
-    cdt = tl.float32 if interpreting() or q.dtype == torch.float32 else _TL_DTYPE[q.dtype]
+    # Dot operands in the model dtype (FP16 for an FP8 cache if the tiling says so) with FP32
+    # accumulation; FP32 under the interpreter, whose BF16 tl.dot is wrong in triton 3.6.
+    fp16 = fp8 and t.fp8_compute == "fp16" and q.dtype != torch.float32
+    cdt = (tl.float32 if interpreting() or q.dtype == torch.float32
+           else tl.float16 if fp16 else _TL_DTYPE[q.dtype])
+    q_mul = Q_FP16_SCALE if fp16 else 1.0
     grid = (B, S, triton.cdiv(H, block_h))
     _mla_split_kernel[grid](
         q, latent, sc, block_tables, context_lens, part, lse, out,
-        float(sm_scale) * LOG2E, H, S,
+        float(sm_scale) * LOG2E / q_mul, q_mul, H, S,
         q.stride(0), q.stride(1), latent.stride(0), latent.stride(1), s_sblk, s_stok, block_tables.stride(0),
         ps[0], ps[1], ps[2], es[0], es[1], out.stride(0), out.stride(1),
         C=C, R=R, BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_N=t.block_n,
-        MIN_CHUNK=t.min_split_tokens, PAGE=page, FP8=fp8, DIRECT=direct, PREC=prec, CDT=cdt,
+        MIN_CHUNK=t.min_split_tokens, PAGE=page, FP8=fp8, PV_LOG=fp16, DIRECT=direct, PREC=prec, CDT=cdt,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     if not direct:
-        cc = min(COMBINE_BLOCK_C, triton.next_power_of_2(C))
+        block_s = triton.next_power_of_2(S)
+        cc = max(MIN_DOT, min(COMBINE_MAX_C, triton.next_power_of_2(C), COMBINE_TILE // block_s))
         _mla_combine_kernel[(B, H, triton.cdiv(C, cc))](
             part, lse, context_lens, out, S,
             ps[0], ps[1], ps[2], es[0], es[1], out.stride(0), out.stride(1),
-            C=C, BLOCK_CC=cc, BLOCK_N=t.block_n, MIN_CHUNK=t.min_split_tokens, num_warps=1,
+            C=C, BLOCK_S=block_s, BLOCK_CC=cc, BLOCK_N=t.block_n, MIN_CHUNK=t.min_split_tokens, num_warps=4,
         )
     return out
 
