@@ -14,6 +14,7 @@ rest by the bits they give a fixed 16-token probe (a token's bits must not depen
 on B: one group serves all B), picks the group with the least total time and its
 fastest config per B, re-checks batch invariance, and writes moe_plan.json.
     python -m peregrine.bench.kernels_moe [--quick] [--tune [--dry-run]] [--out PATH]
+    python -m peregrine.bench.kernels_moe --compile-check   # any machine: sm_90 compile + ptxas report
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ UP_CANDS = [dict(zip(("UP_BLOCK_I", "UP_BLOCK_D", "up_warps", "up_stages"), v)) 
 DOWN_CANDS = [dict(zip(("DOWN_BLOCK_D", "DOWN_BLOCK_I", "SWAP", "down_warps", "down_stages"), v)) for v in
               [(32, 256, False, 4, 3), (64, 256, False, 4, 3), (128, 128, False, 4, 3), (128, 128, False, 8, 3),
                (32, 128, False, 4, 4), (16, 256, False, 4, 3), (64, 128, False, 4, 4), (64, 128, True, 4, 3),
-               (128, 128, True, 4, 3), (64, 256, True, 4, 3), (128, 64, True, 4, 4)]]
+               (128, 128, True, 4, 3), (64, 256, True, 4, 3), (128, 64, True, 4, 4), (32, 512, False, 4, 2),
+               (16, 1024, False, 4, 1)]]
 FUSED_CANDS = [dict(zip(("variant", "BLOCK_I", "BLOCK_D", "BLOCK_DO", "num_warps", "num_stages"), ("fused",) + v))
                for v in [(32, 256, 128, 4, 3), (32, 256, 256, 4, 3), (32, 128, 128, 4, 4), (64, 128, 128, 4, 3),
                          (64, 256, 64, 8, 2), (16, 256, 256, 4, 3)]]
@@ -327,6 +329,87 @@ def tune(copy_gbps: float, bs=BS, budget_s: float = TUNE_BUDGET_S, log=print) ->
             "tune_s": time.time() - t0}
 
 
+# ----------------------------------------------------------------------------- offline compile check
+SM90 = ("cuda", 90, 32)  # H200 target: Triton compiles for it without a GPU
+
+
+def compile_sm90(fn, args: dict, num_warps: int, num_stages: int) -> dict:
+    """Compile one kernel for sm_90 on any machine (as the JIT would specialise it: pointers and
+    ints divisible by 16 hinted) and read ptxas's resource report. args: name -> (type, value)."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        ty, v = args[name]
+        sig[name] = ty
+        if ty == "constexpr":
+            consts[name] = v
+        elif ty.startswith("*") or (ty == "i32" and v % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    target = GPUTarget(*SM90)
+    opts = triton.compiler.make_backend(target).parse_options({"num_warps": num_warps, "num_stages": num_stages})
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=target,
+                       options=opts.__dict__)
+    ptx = k.asm["ptx"]
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "k.ptx").write_text(ptx)
+        ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+        rep = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
+                             capture_output=True, text=True).stderr
+    num = lambda pat: int(m.group(1)) if (m := re.search(pat, rep)) else -1  # noqa: E731
+    return {"smem": k.metadata.shared, "regs": num(r"Used (\d+) registers"), "spill": num(r"(\d+) bytes spill stores"),
+            "cp_async": ptx.count("cp.async.cg"), "mma": ptx.count("mma.sync"), "wgmma": ptx.count("wgmma.mma_async")}
+
+
+def compile_check(router_cfgs, expert_cfgs, B: int = 3) -> list[dict]:
+    """Every kernel each config launches, compiled for sm_90 at the Kimi-Linear shapes."""
+    import triton.language as tl
+    bf, f32, i32, c = "*bf16", "*fp32", "*i32", lambda v: ("constexpr", v)
+    n = lambda v: ("i32", v)  # noqa: E731
+    meta = dict(TOP_K=c(TOP_K), B_PAD=c(moe.B_MAX), K_PAD=c(TOP_K), N_PAD=c(moe.B_MAX * TOP_K),
+                DOT_T=c(tl.bfloat16), PREC=c("tf32"))
+    act = dict(ACT=c(0), BETA=c(moe.SITU_BETA), BETA_L=c(moe.SITU_LINEAR_BETA))
+    dims = dict(B=n(B), D=n(D), I=n(I))
+    jobs = [("combine", moe._combine_kernel, dict(part_ptr=(f32, 0), tw_ptr=(f32, 0), add_ptr=(bf, 0), out_ptr=(bf, 0),
+                                                  B=n(B), D=n(D), NJ=n(1), stride_ob=n(D), stride_ab=n(D), TOP_K=c(TOP_K),
+                                                  K_PAD=c(TOP_K), BLOCK_D=c(moe.COMBINE_BLOCK_D), HAS_ADD=c(True)), 4, 2)]
+    for r in router_cfgs:
+        jobs.append((f"router {r}", moe._router_logits_kernel, dict(
+            x_ptr=(bf, 0), w_ptr=(bf, 0), part_ptr=(f32, 0), B=n(B), E=n(E), D=n(D), stride_xb=n(D), chunk=n(r["CHUNK"]),
+            B_PAD=c(moe.B_MAX), BLOCK_E=c(r["BLOCK_E"]), BLOCK_K=c(r["BLOCK_K"]), DOT=c(r["variant"] == "dot")),
+            r["num_warps"], r["num_stages"]))
+        jobs.append((f"topk split={-(-D // r['CHUNK'])}", moe._router_topk_kernel, dict(
+            part_ptr=(f32, 0), bias_ptr=(f32, 0), ids_ptr=(i32, 0), w_ptr=(f32, 0), logits_ptr=(f32, 0), B=n(B),
+            E=n(E), scaling=("fp32", 0), SPLIT=c(-(-D // r["CHUNK"])), TOP_K=c(TOP_K), K_PAD=c(TOP_K), E_PAD=c(E),
+            RENORM=c(True), HAS_BIAS=c(True), STORE_LOGITS=c(False)), moe.TOPK_WARPS, 2))
+    for e in expert_cfgs:
+        if e["variant"] == "split":
+            jobs.append((f"up {e}", moe._expert_up_kernel, dict(
+                x_ptr=(bf, 0), w13_ptr=(bf, 0), ids_ptr=(i32, 0), h_ptr=(bf, 0), **dims, stride_xb=n(D),
+                BLOCK_I=c(e["UP_BLOCK_I"]), BLOCK_D=c(e["UP_BLOCK_D"]), **act, **meta), e["up_warps"], e["up_stages"]))
+            jobs.append((f"down {e}", moe._expert_down_kernel, dict(
+                h_ptr=(bf, 0), w2_ptr=(bf, 0), ids_ptr=(i32, 0), part_ptr=(f32, 0), **dims, BLOCK_D=c(e["DOWN_BLOCK_D"]),
+                BLOCK_I=c(e["DOWN_BLOCK_I"]), SWAP=c(bool(e["SWAP"])), **meta), e["down_warps"], e["down_stages"]))
+        else:
+            jobs.append((f"fused {e}", moe._expert_fused_kernel, dict(
+                x_ptr=(bf, 0), w13_ptr=(bf, 0), w2_ptr=(bf, 0), ids_ptr=(i32, 0), part_ptr=(f32, 0), **dims,
+                stride_xb=n(D), BLOCK_I=c(e["BLOCK_I"]), BLOCK_D=c(e["BLOCK_D"]), BLOCK_DO=c(e["BLOCK_DO"]), **act,
+                **meta), e["num_warps"], e["num_stages"]))
+    out = []
+    for name, fn, args, w, st in jobs:
+        try:
+            out.append({"kernel": name} | compile_sm90(fn, args, w, st))
+        except Exception as ex:  # noqa: BLE001 - report every failure, not just the first
+            out.append({"kernel": name, "error": f"{type(ex).__name__}: {str(ex)[:500]}"})
+    return out
+
+
 def write_plan(entries: dict, meta: dict, path=moe.PLAN_PATH) -> None:
     old = json.loads(path.read_text()) if path.exists() else {}
     merged = old.get("entries", {}) | entries
@@ -346,7 +429,15 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=TUNE_BUDGET_S, help="stop timing new candidates after this")
     ap.add_argument("--out", default=None, help="result JSON (default results/<date>-<gpu>-...-kernels-moe.json)")
     ap.add_argument("--results-dir", default="results")
+    ap.add_argument("--compile-check", action="store_true", help="no GPU needed: compile every candidate for sm_90, "
+                                                                 "print registers / spills / shared memory, exit")
     args = ap.parse_args()
+    if args.compile_check:
+        rows = compile_check(ROUTER_CANDS, [moe.DEFAULT_EXPERTS | u for u in UP_CANDS] +
+                             [moe.DEFAULT_EXPERTS | d for d in DOWN_CANDS] + [moe.DEFAULT_EXPERTS] + FUSED_CANDS)
+        for r in rows:
+            print(json.dumps(r))
+        raise SystemExit(1 if any("error" in r for r in rows) else 0)
     copy = copy_bandwidth()
     meta = run_metadata() | {"copy_gbps": copy["gbps"]}
     print(f"copy bandwidth {copy['gbps']:.0f} GB/s (same run)")

@@ -40,6 +40,7 @@ PLAN_PATH = Path(__file__).with_name("moe_plan.json")
 B_MAX = 16             # decode batches up to 16 share one padded token tile: one compile, batch-invariant bits
 MIN_DOT_ROWS = 16      # tl.dot needs M, N, K >= 16
 COMBINE_BLOCK_D = 256  # columns per combine program; fixed (never tuned) so its sum order never changes
+TOPK_WARPS = 1         # top-k is 3k tiny reductions over E: one warp does each with shuffles, no smem barriers
 SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0  # SiTU bounds (MODELS.md)
 ACTIVATIONS = {"swiglu": 0, "situ": 1}
 
@@ -179,8 +180,8 @@ def _router_topk_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, logits_ptr, B, E, sc
     offs = tl.arange(0, E_PAD)
     ok = offs < E
     logit = tl.load(part_ptr + b * E + offs, mask=ok, other=0.0)
-    for s in tl.static_range(1, SPLIT):  # fixed order over the D chunks
-        logit += tl.load(part_ptr + (s * B + b) * E + offs, mask=ok, other=0.0)
+    for c in tl.static_range(1, SPLIT):  # fixed order over the D chunks
+        logit += tl.load(part_ptr + (c * B + b) * E + offs, mask=ok, other=0.0)
     if STORE_LOGITS:
         tl.store(logits_ptr + b * E + offs, logit, mask=ok)
     s = tl.sigmoid(logit)
@@ -226,7 +227,7 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
     b = bias.float().contiguous() if bias is not None else part  # dummy pointer when absent
     _router_topk_kernel[(B,)](part, b, ids, w, logits_out if logits_out is not None else part, B, E, float(scaling),
                               SPLIT=split, TOP_K=top_k, K_PAD=_pow2(top_k), E_PAD=_pow2(E), RENORM=bool(renormalize),
-                              HAS_BIAS=bias is not None, STORE_LOGITS=logits_out is not None)
+                              HAS_BIAS=bias is not None, STORE_LOGITS=logits_out is not None, num_warps=TOPK_WARPS)
     return ids, w
 
 
