@@ -44,10 +44,11 @@ TOPK_WARPS = 1         # top-k is 3k tiny reductions over E: one warp does each 
 SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0  # SiTU bounds (MODELS.md)
 ACTIVATIONS = {"swiglu": 0, "situ": 1}
 
-# Defaults for shapes the plan does not cover. Router: 16 experts x 256 columns (16 KB
-# FP32) per program, one load each, ~150 programs for Kimi-Linear. Experts: the up
-# tiles measured at ~80 % of copy BW on H200 (2026-11-29); down with 64 x 128 tiles
-# so each program streams 64 KB of W2 (the old 16-row tiles were launch/latency bound).
+# Defaults for shapes the plan does not cover. Router: 16 experts x 256 columns (8 KB
+# BF16) per program in two loads, ~150 programs for Kimi-Linear. Experts: the up tiles
+# measured at ~80 % of copy BW on H200 (2026-11-29); down with 64 x 128 tiles, so each
+# program streams 128 KB of W2 in pipelined 16 KB steps (the old 16 x 256 tiles with
+# 8 warps ran at ~22 %).
 DEFAULT_ROUTER = {"variant": "dot", "BLOCK_E": 16, "BLOCK_K": 128, "CHUNK": 256, "num_warps": 4, "num_stages": 2}
 DEFAULT_EXPERTS = {"variant": "split", "UP_BLOCK_I": 32, "UP_BLOCK_D": 256, "up_warps": 4, "up_stages": 3,
                    "DOWN_BLOCK_D": 64, "DOWN_BLOCK_I": 128, "SWAP": False, "down_warps": 4, "down_stages": 3}
