@@ -1,28 +1,34 @@
 """Fused MoE decode (MODELS.md "MoE layer"): FP32 sigmoid router with top-k,
 then the routed experts, each chosen expert's weights read once per step.
+No host sync (CUDA-graph capturable), no atomics.
 
-Router, two launches: logits [B, E] FP32 (W_r streamed once for all tokens),
-then one program per token picks top-k of σ(logit) + bias. Ties go to the
-lowest expert index (the reference uses a stable descending sort).
+Router, two launches: (1) split-D partial logits, grid (E tiles, D chunks), each
+program loads its whole W_r tile at once (the 1-2 MB matrix is latency bound, so
+many programs with one big load each); exact FP32 products, either an IEEE dot
+(sequential FMA chain) or a token loop over the tile held in registers.
+(2) one program per token sums the chunks in a fixed order and picks top-k of
+σ(logit) + bias (ties -> lowest expert index, like a stable descending sort).
 
-Experts, two launches, no host sync (CUDA-graph capturable), no atomics:
- 1. up: grid (B·k assignments, I tiles). The program of assignment n exits
-    unless n is the first occurrence of its expert e in the flat topk_ids; the
-    first one computes act(W1_e x_b, W3_e x_b) for EVERY token b that chose e
-    (the token tile is one tl.dot operand), so W1_e/W3_e are read once.
-    Writes h[b, slot_b(e), :] FP32; each (b, slot) has exactly one writer.
- 2. down: grid (D tiles). Each program walks the assignments in order, and for
-    each first occurrence reads its W2_e rows once and computes W2_e h for all
-    tokens that chose e. The result lands (not added) in a per-(token, slot)
-    register accumulator, scaled by topk_w; the end sums over slots. So the
-    sum order is fixed per token and independent of the rest of the batch:
-    outputs are bitwise reproducible and batch invariant.
-    An alternative down path, ``down="partials"``, spreads (assignment, D tile)
-    over the grid (more parallelism), writes FP32 partials [B, k, D] and a
-    third tiny launch sums them over k: also deterministic, equal to "fused"
-    up to the order of that final k-sum.
+Experts: the program of assignment n = (token, slot) exits unless n is the first
+occurrence of its expert e in the flat topk_ids; the first one serves EVERY token
+that chose e (the padded token tile is one tl.dot operand), so W_e is read once.
+  split: up   grid (B·k, I tiles)  h[b, slot] = act(W1 x, W3 x), stored in the weight dtype
+         down grid (B·k, D tiles)  part[b, slot] = W2_e h (optionally as W2·hᵀ, "SWAP")
+  fused: grid (B·k, I tiles): h tile, then its slice of W2 -> part[I tile, b, slot]
+then a combine launch: out[b] = Σ_slot w[b, slot] Σ_itile part (+ add), fixed order.
+
+Batch invariance: token rows are padded to B_MAX (one compile, one tile shape for
+every B ≤ 16) and a tl.dot accumulator chain adds K in order whatever the tile
+sizes, so only the variant ("order class") decides a token's bits. The plan
+(moe_plan.json, written by `python -m peregrine.bench.kernels_moe --tune`) holds
+one order class per shape and, per B, the fastest tiles within it.
 """
 from __future__ import annotations
+
+import functools
+import json
+import warnings
+from pathlib import Path
 
 import torch
 import triton
@@ -30,52 +36,156 @@ import triton.language as tl
 
 from . import interpreting
 
-ROUTER_BLOCK_E = 4    # experts per router program: W_r is streamed once, E/4 programs keep the GPU busy
-ROUTER_BLOCK_D = 128  # router reduction chunk; the [B, 4, 128] FP32 product stays in registers
-UP_BLOCK_I = 32       # gate/up rows per program: 32 I-tiles per expert spread one expert over many SMs
-UP_BLOCK_D = 256      # reduction chunk of the gate/up GEMV
-DOWN_BLOCK_D = 16     # output rows per down program: the smallest tl.dot N, so D/16 programs
-DOWN_BLOCK_I = 256    # reduction chunk of the down GEMV
-COMBINE_BLOCK_D = 256  # columns per program of the partials combine
-UP_WARPS = 4          # sm_90 ptxas: [32, 256] gate/up tiles fit 4 warps without spills
-DOWN_WARPS = 8        # sm_90 ptxas: the down kernel spills at 4 warps, not at 8
-MIN_DOT_ROWS = 16     # tl.dot needs M >= 16: the token tile is padded to it
+PLAN_PATH = Path(__file__).with_name("moe_plan.json")
+B_MAX = 16             # decode batches up to 16 share one padded token tile: one compile, batch-invariant bits
+MIN_DOT_ROWS = 16      # tl.dot needs M, N, K >= 16
+COMBINE_BLOCK_D = 256  # columns per combine program; fixed (never tuned) so its sum order never changes
+TOPK_WARPS = 1         # top-k is 3k tiny reductions over E: one warp does each with shuffles, no smem barriers
 SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0  # SiTU bounds (MODELS.md)
 ACTIVATIONS = {"swiglu": 0, "situ": 1}
+
+# Defaults for shapes the plan does not cover. Router: 16 experts x 256 columns (8 KB
+# BF16) per program in two loads, ~150 programs for Kimi-Linear. Experts: the up tiles
+# measured at ~80 % of copy BW on H200 (2026-11-29); down with 64 x 128 tiles, so each
+# program streams 128 KB of W2 in pipelined 16 KB steps (the old 16 x 256 tiles with
+# 8 warps ran at ~22 %).
+DEFAULT_ROUTER = {"variant": "dot", "BLOCK_E": 16, "BLOCK_K": 128, "CHUNK": 256, "num_warps": 4, "num_stages": 2}
+DEFAULT_EXPERTS = {"variant": "split", "UP_BLOCK_I": 32, "UP_BLOCK_D": 256, "up_warps": 4, "up_stages": 3,
+                   "DOWN_BLOCK_D": 64, "DOWN_BLOCK_I": 128, "SWAP": False, "down_warps": 4, "down_stages": 3}
+ROUTER_INTS = ("BLOCK_E", "BLOCK_K", "CHUNK", "num_warps", "num_stages")
+EXPERT_INTS = {"split": ("UP_BLOCK_I", "UP_BLOCK_D", "up_warps", "up_stages", "DOWN_BLOCK_D", "DOWN_BLOCK_I",
+                         "down_warps", "down_stages"),
+               "fused": ("BLOCK_I", "BLOCK_D", "BLOCK_DO", "num_warps", "num_stages")}
 
 
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, int(n)))
 
 
+def _token_pad(B: int) -> int:
+    return max(B_MAX, _pow2(B))
+
+
+# ----------------------------------------------------------------------------- plan
+@functools.cache
+def load_plan(path: str | None = None) -> dict:
+    """Plan entries; a missing or unreadable plan is empty (every shape takes the defaults)."""
+    p = Path(path) if path else PLAN_PATH
+    try:
+        entries = json.loads(p.read_text()).get("entries", {}) if p.exists() else {}
+        return entries if isinstance(entries, dict) else {}
+    except (OSError, ValueError, AttributeError) as e:
+        warnings.warn(f"ignoring unreadable MoE plan {p}: {e}")
+        return {}
+
+
+def router_key(E: int, D: int, dtype: torch.dtype) -> str:
+    return f"router,{E},{D},{str(dtype).removeprefix('torch.')}"
+
+
+def experts_key(E: int, D: int, I: int, k: int, dtype: torch.dtype) -> str:
+    return f"experts,{E},{D},{I},{k},{str(dtype).removeprefix('torch.')}"
+
+
+def _is_pow2(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
+
+
+def _ints_ok(cfg: dict, fields) -> bool:
+    """Tile sizes and warps powers of two; stages any small positive int."""
+    return all(isinstance(cfg.get(f), int) and not isinstance(cfg.get(f), bool) and 1 <= cfg[f] <= 8
+               if "stages" in f else _is_pow2(cfg.get(f)) for f in fields)
+
+
+def valid_router(cfg) -> bool:
+    return (isinstance(cfg, dict) and cfg.get("variant") in ("dot", "fma")
+            and _ints_ok(cfg, ROUTER_INTS) and cfg["CHUNK"] % cfg["BLOCK_K"] == 0
+            and (cfg["variant"] == "fma" or (cfg["BLOCK_E"] >= MIN_DOT_ROWS and cfg["BLOCK_K"] >= MIN_DOT_ROWS)))
+
+
+def valid_experts(cfg) -> bool:
+    if not isinstance(cfg, dict) or cfg.get("variant") not in EXPERT_INTS:
+        return False
+    dims = [f for f in EXPERT_INTS[cfg["variant"]] if "warps" not in f and "stages" not in f]
+    return (_ints_ok(cfg, EXPERT_INTS[cfg["variant"]])
+            and all(cfg[f] >= MIN_DOT_ROWS for f in dims) and isinstance(cfg.get("SWAP", False), bool))
+
+
+def pick(entry, B: int, valid) -> dict | None:
+    """The entry's config for the smallest tuned batch >= B (else the largest); None if unusable."""
+    try:
+        per_b = {int(b): c for b, c in entry["B"].items()}
+        b = min((v for v in per_b if v >= B), default=max(per_b))
+        cfg = {k: v for k, v in per_b[b].items() if k != "measured"}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    return cfg if valid(cfg) else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _lookup(kind: str, key: str, B: int) -> tuple:
+    entry = load_plan().get(key)
+    valid, default = (valid_router, DEFAULT_ROUTER) if kind == "router" else (valid_experts, DEFAULT_EXPERTS)
+    cfg = pick(entry, B, valid) if entry is not None else None
+    if entry is not None and cfg is None:
+        warnings.warn(f"MoE plan entry {key!r} is malformed; using the default config")
+    return tuple(sorted((cfg or default).items()))
+
+
+def router_config(E: int, D: int, dtype: torch.dtype, B: int) -> dict:
+    return dict(_lookup("router", router_key(E, D, dtype), B))
+
+
+def experts_config(E: int, D: int, I: int, k: int, dtype: torch.dtype, B: int) -> dict:
+    return dict(_lookup("experts", experts_key(E, D, I, k, dtype), B))
+
+
+def clear_plan_cache() -> None:
+    load_plan.cache_clear()
+    _lookup.cache_clear()
+
+
 # ----------------------------------------------------------------------------- router
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, out_ptr, B, E, D, stride_xb,
-                          B_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+def _router_logits_kernel(x_ptr, w_ptr, part_ptr, B, E, D, stride_xb, chunk,
+                          B_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
+    s = tl.program_id(1)
     offs_b = tl.arange(0, B_PAD)
     offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_k = tl.arange(0, BLOCK_K)
     b_ok, e_ok = offs_b < B, offs_e < E
     w_rows = w_ptr + offs_e.to(tl.int64)[:, None] * D
     acc = tl.zeros([B_PAD, BLOCK_E], tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + offs_d
+    d_lo = s * chunk
+    for d0 in range(d_lo, tl.minimum(d_lo + chunk, D), BLOCK_K):
+        d = d0 + offs_k
         d_ok = d < D
-        x = tl.load(x_ptr + offs_b[:, None] * stride_xb + d[None, :], mask=b_ok[:, None] & d_ok[None, :], other=0.0)
-        w = tl.load(w_rows + d[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0)
-        # exact FP32 products on CUDA cores (no TF32): the router decides which experts run
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    tl.store(out_ptr + offs_b[:, None] * E + offs_e[None, :], acc, mask=b_ok[:, None] & e_ok[None, :])
+        w = tl.load(w_rows + d[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        if DOT:  # exact FP32 FMAs in K order (IEEE, not TF32): the router decides which experts run
+            x = tl.load(x_ptr + offs_b[:, None] * stride_xb + d[None, :], mask=b_ok[:, None] & d_ok[None, :],
+                        other=0.0).to(tl.float32)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:  # token loop over the W tile held in registers
+            for b in range(0, B):
+                xb = tl.load(x_ptr + b * stride_xb + d, mask=d_ok, other=0.0).to(tl.float32)
+                r = tl.sum(w * xb[None, :], axis=1)
+                acc = tl.where(offs_b[:, None] == b, acc + r[None, :], acc)
+    tl.store(part_ptr + (s * B + offs_b[:, None]) * E + offs_e[None, :], acc, mask=b_ok[:, None] & e_ok[None, :])
 
 
 @triton.jit
-def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, scaling,
-                        TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                        RENORM: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _router_topk_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, logits_ptr, B, E, scaling,
+                        SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                        RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_LOGITS: tl.constexpr):
     b = tl.program_id(0)
     offs = tl.arange(0, E_PAD)
     ok = offs < E
-    s = tl.sigmoid(tl.load(logits_ptr + b * E + offs, mask=ok, other=0.0))
+    logit = tl.load(part_ptr + b * E + offs, mask=ok, other=0.0)
+    for c in tl.static_range(1, SPLIT):  # fixed order over the D chunks
+        logit += tl.load(part_ptr + (c * B + b) * E + offs, mask=ok, other=0.0)
+    if STORE_LOGITS:
+        tl.store(logits_ptr + b * E + offs, logit, mask=ok)
+    s = tl.sigmoid(logit)
     choice = s
     if HAS_BIAS:
         choice = s + tl.load(bias_ptr + offs, mask=ok, other=0.0)
@@ -97,44 +207,78 @@ def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, scaling,
 
 
 def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, top_k: int,
-              renormalize: bool = True, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [B, D], gate_w [E, D], bias [E] FP32 or None -> (topk_ids [B, k] int32, topk_w [B, k] FP32)."""
+              renormalize: bool = True, scaling: float = 1.0, *, config: dict | None = None,
+              logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, D], gate_w [E, D], bias [E] FP32 or None -> (topk_ids [B, k] int32, topk_w [B, k] FP32).
+    config overrides the plan; logits_out (FP32 [B, E]) also receives the router logits."""
     B, D = x.shape
     E = gate_w.shape[0]
     assert gate_w.shape[1] == D and x.stride(1) == 1 and gate_w.is_contiguous() and 0 < top_k <= E
-    logits = torch.empty(B, E, dtype=torch.float32, device=x.device)
+    cfg = config or router_config(E, D, gate_w.dtype, B)
+    assert valid_router(cfg), f"bad router config {cfg}"
+    split = triton.cdiv(D, cfg["CHUNK"])
+    part = torch.empty(split, B, E, dtype=torch.float32, device=x.device)
     ids = torch.empty(B, top_k, dtype=torch.int32, device=x.device)
     w = torch.empty(B, top_k, dtype=torch.float32, device=x.device)
-    _router_logits_kernel[(triton.cdiv(E, ROUTER_BLOCK_E),)](
-        x, gate_w, logits, B, E, D, x.stride(0),
-        B_PAD=_pow2(B), BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=ROUTER_BLOCK_D)
-    b = bias.float().contiguous() if bias is not None else logits  # dummy pointer when absent
-    _router_topk_kernel[(B,)](logits, b, ids, w, E, float(scaling), TOP_K=top_k, K_PAD=_pow2(top_k),
-                              E_PAD=_pow2(E), RENORM=bool(renormalize), HAS_BIAS=bias is not None)
+    _router_logits_kernel[(triton.cdiv(E, cfg["BLOCK_E"]), split)](
+        x, gate_w, part, B, E, D, x.stride(0), cfg["CHUNK"], B_PAD=_token_pad(B), BLOCK_E=cfg["BLOCK_E"],
+        BLOCK_K=cfg["BLOCK_K"], DOT=cfg["variant"] == "dot", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if logits_out is not None:
+        assert logits_out.shape == (B, E) and logits_out.dtype == torch.float32 and logits_out.is_contiguous()
+    b = bias.float().contiguous() if bias is not None else part  # dummy pointer when absent
+    _router_topk_kernel[(B,)](part, b, ids, w, logits_out if logits_out is not None else part, B, E, float(scaling),
+                              SPLIT=split, TOP_K=top_k, K_PAD=_pow2(top_k), E_PAD=_pow2(E), RENORM=bool(renormalize),
+                              HAS_BIAS=bias is not None, STORE_LOGITS=logits_out is not None, num_warps=TOPK_WARPS)
     return ids, w
 
 
 # ----------------------------------------------------------------------------- experts
-# The interpreter pays heavily per nested @jit call, so the hot loops inline
-# their helpers; only once-per-expert work goes through _down_tile.
 @triton.jit
-def _down_tile(h_ptr, w2_ptr, e, chose, slot, D, I, offs_d, d_ok,
-               TOP_K: tl.constexpr, B_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr,
-               DOT_T: tl.constexpr, PREC: tl.constexpr):
-    """[B_PAD, BLOCK_D] = h[b, slot_b] · W2_e[offs_d]ᵀ for the tokens that chose e (others 0)."""
+def _first_use(ids_ptr, n, e, NK, N_PAD: tl.constexpr):
+    """True when no earlier assignment m < n chose expert e."""
+    offs_n = tl.arange(0, N_PAD)
+    all_ids = tl.load(ids_ptr + offs_n, mask=offs_n < NK, other=-1)
+    return tl.sum(((all_ids == e) & (offs_n < n)).to(tl.int32), axis=0) == 0
+
+
+@triton.jit
+def _token_slots(ids_ptr, e, B, TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr):
+    """Per padded token: did it choose e, and in which slot."""
     offs_b = tl.arange(0, B_PAD)
-    offs_i = tl.arange(0, BLOCK_I)
-    rows = w2_ptr + e.to(tl.int64) * D * I + offs_d.to(tl.int64)[:, None] * I
-    h_rows = h_ptr + (offs_b[:, None] * TOP_K + slot[:, None]) * I
-    acc = tl.zeros([B_PAD, BLOCK_D], tl.float32)
-    for i0 in range(0, I, BLOCK_I):
-        i = i0 + offs_i
-        i_ok = i < I
-        w = tl.load(rows + i[None, :], mask=d_ok[:, None] & i_ok[None, :], other=0.0)
-        # h rounds to the weight dtype, as the standard path's BF16 activations do
-        h = tl.load(h_rows + i[None, :], mask=chose[:, None] & i_ok[None, :], other=0.0).to(w.dtype)
-        acc = tl.dot(h.to(DOT_T), tl.trans(w.to(DOT_T)), acc, input_precision=PREC)
-    return acc
+    offs_s = tl.arange(0, K_PAD)
+    match = tl.load(ids_ptr + offs_b[:, None] * TOP_K + offs_s[None, :],
+                    mask=(offs_b[:, None] < B) & (offs_s[None, :] < TOP_K), other=-1) == e
+    return tl.sum(match.to(tl.int32), axis=1) > 0, tl.sum(tl.where(match, offs_s[None, :], 0), axis=1)
+
+
+@triton.jit
+def _gate_up(x_ptr, w13_ptr, e, chose, offs_i, i_ok, D, I, stride_xb,
+             B_PAD: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, ACT: tl.constexpr,
+             DOT_T: tl.constexpr, PREC: tl.constexpr, BETA: tl.constexpr, BETA_L: tl.constexpr):
+    """act(W1_e x, W3_e x) for rows offs_i of the expert, all padded tokens: FP32 [B_PAD, BLOCK_I]."""
+    offs_b = tl.arange(0, B_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_rows = w13_ptr + e.to(tl.int64) * 2 * I * D + offs_i.to(tl.int64)[:, None] * D
+    u_rows = g_rows + I * D
+    acc_g = tl.zeros([B_PAD, BLOCK_I], tl.float32)
+    acc_u = tl.zeros([B_PAD, BLOCK_I], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + offs_d
+        d_ok = d < D
+        wm = i_ok[:, None] & d_ok[None, :]
+        wg = tl.load(g_rows + d[None, :], mask=wm, other=0.0).to(DOT_T)
+        wu = tl.load(u_rows + d[None, :], mask=wm, other=0.0).to(DOT_T)
+        x = tl.load(x_ptr + offs_b[:, None] * stride_xb + d[None, :], mask=chose[:, None] & d_ok[None, :],
+                    other=0.0).to(DOT_T)
+        acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PREC)
+        acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=PREC)
+    if ACT == 0:  # SwiGLU
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+    else:  # SiTU in FP32; tanh(z) = 1 - 2/(e^{2z}+1) saturates cleanly to ±1 (no tl.tanh in core)
+        tg = 1.0 - 2.0 / (tl.exp(2.0 * acc_g / BETA) + 1.0)
+        tu = 1.0 - 2.0 / (tl.exp(2.0 * acc_u / BETA_L) + 1.0)
+        h = BETA * tg * tl.sigmoid(acc_g) * (BETA_L * tu)
+    return h
 
 
 @triton.jit
@@ -143,107 +287,100 @@ def _expert_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, B, D, I, stride_xb,
                       BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, ACT: tl.constexpr,
                       DOT_T: tl.constexpr, PREC: tl.constexpr, BETA: tl.constexpr, BETA_L: tl.constexpr):
     n = tl.program_id(0)
-    offs_n = tl.arange(0, N_PAD)
     e = tl.load(ids_ptr + n)
-    all_ids = tl.load(ids_ptr + offs_n, mask=offs_n < B * TOP_K, other=-1)
-    # only the first assignment of expert e works; it serves every token that chose e
-    if tl.sum(((all_ids == e) & (offs_n < n)).to(tl.int32), axis=0) == 0:
-        offs_b = tl.arange(0, B_PAD)
-        offs_s = tl.arange(0, K_PAD)
-        match = tl.load(ids_ptr + offs_b[:, None] * TOP_K + offs_s[None, :],
-                        mask=(offs_b[:, None] < B) & (offs_s[None, :] < TOP_K), other=-1) == e
-        chose = tl.sum(match.to(tl.int32), axis=1) > 0
-        slot = tl.sum(tl.where(match, offs_s[None, :], 0), axis=1)
+    if _first_use(ids_ptr, n, e, B * TOP_K, N_PAD):
+        chose, slot = _token_slots(ids_ptr, e, B, TOP_K, B_PAD, K_PAD)
         offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-        offs_d = tl.arange(0, BLOCK_D)
         i_ok = offs_i < I
-        g_rows = w13_ptr + e.to(tl.int64) * 2 * I * D + offs_i.to(tl.int64)[:, None] * D
-        u_rows = g_rows + I * D
-        acc_g = tl.zeros([B_PAD, BLOCK_I], tl.float32)
-        acc_u = tl.zeros([B_PAD, BLOCK_I], tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + offs_d
-            d_ok = d < D
-            wm = i_ok[:, None] & d_ok[None, :]
-            wg = tl.load(g_rows + d[None, :], mask=wm, other=0.0).to(DOT_T)
-            wu = tl.load(u_rows + d[None, :], mask=wm, other=0.0).to(DOT_T)
-            x = tl.load(x_ptr + offs_b[:, None] * stride_xb + d[None, :], mask=chose[:, None] & d_ok[None, :],
-                        other=0.0).to(DOT_T)
-            acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PREC)
-            acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=PREC)
-        if ACT == 0:  # SwiGLU
-            h = acc_g * tl.sigmoid(acc_g) * acc_u
-        else:  # SiTU in FP32; tanh(z) = 1 - 2/(e^{2z}+1) saturates cleanly to ±1 (no tl.tanh in core)
-            tg = 1.0 - 2.0 / (tl.exp(2.0 * acc_g / BETA) + 1.0)
-            tu = 1.0 - 2.0 / (tl.exp(2.0 * acc_u / BETA_L) + 1.0)
-            h = BETA * tg * tl.sigmoid(acc_g) * (BETA_L * tu)
-        tl.store(h_ptr + (offs_b[:, None] * TOP_K + slot[:, None]) * I + offs_i[None, :], h,
-                 mask=chose[:, None] & i_ok[None, :])
-
-
-@triton.jit
-def _expert_down_kernel(h_ptr, w2_ptr, ids_ptr, tw_ptr, out_ptr, B, D, I, stride_ob,
-                        TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr):
-    offs_b = tl.arange(0, B_PAD)
-    offs_s = tl.arange(0, K_PAD)
-    offs_n = tl.arange(0, N_PAD)
-    offs_d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    bs_ok = (offs_b[:, None] < B) & (offs_s[None, :] < TOP_K)
-    all_ids = tl.load(ids_ptr + offs_n, mask=offs_n < B * TOP_K, other=-1)
-    tok_ids = tl.load(ids_ptr + offs_b[:, None] * TOP_K + offs_s[None, :], mask=bs_ok, other=-1)
-    tw = tl.load(tw_ptr + offs_b[:, None] * TOP_K + offs_s[None, :], mask=bs_ok, other=0.0)
-    acc3 = tl.zeros([B_PAD, K_PAD, BLOCK_D], tl.float32)  # one slot per (token, k): written once, never summed into
-    for n in range(0, B * TOP_K):
-        e = tl.load(ids_ptr + n)
-        if tl.sum(((all_ids == e) & (offs_n < n)).to(tl.int32), axis=0) == 0:
-            match = tok_ids == e
-            chose = tl.sum(match.to(tl.int32), axis=1) > 0
-            slot = tl.sum(tl.where(match, offs_s[None, :], 0), axis=1)
-            y = _down_tile(h_ptr, w2_ptr, e, chose, slot, D, I, offs_d, d_ok, TOP_K, B_PAD, BLOCK_D, BLOCK_I,
-                           DOT_T, PREC)
-            acc3 = tl.where(match[:, :, None], y[:, None, :] * tw[:, :, None], acc3)
-    out = tl.sum(acc3, axis=1)
-    tl.store(out_ptr + offs_b[:, None] * stride_ob + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(offs_b[:, None] < B) & d_ok[None, :])
-
-
-@triton.jit
-def _expert_down_partials_kernel(h_ptr, w2_ptr, ids_ptr, tw_ptr, part_ptr, B, D, I,
-                                 TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                                 N_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr,
-                                 DOT_T: tl.constexpr, PREC: tl.constexpr):
-    n = tl.program_id(0)
-    offs_n = tl.arange(0, N_PAD)
-    e = tl.load(ids_ptr + n)
-    all_ids = tl.load(ids_ptr + offs_n, mask=offs_n < B * TOP_K, other=-1)
-    if tl.sum(((all_ids == e) & (offs_n < n)).to(tl.int32), axis=0) == 0:
+        h = _gate_up(x_ptr, w13_ptr, e, chose, offs_i, i_ok, D, I, stride_xb, B_PAD, BLOCK_I, BLOCK_D, ACT,
+                     DOT_T, PREC, BETA, BETA_L)
         offs_b = tl.arange(0, B_PAD)
-        offs_s = tl.arange(0, K_PAD)
-        match = tl.load(ids_ptr + offs_b[:, None] * TOP_K + offs_s[None, :],
-                        mask=(offs_b[:, None] < B) & (offs_s[None, :] < TOP_K), other=-1) == e
-        chose = tl.sum(match.to(tl.int32), axis=1) > 0
-        slot = tl.sum(tl.where(match, offs_s[None, :], 0), axis=1)
+        # h is kept in the weight dtype, as the standard path's activations are
+        tl.store(h_ptr + (offs_b[:, None] * TOP_K + slot[:, None]) * I + offs_i[None, :],
+                 h.to(h_ptr.dtype.element_ty), mask=chose[:, None] & i_ok[None, :])
+
+
+@triton.jit
+def _expert_down_kernel(h_ptr, w2_ptr, ids_ptr, part_ptr, B, D, I,
+                        TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, SWAP: tl.constexpr,
+                        DOT_T: tl.constexpr, PREC: tl.constexpr):
+    n = tl.program_id(0)
+    e = tl.load(ids_ptr + n)
+    if _first_use(ids_ptr, n, e, B * TOP_K, N_PAD):
+        chose, slot = _token_slots(ids_ptr, e, B, TOP_K, B_PAD, K_PAD)
+        offs_b = tl.arange(0, B_PAD)
+        offs_i = tl.arange(0, BLOCK_I)
         offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
-        y = _down_tile(h_ptr, w2_ptr, e, chose, slot, D, I, offs_d, d_ok, TOP_K, B_PAD, BLOCK_D, BLOCK_I,
-                       DOT_T, PREC)
         row = offs_b * TOP_K + slot
-        y = y * tl.load(tw_ptr + row, mask=chose, other=0.0)[:, None]
-        tl.store(part_ptr + row[:, None] * D + offs_d[None, :], y, mask=chose[:, None] & d_ok[None, :])
+        w_rows = w2_ptr + e.to(tl.int64) * D * I + offs_d.to(tl.int64)[:, None] * I
+        h_rows = h_ptr + row[:, None] * I
+        if SWAP:  # weight rows as the M side: [BLOCK_D, tokens] (wgmma-eligible at BLOCK_D >= 64)
+            acc = tl.zeros([BLOCK_D, B_PAD], tl.float32)
+        else:
+            acc = tl.zeros([B_PAD, BLOCK_D], tl.float32)
+        for i0 in range(0, I, BLOCK_I):
+            i = i0 + offs_i
+            i_ok = i < I
+            w = tl.load(w_rows + i[None, :], mask=d_ok[:, None] & i_ok[None, :], other=0.0).to(DOT_T)
+            h = tl.load(h_rows + i[None, :], mask=chose[:, None] & i_ok[None, :], other=0.0).to(DOT_T)
+            if SWAP:
+                acc = tl.dot(w, tl.trans(h), acc, input_precision=PREC)
+            else:
+                acc = tl.dot(h, tl.trans(w), acc, input_precision=PREC)
+        if SWAP:
+            tl.store(part_ptr + row[None, :] * D + offs_d[:, None], acc, mask=chose[None, :] & d_ok[:, None])
+        else:
+            tl.store(part_ptr + row[:, None] * D + offs_d[None, :], acc, mask=chose[:, None] & d_ok[None, :])
 
 
 @triton.jit
-def _combine_kernel(part_ptr, out_ptr, D, stride_ob, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+def _expert_fused_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, part_ptr, B, D, I, stride_xb,
+                         TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
+                         BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr, ACT: tl.constexpr,
+                         DOT_T: tl.constexpr, PREC: tl.constexpr, BETA: tl.constexpr, BETA_L: tl.constexpr):
+    """Up and down for one I tile: its h never leaves registers; writes part[I tile, b, slot, :]."""
+    n = tl.program_id(0)
+    e = tl.load(ids_ptr + n)
+    if _first_use(ids_ptr, n, e, B * TOP_K, N_PAD):
+        chose, slot = _token_slots(ids_ptr, e, B, TOP_K, B_PAD, K_PAD)
+        j = tl.program_id(1)
+        offs_i = j * BLOCK_I + tl.arange(0, BLOCK_I)
+        i_ok = offs_i < I
+        h = _gate_up(x_ptr, w13_ptr, e, chose, offs_i, i_ok, D, I, stride_xb, B_PAD, BLOCK_I, BLOCK_D, ACT,
+                     DOT_T, PREC, BETA, BETA_L)
+        h = h.to(w2_ptr.dtype.element_ty).to(DOT_T)  # rounded like the split path's workspace
+        offs_b = tl.arange(0, B_PAD)
+        offs_do = tl.arange(0, BLOCK_DO)
+        w_cols = w2_ptr + e.to(tl.int64) * D * I + offs_i[None, :]
+        out_rows = part_ptr + (j * B * TOP_K + offs_b * TOP_K + slot).to(tl.int64)[:, None] * D
+        for d0 in range(0, D, BLOCK_DO):
+            d = d0 + offs_do
+            d_ok = d < D
+            w = tl.load(w_cols + d.to(tl.int64)[:, None] * I, mask=d_ok[:, None] & i_ok[None, :], other=0.0)
+            y = tl.dot(h, tl.trans(w.to(DOT_T)), input_precision=PREC)
+            tl.store(out_rows + d[None, :], y, mask=chose[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(part_ptr, tw_ptr, add_ptr, out_ptr, B, D, NJ, stride_ob, stride_ab,
+                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr):
+    """out[b] = Σ_slot tw[b, slot] · Σ_j part[j, b, slot] (+ add[b]): one fixed order for every B."""
     b = tl.program_id(0)
     offs_s = tl.arange(0, K_PAD)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    p = tl.load(part_ptr + (b * TOP_K + offs_s[:, None]) * D + offs_d[None, :],
-                mask=(offs_s[:, None] < TOP_K) & d_ok[None, :], other=0.0)
-    tl.store(out_ptr + b * stride_ob + offs_d, tl.sum(p, axis=0).to(out_ptr.dtype.element_ty), mask=d_ok)
+    m = (offs_s[:, None] < TOP_K) & d_ok[None, :]
+    ptrs = part_ptr + (b * TOP_K + offs_s[:, None]).to(tl.int64) * D + offs_d[None, :]
+    tot = tl.load(ptrs, mask=m, other=0.0)
+    for j in range(1, NJ):
+        tot += tl.load(ptrs + j * B * TOP_K * D, mask=m, other=0.0)
+    tw = tl.load(tw_ptr + b * TOP_K + offs_s, mask=offs_s < TOP_K, other=0.0)
+    acc = tl.sum(tot * tw[:, None], axis=0)
+    if HAS_ADD:
+        acc += tl.load(add_ptr + b * stride_ab + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + b * stride_ob + offs_d, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def _dot_meta(wdtype: torch.dtype) -> dict:
@@ -256,53 +393,95 @@ def _dot_meta(wdtype: torch.dtype) -> dict:
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                 topk_w: torch.Tensor, *, activation: str = "swiglu", out: torch.Tensor | None = None,
-                workspace: torch.Tensor | None = None, down: str = "fused") -> torch.Tensor:
-    """out[b] = Σ_k topk_w[b,k] · W2_e act(W1_e x_b, W3_e x_b), e = topk_ids[b,k]; out in x.dtype.
+                workspace: torch.Tensor | None = None, add: torch.Tensor | None = None,
+                config: dict | None = None, partials: torch.Tensor | None = None) -> torch.Tensor:
+    """out[b] = Σ_k topk_w[b,k] · W2_e act(W1_e x_b, W3_e x_b) (+ add[b]), e = topk_ids[b,k]; out in x.dtype.
 
     w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I], topk_ids [B, k] int32 (distinct per token),
-    topk_w [B, k] FP32. workspace: optional FP32 [B, k, I] for the activations h.
-    down: "fused" (2 launches) or "partials" (3 launches, more parallel down GEMV).
+    topk_w [B, k] FP32. add: optional [B, D] (the shared expert) summed in FP32 before the one rounding.
+    config overrides the plan; workspace / partials: see moe_expert_partials.
     """
+    part = moe_expert_partials(x, w13, w2, topk_ids, activation=activation, workspace=workspace, config=config,
+                               partials=partials)
+    return moe_combine(part, topk_w, out=out, add=add, dtype=x.dtype)
+
+
+def moe_expert_partials(x, w13, w2, topk_ids, *, activation: str = "swiglu", workspace=None, config=None,
+                        partials=None) -> torch.Tensor:
+    """The expert launches without the combine: FP32 partials [I tiles, B·k, D] (unweighted), row
+    b·k + slot holding token b's slot-th expert output (over one I tile for the fused variant).
+    workspace: optional [B, k, I] in the weight dtype for h (split variant); partials: optional output."""
     B, D = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
     k = topk_ids.shape[1]
     assert w13.shape == (E, 2 * I, D) and w2.shape == (E, D, I) and w13.dtype == w2.dtype
     assert w13.is_contiguous() and w2.is_contiguous() and x.stride(1) == 1
-    assert topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() and topk_w.shape == (B, k)
+    assert topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() and topk_ids.shape[0] == B
+    cfg = config or experts_config(E, D, I, k, w13.dtype, B)
+    assert valid_experts(cfg), f"bad experts config {cfg}"
+    pshape = partials_shape(cfg, B, D, I, k)
+    part = partials if partials is not None else torch.empty(pshape, dtype=torch.float32, device=x.device)
+    assert part.shape == pshape and part.dtype == torch.float32 and part.is_contiguous()
+    B_PAD = _token_pad(B)
+    meta = dict(TOP_K=k, B_PAD=B_PAD, K_PAD=_pow2(k), N_PAD=_pow2(B_PAD * k), **_dot_meta(w13.dtype))
+    act = dict(ACT=ACTIVATIONS[activation], BETA=SITU_BETA, BETA_L=SITU_LINEAR_BETA)
+    if cfg["variant"] == "split":
+        h = workspace if workspace is not None else torch.empty(B, k, I, dtype=w13.dtype, device=x.device)
+        assert h.shape == (B, k, I) and h.dtype == w13.dtype and h.is_contiguous()
+        _expert_up_kernel[(B * k, triton.cdiv(I, cfg["UP_BLOCK_I"]))](
+            x, w13, topk_ids, h, B, D, I, x.stride(0), BLOCK_I=cfg["UP_BLOCK_I"], BLOCK_D=cfg["UP_BLOCK_D"],
+            num_warps=cfg["up_warps"], num_stages=cfg["up_stages"], **act, **meta)
+        _expert_down_kernel[(B * k, triton.cdiv(D, cfg["DOWN_BLOCK_D"]))](
+            h, w2, topk_ids, part, B, D, I, BLOCK_D=cfg["DOWN_BLOCK_D"], BLOCK_I=cfg["DOWN_BLOCK_I"],
+            SWAP=bool(cfg.get("SWAP", False)), num_warps=cfg["down_warps"], num_stages=cfg["down_stages"], **meta)
+    else:
+        _expert_fused_kernel[(B * k, pshape[0])](
+            x, w13, w2, topk_ids, part, B, D, I, x.stride(0), BLOCK_I=cfg["BLOCK_I"], BLOCK_D=cfg["BLOCK_D"],
+            BLOCK_DO=cfg["BLOCK_DO"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **act, **meta)
+    return part
+
+
+def moe_combine(part: torch.Tensor, topk_w: torch.Tensor, *, out: torch.Tensor | None = None,
+                add: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """out[b] = Σ_slot topk_w[b, slot] · Σ_tile part[tile, b·k + slot] (+ add[b]), one fixed order."""
+    nj, bk, D = part.shape
+    B, k = topk_w.shape
+    assert bk == B * k and part.dtype == torch.float32 and part.is_contiguous()
     topk_w = topk_w.float().contiguous()
     if out is None:
-        out = torch.empty(B, D, dtype=x.dtype, device=x.device)
+        out = torch.empty(B, D, dtype=dtype or (add.dtype if add is not None else torch.float32), device=part.device)
     assert out.shape == (B, D) and out.stride(1) == 1
-    h = workspace if workspace is not None else torch.empty(B, k, I, dtype=torch.float32, device=x.device)
-    assert h.shape == (B, k, I) and h.dtype == torch.float32 and h.is_contiguous()
-    meta = dict(TOP_K=k, B_PAD=max(MIN_DOT_ROWS, _pow2(B)), K_PAD=_pow2(k), N_PAD=_pow2(B * k),
-                **_dot_meta(w13.dtype))
-    _expert_up_kernel[(B * k, triton.cdiv(I, UP_BLOCK_I))](
-        x, w13, topk_ids, h, B, D, I, x.stride(0),
-        BLOCK_I=UP_BLOCK_I, BLOCK_D=UP_BLOCK_D, ACT=ACTIVATIONS[activation],
-        BETA=SITU_BETA, BETA_L=SITU_LINEAR_BETA, num_warps=UP_WARPS, **meta)
-    if down == "fused":
-        _expert_down_kernel[(triton.cdiv(D, DOWN_BLOCK_D),)](
-            h, w2, topk_ids, topk_w, out, B, D, I, out.stride(0), BLOCK_D=DOWN_BLOCK_D, BLOCK_I=DOWN_BLOCK_I,
-            num_warps=DOWN_WARPS, **meta)
-    elif down == "partials":
-        part = torch.empty(B, k, D, dtype=torch.float32, device=x.device)
-        _expert_down_partials_kernel[(B * k, triton.cdiv(D, DOWN_BLOCK_D))](
-            h, w2, topk_ids, topk_w, part, B, D, I, BLOCK_D=DOWN_BLOCK_D, BLOCK_I=DOWN_BLOCK_I,
-            num_warps=DOWN_WARPS, **meta)
-        _combine_kernel[(B, triton.cdiv(D, COMBINE_BLOCK_D))](
-            part, out, D, out.stride(0), TOP_K=k, K_PAD=_pow2(k), BLOCK_D=COMBINE_BLOCK_D)
-    else:
-        raise ValueError(f"down must be 'fused' or 'partials', got {down!r}")
+    if add is not None:
+        assert add.shape == (B, D) and add.stride(1) == 1
+    _combine_kernel[(B, triton.cdiv(D, COMBINE_BLOCK_D))](
+        part, topk_w, add if add is not None else out, out, B, D, nj, out.stride(0),
+        add.stride(0) if add is not None else 0, TOP_K=k, K_PAD=_pow2(k), BLOCK_D=COMBINE_BLOCK_D,
+        HAS_ADD=add is not None)
     return out
 
 
+def partials_shape(cfg: dict, B: int, D: int, I: int, k: int) -> tuple[int, int, int]:
+    """FP32 partial outputs [I tiles, B·k, D]: one I tile for split, I/BLOCK_I for fused."""
+    return (1 if cfg["variant"] == "split" else triton.cdiv(I, cfg["BLOCK_I"]), B * k, D)
+
+
+def order_class(cfg: dict) -> str:
+    """Configs of one class give a token the same bits (only these choices change the sum order)."""
+    if cfg["variant"] == "split":
+        return f"split,swap={bool(cfg.get('SWAP', False))}"
+    if cfg["variant"] == "fused":
+        return f"fused,BLOCK_I={cfg['BLOCK_I']}"
+    if cfg["variant"] == "dot":  # router: IEEE dot chains over K in order; chunks summed in order
+        return f"dot,CHUNK={cfg['CHUNK']}"
+    return "fma," + ",".join(f"{f}={cfg[f]}" for f in ROUTER_INTS)  # tree sums depend on the whole layout
+
+
 def moe_forward(x, gate_w, bias, w13, w2, top_k: int, renormalize: bool = True, scaling: float = 1.0,
-                activation: str = "swiglu", out=None, down: str = "fused") -> torch.Tensor:
-    """Routed part of the MoE layer (no shared expert): route then experts, 4 launches."""
+                activation: str = "swiglu", out=None, add=None) -> torch.Tensor:
+    """Routed part of the MoE layer (+ optional add, e.g. the shared expert): route then experts."""
     ids, w = moe_route(x, gate_w, bias, top_k, renormalize, scaling)
-    return moe_experts(x, w13, w2, ids, w, activation=activation, out=out, down=down)
+    return moe_experts(x, w13, w2, ids, w, activation=activation, out=out, add=add)
 
 
 # ----------------------------------------------------------------------------- references (FP32)
