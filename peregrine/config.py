@@ -276,6 +276,7 @@ class EngineConfig:
     dtype: str | None = None                  # default: bf16 on cuda, fp32 on cpu
     seed: int = 0
     gpu_memory_utilization: float = 0.90
+    tensor_parallel_size: int = 1             # ranks, one process (one GPU) each
     extra: dict = field(default_factory=dict)
 
     ADDITIONAL_KEYS = {
@@ -311,5 +312,7 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
