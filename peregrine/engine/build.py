@@ -60,7 +60,7 @@ def build_engine(model: str, engine_cfg: EngineConfig | None = None, dummy_weigh
         except Exception as e:
             report_holdings(tp, None, f"{type(e).__name__}: {e}", log)  # the other ranks wait for this
             raise
-        report_holdings(tp, parts[1], None, log)
+        holdings = report_holdings(tp, parts[1], None, log)
     else:
         parts = build_parts(model, ecfg, dummy_weights, log, tp)
     cfg, m, cache, runner, folder = parts
@@ -69,10 +69,11 @@ def build_engine(model: str, engine_cfg: EngineConfig | None = None, dummy_weigh
         runner = TPDriver(runner, tp)
     engine = LLMEngine(runner, cfg, ecfg, cache)
     engine.model = m
+    engine.tp_holdings = holdings if tp.world > 1 else None  # what every rank holds (parallel/shard.py)
     return engine, load_tokenizer(cfg.vocab_size, folder)
 
 
-def report_holdings(tp, model, error: str | None, log) -> None:
+def report_holdings(tp, model, error: str | None, log) -> list[dict]:
     """Every rank says what it holds (or why its build failed); rank 0 prints it all."""
     import torch.distributed as dist
     from ..parallel.shard import describe, holdings
@@ -85,6 +86,7 @@ def report_holdings(tp, model, error: str | None, log) -> None:
     if tp.rank == 0:
         for h in every:
             log(describe(h))
+    return every
 
 
 def build_parts(model: str, ecfg: EngineConfig, dummy_weights: bool, log, tp=SINGLE):
