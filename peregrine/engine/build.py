@@ -120,6 +120,9 @@ def build_parts(model: str, ecfg: EngineConfig, dummy_weights: bool, log, tp=SIN
     else:
         log(f"loading {nparams / 1e9:.2f}B parameters from {folder}")
         load_weights(m, folder, log=log)
+    if ecfg.extra.get("lm_head_scale"):  # checks only: sharper dummy logits, confident greedy choices
+        with torch.no_grad():
+            m.lm_head.mul_(float(ecfg.extra["lm_head_scale"]))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         log(f"weights: {gib(torch.cuda.memory_allocated(dev) - mem0)} on the GPU")

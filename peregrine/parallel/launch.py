@@ -23,6 +23,8 @@ from .group import TPGroup
 NVLINK_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TIMEOUT = timedelta(minutes=30)  # a rank may wait this long for the others (first CUDA graph captures of a 48B model)
 
+PARENT_POLL_S = 1.0  # how often a spawned rank checks that rank 0 still runs
+
 _state: dict = {"tp": None, "procs": []}
 
 
@@ -63,7 +65,20 @@ def _join(rank: int, world: int, local_rank: int, device_type: str, init_method:
     return TPGroup(rank, world, device, group=None, ctrl=ctrl)
 
 
-def _spawned(rank: int, world: int, port: int, device_type: str) -> None:
+def _exit_with_parent(parent: int) -> None:
+    """A spawned rank must not outlive rank 0 (killed by a timeout, say) and keep its GPU memory."""
+    import threading
+    import time
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _spawned(rank: int, world: int, port: int, device_type: str, parent: int) -> None:
+    _exit_with_parent(parent)
     tp = _join(rank, world, rank, device_type, f"tcp://127.0.0.1:{port}")
     from .worker import serve
     try:
@@ -98,7 +113,8 @@ def ensure_group(world: int, device_type: str) -> TPGroup:
         import torch.multiprocessing as mp
         port = _free_port()
         ctx = mp.get_context("spawn")
-        _state["procs"] = [ctx.Process(target=_spawned, args=(r, world, port, device_type), daemon=True)
+        _state["procs"] = [ctx.Process(target=_spawned, args=(r, world, port, device_type, os.getpid()),
+                                       daemon=True)
                            for r in range(1, world)]
         for p in _state["procs"]:
             p.start()
