@@ -21,7 +21,8 @@ from ..config import ConfigError
 from .group import TPGroup
 
 NVLINK_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-TIMEOUT = timedelta(minutes=30)  # a rank may wait this long for the others (first CUDA graph captures of a 48B model)
+TIMEOUT = timedelta(minutes=10)  # a collective may wait this long for a peer (graph captures, weight init)
+IDLE_TIMEOUT = timedelta(days=30)  # the control group: an idle server's ranks wait for rank 0's next step
 
 PARENT_POLL_S = 1.0  # how often a spawned rank checks that rank 0 still runs
 
@@ -54,13 +55,13 @@ def _join(rank: int, world: int, local_rank: int, device_type: str, init_method:
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world, timeout=TIMEOUT,
                                 device_id=device)
-        ctrl = dist.new_group(backend="gloo", timeout=TIMEOUT)
+        ctrl = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         x = torch.ones(1, device=device)
         dist.all_reduce(x)  # make the communicator now: CUDA graph capture must not be its first use
         torch.cuda.synchronize()
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=TIMEOUT)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=IDLE_TIMEOUT)
         ctrl = None  # the default (gloo) group carries the control messages too
     return TPGroup(rank, world, device, group=None, ctrl=ctrl)
 

@@ -15,6 +15,19 @@ def _log(tp):
 
 
 def serve(tp) -> None:
+    """Run rank 0's commands until it says exit. A rank that fails mid-step exits at once
+    (rank 0 then fails at its next collective instead of waiting on a dead peer)."""
+    try:
+        _serve(tp)
+    except Exception:
+        import os
+        import traceback
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _serve(tp) -> None:
     runner = cache = None
     while True:
         kind, msg = control.recv(tp, tp.device or torch.device("cpu"))
