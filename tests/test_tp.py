@@ -125,10 +125,8 @@ def assert_same(a, b):
     assert toks_a == toks_b
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_tp_equals_one_rank_dummy_weights(world):
+def check_tp_equals_one_rank_dummy_weights(world):
     one = run("tiny-kimi-linear", 1)
-    launch.shutdown()
     many = run("tiny-kimi-linear", world)
     assert_same(one, many)
     held = many[2].tp_holdings
@@ -137,7 +135,10 @@ def test_tp_equals_one_rank_dummy_weights(world):
     for r, h in enumerate(held):  # each rank holds exactly its shard, nothing more
         assert h["params"] == sum(p.numel() for p in KimiModel(cfg, tp=TPGroup(r, world)).parameters())
         assert h["vocab_rows"] == f"{r * 320 // world}-{(r + 1) * 320 // world - 1} of 320"
-    launch.shutdown()
+
+
+def test_tp2_equals_one_rank_dummy_weights():
+    check_tp_equals_one_rank_dummy_weights(2)
 
 
 def test_tp2_loads_slices_from_a_checkpoint_and_k3(tmp_path):
@@ -149,7 +150,6 @@ def test_tp2_loads_slices_from_a_checkpoint_and_k3(tmp_path):
         one = run(d, 1, dummy=False)
         two = run(d, 2, dummy=False)
         assert_same(one, two)
-    launch.shutdown()
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU ranks run the kernels under the interpreter")
@@ -163,6 +163,11 @@ def test_tp2_specialized_path():
     two = run(d, 2, backend="latency_specialized", dummy=False)
     assert any(p == "latency_specialized" for _, p, _ in two[1]), "no step took the specialized path"
     assert_same(one, two)
+
+
+def test_tp4_equals_one_rank_dummy_weights():
+    """Last of the engine tests: the two-rank group is replaced by a four-rank one."""
+    check_tp_equals_one_rank_dummy_weights(4)
     launch.shutdown()
 
 

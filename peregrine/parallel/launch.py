@@ -61,6 +61,8 @@ def _join(rank: int, world: int, local_rank: int, device_type: str, init_method:
         torch.cuda.synchronize()
     else:
         device = torch.device("cpu")
+        if rank:  # ranks on one CPU share its cores (rank 0 is the caller's process: left as it is)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=IDLE_TIMEOUT)
         ctrl = None  # the default (gloo) group carries the control messages too
     return TPGroup(rank, world, device, group=None, ctrl=ctrl)
@@ -94,9 +96,11 @@ def ensure_group(world: int, device_type: str) -> TPGroup:
     never return: they serve rank 0's steps, then exit."""
     tp = _state["tp"]
     if tp is not None:
-        if tp.world != world:
+        if tp.world == world:
+            return tp
+        if torchrun_env() is not None:
             raise ConfigError(f"this process already runs tensor parallel size {tp.world}; asked for {world}")
-        return tp
+        shutdown()  # another size (a benchmark sweep): the old ranks exit, new ones start
     if device_type == "cuda" and torch.cuda.device_count() < world and torchrun_env() is None:
         raise ConfigError(f"--tensor-parallel-size {world} needs {world} GPUs, this machine has {torch.cuda.device_count()}")
     set_env()
