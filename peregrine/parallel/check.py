@@ -53,8 +53,9 @@ def truncated(model: str, layers: int | None) -> str:
 def run(model: str, tp: int, backend: str, steps: int, log) -> dict:
     from ..engine import SamplingParams
     from ..engine.build import build_engine
+    backend, _, allreduce = backend.partition(":")  # e.g. latency_specialized:nccl
     ecfg = EngineConfig(max_num_seqs=N_SEQS, max_model_len=steps + 32, decode_backend=backend, tensor_parallel_size=tp,
-                        max_decode_batch=N_SEQS, extra={"lm_head_scale": LM_HEAD_SCALE})
+                        max_decode_batch=N_SEQS, tp_allreduce=allreduce or "auto", extra={"lm_head_scale": LM_HEAD_SCALE})
     e, _ = build_engine(model, ecfg, dummy_weights=True, log=log)
     rec, fwd = [], e.runner.forward
 
@@ -107,7 +108,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="tiny-kimi-linear")
     ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers (real widths, quick build)")
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--backends", default="standard,latency_specialized")
+    ap.add_argument("--backends", default="standard,latency_specialized,latency_specialized:nccl",
+                    help="decode paths; latency_specialized:nccl forces NCCL instead of the one-shot all-reduce")
     ap.add_argument("--results-dir", default="results")
     args = ap.parse_args(argv)
     from ..bench import gpu
