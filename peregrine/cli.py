@@ -24,13 +24,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     g.add_argument("--dtype", default=None, help="bf16 or fp32 (default: bf16 on cuda, fp32 on cpu)")
     g.add_argument("--seed", type=int, default=0, help="dummy-weight seed (default 0)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model over N GPUs, one process each (default 1)")
     g.add_argument("--additional-config", default="", metavar="JSON",
                    help='engine options as JSON, e.g. \'{"decode_backend": "latency_specialized"}\'')
 
 
 def engine_config(args) -> EngineConfig:
     ecfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        kv_cache_dtype=args.kv_cache_dtype, device=args.device, dtype=args.dtype, seed=args.seed)
+                        kv_cache_dtype=args.kv_cache_dtype, device=args.device, dtype=args.dtype, seed=args.seed,
+                        tensor_parallel_size=args.tensor_parallel_size)
     ecfg.apply_additional_config(args.additional_config)
     ecfg.validate()
     return ecfg

@@ -259,6 +259,7 @@ def resolve_model(model: str) -> tuple[ModelConfig, Path | None]:
 # ----------------------------------------------------------------------------
 DECODE_BACKENDS = ("standard", "latency_specialized")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
+TP_ALLREDUCE = ("auto", "nccl")
 
 
 @dataclass
@@ -276,12 +277,15 @@ class EngineConfig:
     dtype: str | None = None                  # default: bf16 on cuda, fp32 on cpu
     seed: int = 0
     gpu_memory_utilization: float = 0.90
+    tensor_parallel_size: int = 1             # ranks, one process (one GPU) each
+    tp_allreduce: str = "auto"                # specialized path: "auto" (one-shot symmetric memory, else NCCL) or "nccl"
     extra: dict = field(default_factory=dict)
 
     ADDITIONAL_KEYS = {
         "decode_backend": DECODE_BACKENDS,
         "max_decode_batch": "int in 1..16",
         "cuda_graphs": "bool",
+        "tp_allreduce": TP_ALLREDUCE,
     }
 
     def apply_additional_config(self, text_or_dict) -> None:
@@ -300,6 +304,8 @@ class EngineConfig:
                 raise ConfigError(f"--additional-config: decode_backend must be one of {', '.join(DECODE_BACKENDS)}, got {v!r}")
             if k == "max_decode_batch" and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 16):
                 raise ConfigError(f"--additional-config: max_decode_batch must be an int in 1..16, got {v!r}")
+            if k == "tp_allreduce" and v not in TP_ALLREDUCE:
+                raise ConfigError(f"--additional-config: tp_allreduce must be one of {', '.join(TP_ALLREDUCE)}, got {v!r}")
             if k == "cuda_graphs" and not isinstance(v, bool):
                 raise ConfigError(f"--additional-config: cuda_graphs must be true or false, got {v!r}")
             setattr(self, k, v)
@@ -311,5 +317,7 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

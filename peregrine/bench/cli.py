@@ -63,6 +63,7 @@ def add_bench_decode_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--results-dir", default="results")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     p.add_argument("--additional-config", default=None, help="JSON object, as for serve")
+    p.add_argument("--tensor-parallel-size", "-tp", type=_positive(int), default=1, help="GPUs (ranks) per engine")
     p.set_defaults(func=run_bench_decode)
     return p
 
@@ -75,7 +76,9 @@ def run_bench_decode(args) -> int:
         r = bench_decode(args.model, args.batch_sizes, args.input_len, args.output_len, tuple(args.backends),
                          args.dummy_weights, prompt_sets=args.prompt_sets, runs=args.runs,
                          kv_cache_dtype=args.kv_cache_dtype, additional_config=args.additional_config,
-                         results_dir=args.results_dir)
+                         results_dir=args.results_dir,
+                         engine_overrides={"tensor_parallel_size": args.tensor_parallel_size}
+                         if args.tensor_parallel_size > 1 else None)
     except json.JSONDecodeError as e:
         return _fail(f"--additional-config is not valid JSON: {e.msg}")
     except (ConfigError, ValueError) as e:

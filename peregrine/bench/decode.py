@@ -142,7 +142,8 @@ def _bench_batch(engine, cfg, batch, input_len, output_len, prompt_sets, runs, k
     distinct = per_layer if per_layer is not None else roofline.expected_distinct(
         cfg.num_experts, cfg.num_experts_per_token, batch)
     ctx = input_len + output_len / 2  # mean cache length over the decode steps
-    nbytes = roofline.step_bytes(cfg, batch, distinct, ctx, kv_dtype)
+    ranks = getattr(getattr(engine, "engine_cfg", None), "tensor_parallel_size", 1)  # TP: bytes one rank reads (its own HBM)
+    nbytes = roofline.step_bytes(cfg, batch, distinct, ctx, kv_dtype, tp=ranks)
     out.update({"distinct_experts_source": rt["source"], "distinct_experts_per_layer": per_layer,
                 "distinct_experts_mean": (sum(per_layer) / len(per_layer)) if per_layer else distinct,
                 "mean_context": ctx, "bytes_per_step": nbytes,
@@ -179,6 +180,7 @@ def bench_decode(model: str, batch_sizes: list[int], input_len: int = 1, output_
         log(f"copy bandwidth {copy_gbps:.0f} GB/s (same run)")
     result = {
         "kind": "decode", "model": cfg.name, "metadata": gpu.run_metadata(),
+        "tensor_parallel_size": (engine_overrides or {}).get("tensor_parallel_size", 1),
         "config": {"batch_sizes": list(batch_sizes), "input_len": input_len, "output_len": output_len,
                    "backends": list(backends), "prompt_sets": prompt_sets, "runs": runs,
                    "dummy_weights": dummy_weights, "kv_cache_dtype": kv_cache_dtype,
@@ -222,7 +224,8 @@ def bench_decode(model: str, batch_sizes: list[int], input_len: int = 1, output_
     result["ratios"] = backend_ratios(result)
     if results_dir is not None:
         from .report import markdown_table
-        path = gpu.write_result(gpu.result_path(cfg.name, "decode", results_dir), result)
+        tp = (engine_overrides or {}).get("tensor_parallel_size", 1)
+        path = gpu.write_result(gpu.result_path(cfg.name + (f"-tp{tp}" if tp > 1 else ""), "decode", results_dir), result)
         md = path.with_suffix(".md")
         md.write_text(markdown_table([result]))
         result["paths"] = {"json": str(path), "md": str(md)}

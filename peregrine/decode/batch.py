@@ -22,6 +22,7 @@ class StepInput:
     block_tables: torch.Tensor   # [S, max_blocks] long, padded with 0
     context_lens_t: torch.Tensor  # [S] int32 on device (for kernels)
     max_context: int = 0         # bound on context_lens read by decode attention (graphs fix it per capture)
+    host: torch.Tensor | None = None  # the CPU int64 tensor build() copied to the device (sent to other TP ranks)
 
     @property
     def num_seqs(self) -> int:
@@ -65,8 +66,9 @@ class StepInput:
             tables.extend([0] * (max_blocks - len(table)))
         # one host-to-device copy for every index tensor of the step
         N, S = len(ids), len(seqs)
-        flat = torch.tensor(ids + pos + slots_map + kslots + ctx + tables, dtype=torch.long).to(device)
+        host = torch.tensor(ids + pos + slots_map + kslots + ctx + tables, dtype=torch.long)
+        flat = host.to(device)
         a = flat[:N], flat[N:2 * N], flat[2 * N:3 * N]
         kst, ctt = flat[3 * N:3 * N + S], flat[3 * N + S:3 * N + 2 * S]
         bt = flat[3 * N + 2 * S:].view(S, max_blocks)
-        return StepInput(a[0], a[1], a[2], q_lens, ctx, kst, bt, ctt.to(torch.int32), max(ctx))
+        return StepInput(a[0], a[1], a[2], q_lens, ctx, kst, bt, ctt.to(torch.int32), max(ctx), host)

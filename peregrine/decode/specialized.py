@@ -21,6 +21,7 @@ from ..kernels.moe import moe_combine, moe_expert_partials, moe_route
 from ..kernels.norm import add_rms_norm, rms_norm
 from ..kernels.sampling import argmax
 from ..models.layers import swiglu
+from ..parallel.group import SINGLE
 from .standard import GraphCache
 
 MAX_DECODE_BATCH = 16  # the skinny GEMMs are written for M ≤ 16 rows
@@ -30,7 +31,7 @@ class SpecializedRunner:
     name = "latency_specialized"
 
     def __init__(self, model, cache, standard, *, max_batch: int = 8, cuda_graphs: bool = True, log=print,
-                 max_blocks: int | None = None):
+                 max_blocks: int | None = None, allreduce: str = "auto"):
         if not 1 <= max_batch <= MAX_DECODE_BATCH:
             raise ValueError(f"max_decode_batch must be in 1..{MAX_DECODE_BATCH}, got {max_batch}")
         self.model, self.cache, self.standard, self.max_batch, self.log = model, cache, standard, max_batch, log
@@ -45,6 +46,13 @@ class SpecializedRunner:
             ("K3 layers (latent MoE, q-LoRA MLA, AttnRes)", self.cfg.is_k3),
             ("MXFP4 experts", self.cfg.expert_quant is not None)) if on)
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        # tensor parallel: row-parallel outputs are written straight into the one-shot all-reduce's
+        # symmetric buffer when there is one (NCCL all-reduce otherwise)
+        self.tp = getattr(model, "tp", SINGLE)
+        self.oneshot = None
+        if self.tp.world > 1 and allreduce != "nccl" and not (self.unavailable or self.unsupported):
+            from ..parallel.symm import OneShot
+            self.oneshot = OneShot.create(self.tp, max_batch, self.cfg.hidden_size, model.dtype, dev, log)
         # one graph per B: the MLA decode grid depends only on the block-table width, not on lengths
         self.graphs = GraphCache(self._step, cache, max_batch, log, fixed_blocks=max_blocks) if (
             cuda_graphs and dev.type == "cuda") else None
@@ -102,17 +110,33 @@ class SpecializedRunner:
     def _step(self, step):
         m, c, cfg = self.model, self.cache, self.cfg
         eps = cfg.rms_norm_eps
-        residual = m.embed_tokens[step.input_ids]
+        if self.oneshot is not None:
+            self.oneshot.reset()  # the same buffer order in every step and every graph
+        residual = m.embed(step.input_ids)
         layers = m.layers
         h = rms_norm(residual, layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(layers):
             a = self._kda(layer.attn, h, step) if layer.is_kda else self._mla(layer.attn, h, step)
-            h, residual = add_rms_norm(a, residual, layer.post_attention_layernorm.weight, eps)
-            f = self._moe(layer.mlp, h) if layer.is_moe else self._dense(layer.mlp, h)
+            h, residual = add_rms_norm(self._reduce(a), residual, layer.post_attention_layernorm.weight, eps)
+            f = self._moe(layer.mlp, h) if layer.is_moe else self._dense(layer.mlp, h, self._rbuf(h))
+            f = self._reduce(f)
             nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else m.norm.weight
             h, residual = add_rms_norm(f, residual, nxt, eps)
         logits = skinny_gemm(h, m.lm_head).float()
-        return logits, argmax(logits)
+        ids = argmax(logits)
+        if self.tp.world > 1:  # vocab-parallel lm_head: gathered argmax, gathered logits for sampling
+            ids = self.tp.argmax(logits, ids)
+            logits = self.tp.all_gather(logits, -1)
+        return logits, ids
+
+    def _rbuf(self, h):
+        """Where a row-parallel GEMM writes its [B, D] output: the all-reduce's own buffer, or anywhere."""
+        return self.oneshot.buffer(h.shape[0]) if self.oneshot is not None else None
+
+    def _reduce(self, x):
+        if self.oneshot is not None:
+            return self.oneshot.all_reduce(x)
+        return self.tp.all_reduce(x)
 
     def _kda(self, attn, h, step):
         B = h.shape[0]
@@ -125,7 +149,7 @@ class SpecializedRunner:
                        attn.dt_bias, attn.o_norm, self.cache.state[k], self.cache.conv[k], step.kda_slots,
                        gate="softplus" if lb is None else "bounded", lower_bound=lb if lb is not None else -5.0,
                        eps_o=self.cfg.rms_norm_eps)
-        return skinny_gemm(o.view(B, -1), attn.o_proj)
+        return skinny_gemm(o.view(B, -1), attn.o_proj, out=self._rbuf(h))
 
     def _mla(self, attn, h, step):
         B, c = h.shape[0], self.cache
@@ -141,10 +165,10 @@ class SpecializedRunner:
         o_lat = mla_decode(qh, c.latent[mi], c.scale[mi] if c.fp8 else None, step.block_tables,
                            step.context_lens_t, attn.sm_scale, kv_lora_rank=attn.r)
         o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, v]
-        return skinny_gemm(o.reshape(B, -1), attn.o_proj)
+        return skinny_gemm(o.reshape(B, -1), attn.o_proj, out=self._rbuf(h))
 
-    def _dense(self, mlp, h):
-        return skinny_gemm(swiglu(skinny_gemm(h, mlp.gate_up)), mlp.down)
+    def _dense(self, mlp, h, out=None):
+        return skinny_gemm(swiglu(skinny_gemm(h, mlp.gate_up)), mlp.down, out=out)
 
     def _moe(self, moe, h):
         cfg = self.cfg
@@ -162,4 +186,5 @@ class SpecializedRunner:
         part = moe_expert_partials(h, moe.w13, moe.w2, ids)  # tiles per B from kernels/moe_plan.json
         if shared is not None and self.side is not None:
             torch.cuda.current_stream().wait_stream(self.side)
-        return moe_combine(part, w, add=shared, dtype=h.dtype)  # the shared expert added before the one rounding
+        # the shared expert is added before the one rounding; out may be the all-reduce buffer
+        return moe_combine(part, w, add=shared, dtype=h.dtype, out=self._rbuf(h))

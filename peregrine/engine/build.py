@@ -10,6 +10,7 @@ from ..cache import ModelCache
 from ..config import ConfigError, EngineConfig, resolve_model
 from ..models.kimi import KimiModel
 from ..models.loader import init_dummy_weights, load_weights
+from ..parallel.group import SINGLE, TPGroup
 from ..tokenizer import load_tokenizer
 from .engine import LLMEngine
 
@@ -39,11 +40,59 @@ def gib(n: float) -> str:
 
 
 def build_engine(model: str, engine_cfg: EngineConfig | None = None, dummy_weights: bool = False, log=print):
-    """-> (LLMEngine, tokenizer). Raises ConfigError for user mistakes."""
+    """-> (LLMEngine, tokenizer). Raises ConfigError for user mistakes.
+
+    tensor_parallel_size N > 1: this process is rank 0; the other ranks (spawned here, or
+    started by torchrun) build their shards of the same engine and follow its steps."""
     ecfg = engine_cfg or EngineConfig()
     ecfg.validate()
+    tp = SINGLE
+    if ecfg.tensor_parallel_size > 1:
+        from ..parallel.launch import ensure_group
+        from ..parallel.shard import shard_config
+        cfg, _ = resolve_model(model)
+        shard_config(cfg, TPGroup(0, ecfg.tensor_parallel_size))  # a size that does not divide fails before any launch
+        tp = ensure_group(ecfg.tensor_parallel_size, pick_device(ecfg).type)
+        from ..parallel import control
+        control.send_obj(tp, ("build", model, ecfg, dummy_weights, False))
+        try:
+            parts = build_parts(model, ecfg, dummy_weights, log, tp)
+        except Exception as e:
+            report_holdings(tp, None, f"{type(e).__name__}: {e}", log)  # the other ranks wait for this
+            raise
+        holdings = report_holdings(tp, parts[1], None, log)
+    else:
+        parts = build_parts(model, ecfg, dummy_weights, log, tp)
+    cfg, m, cache, runner, folder = parts
+    if tp.world > 1:
+        from ..parallel.driver import TPDriver
+        runner = TPDriver(runner, tp)
+    engine = LLMEngine(runner, cfg, ecfg, cache)
+    engine.model = m
+    engine.tp_holdings = holdings if tp.world > 1 else None  # what every rank holds (parallel/shard.py)
+    return engine, load_tokenizer(cfg.vocab_size, folder)
+
+
+def report_holdings(tp, model, error: str | None, log) -> list[dict]:
+    """Every rank says what it holds (or why its build failed); rank 0 prints it all."""
+    import torch.distributed as dist
+    from ..parallel.shard import describe, holdings
+    mine = {"error": error} if model is None else holdings(model)
+    every = [None] * tp.world
+    dist.all_gather_object(every, mine, group=tp.ctrl)
+    bad = [f"rank {r}: {h['error']}" for r, h in enumerate(every) if "error" in h]
+    if bad:
+        raise ConfigError("tensor-parallel build failed: " + "; ".join(bad))
+    if tp.rank == 0:
+        for h in every:
+            log(describe(h))
+    return every
+
+
+def build_parts(model: str, ecfg: EngineConfig, dummy_weights: bool, log, tp=SINGLE):
+    """One rank's (global config, model shard, caches, runner, weights folder)."""
     cfg, folder = resolve_model(model)
-    dev = pick_device(ecfg)
+    dev = tp.device if tp.world > 1 else pick_device(ecfg)
     dtype = pick_dtype(ecfg, dev)
     if ecfg.max_model_len is None:
         ecfg.max_model_len = min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
@@ -54,14 +103,16 @@ def build_engine(model: str, engine_cfg: EngineConfig | None = None, dummy_weigh
 
     t0 = time.time()
     log(f"building {cfg.name} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-        f"{cfg.num_experts} experts top-{cfg.num_experts_per_token}) on {dev} in {str(dtype).split('.')[-1]}")
+        f"{cfg.num_experts} experts top-{cfg.num_experts_per_token}) on {dev} in {str(dtype).split('.')[-1]}"
+        + (f", tensor parallel {tp.world}" if tp.world > 1 else ""))
     if dev.type == "cuda":
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
     mem0 = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
     with torch.device(dev):
-        m = KimiModel(cfg, dtype).eval()
+        m = KimiModel(cfg, dtype, tp).eval()
+    lcfg = m.cfg  # this rank's shard (the model's config when tp is off)
     nparams = sum(p.numel() for p in m.parameters())
     if dummy_weights:
         log(f"initialising {nparams / 1e9:.2f}B parameters with seeded dummy weights (seed {ecfg.seed})")
@@ -69,6 +120,9 @@ def build_engine(model: str, engine_cfg: EngineConfig | None = None, dummy_weigh
     else:
         log(f"loading {nparams / 1e9:.2f}B parameters from {folder}")
         load_weights(m, folder, log=log)
+    if ecfg.extra.get("lm_head_scale"):  # checks only: sharper dummy logits, confident greedy choices
+        with torch.no_grad():
+            m.lm_head.mul_(float(ecfg.extra["lm_head_scale"]))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         log(f"weights: {gib(torch.cuda.memory_allocated(dev) - mem0)} on the GPU")
@@ -76,20 +130,18 @@ def build_engine(model: str, engine_cfg: EngineConfig | None = None, dummy_weigh
 
     blocks_per_seq = math.ceil(ecfg.max_model_len / ecfg.block_size)
     num_blocks = ecfg.num_cache_blocks or ecfg.max_num_seqs * blocks_per_seq
-    need = num_blocks * ecfg.block_size * ModelCache.bytes_per_token(cfg, ecfg.kv_cache_dtype, dtype) + \
-        ecfg.max_num_seqs * ModelCache.bytes_per_slot(cfg, dtype)
+    need = num_blocks * ecfg.block_size * ModelCache.bytes_per_token(lcfg, ecfg.kv_cache_dtype, dtype) + \
+        ecfg.max_num_seqs * ModelCache.bytes_per_slot(lcfg, dtype)
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         if need > free * ecfg.gpu_memory_utilization:
             raise ConfigError(f"caches need {gib(need)} but only {gib(free)} is free: lower --max-model-len or --max-num-seqs")
-    cache = ModelCache(cfg, num_blocks=num_blocks, block_size=ecfg.block_size, num_slots=ecfg.max_num_seqs,
+    cache = ModelCache(lcfg, num_blocks=num_blocks, block_size=ecfg.block_size, num_slots=ecfg.max_num_seqs,
                        dtype=dtype, device=dev, kv_cache_dtype=ecfg.kv_cache_dtype)
     log(f"caches: {num_blocks} blocks x {ecfg.block_size} tokens ({ecfg.kv_cache_dtype} latent), "
         f"{ecfg.max_num_seqs} KDA state slots, {gib(cache.nbytes())}")
     runner = make_runner(m, cache, ecfg, log)
-    engine = LLMEngine(runner, cfg, ecfg, cache)
-    engine.model = m
-    return engine, load_tokenizer(cfg.vocab_size, folder)
+    return cfg, m, cache, runner, folder
 
 
 def make_runner(model, cache, ecfg: EngineConfig, log):
@@ -99,4 +151,5 @@ def make_runner(model, cache, ecfg: EngineConfig, log):
         return standard
     from ..decode.specialized import SpecializedRunner
     return SpecializedRunner(model, cache, standard, max_batch=ecfg.max_decode_batch, cuda_graphs=ecfg.cuda_graphs, log=log,
-                             max_blocks=min(math.ceil(ecfg.max_model_len / ecfg.block_size), cache.num_blocks))
+                             max_blocks=min(math.ceil(ecfg.max_model_len / ecfg.block_size), cache.num_blocks),
+                             allreduce=ecfg.tp_allreduce)

@@ -12,6 +12,7 @@ from .kda import KDA
 from .layers import DenseMLP, HFParam, RMSNorm, param
 from .mla import MLA
 from .moe import MoE, activation
+from ..parallel.group import SINGLE
 
 K3_PREFIX = "language_model."  # K3 (a multimodal checkpoint) keeps its text model under this
 
@@ -36,13 +37,17 @@ class AttnRes(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, i: int, dtype):
+    """With tensor parallelism the attention and MLP outputs are partial sums (row-parallel
+    output projections): tp.all_reduce completes them before the residual add."""
+
+    def __init__(self, cfg: ModelConfig, i: int, dtype, tp=SINGLE):
         super().__init__()
+        self.tp = tp
         self.is_kda, self.is_moe = cfg.is_kda(i), cfg.is_moe(i)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.attn = KDA(cfg, i, dtype) if self.is_kda else MLA(cfg, i, dtype)
-        self.mlp = MoE(cfg, dtype) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, act=activation(cfg))
+        self.mlp = MoE(cfg, dtype, tp) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, act=activation(cfg))
         self.res = cfg.attn_res_block_size is not None
         if self.res:
             self.attn_res = AttnRes(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -60,27 +65,33 @@ class DecoderLayer(nn.Module):
                 + self.mlp.hf_params(prefix + ("block_sparse_moe." if self.is_moe else "mlp.")))
 
     def forward(self, x, step, cache):
-        h = x + self.attn(self.input_layernorm(x), step, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.tp.all_reduce(self.attn(self.input_layernorm(x), step, cache))
+        return h + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(h)))
 
     def forward_res(self, p, blocks: list, step, cache):
         """AttnRes layer: p is the block's residual stream, `blocks` (appended to here) the block list."""
         x = self.attn_res(p, blocks) if blocks else p
         if self.block_start:
             blocks.append(p)
-        a = self.attn(self.input_layernorm(x), step, cache)
+        a = self.tp.all_reduce(self.attn(self.input_layernorm(x), step, cache))
         p = a if self.block_start else p + a
-        return p + self.mlp(self.post_attention_layernorm(self.mlp_res(p, blocks)))
+        return p + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(self.mlp_res(p, blocks))))
 
 
 class KimiModel(nn.Module):
-    """Create under `with torch.device(dev):` so parameters are allocated where they will live."""
+    """Create under `with torch.device(dev):` so parameters are allocated where they will live.
 
-    def __init__(self, cfg: ModelConfig, dtype=torch.float32):
+    tp: this rank's place in a tensor-parallel group; the model then holds the rank's shard
+    (parallel/shard.py): `cfg` is the shard's config, `full_cfg` the model's."""
+
+    def __init__(self, cfg: ModelConfig, dtype=torch.float32, tp=SINGLE):
         super().__init__()
+        from ..parallel.shard import shard_config
+        self.tp, self.full_cfg = tp, cfg
+        cfg = shard_config(cfg, tp)
         self.cfg, self.dtype = cfg, dtype
         self.embed_tokens = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.output_res = AttnRes(cfg.hidden_size, cfg.rms_norm_eps, dtype) if cfg.attn_res_block_size else None
@@ -96,9 +107,19 @@ class KimiModel(nn.Module):
             out += self.output_res.hf_params(top + "model.output_attn_res_norm", top + "model.output_attn_res_proj")
         return out + [(top + "model.norm.weight", self.norm.weight, (D,)), (top + "lm_head.weight", self.lm_head, (V, D))]
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; vocab-parallel: each rank looks up the ids in its row range, zeros elsewhere, summed."""
+        if self.tp.world == 1:
+            return self.embed_tokens[ids]
+        V = self.embed_tokens.shape[0]
+        loc = ids - self.tp.rank * V
+        mine = (loc >= 0) & (loc < V)
+        x = torch.where(mine.unsqueeze(-1), self.embed_tokens[loc.clamp(0, V - 1)], 0.0)
+        return self.tp.all_reduce(x)
+
     def hidden_states(self, step, cache, record: list | None = None) -> torch.Tensor:
         """Final residual stream [N, D]; with AttnRes the block list is kept for compute_logits."""
-        x = self.embed_tokens[step.input_ids]
+        x = self.embed(step.input_ids)
         blocks: list[torch.Tensor] = []
         for layer in self.layers:
             x = layer.forward_res(x, blocks, step, cache) if layer.res else layer(x, step, cache)
@@ -112,7 +133,7 @@ class KimiModel(nn.Module):
         if self.output_res is not None:
             blocks = self._blocks if idx is None else [b[idx] for b in self._blocks]
             h = self.output_res(h, blocks)
-        return (self.norm(h) @ self.lm_head.T).float()
+        return self.tp.all_gather((self.norm(h) @ self.lm_head.T).float(), -1)  # vocab-parallel lm_head
 
     def forward(self, step, cache, record: list | None = None) -> torch.Tensor:
         """Logits [S, V] FP32 of each sequence's last new token."""

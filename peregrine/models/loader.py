@@ -45,11 +45,32 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
+def _tp_table(model) -> dict | None:
+    """Sharded model: name -> (rank's view, checkpoint shape of the full tensor, full view shape, slice)."""
+    tp = getattr(model, "tp", None)
+    if tp is None or tp.world == 1:
+        return None
+    from ..parallel.shard import full_table, slice_of
+    local = {name: view for name, view, _ in model.hf_params()}
+    return {name: (local[name], shape, tuple(fv.shape), slice_of(name, tuple(fv.shape), tuple(local[name].shape), tp))
+            for name, fv, shape in full_table(model.full_cfg)}
+
+
+def _read(fh, key: str, view_shape, sl) -> torch.Tensor:
+    """A checkpoint tensor laid out as view_shape, or only a rank's slice of it, read from disk as a slice."""
+    if sl is None:
+        return fh.get_tensor(key)
+    d, start = sl
+    return fh.get_slice(key)[(slice(None),) * d + (slice(start, start + view_shape[d]),)]
+
+
 def load_weights(model, folder: str | Path, log=None) -> None:
     from safetensors import safe_open
 
     folder = Path(folder)
-    table = {name: (view, shape) for name, view, shape in model.hf_params()}
+    tpt = _tp_table(model)
+    table = ({name: (view, shape) for name, view, shape in model.hf_params()} if tpt is None else
+             {name: (view, shape) for name, (view, shape, _, _) in tpt.items()})
     seen: set[str] = set()
     ignored = 0
     t0 = time.time()
@@ -66,6 +87,10 @@ def load_weights(model, folder: str | Path, log=None) -> None:
                 if key not in table:
                     raise WeightError(f"{f.name}: unexpected tensor '{ckpt_key}' (not part of this {model.cfg.model_type} model)")
                 view, shape = table[key]
+                if tpt is not None:  # a rank's shard: check the full shape, keep the slice
+                    _load_slice(fh, ckpt_key, key, view, tpt[key], f.name)
+                    seen.add(key)
+                    continue
                 t = fh.get_tensor(ckpt_key)
                 if t.dtype == E8M0_DTYPE:  # some exports type MXFP4 scales as E8M0: the same bytes
                     t = t.view(torch.uint8)
@@ -84,6 +109,24 @@ def load_weights(model, folder: str | Path, log=None) -> None:
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise WeightError(f"checkpoint in {folder} lacks tensor(s) {', '.join(missing[:3])}{more}")
+
+
+def _load_slice(fh, ckpt_key: str, key: str, view, entry, fname: str) -> None:
+    from ..parallel.shard import take
+    _, shape, fshape, sl = entry
+    got = tuple(fh.get_slice(ckpt_key).get_shape())
+    if not _shape_ok(key, got, tuple(shape)):
+        raise WeightError(f"{fname}: tensor '{ckpt_key}' has shape {got}, the model expects {tuple(shape)}")
+    if got == tuple(fshape):
+        t = _read(fh, ckpt_key, view.shape, sl)
+    else:  # stored in another layout (A_log): read whole, then slice
+        t = take(fh.get_tensor(ckpt_key).reshape(fshape), sl, view.shape)
+    if t.dtype == E8M0_DTYPE:
+        t = t.view(torch.uint8)
+    if (view.dtype == torch.uint8) != (t.dtype == torch.uint8):
+        raise WeightError(f"{fname}: tensor '{ckpt_key}' has dtype {t.dtype}, the model expects {view.dtype}")
+    with torch.no_grad():
+        view.copy_(t.reshape(view.shape))
 
 
 def _table_name(key: str, table: dict) -> str:
@@ -185,7 +228,29 @@ def init_dummy_weights(model, seed: int = 0, log=None) -> None:
     # AttnRes restarts the residual stream every block: depth scaling counts the layers of one block
     depth = min(cfg.num_hidden_layers, cfg.attn_res_block_size or cfg.num_hidden_layers)
     t0 = time.time()
+    tpt = _tp_table(model)
+    if tpt is not None:
+        return _init_dummy_shard(tpt, dev, depth, gen, latent, log)
     for n, (name, view, shape) in enumerate(table):
         _init_one(name, view, shape, depth, gen, scales, latent)
         if log and (n + 1) % 5000 == 0:
             log(f"dummy init {n + 1}/{len(table)} tensors ({time.time() - t0:.1f}s)")
+
+
+def _init_dummy_shard(tpt: dict, dev, depth: int, gen, latent: bool, log) -> None:
+    """A rank's shard: every full tensor is generated in the one-rank order (same generator
+    stream), then the rank keeps its slice, so TP = N holds exactly TP = 1's weights."""
+    from ..parallel.shard import take
+    t0, stash = time.time(), {}
+    for n, (name, (view, shape, fshape, sl)) in enumerate(tpt.items()):
+        if name.endswith(".weight_scale"):
+            full = stash.pop(name)  # filled with its weight_packed
+        else:
+            full = torch.empty(fshape, dtype=view.dtype, device=dev)
+            if name.endswith(".weight_packed"):
+                sname = name.removesuffix("_packed") + "_scale"
+                stash[sname] = torch.empty(tpt[sname][2], dtype=torch.uint8, device=dev)
+            _init_one(name, full, shape, depth, gen, stash, latent)
+        view.copy_(take(full, sl, view.shape))
+        if log and (n + 1) % 5000 == 0:
+            log(f"dummy init {n + 1}/{len(tpt)} tensors ({time.time() - t0:.1f}s)")

@@ -14,6 +14,7 @@ from torch import nn
 from ..config import ConfigError, ModelConfig
 from . import mxfp4
 from .layers import DenseMLP, HFParam, param, rms_norm, situ, swiglu
+from ..parallel.group import SINGLE
 
 
 def activation(cfg: ModelConfig):
@@ -86,9 +87,13 @@ def mxfp4_experts(x, q13, s13, q2, s2, ids, w, act) -> torch.Tensor:
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype):
+    """With tensor parallelism (cfg is a rank's shard) the experts hold a slice of the
+    intermediate rows and the output is a partial sum; K3's latent y is summed over ranks
+    before its norm, and up_proj holds a column slice of the latent width."""
+
+    def __init__(self, cfg: ModelConfig, dtype, tp=SINGLE):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.tp = cfg, tp
         E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         Dz = cfg.routed_expert_hidden_size or D  # width the routed experts read and write
         self.act = activation(cfg)
@@ -108,7 +113,7 @@ class MoE(nn.Module):
         self.latent = cfg.routed_expert_hidden_size is not None
         if self.latent:
             self.down = param(Dz, D, dtype=dtype)
-            self.up = param(D, Dz, dtype=dtype)
+            self.up = param(D, Dz // tp.world, dtype=dtype)
             self.norm = param(Dz, dtype=dtype)
         ns = cfg.num_shared_experts
         self.shared = DenseMLP(D, I * ns, dtype, act=self.act) if ns else None
@@ -121,7 +126,7 @@ class MoE(nn.Module):
         if self.latent:
             out += [(prefix + "routed_expert_down_proj.weight", self.down, (Dz, D)),
                     (prefix + "routed_expert_norm.weight", self.norm, (Dz,)),
-                    (prefix + "routed_expert_up_proj.weight", self.up, (D, Dz))]
+                    (prefix + "routed_expert_up_proj.weight", self.up, tuple(self.up.shape))]
         for e in range(E):
             p = f"{prefix}experts.{e}."
             if self.mx:
@@ -145,5 +150,6 @@ class MoE(nn.Module):
         else:
             y = grouped_experts(z, self.w13, self.w2, ids, w, self.act)
         if self.latent:
-            y = rms_norm(y, self.norm, c.rms_norm_eps) @ self.up.T
+            lo, hi = self.tp.span(self.norm.shape[0])
+            y = rms_norm(self.tp.all_reduce(y), self.norm, c.rms_norm_eps)[:, lo:hi] @ self.up.T
         return y + self.shared(x) if self.shared is not None else y

@@ -1,0 +1,30 @@
+"""Rank 0's runner: each step goes to the other ranks first, then runs here like there."""
+from __future__ import annotations
+
+from . import control
+
+
+class TPDriver:
+    def __init__(self, inner, tp):
+        self.inner, self.tp = inner, tp
+        self._record = False
+
+    def forward(self, step):
+        control.send_step(self.tp, step, control.RECORD_ROUTING if self._record else 0)
+        return self.inner.forward(step)
+
+    @property
+    def record_routing(self) -> bool:
+        return self._record
+
+    @record_routing.setter
+    def record_routing(self, on: bool) -> None:  # every rank takes the same (eager) path
+        self._record = bool(on)
+        self.inner.record_routing = self._record
+
+    def graph_replay_time(self, B: int, iters: int = 100):
+        control.send_obj(self.tp, ("replay", B, iters))  # the graphs hold collectives: every rank replays
+        return self.inner.graph_replay_time(B, iters)
+
+    def __getattr__(self, name):  # last_path, greedy_tokens, fallback_reasons, routing counts, ...
+        return getattr(self.inner, name)

@@ -1,0 +1,89 @@
+"""What each rank holds.
+
+A rank's model is the same architecture with every split dimension divided by
+the world size (shard_config): KDA and MLA heads, dense/shared/expert
+intermediate width (tensor parallel inside the experts), vocab. Low-rank and
+latent projections (KDA f_a/g_a, MLA kv_a and q_a), norms and the router are
+replicated. The KDA conv, A_log and dt_bias follow their heads.
+
+Every checkpoint tensor of a rank is then a contiguous slice of the full tensor
+along the one dimension whose size differs (slice_of): the loader reads only
+that slice and dummy init generates the full tensor (same seed, same order as
+one rank) and keeps the slice, so TP = N holds exactly TP = 1's numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config import ConfigError, ModelConfig
+from .group import TPGroup
+
+MXFP4_GROUP = 32  # an MXFP4 scale covers 32 values: a split must not cut one
+
+
+def shard_config(cfg: ModelConfig, tp: TPGroup) -> ModelConfig:
+    """The config of one rank's shard; errors name the field that does not divide."""
+    if tp.world == 1:
+        return cfg
+    kda_h = tp.split(cfg.kda_num_heads, "linear_attn_config.num_heads")
+    mla_h = tp.split(cfg.mla_num_heads, "num_attention_heads")
+    inter = tp.split(cfg.intermediate_size, "intermediate_size")
+    moe_i = tp.split(cfg.moe_intermediate_size, "moe_intermediate_size")
+    vocab = tp.split(cfg.vocab_size, "vocab_size")
+    if cfg.expert_quant == "mxfp4" and moe_i % MXFP4_GROUP:
+        raise ConfigError(f"tensor parallel size {tp.world} leaves 'moe_intermediate_size' {cfg.moe_intermediate_size} "
+                          f"as {moe_i} per rank, not a multiple of the MXFP4 group {MXFP4_GROUP}")
+    if cfg.routed_expert_hidden_size is not None:
+        tp.split(cfg.routed_expert_hidden_size, "routed_expert_hidden_size")  # the latent up_proj is split by columns
+    return dataclasses.replace(cfg, kda_num_heads=kda_h, mla_num_heads=mla_h, intermediate_size=inter,
+                               moe_intermediate_size=moe_i, vocab_size=vocab)
+
+
+def slice_of(name: str, full: tuple[int, ...], local: tuple[int, ...], tp: TPGroup) -> tuple[int, int] | None:
+    """(dim, start) of the rank's slice of a tensor of shape `full` held as `local`; None: replicated."""
+    if tuple(full) == tuple(local):
+        return None
+    diff = [d for d, (a, b) in enumerate(zip(full, local)) if a != b]
+    if len(full) != len(local) or len(diff) != 1 or full[diff[0]] != tp.world * local[diff[0]]:
+        raise ValueError(f"{name}: rank shape {tuple(local)} is not a 1/{tp.world} slice of {tuple(full)}")
+    d = diff[0]
+    return d, tp.rank * local[d]
+
+
+def take(t: torch.Tensor, sl: tuple[int, int] | None, local_shape) -> torch.Tensor:
+    """The rank's slice of the full tensor t (a view)."""
+    if sl is None:
+        return t
+    d, start = sl
+    return t.narrow(d, start, local_shape[d])
+
+
+def full_table(cfg: ModelConfig) -> list:
+    """The one-rank model's hf_params table, on the meta device (names, view shapes, no memory)."""
+    from ..models.kimi import KimiModel
+    with torch.device("meta"):
+        return KimiModel(cfg, torch.bfloat16).hf_params()
+
+
+def holdings(model) -> dict:
+    """A summary of what this rank holds, for the startup log and the tests."""
+    tp, full, cfg = model.tp, model.full_cfg, model.cfg
+    span = lambda n, k: f"{tp.rank * k}-{(tp.rank + 1) * k - 1} of {n}"  # noqa: E731
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {
+        "rank": tp.rank, "world": tp.world,
+        "kda_heads": span(full.kda_num_heads, cfg.kda_num_heads),
+        "mla_heads": span(full.mla_num_heads, cfg.mla_num_heads),
+        "dense_rows": span(full.intermediate_size, cfg.intermediate_size),
+        "experts": f"all {full.num_experts}, rows {span(full.moe_intermediate_size, cfg.moe_intermediate_size)} of each",
+        "vocab_rows": span(full.vocab_size, cfg.vocab_size),
+        "params": sum(p.numel() for p in model.parameters()), "bytes": nbytes,
+    }
+
+
+def describe(h: dict) -> str:
+    return (f"rank {h['rank']}/{h['world']}: KDA heads {h['kda_heads']}, MLA heads {h['mla_heads']}, "
+            f"dense rows {h['dense_rows']}, experts {h['experts']}, vocab rows {h['vocab_rows']}; "
+            f"{h['params'] / 1e9:.3f}B params, {h['bytes'] / 2**30:.2f} GiB")

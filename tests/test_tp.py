@@ -1,0 +1,207 @@
+"""Tensor parallel on CPU (gloo): shards are exact slices of the one-rank weights,
+TP = N logits equal TP = 1 (prefill and decode steps) and greedy tokens are identical,
+every rank holds only its slice, the vocab-parallel argmax picks the lowest index of
+the global max (ties inside and across ranks), and sizes that do not divide fail
+naming the config field. The engine tests make the pytest process rank 0 and spawn
+the other ranks, exactly as `--tensor-parallel-size N` does."""
+import json
+import os
+
+import pytest
+import torch
+
+from peregrine.config import PRESET_DIR, ConfigError, EngineConfig, ModelConfig
+from peregrine.engine import SamplingParams
+from peregrine.engine.build import build_engine
+from peregrine.models.kimi import KimiModel
+from peregrine.models.loader import init_dummy_weights, save_weights
+from peregrine.parallel import launch
+from peregrine.parallel.group import TPGroup
+from peregrine.parallel.shard import shard_config, slice_of, take
+from peregrine.testing import rel_rmse
+
+TOL = 1e-5  # FP32 on CPU: only the order of the partial sums differs
+K3_OVER = {"moe_intermediate_size": 64}  # tiny-k3's 32 rows of MXFP4 experts cannot split into 32-wide groups
+
+
+def raw_config(preset: str, **over) -> dict:
+    raw = json.loads((PRESET_DIR / f"{preset}.json").read_text())
+    (raw.get("text_config") or raw).update(over)
+    return raw
+
+
+def model_dir(tmp_path, raw: dict, weights_seed: int | None = None) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    if weights_seed is not None:
+        m = KimiModel(ModelConfig.from_dict(raw), torch.float32)
+        init_dummy_weights(m, seed=weights_seed)
+        for name, view, _ in m.hf_params():  # confident greedy choices, as a trained model makes
+            if name.endswith("lm_head.weight"):
+                view.mul_(4.0)
+        save_weights(m, tmp_path)
+    return str(tmp_path)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _leave_group():
+    yield
+    launch.shutdown()
+
+
+# ---- shards (in process, no group needed) ----
+@pytest.mark.parametrize("preset,over,world", [("tiny-kimi-linear", {}, 2), ("tiny-kimi-linear", {}, 4),
+                                               ("tiny-k3", K3_OVER, 2)])
+def test_shards_are_exact_slices_of_the_full_weights(preset, over, world):
+    cfg = ModelConfig.from_dict(raw_config(preset, **over))
+    full = KimiModel(cfg)
+    init_dummy_weights(full, seed=5)
+    ref = {n: v for n, v, _ in full.hf_params()}
+    split_seen = set()
+    total = 0
+    for r in range(world):
+        tp = TPGroup(r, world)
+        m = KimiModel(cfg, tp=tp)
+        for p in m.parameters():
+            p.data.fill_(float("nan")) if p.is_floating_point() else p.data.fill_(0)  # poison: every slice must be written
+        init_dummy_weights(m, seed=5)
+        for name, view, _ in m.hf_params():
+            sl = slice_of(name, tuple(ref[name].shape), tuple(view.shape), tp)
+            assert torch.equal(take(ref[name], sl, view.shape), view), f"rank {r}: {name} is not its slice"
+            if sl is not None:
+                split_seen.add(name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1])
+        total += sum(p.numel() for p in m.parameters())
+    # the split tensors: heads, intermediate rows, vocab; the rest is replicated
+    for part in ("q_proj", "b_proj", "o_proj", "kv_b_proj", "down_proj", "embed_tokens", "lm_head"):
+        assert part in split_seen, f"{part} was not split"
+    assert "kv_a_proj_with_mqa" not in split_seen and "f_a_proj" not in split_seen and "gate" not in split_seen
+    assert total < world * sum(p.numel() for p in full.parameters())
+
+
+def test_sizes_that_do_not_divide_name_the_field(tmp_path):
+    cfg = ModelConfig.from_dict(raw_config("tiny-kimi-linear"))
+    with pytest.raises(ConfigError, match="linear_attn_config.num_heads"):
+        shard_config(cfg, TPGroup(0, 3))
+    with pytest.raises(ConfigError, match="num_attention_heads"):
+        shard_config(ModelConfig.from_dict(raw_config("tiny-kimi-linear", num_attention_heads=6)), TPGroup(0, 4))
+    with pytest.raises(ConfigError, match="vocab_size"):
+        shard_config(ModelConfig.from_dict(raw_config("tiny-kimi-linear", vocab_size=322)), TPGroup(0, 4))
+    with pytest.raises(ConfigError, match="MXFP4"):
+        shard_config(ModelConfig.from_dict(raw_config("tiny-k3")), TPGroup(0, 2))
+    # the engine refuses before launching any process
+    with pytest.raises(ConfigError, match="linear_attn_config.num_heads"):
+        build_engine("tiny-kimi-linear", EngineConfig(tensor_parallel_size=3, device="cpu"), dummy_weights=True,
+                     log=lambda m: None)
+    assert launch._state["tp"] is None
+
+
+# ---- engine runs: pytest is rank 0, the other ranks are spawned ----
+PROMPTS = [[5, 17, 3, 250, 9, 61, 7], [1, 2], [44]]
+STEPS = 6
+
+
+def run(model, tp, backend="standard", dummy=True, **kw):
+    ecfg = EngineConfig(max_num_seqs=4, max_model_len=64, block_size=8, device="cpu", decode_backend=backend,
+                        tensor_parallel_size=tp, **kw)
+    e, _ = build_engine(model, ecfg, dummy_weights=dummy, log=lambda m: None)
+    rec, fwd = [], e.runner.forward
+
+    def recording(step):
+        out = fwd(step)
+        rec.append((step.is_decode, e.runner.last_path, out.clone()))
+        return out
+    e.runner.forward = recording
+    toks = e.generate(PROMPTS, SamplingParams(max_tokens=STEPS, ignore_eos=True))
+    return toks, rec, e
+
+
+def assert_same(a, b):
+    toks_a, rec_a, _ = a
+    toks_b, rec_b, _ = b
+    assert len(rec_a) == len(rec_b)
+    assert any(not d for d, _, _ in rec_a) and any(d for d, _, _ in rec_a), "needs prefill and decode steps"
+    for i, ((dec, _, la), (_, _, lb)) in enumerate(zip(rec_a, rec_b)):
+        assert la.shape == lb.shape
+        assert rel_rmse(lb, la) < TOL, f"step {i} ({'decode' if dec else 'prefill'}) logits differ"
+    assert toks_a == toks_b
+
+
+def check_tp_equals_one_rank_dummy_weights(world):
+    one = run("tiny-kimi-linear", 1)
+    many = run("tiny-kimi-linear", world)
+    assert_same(one, many)
+    held = many[2].tp_holdings
+    assert [h["rank"] for h in held] == list(range(world))
+    cfg = ModelConfig.from_dict(raw_config("tiny-kimi-linear"))
+    for r, h in enumerate(held):  # each rank holds exactly its shard, nothing more
+        assert h["params"] == sum(p.numel() for p in KimiModel(cfg, tp=TPGroup(r, world)).parameters())
+        assert h["vocab_rows"] == f"{r * 320 // world}-{(r + 1) * 320 // world - 1} of 320"
+
+
+def test_tp2_equals_one_rank_dummy_weights():
+    check_tp_equals_one_rank_dummy_weights(2)
+
+
+def test_tp2_loads_slices_from_a_checkpoint_and_k3(tmp_path):
+    """Weights read from safetensors (each rank reads only its slices), on a K3 shard (latent MoE,
+    MXFP4 experts, q-LoRA MLA, AttnRes) and on the Kimi-Linear tiny model."""
+    for sub, preset, over in (("kl", "tiny-kimi-linear", {}), ("k3", "tiny-k3", K3_OVER)):
+        (tmp_path / sub).mkdir()
+        d = model_dir(tmp_path / sub, raw_config(preset, **over), weights_seed=3)
+        one = run(d, 1, dummy=False)
+        two = run(d, 2, dummy=False)
+        assert_same(one, two)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU ranks run the kernels under the interpreter")
+def test_tp2_specialized_path():
+    """latency_specialized with TP = 2 (kernels under the interpreter on a micro config)."""
+    from test_specialized import MICRO
+    import tempfile
+    from pathlib import Path
+    d = model_dir(Path(tempfile.mkdtemp()), raw_config("tiny-kimi-linear", **MICRO), weights_seed=4)
+    one = run(d, 1, dummy=False)
+    two = run(d, 2, backend="latency_specialized", dummy=False)
+    assert any(p == "latency_specialized" for _, p, _ in two[1]), "no step took the specialized path"
+    assert_same(one, two)
+
+
+def test_tp4_equals_one_rank_dummy_weights():
+    """Last of the engine tests: the two-rank group is replaced by a four-rank one."""
+    check_tp_equals_one_rank_dummy_weights(4)
+    launch.shutdown()
+
+
+# ---- collectives over a real gloo group ----
+def _collectives(rank, world, port, q):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    tp = TPGroup(rank, world, torch.device("cpu"))
+    V = 5  # vocab rows per rank
+    full = torch.tensor([[0., 1., 9., 3., 9.] + [9., 2., 0., 9., 1.] + [4.] * 5 * (world - 2),   # tie across ranks
+                         [1., 1., 1., 1., 1.] + [1.] * 5 * (world - 1),                         # all equal
+                         [-3., -2., -1., -5., -4.] + [-2., -1., -0.5, -7., -0.5] + [-9.] * 5 * (world - 2)])
+    local = full[:, rank * V:(rank + 1) * V].clone()
+    got = tp.argmax(local)
+    gathered = tp.all_gather(local, -1)
+    x = torch.full((2, 3), float(rank + 1))
+    red = tp.all_reduce(x.clone())
+    q.put((rank, got.tolist(), full.argmax(-1).tolist(), torch.equal(gathered, full), red[0, 0].item()))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gathered_argmax_ties_gather_and_reduce(world):
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = launch._free_port()
+    ps = [ctx.Process(target=_collectives, args=(r, world, port, q)) for r in range(world)]
+    for p in ps:
+        p.start()
+    res = [q.get(timeout=120) for _ in range(world)]
+    for p in ps:
+        p.join(timeout=60)
+    for rank, got, want, gathered_ok, red in res:
+        assert got == want == [2, 0, 7], f"rank {rank}: gathered argmax {got}, full-row argmax {want}"
+        assert gathered_ok, f"rank {rank}: all_gather lost the rank order"
+        assert red == world * (world + 1) / 2
