@@ -276,6 +276,7 @@ class EngineConfig:
     dtype: str | None = None                  # default: bf16 on cuda, fp32 on cpu
     seed: int = 0
     gpu_memory_utilization: float = 0.90
+    speculative_config: object = None         # --speculative-config (peregrine.spec.config.SpeculativeConfig, dict or JSON)
     extra: dict = field(default_factory=dict)
 
     ADDITIONAL_KEYS = {
