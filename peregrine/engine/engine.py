@@ -62,6 +62,7 @@ class LLMEngine:
             return
         from ..spec.decoder import SpecDecoder
         self.spec = SpecDecoder(self, cfg, drafter=drafter, log=log or logging.getLogger(__name__).info)
+        self.stats["spec"] = dict(self.spec.stats, mean_acceptance_length=0.0)
 
     # ---- requests (any thread) ----
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
