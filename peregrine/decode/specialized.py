@@ -2,6 +2,12 @@
 fused Triton kernels, the whole step (all layers, final norm, lm_head, greedy
 argmax) replayed from one CUDA graph per (B, context bucket).
 
+Speculative verify steps (peregrine/spec) are pure decode steps of T = 1 + k tokens per
+sequence: the GEMMs take B·T rows, the KDA decode runs the T positions in one program and
+writes the state after each into the step's checkpoint buffers, and MLA gives each query
+position its own row over the sequence's block table, with the length up to itself (causal
+within the draft; the cache is read T times, cheap at decode lengths). One graph per (B, T).
+
 It reads the model's parameters in place — the model already stores them fused
 (one input projection per attention layer, stacked experts), so nothing is
 re-packed and the standard runner shares every tensor. Steps it cannot serve go
@@ -169,9 +175,9 @@ class SpecializedRunner:
         mi = c.mla_index[attn.layer]
         tables, lens = step.block_tables, step.context_lens_t
         if T > 1:  # verify: query t of a sequence is its own row, attending to the cache up to itself
-            S = B // T
-            tables = tables.repeat_interleave(T, 0)
-            lens = (lens.repeat_interleave(T) - (T - 1) + torch.arange(T, device=lens.device).repeat(S)).to(torch.int32)
+            S = B // T  # expand, not repeat_interleave: no host sync inside a graph capture
+            tables = tables.unsqueeze(1).expand(S, T, tables.shape[1]).reshape(B, -1)
+            lens = (lens.unsqueeze(1) - (T - 1) + torch.arange(T, device=lens.device, dtype=lens.dtype)).reshape(B)
         o_lat = mla_decode(qh, c.latent[mi], c.scale[mi] if c.fp8 else None, tables,
                            lens, attn.sm_scale, kv_lora_rank=attn.r)
         o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, v]

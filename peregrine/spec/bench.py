@@ -173,41 +173,47 @@ def bench_spec(model: str, batch_sizes=(1, 2, 4), ks=(3,), spec_config=None, inp
                          "backend": backend, "dummy_weights": dummy_weights, "oracle": oracle},
               "batches": []}
     try:
-        for B in batch_sizes:
-            sets = [repetitive_prompts(cfg.vocab_size, B, input_len, pattern_len, s) for s in range(prompt_sets)]
-            entry = {"batch": B, "configs": []}
-            result["batches"].append(entry)
-            engine.enable_speculation(None)
-            refs = {}
-            for ps in sets:
+        sets, refs, plain = {}, {}, {}
+        engine.enable_speculation(None)
+        for B in batch_sizes:  # plain first: the reference outputs and the baseline of every B
+            sets[B] = [repetitive_prompts(cfg.vocab_size, B, input_len, pattern_len, s) for s in range(prompt_sets)]
+            for ps in sets[B]:
                 _, outs = run(engine, ps, params)
                 refs.update({tuple(p): o for p, o in zip(ps, outs)})
-            plain = _measure(engine, B, sets, params, runs, None, log, "plain")
-            plain["routing"] = _routing(engine, sets[0], rparams, B)
-            entry["configs"].append(plain)
-            plan = [(f"{base.method} k={k}", k, None) for k in ks]
-            plan += [(f"oracle k={k}", k, OracleDrafter(refs)) for k in ks] if oracle else []
-            for label, k, drafter in plan:
-                try:
-                    engine.enable_speculation(SpeculativeConfig(**dict(vars(base), num_speculative_tokens=k)),
-                                              drafter=drafter, log=log)
-                    c = _measure(engine, B, sets, params, runs, refs, log, label)
-                    c["k"] = k
-                    c["speedup_vs_plain"] = c["effective_tok_s_user"] / plain["effective_tok_s_user"]
-                    v = c["median_verify_step_ms"]
-                    c["verify_vs_plain_step"] = v / plain["median_step_ms"] if v else None
-                    c["routing"] = _routing(engine, sets[0], rparams, B)
-                    rt = getattr(engine.runner, "graph_replay_time", None)
-                    if torch.cuda.is_available() and rt is not None:
-                        try:
-                            c["graph_replay_ms"] = {str(T): rt(B, 50, T=T) for T in (1, k + 1)}
-                        except TypeError:  # a runner without verify graphs
-                            pass
-                except Exception as e:  # a failing configuration is reported, the sweep goes on
-                    log(f"WARNING: {label} B={B} failed: {e!r}")
-                    c = {"label": label, "k": k, "status": "error", "reason": repr(e), "traceback": traceback.format_exc()}
-                entry["configs"].append(c)
-                engine.enable_speculation(None)
+            plain[B] = _measure(engine, B, sets[B], params, runs, None, log, "plain")
+            plain[B]["routing"] = _routing(engine, sets[B][0], rparams, B)
+            result["batches"].append({"batch": B, "configs": [plain[B]]})
+        for k in ks:  # one enable per k: the verify graphs (B, T = 2 .. k+1) are captured once
+            try:
+                engine.enable_speculation(SpeculativeConfig(**dict(vars(base), num_speculative_tokens=k)), log=log)
+            except Exception as e:
+                log(f"WARNING: speculation with k={k} could not be enabled: {e!r}")
+                for entry in result["batches"]:
+                    entry["configs"].append({"label": f"{base.method} k={k}", "k": k, "status": "error", "reason": repr(e)})
+                continue
+            drafters = [(f"{base.method} k={k}", engine.spec.drafter)] + ([(f"oracle k={k}", OracleDrafter(refs))] if oracle else [])
+            for entry in result["batches"]:
+                B = entry["batch"]
+                for label, drafter in drafters:
+                    engine.spec.drafter = drafter
+                    try:
+                        c = _measure(engine, B, sets[B], params, runs, refs, log, label)
+                        c["k"] = k
+                        c["speedup_vs_plain"] = c["effective_tok_s_user"] / plain[B]["effective_tok_s_user"]
+                        v = c["median_verify_step_ms"]
+                        c["verify_vs_plain_step"] = v / plain[B]["median_step_ms"] if v else None
+                        c["routing"] = _routing(engine, sets[B][0], rparams, B)
+                        rt = getattr(engine.runner, "graph_replay_time", None)
+                        if torch.cuda.is_available() and rt is not None:
+                            try:
+                                c["graph_replay_ms"] = {f"T={T}": rt(B, 50, T=T) for T in (1, k + 1)}
+                            except TypeError:  # a runner without verify graphs (standard)
+                                pass
+                    except Exception as e:  # a failing configuration is reported, the sweep goes on
+                        log(f"WARNING: {label} B={B} failed: {e!r}")
+                        c = {"label": label, "k": k, "status": "error", "reason": repr(e), "traceback": traceback.format_exc()}
+                    entry["configs"].append(c)
+            engine.enable_speculation(None)
     finally:
         result["engine_stats"] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in engine.stats.items()}
         del engine

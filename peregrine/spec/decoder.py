@@ -37,7 +37,8 @@ class SpecDecoder:
         self.cache = c
         self.drafter = drafter if drafter is not None else make_drafter(cfg, engine, log)
         self.enabled = True  # benches switch speculation off and on over one engine
-        rows, T = engine.engine_cfg.max_num_seqs, self.k + 1
+        ecfg = engine.engine_cfg
+        rows, T = max(ecfg.max_num_seqs, ecfg.max_decode_batch), self.k + 1  # graphs capture up to max_decode_batch
         # state / conv window after each verify position, per KDA layer and step row
         self.ckpt = (torch.empty(c.state.shape[0], rows, T, *c.state.shape[2:], dtype=c.state.dtype, device=c.state.device),
                      torch.empty(c.conv.shape[0], rows, T, *c.conv.shape[2:], dtype=c.conv.dtype, device=c.conv.device))
