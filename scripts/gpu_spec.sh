@@ -22,7 +22,7 @@ for s in $STEPS; do
   echo "=== $s ($(date -u +%T))"
   case $s in
     tests)
-      timeout ${TEST_TIMEOUT:-150} python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_spec_specialized.py -rf 2>&1 \
+      timeout ${TEST_TIMEOUT:-240} python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_spec_specialized.py -rf 2>&1 \
         | tee "$OUT/pytest-spec-gpu.log" | tail -20 ;;
     tiny)
       timeout ${TINY_TIMEOUT:-100} python3 -m peregrine.cli bench spec --model peregrine-tiny $TINY_W $COMMON ${SPEC_ARGS:-} 2>&1 \

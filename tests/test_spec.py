@@ -165,3 +165,18 @@ def test_metrics_and_cli():
             "--quiet", "--speculative-config"]
     assert main(args + ['{"method": "ngram", "num_speculative_tokens": 2}']) == 0
     assert main(args + ["{oops"]) == 2
+
+
+def test_bench_spec_records_plain_ngram_and_oracle(tmp_path):
+    from peregrine.spec.bench import bench_spec
+    r = bench_spec("tiny-kimi-linear", batch_sizes=(2,), ks=(2,), input_len=24, output_len=8, pattern_len=4, runs=1,
+                   backend="standard", dummy_weights=True, results_dir=str(tmp_path), log=lambda m: None)
+    assert [b["batch"] for b in r["batches"]] == [2]
+    for b in r["batches"]:
+        plain, ngram, oracle = b["configs"]
+        assert (plain["label"], ngram["label"], oracle["label"]) == ("plain", "ngram k=2", "oracle k=2")
+        assert plain["tokens_per_step_per_user"] == 1.0 and plain["draft_tokens"] == 0
+        assert oracle["accepted_tokens"] == oracle["draft_tokens"] > 0 and oracle["tokens_per_step_per_user"] > 1.5
+        assert ngram["outputs_equal_plain"] == oracle["outputs_equal_plain"] == f"{b['batch']}/{b['batch']}"
+        assert oracle["speedup_vs_plain"] > 0 and "verify_steps" in oracle["routing"]
+    assert (tmp_path / r["paths"]["json"].split("/")[-1]).exists() and "oracle k=2" in open(r["paths"]["md"]).read()

@@ -92,32 +92,46 @@ def test_verify_step_matches_standard(model_dir):
 SEEDS_K = [(0, 3)] if not FULL_SHAPES else [(s, k) for s in (0, 1, 2) for k in (1, 2, 4)]
 
 
+@pytest.fixture(scope="module")
+def fused(model_dir):
+    """One specialized engine for every (seed, k): plain graphs captured once; each test turns
+    speculation on (capturing the verify graphs of its k) and off again. Logits of every step recorded."""
+    e = engine(model_dir, "latency_specialized")
+    e.logits = []
+    fwd = e.runner.forward
+    e.runner.forward = lambda st: e.logits.append(fwd(st).float().cpu().clone()) or e.logits[-1]
+    return e
+
+
 @pytest.mark.parametrize("seed,k", SEEDS_K)
-def test_greedy_equals_plain_with_rollback(model_dir, seed, k):
+def test_greedy_equals_plain_with_rollback(fused, seed, k):
     """Scripted drafts (known acceptance, rejections included) through the specialized verify step
     (graphs per (B, T) on the GPU): tokens equal the plain specialized run's."""
-    ps = prompts(seed)
-    plain = engine(model_dir, "latency_specialized")
-    logs = []
-    fwd = plain.runner.forward
-    plain.runner.forward = lambda st: logs.append(fwd(st).float().cpu().clone()) or logs[-1]
-    want = plain.generate(ps, greedy(TOKENS))
+    ps, e = prompts(seed), fused
+    e.logits.clear()
+    want = e.generate(ps, greedy(TOKENS))
+    logs = list(e.logits)
     spec_cfg = {"method": "ngram", "num_speculative_tokens": k}
-    e = engine(model_dir, "latency_specialized")
     dr = ScriptedDrafter({tuple(p): w for p, w in zip(ps, want)}, [2, 0, 9, 1], e.model_cfg.vocab_size,
                          strict=DEVICE == "cpu")
     e.enable_speculation(spec_cfg, drafter=dr)  # captures the verify graphs, T = 2 .. k+1, on the GPU
-    got = e.generate(ps, greedy(TOKENS))
-    assert e.stats["steps_by_path"]["latency_specialized"] >= 2 and e.stats["spec"]["verify_steps"] >= 2
+    n0 = e.stats["steps_by_path"]["latency_specialized"]
+    try:
+        got = e.generate(ps, greedy(TOKENS))
+        st = dict(e.stats["spec"])
+        graphs = e.runner.verify_graphs
+    finally:
+        e.enable_speculation(None)
+    assert e.stats["steps_by_path"]["latency_specialized"] - n0 >= 2 and st["verify_steps"] >= 2
     if DEVICE == "cpu":
         assert got == want
-        assert e.stats["spec"]["num_accepted_tokens"] == dr.expected
+        assert st["num_accepted_tokens"] == dr.expected
         return
     for r, (a, b) in enumerate(zip(want, got)):
         i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if i is not None:  # plain step i (step 0 is the prefill) produced token i of every request
             top = logs[i][r].topk(2).values
             assert (top[0] - top[1]) / top[0].abs() < NEAR_TIE, f"request {r} token {i}: not a near tie"
-    if e.runner.verify_graphs:
-        used = {T: sum(g.uses.values()) for T, g in e.runner.verify_graphs.items()}
+    if graphs:
+        used = {T: sum(g.uses.values()) for T, g in graphs.items()}
         assert sum(used.values()) > 0, f"no verify graph replayed: {used}"
