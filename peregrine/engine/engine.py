@@ -1,5 +1,8 @@
 """The engine loop: admit → schedule → one forward → sample → stops → stream.
 
+With speculative decoding on (peregrine/spec), a step whose decoding sequences got drafts is a
+verify step instead: several tokens per sequence may be accepted, each checked for stops in order.
+
 add_request/abort may come from other threads (the server's event loop) while step()
 runs in the engine thread: they only touch a lock-guarded pending queue, drained at the
 start of step() (or at once by abort() when no step is running).
