@@ -14,6 +14,7 @@ from peregrine.config import PRESET_DIR, EngineConfig, ModelConfig
 from peregrine.decode.batch import StepInput
 from peregrine.engine import SamplingParams
 from peregrine.engine.build import build_engine
+from peregrine.testing import assert_close
 from spec_helpers import ScriptedDrafter
 from test_specialized import MICRO
 
@@ -81,12 +82,12 @@ def test_verify_step_matches_standard(model_dir):
         assert e.runner.last_path == e.runner.name
         outs.append((logits.float().cpu(), ck, e.cache.state.clone(), e.cache.latent.clone()))
     (l0, ck0, s0, lat0), (l1, ck1, s1, lat1) = outs
-    tol = dict(rtol=1e-4, atol=1e-4) if DEVICE == "cpu" else dict(rtol=3e-2, atol=3e-2)
-    assert torch.allclose(l0, l1, **tol), (l0 - l1).abs().max()
+    tol = 1e-4 if DEVICE == "cpu" else 3e-2  # relative RMSE: FP32 on CPU, BF16 on the GPU
     assert torch.isfinite(ck1[0]).all() and torch.isfinite(ck1[1].float()).all(), "checkpoint not fully written"
-    assert torch.allclose(ck0[0], ck1[0], **tol) and torch.allclose(ck0[1].float(), ck1[1].float(), **tol)
-    assert torch.allclose(s0, s1, **tol) and torch.allclose(ck1[0][:, :, -1], s1[:, :2], **tol)  # last = final state
-    assert torch.allclose(lat0.float(), lat1.float(), **tol)
+    for a, b, what in ((l0, l1, "logits"), (ck0[0], ck1[0], "state checkpoints"), (ck0[1], ck1[1], "conv checkpoints"),
+                       (s0, s1, "state after the step"), (ck1[0][:, :, -1], s1[:, :2], "last checkpoint vs final state"),
+                       (lat0, lat1, "MLA cache")):
+        assert_close(a.float(), b.float(), tol, what)
 
 
 SEEDS_K = [(0, 3)] if not FULL_SHAPES else [(s, k) for s in (0, 1, 2) for k in (1, 2, 4)]
