@@ -22,13 +22,13 @@ for s in $STEPS; do
   echo "=== $s ($(date -u +%T))"
   case $s in
     tests)
-      timeout ${TEST_TIMEOUT:-240} python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_spec_specialized.py -rf 2>&1 \
+      timeout ${TEST_TIMEOUT:-200} python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_spec_specialized.py -rf 2>&1 \
         | tee "$OUT/pytest-spec-gpu.log" | tail -20 ;;
     tiny)
-      timeout ${TINY_TIMEOUT:-100} python3 -m peregrine.cli bench spec --model peregrine-tiny $TINY_W $COMMON ${SPEC_ARGS:-} 2>&1 \
+      timeout ${TINY_TIMEOUT:-90} python3 -m peregrine.cli bench spec --model peregrine-tiny $TINY_W $COMMON ${SPEC_ARGS:-} 2>&1 \
         | tee "$OUT/spec-tiny.log" | tail -25 ;;
     48b)
-      timeout ${BIG_TIMEOUT:-300} python3 -m peregrine.cli bench spec --model kimi-linear-48b-a3b --dummy-weights $COMMON ${SPEC_ARGS:-} 2>&1 \
+      timeout ${BIG_TIMEOUT:-270} python3 -m peregrine.cli bench spec --model kimi-linear-48b-a3b --dummy-weights $COMMON ${SPEC_ARGS:-} 2>&1 \
         | tee "$OUT/spec-48b.log" | tail -25 ;;
   esac
 done
