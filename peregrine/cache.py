@@ -102,6 +102,22 @@ class ModelCache:
     def free_slot(self, s: int) -> None:
         self._free_slots.append(s)
 
+    # ---- speculative rollback ----
+    def restore_kda(self, slots: list[int], ckpt, rows: list[int], positions: list[int]) -> None:
+        """Every KDA layer's state and conv window of slots[j] := the checkpoint of step row rows[j]
+        after verify position positions[j]; ckpt = (state [n_kda, R, T, H, K, V], conv [n_kda, R, T, W-1, C])."""
+        dev = self.state.device
+        s, r, p = (torch.tensor(x, dtype=torch.long, device=dev) for x in (slots, rows, positions))
+        self.state[:, s] = ckpt[0][:, r, p]
+        self.conv[:, s] = ckpt[1][:, r, p]
+
+    def clear_latent(self, flat_positions: list[int]) -> None:
+        """Zero the MLA entries at these flat positions in every layer (rejected draft tokens)."""
+        idx = torch.tensor(flat_positions, dtype=torch.long, device=self.latent.device)
+        self.latent.view(self.latent.shape[0], -1, self.cfg.latent_dim)[:, idx] = 0
+        if self.scale is not None:
+            self.scale.view(self.scale.shape[0], -1)[:, idx] = 1.0
+
     # ---- MLA entries ----
     def write_latent(self, layer: int, slot_mapping: torch.Tensor, entries: torch.Tensor) -> None:
         """Store [N, latent_dim] entries at flat positions block*block_size + offset."""

@@ -28,6 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the model over N GPUs, one process each (default 1)")
     g.add_argument("--additional-config", default="", metavar="JSON",
                    help='engine options as JSON, e.g. \'{"decode_backend": "latency_specialized"}\'')
+    g.add_argument("--speculative-config", default="", metavar="JSON",
+                   help='speculative decoding (greedy requests), e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        'or \'{"method": "draft_model", "model": "tiny-kimi-linear", "num_speculative_tokens": 4}\'')
 
 
 def engine_config(args) -> EngineConfig:
@@ -35,6 +38,8 @@ def engine_config(args) -> EngineConfig:
                         kv_cache_dtype=args.kv_cache_dtype, device=args.device, dtype=args.dtype, seed=args.seed,
                         tensor_parallel_size=args.tensor_parallel_size)
     ecfg.apply_additional_config(args.additional_config)
+    from .spec.config import SpeculativeConfig
+    ecfg.speculative_config = SpeculativeConfig.parse(getattr(args, "speculative_config", "") or None)
     ecfg.validate()
     return ecfg
 
@@ -85,6 +90,10 @@ def cmd_generate(args) -> int:
               f"median inter-token {med:.2f} ms ({1e3 / med if itl else float('nan'):.1f} tok/s); finish {finish[0] if finish else '?'}; "
               f"path {engine.stats.get('steps_by_path')}",
               file=sys.stderr)
+        if engine.spec is not None:
+            sp = engine.stats.get("spec", {})
+            print(f"[peregrine] speculative: {sp.get('num_accepted_tokens', 0)} of {sp.get('num_draft_tokens', 0)} drafted "
+                  f"tokens accepted, mean acceptance length {engine.spec.mean_acceptance_length:.2f}", file=sys.stderr)
         if args.timing:
             print("[peregrine] per-token ms: " + " ".join(f"{x:.2f}" for x in itl), file=sys.stderr)
     return 0
@@ -125,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         bsub = b.add_subparsers(dest="bench_cmd", metavar="BENCH")
         bsub.required = True
         bench_cli.add_bench_decode_parser(bsub)
+        from .spec.bench import add_bench_spec_parser
+        add_bench_spec_parser(bsub)
         bench_cli.add_bench_report_parser(bsub)
         from .bench.kernels import add_bench_kernels_parser
         add_bench_kernels_parser(bsub)

@@ -279,6 +279,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90
     tensor_parallel_size: int = 1             # ranks, one process (one GPU) each
     tp_allreduce: str = "auto"                # specialized path: "auto" (one-shot symmetric memory, else NCCL) or "nccl"
+    speculative_config: object = None         # --speculative-config (peregrine.spec.config.SpeculativeConfig, dict or JSON)
     extra: dict = field(default_factory=dict)
 
     ADDITIONAL_KEYS = {

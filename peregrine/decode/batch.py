@@ -23,6 +23,13 @@ class StepInput:
     context_lens_t: torch.Tensor  # [S] int32 on device (for kernels)
     max_context: int = 0         # bound on context_lens read by decode attention (graphs fix it per capture)
     host: torch.Tensor | None = None  # the CPU int64 tensor build() copied to the device (sent to other TP ranks)
+    # speculative verify steps (peregrine/spec): which tokens need logits (default: each sequence's last),
+    # T when every sequence verifies T tokens (the specialized path serves only those), and the buffers
+    # where KDA layers write the state after each position: (state [n_kda, R, Tmax, H, K, V],
+    # conv [n_kda, R, Tmax, W-1, C]), R indexing the step's sequences
+    logits_idx: torch.Tensor | None = None
+    spec_tokens: int = 0
+    kda_ckpt: tuple | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -35,7 +42,9 @@ class StepInput:
 
     @property
     def logits_indices(self) -> torch.Tensor:
-        """Index of each sequence's last new token in the flat token list."""
+        """Index of each sequence's last new token in the flat token list (or the verify step's choice)."""
+        if self.logits_idx is not None:
+            return self.logits_idx
         idx, acc = [], 0
         for q in self.q_lens:
             acc += q

@@ -2,6 +2,12 @@
 fused Triton kernels, the whole step (all layers, final norm, lm_head, greedy
 argmax) replayed from one CUDA graph per (B, context bucket).
 
+Speculative verify steps (peregrine/spec) are pure decode steps of T = 1 + k tokens per
+sequence: the GEMMs take B·T rows, the KDA decode runs the T positions in one program and
+writes the state after each into the step's checkpoint buffers, and MLA gives each query
+position its own row over the sequence's block table, with the length up to itself (causal
+within the draft; the cache is read T times, cheap at decode lengths). One graph per (B, T).
+
 It reads the model's parameters in place — the model already stores them fused
 (one input projection per attention layer, stacked experts), so nothing is
 re-packed and the standard runner shares every tensor. Steps it cannot serve go
@@ -27,6 +33,14 @@ from .standard import GraphCache
 MAX_DECODE_BATCH = 16  # the skinny GEMMs are written for M ≤ 16 rows
 
 
+def _mm(x, w, out=None):
+    """Skinny GEMM up to MAX_DECODE_BATCH rows; cuBLAS/torch beyond (verify steps of B·T rows), since
+    the skinny kernel would stream the weights once per 16-row tile."""
+    if x.shape[0] <= MAX_DECODE_BATCH:
+        return skinny_gemm(x, w, out=out)
+    return x @ w.T if out is None else torch.matmul(x, w.T, out=out)
+
+
 class SpecializedRunner:
     name = "latency_specialized"
 
@@ -40,6 +54,8 @@ class SpecializedRunner:
         self.fallback_reasons: Counter = Counter()
         self.greedy_tokens = None  # argmax of the last specialized step (the engine skips its own)
         dev = cache.latent.device
+        self.verify_graphs: dict[int, GraphCache] = {}  # speculative verify steps, by T = 1 + k
+        self._graph_args = (cuda_graphs and dev.type == "cuda", max_blocks)
         self.unavailable = kernels.why_unavailable(dev)
         # model features the fused kernels do not cover yet: every step of such a model falls back
         self.unsupported = ", ".join(f for f, on in (
@@ -70,7 +86,7 @@ class SpecializedRunner:
             return f"kernels unavailable: {self.unavailable}"
         if self.unsupported:
             return f"unsupported feature: {self.unsupported}"
-        if not step.is_decode:
+        if not step.is_decode and not step.spec_tokens:  # a verify step has T tokens for every sequence
             return "prefill in batch"
         if step.num_seqs > self.max_batch:
             return "batch too large"
@@ -85,7 +101,8 @@ class SpecializedRunner:
             self.last_path, self.greedy_tokens = "standard", None
             return self.standard.forward(step)
         self.last_path = self.name
-        out = self.graphs.run(step) if self.graphs and not self.record_routing else None  # record eagerly
+        graphs = self.verify_graphs.get(step.spec_tokens) if step.spec_tokens else self.graphs
+        out = graphs.run(step) if graphs and not self.record_routing else None  # record eagerly
         logits, self.greedy_tokens = out if out is not None else self._step(step)
         if self.record_routing:
             self.standard.record_step_routing()  # same model, same log
@@ -102,8 +119,23 @@ class SpecializedRunner:
     def routed_experts_per_step(self):
         return self.standard.routed_experts_per_step()
 
-    def graph_replay_time(self, B: int, iters: int = 100) -> float | None:
-        return self.graphs.replay_time(B, iters) if self.graphs else None
+    def graph_replay_time(self, B: int, iters: int = 100, T: int = 1) -> float | None:
+        g = self.graphs if T == 1 else self.verify_graphs.get(T)
+        return g.replay_time(B, iters) if g else None
+
+    def enable_speculation(self, k: int, kda_ckpt, max_blocks: int) -> None:
+        """Serve verify steps of T = 2 .. k+1 tokens per sequence; on the GPU capture one graph per
+        (B, T) now, with block tables of max_blocks (room for k tokens past max_model_len)."""
+        on, fixed = self._graph_args
+        self.verify_graphs = {}
+        if not on or self.unavailable or self.unsupported:
+            return
+        for T in range(2, k + 2):
+            g = GraphCache(self._step, self.cache, self.max_batch, self.log, fixed_blocks=max_blocks,
+                           tokens_per_seq=T, static_extra={"spec_tokens": T, "kda_ckpt": kda_ckpt})
+            if fixed is not None:
+                g.capture_all()
+            self.verify_graphs[T] = g
 
     # ---- the step ----
     @torch.inference_mode()
@@ -112,17 +144,18 @@ class SpecializedRunner:
         eps = cfg.rms_norm_eps
         if self.oneshot is not None:
             self.oneshot.reset()  # the same buffer order in every step and every graph
+        T = step.spec_tokens or 1  # query tokens per sequence: 1 + k in a verify step
         residual = m.embed(step.input_ids)
         layers = m.layers
         h = rms_norm(residual, layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(layers):
-            a = self._kda(layer.attn, h, step) if layer.is_kda else self._mla(layer.attn, h, step)
+            a = self._kda(layer.attn, h, step, T) if layer.is_kda else self._mla(layer.attn, h, step, T)
             h, residual = add_rms_norm(self._reduce(a), residual, layer.post_attention_layernorm.weight, eps)
             f = self._moe(layer.mlp, h) if layer.is_moe else self._dense(layer.mlp, h, self._rbuf(h))
             f = self._reduce(f)
             nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else m.norm.weight
             h, residual = add_rms_norm(f, residual, nxt, eps)
-        logits = skinny_gemm(h, m.lm_head).float()
+        logits = _mm(h, m.lm_head).float()
         ids = argmax(logits)
         if self.tp.world > 1:  # vocab-parallel lm_head: gathered argmax, gathered logits for sampling
             ids = self.tp.argmax(logits, ids)
@@ -131,29 +164,34 @@ class SpecializedRunner:
 
     def _rbuf(self, h):
         """Where a row-parallel GEMM writes its [B, D] output: the all-reduce's own buffer, or anywhere."""
-        return self.oneshot.buffer(h.shape[0]) if self.oneshot is not None else None
+        if self.oneshot is not None and h.shape[0] <= self.oneshot.rows:
+            return self.oneshot.buffer(h.shape[0])
+        return None
 
     def _reduce(self, x):
-        if self.oneshot is not None:
+        if self.oneshot is not None and self.oneshot.usable(x):
             return self.oneshot.all_reduce(x)
         return self.tp.all_reduce(x)
 
-    def _kda(self, attn, h, step):
-        B = h.shape[0]
-        qkv, fa, ga, b = skinny_gemm(h, attn.in_proj).split(attn.splits, dim=-1)
-        f = skinny_gemm(fa, attn.f_b)
-        r = ga if attn.g_b is None else skinny_gemm(ga, attn.g_b)
+    def _kda(self, attn, h, step, T=1):
+        N, B = h.shape[0], h.shape[0] // T
+        qkv, fa, ga, b = _mm(h, attn.in_proj).split(attn.splits, dim=-1)
+        f = _mm(fa, attn.f_b)
+        r = ga if attn.g_b is None else _mm(ga, attn.g_b)
         k = self.cache.kda_index[attn.layer]
         lb = self.cfg.kda_gate_lower_bound
-        o = kda_decode(qkv.unsqueeze(1), f.unsqueeze(1), b.unsqueeze(1), r.unsqueeze(1), attn.conv_w, attn.A_log,
+        ck = step.kda_ckpt if T > 1 else None  # verify: the state after each position, for rollback
+        sq = lambda t: t.unflatten(0, (B, T))  # noqa: E731  [B·T, C] -> [B, T, C] (a view)
+        o = kda_decode(sq(qkv), sq(f), sq(b), sq(r), attn.conv_w, attn.A_log,
                        attn.dt_bias, attn.o_norm, self.cache.state[k], self.cache.conv[k], step.kda_slots,
                        gate="softplus" if lb is None else "bounded", lower_bound=lb if lb is not None else -5.0,
-                       eps_o=self.cfg.rms_norm_eps)
-        return skinny_gemm(o.view(B, -1), attn.o_proj, out=self._rbuf(h))
+                       eps_o=self.cfg.rms_norm_eps, state_ckpt=None if ck is None else ck[0][k, :B, :T],
+                       conv_ckpt=None if ck is None else ck[1][k, :B, :T])
+        return _mm(o.view(N, -1), attn.o_proj, out=self._rbuf(h))
 
-    def _mla(self, attn, h, step):
+    def _mla(self, attn, h, step, T=1):
         B, c = h.shape[0], self.cache
-        proj = skinny_gemm(h, attn.in_proj)
+        proj = _mm(h, attn.in_proj)
         q = proj[:, : attn.q_dim].view(B, attn.H, -1)
         kva = proj[:, attn.q_dim:]
         entries = torch.cat([rms_norm(kva[:, : attn.r], attn.kv_norm, self.cfg.mla_norm_eps), kva[:, attn.r:]], -1)
@@ -162,13 +200,18 @@ class SpecializedRunner:
         q_lat = torch.bmm(q[..., : attn.nope].transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, r]
         qh = torch.cat([q_lat, q[..., attn.nope:]], -1)
         mi = c.mla_index[attn.layer]
-        o_lat = mla_decode(qh, c.latent[mi], c.scale[mi] if c.fp8 else None, step.block_tables,
-                           step.context_lens_t, attn.sm_scale, kv_lora_rank=attn.r)
+        tables, lens = step.block_tables, step.context_lens_t
+        if T > 1:  # verify: query t of a sequence is its own row, attending to the cache up to itself
+            S = B // T  # expand, not repeat_interleave: no host sync inside a graph capture
+            tables = tables.unsqueeze(1).expand(S, T, tables.shape[1]).reshape(B, -1)
+            lens = (lens.unsqueeze(1) - (T - 1) + torch.arange(T, device=lens.device, dtype=lens.dtype)).reshape(B)
+        o_lat = mla_decode(qh, c.latent[mi], c.scale[mi] if c.fp8 else None, tables,
+                           lens, attn.sm_scale, kv_lora_rank=attn.r)
         o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, v]
-        return skinny_gemm(o.reshape(B, -1), attn.o_proj, out=self._rbuf(h))
+        return _mm(o.reshape(B, -1), attn.o_proj, out=self._rbuf(h))
 
     def _dense(self, mlp, h, out=None):
-        return skinny_gemm(swiglu(skinny_gemm(h, mlp.gate_up)), mlp.down, out=out)
+        return _mm(swiglu(_mm(h, mlp.gate_up)), mlp.down, out=out)
 
     def _moe(self, moe, h):
         cfg = self.cfg

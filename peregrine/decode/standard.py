@@ -24,11 +24,15 @@ class GraphCache:
     slot and block, so they never touch a live sequence's state.
     """
 
-    def __init__(self, fn, cache, max_batch: int, log=None, fixed_blocks: int | None = None):
+    def __init__(self, fn, cache, max_batch: int, log=None, fixed_blocks: int | None = None,
+                 tokens_per_seq: int = 1, static_extra: dict | None = None):
         """fixed_blocks: one graph per B whose block tables span that many blocks (kernels whose grid
-        does not depend on the context length); None: one graph per (B, power-of-two bucket)."""
+        does not depend on the context length); None: one graph per (B, power-of-two bucket).
+        tokens_per_seq: T query tokens per sequence (speculative verify steps); static_extra: StepInput
+        fields set on the static inputs (buffers the captured step reads in place)."""
         self.fn, self.cache, self.max_batch, self.log = fn, cache, max_batch, log
         self.fixed_blocks = fixed_blocks
+        self.T, self.static_extra = tokens_per_seq, static_extra or {}
         self.pool = None  # one memory pool shared by every graph, made at the first capture
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.uses: dict[tuple[int, int], int] = {}
@@ -36,13 +40,16 @@ class GraphCache:
         self.broken: str | None = None
 
     def _static(self, B: int, nb: int) -> StepInput:
-        c, dev = self.cache, self.cache.latent.device
-        long = lambda v: torch.full((B,), v, dtype=torch.long, device=dev)  # noqa: E731
-        return StepInput(
-            input_ids=long(0), positions=long(0), slot_mapping=long(c.scratch_block * c.block_size),
-            q_lens=[1] * B, context_lens=[1] * B, kda_slots=long(c.scratch_slot),
+        c, dev, T = self.cache, self.cache.latent.device, self.T
+        long = lambda v, n=B: torch.full((n,), v, dtype=torch.long, device=dev)  # noqa: E731
+        st = StepInput(
+            input_ids=long(0, B * T), positions=long(0, B * T), slot_mapping=long(c.scratch_block * c.block_size, B * T),
+            q_lens=[T] * B, context_lens=[T] * B, kda_slots=long(c.scratch_slot),
             block_tables=torch.full((B, nb), c.scratch_block, dtype=torch.long, device=dev),
-            context_lens_t=torch.ones(B, dtype=torch.int32, device=dev), max_context=nb * c.block_size)
+            context_lens_t=torch.full((B,), T, dtype=torch.int32, device=dev), max_context=nb * c.block_size)
+        for k, v in self.static_extra.items():
+            setattr(st, k, v)
+        return st
 
     def _capture(self, key):
         B, nb = key
@@ -64,7 +71,7 @@ class GraphCache:
         dt = time.time() - t0
         self.capture_s += dt
         if self.log:
-            self.log(f"captured decode graph B={B} context≤{nb * self.cache.block_size} in {dt:.2f}s "
+            self.log(f"captured decode graph B={B}{f' T={self.T}' if self.T > 1 else ''} context≤{nb * self.cache.block_size} in {dt:.2f}s "
                      f"({torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated)")
 
     def _try_capture(self, key) -> bool:
@@ -90,7 +97,7 @@ class GraphCache:
         t0 = _time.time()
         for B in range(1, self.max_batch + 1):
             if self.log:
-                self.log(f"capturing decode graphs: B={B}/{self.max_batch}")
+                self.log(f"capturing decode graphs: B={B}/{self.max_batch}" + (f" (verify, T={self.T})" if self.T > 1 else ""))
             if not self._try_capture((B, self.fixed_blocks)):
                 return
         if self.log:

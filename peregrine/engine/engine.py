@@ -1,5 +1,8 @@
 """The engine loop: admit → schedule → one forward → sample → stops → stream.
 
+With speculative decoding on (peregrine/spec), a step whose decoding sequences got drafts is a
+verify step instead: several tokens per sequence may be accepted, each checked for stops in order.
+
 add_request/abort may come from other threads (the server's event loop) while step()
 runs in the engine thread: they only touch a lock-guarded pending queue, drained at the
 start of step() (or at once by abort() when no step is running).
@@ -44,6 +47,25 @@ class LLMEngine:
         self.last_step: StepInfo | None = None
         self.stats = {"steps_by_path": Counter(), "fallback_reasons": {}, "prompt_tokens": 0,
                       "generation_tokens": 0, "finished_requests": 0, "aborted_requests": 0}
+        self.spec = None
+        if getattr(engine_cfg, "speculative_config", None):
+            self.enable_speculation(engine_cfg.speculative_config)
+
+    def enable_speculation(self, spec_cfg, drafter=None, log=None) -> None:
+        """Turn speculative decoding on (a SpeculativeConfig, its JSON or dict) or off (None).
+        Call between steps: with requests running, drafts start at the next step."""
+        from ..spec.config import SpeculativeConfig
+        cfg = SpeculativeConfig.parse(spec_cfg)
+        if self.spec is not None:
+            for seq in list(self._live.values()):
+                self.spec.release(seq)
+        if cfg is None:
+            self.spec = None
+            self.stats.pop("spec", None)
+            return
+        from ..spec.decoder import SpecDecoder
+        self.spec = SpecDecoder(self, cfg, drafter=drafter, log=log or logging.getLogger(__name__).info)
+        self.stats["spec"] = dict(self.spec.stats, mean_acceptance_length=0.0)
 
     # ---- requests (any thread) ----
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -118,6 +140,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, new: list[int]) -> RequestOutput:
         self.scheduler.remove(seq)
+        if self.spec is not None:
+            self.spec.release(seq)
         with self._lock:
             self._live.pop(seq.request_id, None)
         return self._emit(seq, new)
@@ -147,50 +171,80 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if not batch:
                 return outputs
-            bs = self.cache.block_size
-            seqs, n_prefill, n_decode = [], 0, 0
-            for seq, n in batch:
-                start = seq.num_cached
-                if seq.in_prefill:
-                    n_prefill += n
-                else:
-                    n_decode += 1
-                table = seq.blocks[: -(-(start + n) // bs)]  # only the blocks this step can touch
-                seqs.append((seq.token_ids[start:start + n], start, seq.kda_slot, table))
-            logits = self.runner.forward(StepInput.build(seqs, bs, self.device))
-            if logits.shape[0] != len(batch):
-                raise RuntimeError(f"runner returned logits for {logits.shape[0]} sequences, expected {len(batch)}")
-            ready = []  # rows whose sequence has every token in the cache: sample those
-            for i, (seq, n) in enumerate(batch):
-                seq.num_cached += n
-                if seq.num_cached == len(seq.token_ids):
-                    ready.append(i)
-            if ready:
-                rs = [batch[i][0] for i in ready]
-                for s in rs:
-                    if s.generator is None and not s.params.greedy:
-                        s.generator = make_generator(s.seed, self.device)
-                greedy = getattr(self.runner, "greedy_tokens", None)  # argmax already taken inside the step
-                if greedy is not None and len(ready) == len(batch) and all(s.params.greedy for s in rs):
-                    toks = greedy.tolist()
-                else:
-                    toks = sample(logits if len(ready) == len(batch) else logits[ready], [s.params for s in rs],
-                                  [s.generator for s in rs])
-                for seq, tok in zip(rs, toks):
-                    seq.token_ids.append(tok)
-                    seq.finish_reason = self._stop_reason(seq, tok)
-                    if seq.finished:
-                        self.stats["finished_requests"] += 1
-                        outputs.append(self._finish(seq, [tok]))
-                    else:
-                        outputs.append(self._emit(seq, [tok]))
+            n_prefill = sum(n for s, n in batch if s.in_prefill)
+            n_decode = sum(1 for s, _ in batch if not s.in_prefill)
+            spec = self.spec.step(batch) if self.spec is not None else None
+            d0 = (self.spec.stats["num_draft_tokens"], self.spec.stats["num_accepted_tokens"]) if spec else (0, 0)
+            if spec is None:
+                new = self._plain_step(batch)
+            else:
+                step, drafts, T = spec
+                logits = self._forward(step, len(step.logits_idx))
+                new = self.spec.finish(batch, step, drafts, T, logits)
+            n_new = 0
+            for seq, toks in new:
+                out = self._accept(seq, toks)
+                n_new += len(out.new_token_ids)
+                outputs.append(out)
             path = getattr(self.runner, "last_path", "standard")
             self.stats["steps_by_path"][path] += 1
             self.stats["fallback_reasons"] = dict(getattr(self.runner, "fallback_reasons", {}))
             self.stats["prompt_tokens"] += n_prefill
-            self.stats["generation_tokens"] += len(ready)
-            self.last_step = StepInfo(len(batch), n_prefill, n_decode, path, time.perf_counter() - t0)
+            self.stats["generation_tokens"] += n_new
+            if self.spec is not None:
+                self.stats["spec"] = dict(self.spec.stats, mean_acceptance_length=self.spec.mean_acceptance_length)
+            self.last_step = StepInfo(len(batch), n_prefill, n_decode, path, time.perf_counter() - t0, n_new,
+                                      self.spec.stats["num_draft_tokens"] - d0[0] if spec else 0,
+                                      self.spec.stats["num_accepted_tokens"] - d0[1] if spec else 0)
             return outputs
+
+    def _forward(self, step: StepInput, rows: int):
+        logits = self.runner.forward(step)
+        if logits.shape[0] != rows:
+            raise RuntimeError(f"runner returned logits for {logits.shape[0]} rows, expected {rows}")
+        return logits
+
+    def _plain_step(self, batch) -> list[tuple[Sequence, list[int]]]:
+        """One forward with each sequence's scheduled tokens; sample the sequences now fully cached."""
+        bs = self.cache.block_size
+        seqs = []
+        for seq, n in batch:
+            start = seq.num_cached
+            table = seq.blocks[: -(-(start + n) // bs)]  # only the blocks this step can touch
+            seqs.append((seq.token_ids[start:start + n], start, seq.kda_slot, table))
+        logits = self._forward(StepInput.build(seqs, bs, self.device), len(batch))
+        ready = []  # rows whose sequence has every token in the cache: sample those
+        for i, (seq, n) in enumerate(batch):
+            seq.num_cached += n
+            if seq.num_cached == len(seq.token_ids):
+                ready.append(i)
+        if not ready:
+            return []
+        rs = [batch[i][0] for i in ready]
+        greedy = getattr(self.runner, "greedy_tokens", None)  # argmax already taken inside the step
+        if greedy is not None and len(ready) == len(batch) and all(s.params.greedy for s in rs):
+            toks = greedy.tolist()
+        else:
+            toks = self._sample(rs, logits if len(ready) == len(batch) else logits[ready])
+        return [(s, [t]) for s, t in zip(rs, toks)]
+
+    def _sample(self, seqs: list[Sequence], logits) -> list[int]:
+        for s in seqs:
+            if s.generator is None and not s.params.greedy:
+                s.generator = make_generator(s.seed, self.device)
+        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+
+    def _accept(self, seq: Sequence, toks: list[int]) -> RequestOutput:
+        """Append the step's tokens up to the first stop; emit them (and finish the request if it stopped)."""
+        kept = []
+        for tok in toks:
+            seq.token_ids.append(tok)
+            kept.append(tok)
+            seq.finish_reason = self._stop_reason(seq, tok)
+            if seq.finished:
+                self.stats["finished_requests"] += 1
+                return self._finish(seq, kept)
+        return self._emit(seq, kept)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run the prompts to completion; their output token ids, in prompt order."""

@@ -67,6 +67,9 @@ class StepInfo:
     num_decode_seqs: int
     path: str
     duration_s: float
+    num_new_tokens: int = 0          # tokens appended to sequences this step (> rows with speculation)
+    num_draft_tokens: int = 0        # speculative: drafted tokens verified this step
+    num_accepted_tokens: int = 0     # speculative: of those, accepted
 
 
 class Sequence:

@@ -146,18 +146,24 @@ class KDA(nn.Module):
         r = ga if self.g_b is None else ga @ self.g_b.T
         return qkv, f, b, r
 
-    def mix(self, y: torch.Tensor, f, b, S: torch.Tensor) -> torch.Tensor:
-        """y [B, T, 3Hd] conv outputs for B sequences of T tokens; S [B,H,K,V] updated in place -> o [B,T,H,d] FP32."""
+    def mix(self, y: torch.Tensor, f, b, S: torch.Tensor, trace: torch.Tensor | None = None) -> torch.Tensor:
+        """y [B, T, 3Hd] conv outputs for B sequences of T tokens; S [B,H,K,V] updated in place -> o [B,T,H,d] FP32.
+        trace [T, H, K, V] (B = 1): receives the state after each token (speculative rollback)."""
         H, d = self.H, self.d
         q, k, v = y.unflatten(-1, (3, H, d)).unbind(2)
         q, k = l2norm(q) * d ** -0.5, l2norm(k)
         g = kda_gate(f, self.A_log, self.dt_bias, H, self.cfg.kda_gate_lower_bound)
         beta = torch.sigmoid(b.float())
-        if y.shape[1] >= CHUNKED_MIN_TOKENS:  # long prefill: the chunked form, exact up to rounding
+        if y.shape[1] >= CHUNKED_MIN_TOKENS and trace is None:  # long prefill: the chunked form, exact up to rounding
             o, S_end = chunk_kda(q, k, v, g, beta, S0=S)
             S.copy_(S_end)
             return o
-        return torch.stack([delta_step(S, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t]) for t in range(y.shape[1])], 1)
+        outs = []
+        for t in range(y.shape[1]):
+            outs.append(delta_step(S, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t]))
+            if trace is not None:
+                trace[t] = S[0]
+        return torch.stack(outs, 1)
 
     def output(self, o: torch.Tensor, r: torch.Tensor, dtype) -> torch.Tensor:
         """o [..., H, d] FP32, r [..., Hd] -> W_o (RMSNorm(o)·w ⊙ σ(r))."""
@@ -194,7 +200,11 @@ class KDA(nn.Module):
             x_ext = torch.cat([conv[s], qkv[a:e].unsqueeze(0).to(conv.dtype)], 1)
             conv[s] = x_ext[:, -W1:]
             S = state[s]
-            o = self.mix(causal_conv(x_ext, self.conv_w), f[a:e].unsqueeze(0), b[a:e].unsqueeze(0), S)
+            ck = step.kda_ckpt if q <= (step.kda_ckpt[0].shape[2] if getattr(step, "kda_ckpt", None) else 0) else None
+            if ck is not None:  # verify rows: conv window after each position, for rollback
+                ck[1][kl, i, :q] = x_ext[0].unfold(0, W1, 1)[1:].transpose(1, 2)
+            o = self.mix(causal_conv(x_ext, self.conv_w), f[a:e].unsqueeze(0), b[a:e].unsqueeze(0), S,
+                         trace=None if ck is None else ck[0][kl, i, :q])
             state[s] = S
             out[a:e] = o[0].flatten(-2)
         return self.output(out.unflatten(-1, (self.H, self.d)), r, x.dtype)

@@ -54,6 +54,23 @@ class EngineCollector:
         for reason, n in _safe_copy(e.stats.get("fallback_reasons", {})).items():
             c.add_metric([reason], n)
         yield c
+        sp = _safe_copy(e.stats.get("spec") or {})
+        if sp:  # speculative decoding (only when --speculative-config is set)
+            for key, name, doc in (("num_drafts", "drafts", "Verified drafts (sequence-steps with at least one draft token)"),
+                                   ("num_draft_tokens", "draft_tokens", "Draft tokens verified"),
+                                   ("num_accepted_tokens", "accepted_tokens", "Draft tokens accepted")):
+                c = CounterMetricFamily(f"peregrine:spec_{name}", doc)
+                c.add_metric([], sp.get(key, 0))
+                yield c
+            c = CounterMetricFamily("peregrine:spec_accepted_tokens_per_pos", "Draft tokens accepted, by draft position",
+                                    labels=["position"])
+            for pos, n in enumerate(sp.get("accepted_per_pos", [])):
+                c.add_metric([str(pos)], n)
+            yield c
+            g = GaugeMetricFamily("peregrine:spec_mean_acceptance_length",
+                                  "Tokens per verified draft: 1 + accepted / drafts")
+            g.add_metric([], sp.get("mean_acceptance_length", 0.0))
+            yield g
 
 
 class Metrics:

@@ -1,0 +1,301 @@
+"""`peregrine bench spec`: speculative decoding against plain decoding, in one run over one engine.
+
+Per batch size B, B requests with repetitive prompts (a random pattern repeated to input_len; greedy,
+EOS ignored) run to completion: first plain (speculation off), then with each k of the sweep, then
+(--oracle) with an oracle drafter that proposes the plain run's own output: the acceptance ceiling,
+i.e. what the verify step costs when every draft is right. Only steps with exactly B sequences all in
+decode count. Reported per configuration: median step time (all steps, and verify steps alone),
+tokens per step per user, effective tok/s/user = tokens / B / time of those steps, speedup over plain,
+acceptance (drafts, accepted, mean acceptance length), distinct routed experts per MoE layer per step
+(verification routes B·(k+1) tokens: more experts read per step), and whether the greedy outputs
+equal the plain ones. JSON (and a Markdown table) under results/.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import time
+import traceback
+
+import torch
+
+from ..config import ConfigError, EngineConfig, resolve_model
+from .config import SpeculativeConfig
+
+PROMPT_SEED = 4321       # prompt set s uses PROMPT_SEED + s: the same prompts for every configuration
+ROUTING_TOKENS = 64      # tokens of the untimed run that counts routed experts
+STEP_SLACK = 16          # steps allowed past input + output before a run is declared stuck
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def repetitive_prompts(vocab: int, batch: int, input_len: int, pattern_len: int, set_idx: int) -> list[list[int]]:
+    rng = random.Random(PROMPT_SEED + set_idx)
+    hi = min(vocab, 256) if vocab > 256 else vocab  # byte-range ids: fine for every tokenizer
+    out = []
+    for _ in range(batch):
+        pat = [rng.randrange(hi) for _ in range(pattern_len)]
+        out.append((pat * (input_len // pattern_len + 1))[:input_len])
+    return out
+
+
+class OracleDrafter:
+    """Proposes the reference (plain greedy) continuation while the sequence still follows it."""
+
+    def __init__(self, refs: dict[tuple, list[int]]):
+        self.refs = refs
+
+    def propose(self, seqs, ks):
+        out = []
+        for s, k in zip(seqs, ks):
+            ref, gen = self.refs.get(tuple(s.token_ids[: s.prompt_len]), []), s.token_ids[s.prompt_len:]
+            out.append(ref[len(gen): len(gen) + k] if ref[: len(gen)] == gen else [])
+        return out
+
+    def verified(self, seq, drafted, accepted):
+        pass
+
+    def release(self, seq):
+        pass
+
+
+def run(engine, prompts, params) -> tuple[list[dict], list[list[int]]]:
+    """Add the prompts together, step to completion; per-step records and the outputs."""
+    outs: dict[str, list[int]] = {}
+    ids = [engine.add_request(p, params, on_token=lambda o: o.finished and outs.__setitem__(o.request_id, o.output_token_ids))
+           for p in prompts]
+    recs, last = [], engine.last_step
+    limit = len(prompts) * (len(prompts[0]) + params.max_tokens) + STEP_SLACK
+    while engine.has_unfinished():
+        if len(recs) > limit:
+            raise RuntimeError(f"run did not finish within {limit} steps")
+        _sync()
+        t0 = time.perf_counter()
+        engine.step()
+        _sync()
+        dt = time.perf_counter() - t0
+        info = engine.last_step
+        if info is None or info is last:
+            continue
+        last = info
+        recs.append({"num_seqs": info.num_seqs, "num_prefill_tokens": info.num_prefill_tokens,
+                     "num_decode_seqs": info.num_decode_seqs, "path": info.path, "duration_s": dt,
+                     "new": info.num_new_tokens, "drafted": info.num_draft_tokens, "accepted": info.num_accepted_tokens})
+    return recs, [outs[i] for i in ids]
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
+def _routing(engine, prompts, params, B) -> dict:
+    """Mean distinct experts per MoE layer, over pure-decode plain and verify steps (one untimed eager run)."""
+    r = engine.runner
+    if not hasattr(r, "routed_experts_per_step"):
+        return {}
+    n0 = len(r.routed_experts_per_step())
+    r.record_routing = True
+    try:
+        recs, _ = run(engine, prompts, params)
+    finally:
+        r.record_routing = False
+    ent = list(r.routed_experts_per_step())[n0:]
+    if len(ent) != len(recs):
+        return {"note": f"{len(ent)} routing entries for {len(recs)} steps: not aligned"}
+    out = {}
+    for kind, pick in (("plain_steps", lambda x: not x["drafted"]), ("verify_steps", lambda x: x["drafted"] > 0)):
+        rows = [e for e, x in zip(ent, recs) if _pure(x, B) and pick(x) and e]
+        if rows:
+            out[kind] = sum(sum(e) / len(e) for e in rows) / len(rows)
+    return out
+
+
+def _pure(rec, B) -> bool:
+    return rec["num_seqs"] == B and rec["num_prefill_tokens"] == 0 and rec["num_decode_seqs"] == B
+
+
+def _measure(engine, B, prompt_sets, params, runs, refs, log, label) -> dict:
+    recs, equal, total = [], 0, 0
+    run(engine, prompt_sets[0], params)  # warm-up: compiles, captures, allocator
+    for ps in prompt_sets:
+        for _ in range(runs):
+            r, outs = run(engine, ps, params)
+            recs += [x for x in r if _pure(x, B)]
+            for p, o in zip(ps, outs):
+                total += 1
+                if refs is not None:
+                    equal += o == refs[tuple(p)]
+    if not recs:
+        raise RuntimeError(f"no step ran with exactly {B} sequences all in decode")
+    dur = sum(x["duration_s"] for x in recs)
+    new = sum(x["new"] for x in recs)
+    drafted, accepted = sum(x["drafted"] for x in recs), sum(x["accepted"] for x in recs)
+    ver = [x["duration_s"] * 1e3 for x in recs if x["drafted"]]
+    out = {"label": label, "steps": len(recs), "median_step_ms": _median([x["duration_s"] * 1e3 for x in recs]),
+           "mean_step_ms": dur * 1e3 / len(recs), "median_verify_step_ms": _median(ver), "verify_steps": len(ver),
+           "tokens_per_step_per_user": new / len(recs) / B, "effective_tok_s_user": new / B / dur,
+           "draft_tokens": drafted, "accepted_tokens": accepted,
+           "acceptance_rate": accepted / drafted if drafted else None,
+           "paths": dict(sorted({x["path"]: 0 for x in recs}.items()))}
+    for x in recs:
+        out["paths"][x["path"]] += 1
+    if refs is not None:
+        out["outputs_equal_plain"] = f"{equal}/{total}"
+    log(f"  {label:>14} B={B}: median step {out['median_step_ms']:.3f} ms, {out['tokens_per_step_per_user']:.2f} tok/step/user, "
+        f"{out['effective_tok_s_user']:.1f} tok/s/user" + (f", accepted {accepted}/{drafted}" if drafted else "")
+        + (f", outputs equal plain {out['outputs_equal_plain']}" if refs is not None else ""))
+    return out
+
+
+def bench_spec(model: str, batch_sizes=(1, 2, 4), ks=(3,), spec_config=None, input_len: int = 256,
+               output_len: int = 128, pattern_len: int = 16, prompt_sets: int = 1, runs: int = 2,
+               backend: str = "latency_specialized", dummy_weights: bool = False, oracle: bool = True,
+               results_dir: str | None = "results", builder=None, log=print) -> dict:
+    from ..bench import gpu
+    from ..engine.request import SamplingParams
+    base = SpeculativeConfig.parse(spec_config or {"method": "ngram", "num_speculative_tokens": max(ks)})
+    cfg, _ = resolve_model(model)
+    ecfg = EngineConfig(max_num_seqs=max(batch_sizes), max_decode_batch=min(16, max(batch_sizes)), decode_backend=backend,
+                        max_model_len=input_len + output_len + max(ks) + 2)
+    if builder is None:
+        from ..engine.build import build_engine as builder
+    engine, _ = builder(model, ecfg, dummy_weights=dummy_weights, log=log)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    rparams = SamplingParams(temperature=0.0, max_tokens=min(output_len, ROUTING_TOKENS), ignore_eos=True)
+    result = {"kind": "spec_decode", "model": cfg.name, "metadata": gpu.run_metadata(),
+              "config": {"batch_sizes": list(batch_sizes), "ks": list(ks), "spec_config": vars(base), "input_len": input_len,
+                         "output_len": output_len, "pattern_len": pattern_len, "prompt_sets": prompt_sets, "runs": runs,
+                         "backend": backend, "dummy_weights": dummy_weights, "oracle": oracle},
+              "batches": []}
+    try:
+        sets, refs, plain = {}, {}, {}
+        engine.enable_speculation(None)
+        for B in batch_sizes:  # plain first: the reference outputs and the baseline of every B
+            sets[B] = [repetitive_prompts(cfg.vocab_size, B, input_len, pattern_len, s) for s in range(prompt_sets)]
+            for ps in sets[B]:
+                _, outs = run(engine, ps, params)
+                refs.update({tuple(p): o for p, o in zip(ps, outs)})
+            plain[B] = _measure(engine, B, sets[B], params, runs, None, log, "plain")
+            plain[B]["routing"] = _routing(engine, sets[B][0], rparams, B)
+            result["batches"].append({"batch": B, "configs": [plain[B]]})
+        for k in ks:  # one enable per k: the verify graphs (B, T = 2 .. k+1) are captured once
+            try:
+                engine.enable_speculation(SpeculativeConfig(**dict(vars(base), num_speculative_tokens=k)), log=log)
+            except Exception as e:
+                log(f"WARNING: speculation with k={k} could not be enabled: {e!r}")
+                for entry in result["batches"]:
+                    entry["configs"].append({"label": f"{base.method} k={k}", "k": k, "status": "error", "reason": repr(e)})
+                continue
+            drafters = [(f"{base.method} k={k}", engine.spec.drafter)] + ([(f"oracle k={k}", OracleDrafter(refs))] if oracle else [])
+            for entry in result["batches"]:
+                B = entry["batch"]
+                for label, drafter in drafters:
+                    engine.spec.drafter = drafter
+                    try:
+                        c = _measure(engine, B, sets[B], params, runs, refs, log, label)
+                        c["k"] = k
+                        c["speedup_vs_plain"] = c["effective_tok_s_user"] / plain[B]["effective_tok_s_user"]
+                        v = c["median_verify_step_ms"]
+                        c["verify_vs_plain_step"] = v / plain[B]["median_step_ms"] if v else None
+                        c["routing"] = _routing(engine, sets[B][0], rparams, B)
+                        rt = getattr(engine.runner, "graph_replay_time", None)
+                        if torch.cuda.is_available() and rt is not None:
+                            try:
+                                c["graph_replay_ms"] = {f"T={T}": rt(B, 50, T=T) for T in (1, k + 1)}
+                            except TypeError:  # a runner without verify graphs (standard)
+                                pass
+                    except Exception as e:  # a failing configuration is reported, the sweep goes on
+                        log(f"WARNING: {label} B={B} failed: {e!r}")
+                        c = {"label": label, "k": k, "status": "error", "reason": repr(e), "traceback": traceback.format_exc()}
+                    entry["configs"].append(c)
+            engine.enable_speculation(None)
+    finally:
+        result["engine_stats"] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in engine.stats.items()}
+        del engine
+        gc.collect()
+    if results_dir is not None:
+        path = gpu.write_result(gpu.result_path(cfg.name, f"spec-{backend}", results_dir), result)
+        md = path.with_suffix(".md")
+        md.write_text(markdown(result))
+        result["paths"] = {"json": str(path), "md": str(md)}
+        log(f"wrote {path} and {md}")
+    return result
+
+
+def markdown(result: dict) -> str:
+    c = result["config"]
+    lines = [f"**{result['model']}** speculative decoding, backend {c['backend']}, input {c['input_len']} "
+             f"(pattern {c['pattern_len']}), output {c['output_len']}", "",
+             "| B | config | median step ms | verify step ms | tok/step/user | eff. tok/s/user | speedup | accepted/drafted "
+             "| experts/layer (plain → verify) | = plain |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    f = lambda v, fmt: "" if v is None else format(v, fmt)  # noqa: E731
+    for b in result["batches"]:
+        for x in b["configs"]:
+            if x.get("status") == "error":
+                lines.append(f"| {b['batch']} | {x['label']} | error: {x['reason'][:60]} | | | | | | | |")
+                continue
+            rt = x.get("routing") or {}
+            ex = " → ".join(f"{rt[k]:.1f}" for k in ("plain_steps", "verify_steps") if k in rt)
+            lines.append(f"| {b['batch']} | {x['label']} | {f(x['median_step_ms'], '.3f')} | {f(x['median_verify_step_ms'], '.3f')} "
+                         f"| {x['tokens_per_step_per_user']:.2f} | {x['effective_tok_s_user']:.1f} "
+                         f"| {f(x.get('speedup_vs_plain'), '.2f')} | {x['accepted_tokens']}/{x['draft_tokens']} | {ex} "
+                         f"| {x.get('outputs_equal_plain', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        v = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not v or any(x < 1 for x in v):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return v
+
+
+def add_bench_spec_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("spec", help="speculative vs plain decoding: step time, accepted tokens, tok/s/user")
+    p.add_argument("--model", required=True, help="preset name or model folder")
+    p.add_argument("--dummy-weights", action="store_true")
+    p.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 4])
+    p.add_argument("--k", type=_int_list, default=[3], help="num_speculative_tokens values to sweep, e.g. 2,4")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='drafter settings (default {"method": "ngram"}); its num_speculative_tokens is replaced by --k')
+    p.add_argument("--backend", choices=["standard", "latency_specialized"], default="latency_specialized")
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--pattern-len", type=int, default=16, help="the prompt repeats a random pattern of this many tokens")
+    p.add_argument("--prompt-sets", type=int, default=1)
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--no-oracle", action="store_true", help="skip the oracle drafter (acceptance ceiling)")
+    p.add_argument("--results-dir", default="results")
+    p.set_defaults(func=run_bench_spec)
+    return p
+
+
+def run_bench_spec(args) -> int:
+    import json
+    import sys
+    try:
+        sc = json.loads(args.speculative_config) if args.speculative_config else None
+        if sc is not None:
+            sc = dict(sc, num_speculative_tokens=max(args.k))
+        for name in ("input_len", "output_len", "pattern_len", "prompt_sets", "runs"):
+            if getattr(args, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        r = bench_spec(args.model, args.batch_sizes, args.k, sc, args.input_len, args.output_len, args.pattern_len,
+                       args.prompt_sets, args.runs, args.backend, args.dummy_weights, not args.no_oracle, args.results_dir,
+                       log=lambda m: print(f"[peregrine] {m}", file=sys.stderr, flush=True))
+    except json.JSONDecodeError as e:
+        print(f"error: --speculative-config is not valid JSON: {e.msg}", file=sys.stderr)
+        return 2
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(markdown(r))
+    return 1 if any(x.get("status") == "error" for b in r["batches"] for x in b["configs"]) else 0

@@ -1,0 +1,158 @@
+"""One speculative engine step: draft, verify k + 1 query tokens per sequence, accept, roll back.
+
+Every decoding row of a step with at least one draft becomes a verify row of T = 1 + k_step
+tokens (its last sampled token, its drafts, then filler up to the longest draft of the step),
+so a pure-decode step is uniform and the specialized path serves it from one graph per (B, T).
+Greedy rows accept the longest prefix of drafts that equals the target's argmax and append the
+target's token after it, so greedy output equals non-speculative greedy output. Rows with
+temperature > 0 get no drafts; they sample from their first position as a plain step would.
+
+Rollback: the KDA layers write the state (and conv window) after each position into
+checkpoint buffers; a row that accepted a < T-1 drafts gets the state after position a
+copied back into its slot. The MLA cache is truncated: the sequence's length moves back to
+the accepted position and the rejected entries are zeroed (attention never reads past the
+length anyway). Filler positions past a sequence's reserved blocks are written to the
+cache's scratch block, never into another sequence's.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..decode.batch import StepInput
+from .config import SpeculativeConfig
+from .drafters import NgramDrafter
+
+
+def make_drafter(cfg: SpeculativeConfig, engine, log):
+    if cfg.method == "ngram":
+        return NgramDrafter(cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+    from .draft_model import DraftModelDrafter
+    return DraftModelDrafter(cfg, engine, log)
+
+
+class SpecDecoder:
+    def __init__(self, engine, cfg: SpeculativeConfig, drafter=None, log=print):
+        self.engine, self.cfg, self.k = engine, cfg, cfg.k
+        c = engine.cache
+        self.cache = c
+        self.drafter = drafter if drafter is not None else make_drafter(cfg, engine, log)
+        self.enabled = True  # benches switch speculation off and on over one engine
+        ecfg = engine.engine_cfg
+        rows, T = max(ecfg.max_num_seqs, ecfg.max_decode_batch), self.k + 1  # graphs capture up to max_decode_batch
+        # state / conv window after each verify position, per KDA layer and step row
+        self.ckpt = (torch.empty(c.state.shape[0], rows, T, *c.state.shape[2:], dtype=c.state.dtype, device=c.state.device),
+                     torch.empty(c.conv.shape[0], rows, T, *c.conv.shape[2:], dtype=c.conv.dtype, device=c.conv.device))
+        self.stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "verify_steps": 0,
+                      "accepted_per_pos": [0] * self.k}
+        self.max_blocks = -(-(engine.max_model_len + self.k) // c.block_size)
+        enable = getattr(engine.runner, "enable_speculation", None)
+        if enable is not None:
+            enable(self.k, self.ckpt, min(self.max_blocks, c.num_blocks + 1))
+
+    # ---- metrics ----
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verified draft yields on average: 1 + accepted / drafts (vLLM's definition)."""
+        n = self.stats["num_drafts"]
+        return 1.0 + self.stats["num_accepted_tokens"] / n if n else 0.0
+
+    def release(self, seq) -> None:
+        self.drafter.release(seq)
+
+    # ---- the step ----
+    def room(self, seq) -> int:
+        """Most drafts this sequence may take: accepted ones plus the bonus token must not pass
+        max_tokens or max_model_len, which also keeps every real draft inside its reserved blocks."""
+        n = len(seq.token_ids)
+        return max(0, min(self.k, seq.prompt_len + seq.params.max_tokens - n - 1, self.engine.max_model_len - n - 1))
+
+    def step(self, batch):
+        """-> (StepInput, [(seq, new tokens)], info) for a verify step, or None: run a plain step."""
+        if not self.enabled:
+            return None
+        dec = [i for i, (s, _) in enumerate(batch) if not s.in_prefill]
+        ask = [(i, self.room(batch[i][0])) for i in dec if batch[i][0].params.greedy]
+        ask = [(i, k) for i, k in ask if k > 0]
+        if not ask:
+            return None
+        props = self.drafter.propose([batch[i][0] for i, _ in ask], [k for _, k in ask])
+        drafts = {i: list(p[:k]) for (i, k), p in zip(ask, props) if p}
+        if not drafts:
+            return None
+        T = 1 + max(len(d) for d in drafts.values())
+        e, c = self.engine, self.cache
+        bs = c.block_size
+        rows, idx, flat = [], [], 0
+        for i, (seq, n) in enumerate(batch):
+            start = seq.num_cached
+            toks = seq.token_ids[start:start + n]
+            if seq.in_prefill:
+                idx.append(flat + n - 1)
+            else:
+                d = drafts.get(i, [])
+                toks = toks + d + [toks[-1]] * (T - 1 - len(d))  # filler: never accepted
+                idx.extend(range(flat, flat + T))
+            flat += len(toks)
+            need = -(-(start + len(toks)) // bs)
+            own = seq.blocks[:need]
+            rows.append((toks, start, seq.kda_slot, own + [c.scratch_block] * (need - len(own))))
+        step = StepInput.build(rows, bs, e.device)
+        step.logits_idx = torch.tensor(idx, dtype=torch.long, device=e.device)
+        step.spec_tokens = T if len(dec) == len(batch) else 0
+        step.kda_ckpt = self.ckpt
+        return step, drafts, T
+
+    def finish(self, batch, step, drafts, T, logits):
+        """Accept, roll back, and return [(seq, new tokens)] for every row that produced tokens."""
+        e, c = self.engine, self.cache
+        greedy = getattr(e.runner, "greedy_tokens", None)
+        if greedy is None or greedy.shape[0] != logits.shape[0]:
+            greedy = logits.argmax(-1)
+        tgt = greedy.tolist()
+        out, sample_rows, sample_seqs = [], [], []
+        restore_rows, restore_slots, restore_pos, dead = [], [], [], []
+        pos = 0
+        for i, (seq, n) in enumerate(batch):
+            if seq.in_prefill:
+                seq.num_cached += n
+                if seq.num_cached == len(seq.token_ids):
+                    sample_rows.append(pos)
+                    sample_seqs.append((i, seq))
+                pos += 1
+                continue
+            d = drafts.get(i, [])
+            if seq.params.greedy:
+                a = 0
+                while a < len(d) and d[a] == tgt[pos + a]:
+                    a += 1
+                out.append((i, seq, d[:a] + [tgt[pos + a]]))
+            else:
+                a = 0
+                sample_rows.append(pos)
+                sample_seqs.append((i, seq))
+            if d:
+                self.stats["num_drafts"] += 1
+                self.stats["num_draft_tokens"] += len(d)
+                self.stats["num_accepted_tokens"] += a
+                for j in range(a):
+                    self.stats["accepted_per_pos"][j] += 1
+            self.drafter.verified(seq, len(d), a)
+            start = seq.num_cached
+            seq.num_cached += 1 + a
+            if a < T - 1:  # roll back: state after position a; entries a+1.. are rejected
+                restore_rows.append(i)
+                restore_slots.append(seq.kda_slot)
+                restore_pos.append(a)
+                dead.extend(c.block_size * seq.blocks[p // c.block_size] + p % c.block_size
+                            for p in range(start + 1 + a, start + T) if p // c.block_size < len(seq.blocks))
+            pos += T
+        if restore_rows:
+            c.restore_kda(restore_slots, self.ckpt, restore_rows, restore_pos)
+        if dead:
+            c.clear_latent(dead)
+        if sample_rows:
+            toks = e._sample([s for _, s in sample_seqs], logits[sample_rows])
+            out += [(i, s, [t]) for (i, s), t in zip(sample_seqs, toks)]
+        self.stats["verify_steps"] += 1
+        out.sort(key=lambda x: x[0])
+        return [(s, t) for _, s, t in out]

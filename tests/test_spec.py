@@ -1,0 +1,182 @@
+"""Speculative decoding on the standard path (VERIFY.md §2 "speculative vs plain"): greedy output
+with speculation equals greedy output without it; rollback leaves the caches as a plain run does."""
+import pytest
+import torch
+
+from peregrine.cli import main
+from peregrine.config import ConfigError, EngineConfig
+from peregrine.engine import SamplingParams
+from peregrine.engine.build import build_engine
+from peregrine.spec.config import SpeculativeConfig
+from peregrine.spec.drafters import NgramDrafter
+from spec_helpers import ScriptedDrafter
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+def tiny(spec=None, **kw):
+    cfg = dict(max_num_seqs=4, block_size=16, max_model_len=160)
+    cfg.update(kw)
+    e, _ = build_engine("tiny-kimi-linear", EngineConfig(speculative_config=spec, **cfg), dummy_weights=True,
+                        log=lambda m: None)
+    return e
+
+
+def repetitive(seed, n=3):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        pat = torch.randint(0, 256, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
+        out.append((pat * 8)[: 10 + 7 * i])
+    return out
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+
+
+# ---- config and drafters ----
+def test_config_parse_vllm_spelling_and_errors():
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
+    assert (c.method, c.k, c.prompt_lookup_max, c.prompt_lookup_min) == ("ngram", 4, 3, 1)
+    c = SpeculativeConfig.parse({"model": "tiny-kimi-linear", "num_speculative_tokens": 2})
+    assert c.method == "draft_model" and c.model == "tiny-kimi-linear"
+    assert SpeculativeConfig.parse("") is None and SpeculativeConfig.parse(None) is None
+    for bad in ("{", "[1]", '{"method": "eagle", "num_speculative_tokens": 2}', '{"method": "ngram"}',
+                '{"method": "ngram", "num_speculative_tokens": 0}', '{"method": "ngram", "num_speculative_tokens": 2, "x": 1}',
+                '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',
+                '{"method": "draft_model", "num_speculative_tokens": 2}'):
+        with pytest.raises(ConfigError):
+            SpeculativeConfig.parse(bad)
+
+
+def test_ngram_lookup():
+    d = NgramDrafter(max_n=3)
+    assert d.lookup([1, 2, 3, 4, 1, 2, 3], 3) == [4, 1, 2]          # longest suffix [1,2,3] -> what followed
+    assert d.lookup([1, 2, 3, 4, 1, 2, 3], 9) == [4, 1, 2, 3]       # runs out at the end of the history
+    assert d.lookup([7, 8, 9, 7, 5, 7], 2) == [5, 7]                # latest occurrence with a full continuation
+    assert d.lookup([5, 6, 7, 8], 2) == []                          # nothing repeats
+    assert d.lookup([9, 9, 9, 9], 2) == [9]                         # the longest n-gram wins, even with a short tail
+    assert NgramDrafter(max_n=4, min_n=2).lookup([1, 2, 3, 9, 3], 2) == []  # only a 1-gram matches: below min
+
+
+# ---- greedy equality ----
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ngram_greedy_equals_plain(seed, k):
+    ps = repetitive(seed)
+    want = tiny().generate(ps, greedy(24))
+    e = tiny({"method": "ngram", "num_speculative_tokens": k})
+    assert e.generate(ps, greedy(24)) == want
+    st = e.stats["spec"]
+    assert st["num_draft_tokens"] > 0 and st["verify_steps"] > 0
+    assert st["mean_acceptance_length"] == pytest.approx(1 + st["num_accepted_tokens"] / st["num_drafts"])
+
+
+@pytest.mark.parametrize("accepts", [[0], [1, 3, 0, 2], [5]])
+def test_scripted_acceptance_and_rollback_match_plain(accepts):
+    """Known acceptance per proposal (0 = all rejected, 5 > k = all accepted): tokens, counters and the
+    caches after the run (KDA state/conv of every slot, MLA latents) equal a plain run's."""
+    ps = repetitive(5)
+    plain = tiny()
+    want = plain.generate(ps, greedy(20))
+    e = tiny(NGRAM)
+    dr = ScriptedDrafter({tuple(p): w for p, w in zip(ps, want)}, accepts, 320)
+    e.enable_speculation(NGRAM, drafter=dr)
+    assert e.generate(ps, greedy(20)) == want
+    st = e.stats["spec"]
+    assert st["num_accepted_tokens"] == dr.expected and st["num_drafts"] == dr.n > 0
+    assert sorted(dr.released) == sorted(dr.released) and len(dr.released) == len(ps)
+    c0, c1 = plain.cache, e.cache
+    for a, b, what in ((c0.state, c1.state, "KDA state"), (c0.conv, c1.conv, "conv window")):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), f"{what} differs after rollback"
+    live = slice(0, c0.num_blocks)  # the scratch block past them takes overflowing filler writes
+    assert torch.allclose(c0.latent[:, live], c1.latent[:, live], rtol=1e-4, atol=1e-5), "MLA cache differs"
+
+
+def test_mixed_steps_prefill_chunks_sampling_and_stops():
+    """Verify rows share steps with chunked prefills and a late arrival; a sampled request (no drafts)
+    gets the same tokens as without speculation; a stop token inside accepted drafts ends the request there."""
+    ps = repetitive(7, n=3)
+    base = tiny(max_num_batched_tokens=12)
+    ref = base.generate(ps, greedy(18))
+    stop = ref[1][9]
+    params = [greedy(18), greedy(18, stop_token_ids=[stop]), SamplingParams(max_tokens=18, temperature=0.8, seed=11,
+                                                                             ignore_eos=True)]
+
+    def run(e):
+        got = {}
+        cb = lambda o: o.finished and got.__setitem__(o.request_id, o.output_token_ids)  # noqa: E731
+        e.add_request(ps[0], params[0], request_id="a", on_token=cb)
+        for _ in range(3):
+            e.step()
+        e.add_request(ps[1], params[1], request_id="b", on_token=cb)
+        e.add_request(ps[2], params[2], request_id="c", on_token=cb)
+        while e.has_unfinished():
+            e.step()
+        return [got[r] for r in "abc"]
+
+    want = run(tiny(max_num_batched_tokens=12))
+    e = tiny(NGRAM, max_num_batched_tokens=12)
+    dr = ScriptedDrafter({tuple(p): w for p, w in zip(ps, ref)}, [3, 1, 2], 320)
+    e.enable_speculation(NGRAM, drafter=dr)
+    got = run(e)
+    assert got == want
+    assert got[1][-1] == stop and len(got[1]) == ref[1].index(stop) + 1
+    assert e.stats["spec"]["num_accepted_tokens"] > 0
+
+
+def test_draft_model_same_weights_accepts_everything_other_model_still_exact():
+    ps = repetitive(3)
+    want = tiny().generate(ps, greedy(16))
+    same = tiny({"method": "draft_model", "model": "tiny-kimi-linear", "dummy_weights": True, "num_speculative_tokens": 3})
+    assert same.generate(ps, greedy(16)) == want
+    st = same.stats["spec"]
+    assert st["num_accepted_tokens"] == st["num_draft_tokens"] > 0  # the draft is the target: all accepted
+    dc = same.spec.drafter.cache
+    assert dc.num_free_slots == dc.num_slots and dc.blocks.num_free == dc.num_blocks  # released
+    other = tiny({"model": "peregrine-tiny", "dummy_weights": True, "num_speculative_tokens": 2})
+    assert other.generate(ps, greedy(16)) == want
+    with pytest.raises(ConfigError, match="ships no weights"):
+        tiny({"model": "peregrine-tiny", "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="vocabulary"):
+        tiny({"model": "kimi-linear-48b-a3b", "dummy_weights": True, "num_speculative_tokens": 2})
+
+
+def test_cache_blocks_and_slots_return_and_no_write_past_reservation():
+    """Tight cache (every block reserved): filler drafts past a sequence's blocks go to scratch, nothing leaks."""
+    e = tiny(NGRAM, max_num_seqs=2, num_cache_blocks=4, max_model_len=32)
+    ps = [[3, 4] * 6, [9, 8, 7] * 4]
+    want = tiny(max_num_seqs=2, num_cache_blocks=4, max_model_len=32).generate(ps, greedy(20))
+    assert e.generate(ps, greedy(20)) == want
+    assert e.cache.blocks.num_free == 4 and e.cache.num_free_slots == 2
+
+
+def test_metrics_and_cli():
+    from peregrine.server.metrics import Metrics
+    e = tiny(NGRAM)
+    e.generate(repetitive(0), greedy(12))
+    text = Metrics(e, "m").render().decode()
+    for name in ("peregrine:spec_drafts_total", "peregrine:spec_draft_tokens_total", "peregrine:spec_accepted_tokens_total",
+                 "peregrine:spec_mean_acceptance_length", 'peregrine:spec_accepted_tokens_per_pos_total{position="0"}'):
+        assert name in text, name
+    assert "peregrine:spec_" not in Metrics(tiny(), "m").render().decode()
+    args = ["generate", "--model", "tiny-kimi-linear", "--dummy-weights", "--prompt", "abcabcabcabc", "--max-tokens", "6",
+            "--quiet", "--speculative-config"]
+    assert main(args + ['{"method": "ngram", "num_speculative_tokens": 2}']) == 0
+    assert main(args + ["{oops"]) == 2
+
+
+def test_bench_spec_records_plain_ngram_and_oracle(tmp_path):
+    from peregrine.spec.bench import bench_spec
+    r = bench_spec("tiny-kimi-linear", batch_sizes=(2,), ks=(2,), input_len=24, output_len=8, pattern_len=4, runs=1,
+                   backend="standard", dummy_weights=True, results_dir=str(tmp_path), log=lambda m: None)
+    assert [b["batch"] for b in r["batches"]] == [2]
+    for b in r["batches"]:
+        plain, ngram, oracle = b["configs"]
+        assert (plain["label"], ngram["label"], oracle["label"]) == ("plain", "ngram k=2", "oracle k=2")
+        assert plain["tokens_per_step_per_user"] == 1.0 and plain["draft_tokens"] == 0
+        assert oracle["accepted_tokens"] == oracle["draft_tokens"] > 0 and oracle["tokens_per_step_per_user"] > 1.5
+        assert ngram["outputs_equal_plain"] == oracle["outputs_equal_plain"] == f"{b['batch']}/{b['batch']}"
+        assert oracle["speedup_vs_plain"] > 0 and "verify_steps" in oracle["routing"]
+    assert (tmp_path / r["paths"]["json"].split("/")[-1]).exists() and "oracle k=2" in open(r["paths"]["md"]).read()
