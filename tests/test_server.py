@@ -407,3 +407,25 @@ def test_zz_still_healthy(srv):
     r = srv.client.completions.create(model=NAME, prompt="end", max_tokens=2, temperature=0)
     assert r.choices[0].finish_reason in ("length", "stop")
     wait_idle(srv)
+
+
+def test_itl_counts_each_token_of_a_multi_token_step():
+    """A speculative step delivers several tokens at once; the inter-token histogram gets one sample
+    per token (the step's gap shared out), not one per step."""
+    from types import SimpleNamespace
+    from peregrine.server.app import Tracker
+    from peregrine.server.metrics import Metrics
+    from peregrine.tokenizer import ByteTokenizer
+    fake_engine = SimpleNamespace(stats={}, scheduler=None)
+    try:
+        m = Metrics(fake_engine, "t")
+    except Exception as e:  # Metrics reads more of the engine only lazily; fail loudly if that changes
+        raise AssertionError(f"Metrics needs a fuller engine: {e}")
+    st = SimpleNamespace(metrics=m, tokenizer=ByteTokenizer(320))
+    tr = Tracker(st, arrival=0.0, stop_ids={257})
+    out = lambda new, allids, fin=False: SimpleNamespace(new_token_ids=new, output_token_ids=allids,  # noqa: E731
+                                                        finished=fin, finish_reason="length" if fin else None)
+    tr.update(1.0, out([65], [65]))
+    tr.update(1.3, out([66, 67, 68], [65, 66, 67, 68]))
+    assert m.itl._sum.get() == pytest.approx(0.3) and sum(b.get() for b in m.itl._buckets) == 3
+    assert m.generation_tokens._value.get() == 4

@@ -53,8 +53,10 @@ class Tracker:
             m.generation_tokens.inc(len(out.new_token_ids))
             if self.last is None:
                 m.ttft.observe(stamp - self.arrival)
-            else:
-                m.itl.observe(stamp - self.last)
+            else:  # a speculative step brings several tokens at once: the gap counts once per token
+                n = len(out.new_token_ids)
+                for _ in range(n):
+                    m.itl.observe((stamp - self.last) / n)
             self.last = stamp
         self.ids = list(out.output_token_ids)
         if out.finished:
