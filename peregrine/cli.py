@@ -66,8 +66,9 @@ def cmd_generate(args) -> int:
     finish = []
 
     def on_token(o):
+        now = time.perf_counter()
         for t in o.new_token_ids:
-            stamps.append(time.perf_counter())
+            stamps.append(now)
             out_ids.append(t)
             # the token that stopped generation (EOS or a stop id) is not text: like the server, do not print it
             if args.stream and not (o.finished and o.finish_reason == "stop" and t == o.output_token_ids[-1]):
@@ -84,7 +85,12 @@ def cmd_generate(args) -> int:
     else:
         print(tok.decode(out_ids[:-1] if finish == ["stop"] else out_ids))
     if stamps:
-        itl = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+        # a step that brings n tokens (speculative decoding) shares its gap among them
+        itl = []
+        for a, b in zip(stamps, stamps[1:]):
+            if b > a:
+                n = stamps.count(b)
+                itl += [(b - a) * 1e3 / n] * n
         med = sorted(itl)[len(itl) // 2] if itl else float("nan")
         print(f"[peregrine] prompt {len(ids)} tokens, generated {len(out_ids)}; time to first token {(stamps[0] - t0) * 1e3:.1f} ms; "
               f"median inter-token {med:.2f} ms ({1e3 / med if itl else float('nan'):.1f} tok/s); finish {finish[0] if finish else '?'}; "
