@@ -2,7 +2,8 @@
 # One GPU pass on the device machine: GPU tests, kernel microbenchmarks, the
 # 48B dummy-weight generate and decode-step benchmark. Results land in results/
 # and are bundled into $OUT (the device returns at most 8 files).
-#   STEPS="tests kernels generate decode"  which parts to run (default: all)
+#   STEPS="tests kernels generate decode"  which parts to run (default: these four; also tune (GEMM plan),
+#                                          moetune, kdatune, mlatune (kernel plans), profile)
 #   DECODE_ARGS="..."                      extra args for `bench decode`
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +29,15 @@ for s in $STEPS; do
     tune)  # plan table: heuristic tile vs tensor-core tile vs cuBLAS for every projection shape
       timeout ${TUNE_TIMEOUT:-240} python3 -m peregrine.bench.kernels_gemm --tune --fast --write-plan --results-dir results 2>&1 | tee "$OUT/tune.log" | tail -95
       cp peregrine/kernels/gemm_plan.json "$OUT/" ;;
+    moetune)  # MoE router/expert tiles per B -> peregrine/kernels/moe_plan.json (validated against the reference)
+      timeout ${MOE_TUNE_TIMEOUT:-200} python3 -m peregrine.bench.kernels_moe --tune --out "$OUT/moe-tune.json" 2>&1 | tee "$OUT/moe-tune.log" | tail -25
+      cp peregrine/kernels/moe_plan.json "$OUT/" ;;
+    kdatune)  # KDA decode split / finisher / warps per B -> peregrine/kernels/kda_plan.json
+      timeout ${KDA_TUNE_TIMEOUT:-300} python3 -m peregrine.bench.kernels_kda --tune 2>&1 | tee "$OUT/kda-tune.log" | tail -45
+      cp peregrine/kernels/kda_plan.json "$OUT/" ;;
+    mlatune)  # MLA decode tiling and split counts per (cache dtype, B, context bucket) -> peregrine/kernels/mla_plan.json
+      timeout ${MLA_TUNE_TIMEOUT:-560} python3 -m peregrine.bench.kernels_mla --tune --budget-s ${MLA_BUDGET_S:-330} 2>&1 | tee "$OUT/mla-tune.log" | tail -70
+      cp peregrine/kernels/mla_plan.json "$OUT/" ;;
     profile)  # per-kernel breakdown of one decode step, next to its graph replay time
       timeout ${PROFILE_TIMEOUT:-240} python3 -m peregrine.bench.profile_step --model "$MODEL" --dummy-weights --batch-sizes 1,8 ${PROFILE_ARGS:-} \
         --results-dir results 2>&1 | tee "$OUT/profile.log" | tail -70 ;;
