@@ -1,0 +1,108 @@
+"""MXFP4 expert kernels (kernels/moe_mxfp4.py) against the FP32 reference over dequantized
+weights (models/mxfp4.py's table path, itself checked bit by bit in test_k3.py), and the
+register dequantization against an independent bit-field decode for every byte and many scales."""
+import pytest
+import torch
+
+from conftest import DEVICE, FULL_SHAPES
+from peregrine.kernels import available
+from peregrine.testing import SENTINEL, rel_rmse
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(DEVICE), reason="triton kernels unavailable")]
+
+if available(DEVICE):
+    from peregrine.kernels.moe_mxfp4 import moe_mxfp4_experts, moe_mxfp4_experts_ref, mxfp4_gemv
+
+PAD = 5  # sentinel columns right of the output: must stay bit-identical
+
+
+def e2m1(code: int) -> float:
+    """Independent decode from the bit fields: sign | 2-bit exponent | 1-bit mantissa."""
+    sign, e, m = -1.0 if code & 8 else 1.0, (code >> 1) & 3, code & 1
+    return sign * (0.5 * m if e == 0 else 2.0 ** (e - 1) * (1 + 0.5 * m))
+
+
+def experts(E, I, Dz, g, lo=118, hi=126):
+    u8 = lambda *s, a=0, b=256: torch.randint(a, b, s, generator=g, dtype=torch.int32).to(torch.uint8)  # noqa: E731
+    return (u8(E, 2 * I, Dz // 2), u8(E, 2 * I, Dz // 32, a=lo, b=hi), u8(E, Dz, I // 2), u8(E, Dz, I // 32, a=lo, b=hi))
+
+
+def routing(B, E, k, g, shared=False):
+    if shared:  # every token picks the same experts: one weight read serves all of them
+        ids = torch.randperm(E, generator=g)[:k].repeat(B, 1)
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(B)])
+    return ids.to(torch.int32), torch.rand(B, k, generator=g) + 0.1
+
+
+CASES = [  # B, E, k, I, Dz, activation, x dtype, all tokens share experts
+    (1, 4, 2, 32, 64, "situ", torch.float32, False),
+    (3, 6, 3, 96, 96, "swiglu", torch.float32, False),   # 3 scale groups: partial last K block
+    (5, 8, 4, 64, 32, "situ", torch.bfloat16, True),
+    (8, 16, 4, 32, 64, "situ", torch.float32, False),
+]
+if FULL_SHAPES:  # K3's latent expert widths (fewer experts than 896: the kernel's cost is per chosen expert)
+    CASES += [(1, 64, 16, 3072, 3584, "situ", torch.bfloat16, False), (8, 64, 16, 3072, 3584, "situ", torch.bfloat16, False),
+              (16, 32, 8, 3072, 3584, "swiglu", torch.bfloat16, False)]
+
+
+@pytest.mark.parametrize("B,E,k,I,Dz,act,xdt,shared", CASES)
+def test_experts_match_reference(B, E, k, I, Dz, act, xdt, shared):
+    g = torch.Generator().manual_seed(B * 131 + I + Dz)
+    q13, s13, q2, s2 = experts(E, I, Dz, g)
+    ids, w = routing(B, E, k, g, shared)
+    x = torch.randn(B, Dz, generator=g).to(xdt)
+    ref = moe_mxfp4_experts_ref(x, q13, s13, q2, s2, ids, w, act)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    buf = torch.full((B, Dz + PAD), SENTINEL, dtype=xdt, device=DEVICE)
+    buf[:, :Dz] = float("nan")  # poisoned: every output element must be written
+    y = moe_mxfp4_experts(dev(x), dev(q13), dev(s13), dev(q2), dev(s2), dev(ids), dev(w), activation=act,
+                          out=buf[:, :Dz])
+    tol = 1e-5 if xdt == torch.float32 and DEVICE == "cpu" else 2e-2  # BF16 operands/outputs on the GPU
+    assert rel_rmse(y, ref) < tol
+    assert (buf[:, Dz:].cpu() == SENTINEL).all(), "wrote past the output columns"
+
+
+def test_batch_invariant_and_repeatable():
+    """A token's output does not depend on the other tokens of the batch, and reruns are bitwise equal."""
+    g = torch.Generator().manual_seed(7)
+    E, I, Dz, k = 8, 32, 64, 3
+    w4 = [t.to(DEVICE) for t in experts(E, I, Dz, g)]
+    ids, w = routing(4, E, k, g)
+    x = torch.randn(4, Dz, generator=g).to(DEVICE)
+    ids, w = ids.to(DEVICE), w.to(DEVICE)
+    full = moe_mxfp4_experts(x, *w4, ids, w, activation="situ")
+    again = moe_mxfp4_experts(x, *w4, ids, w, activation="situ")
+    alone = moe_mxfp4_experts(x[2:3], *w4, ids[2:3].contiguous(), w[2:3], activation="situ")
+    assert torch.equal(full, again) and torch.equal(full[2:3], alone)
+
+
+def test_register_dequant_every_byte_and_scale():
+    """One-hot activations read the weight matrix back column by column: every byte value, in both
+    nibbles, under scales from 2^-20 to 2^20, must come out exactly as the bit-field decode says."""
+    C = 512  # 256 packed bytes per row = every byte value once; 16 scale groups per row
+    scales = torch.tensor([107, 112, 120, 126, 127, 128, 131, 140, 147], dtype=torch.uint8)
+    R = len(scales)
+    packed = torch.stack([torch.roll(torch.arange(256, dtype=torch.uint8), 17 * r) for r in range(R)])
+    scale = scales[:, None].repeat(1, C // 32)
+    lut = torch.tensor([e2m1(c) for c in range(16)], dtype=torch.float64)
+    want = torch.empty(R, C, dtype=torch.float64)
+    want[:, 0::2], want[:, 1::2] = lut[packed.long() & 15], lut[packed.long() >> 4]
+    want *= torch.pow(2.0, scale.double() - 127).repeat_interleave(32, 1)
+    cols = torch.arange(0, C, 7)  # a spread of columns (even and odd), one activation row each
+    x = torch.zeros(len(cols), C)
+    x[torch.arange(len(cols)), cols] = 1.0
+    out = torch.full((len(cols), R), float("nan"), device=DEVICE)
+    y = mxfp4_gemv(x.to(DEVICE), packed.to(DEVICE), scale.to(DEVICE), out=out).cpu().double()
+    assert torch.equal(y, want[:, cols].T)
+
+
+def test_nan_scale_poisons_only_its_group():
+    g = torch.Generator().manual_seed(3)
+    q13, s13, q2, s2 = experts(2, 32, 64, g)
+    s13[1, 5, 1] = 255  # E8M0 NaN in expert 1, gate row 5, second group
+    x = torch.randn(2, 64, generator=g)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    ids = torch.tensor([[0], [1]], dtype=torch.int32)
+    y = moe_mxfp4_experts(dev(x), dev(q13), dev(s13), dev(q2), dev(s2), dev(ids), dev(torch.ones(2, 1)))
+    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()  # gate row 5 feeds every W2 row
