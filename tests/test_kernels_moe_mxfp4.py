@@ -104,3 +104,49 @@ def test_nan_scale_poisons_only_its_group():
     ids = torch.tensor([[0], [1]], dtype=torch.int32)
     y = moe_mxfp4_experts(dev(x), dev(q13), dev(s13), dev(q2), dev(s2), dev(ids), dev(torch.ones(2, 1)))
     assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()  # gate row 5 feeds every W2 row
+
+
+AOT_SCRIPT = r"""
+import inspect, json, os, re, subprocess, tempfile
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from peregrine.kernels import moe_mxfp4 as mx
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+ptr = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "h_ptr": "*fp32", "tw_ptr": "*fp32",
+       "part_ptr": "*fp32"}
+base = dict(TOP_K=16, B_PAD=16, K_PAD=16, N_PAD=128, BPG=mx.BPG, DOT_T=tl.bfloat16, PREC="tf32")
+res = {}
+for fn, ce, warps in ((mx._mx_up_kernel, dict(base, BLOCK_I=mx.UP_BLOCK_I, BLOCK_KB=mx.UP_BLOCK_KB, ACT=1, BETA=4.0,
+                                              BETA_L=25.0), mx.UP_WARPS),
+                      (mx._mx_down_kernel, dict(base, BLOCK_D=mx.DOWN_BLOCK_D, BLOCK_KB=mx.DOWN_BLOCK_KB,
+                                                ACT_T=tl.bfloat16), mx.DOWN_WARPS)):
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {n: "constexpr" if n in ce else ptr.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+    k = triton.compile(ASTSource(fn, sig, ce, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(k.asm["ptx"])
+        f.flush()
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True).stderr
+    res[fn.__name__] = int(re.search(r"(\d+) bytes spill stores", info).group(1))
+print(json.dumps(res))
+"""
+
+
+def test_default_tiles_compile_for_sm90_without_spills():
+    """Ahead-of-time sm_90a compile of both expert kernels at K3's top-16, B = 8 (no GPU needed)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import triton
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")):
+        pytest.skip("triton's ptxas is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", AOT_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    if r.returncode != 0 and ("GPUTarget" in r.stderr or "ASTSource" in r.stderr):
+        pytest.skip("no ahead-of-time compile API in this triton")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"_mx_up_kernel": 0, "_mx_down_kernel": 0}

@@ -20,6 +20,13 @@ Same schedule as kernels/moe.py (no host sync, CUDA-graph capturable, no atomics
  2. down: grid (B·k, Dz tiles), same first-occurrence rule over W2, writes
     topk_w-scaled FP32 partials [B, k, Dz]; kernels/moe.py's combine sums over k.
 s = 255 (E8M0 NaN) makes its group NaN, as in mxfp4.dequantize; s = 0 (2^-127) reads as 0.
+
+Cost (sm_90a PTX of the down kernel's loop, 32x64-byte tile): ~19 instructions per weight value
+(nibble ops, f16->f32, scale multiply, ->bf16, shared-memory staging for the MMA operand),
+against ~4 per value that the ALUs can afford at copy bandwidth: expect this to be ALU-bound
+(bench/kernels_moe_mxfp4.py measures it). The cheaper form: 32-bit words holding 8 codes paired
+16 bits apart (two codes per shift/and/lop3 -> FP16x2 without conversion), scales applied in FP16
+relative to the row tile's largest, FP16 MMA with per-token power-of-two scaled activations.
 """
 from __future__ import annotations
 

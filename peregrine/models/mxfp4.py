@@ -8,6 +8,7 @@ E2M1_VALUES. pack/unpack below are exact inverses of each other.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -46,13 +47,19 @@ def byte_table(device=None, dtype=torch.float32) -> torch.Tensor:
     return torch.stack([t[b & 0xF], t[b >> 4]], -1)
 
 
+@functools.lru_cache(maxsize=None)
+def _cached_byte_table(device, dtype) -> torch.Tensor:
+    """Made once per device: a host-to-device copy would break CUDA-graph capture of the decode step."""
+    return byte_table(device, dtype)
+
+
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """[..., C/2] uint8 + [..., C/32] uint8 E8M0 -> [..., C] in `dtype`.
 
     Computed in `dtype` throughout (a code times a power of two is exact in BF16 and
     FP32), through a 256-entry byte table with int32 indices to keep temporaries small.
     """
-    vals = F.embedding(packed.int(), byte_table(packed.device, dtype)).flatten(-2)
+    vals = F.embedding(packed.int(), _cached_byte_table(packed.device, dtype)).flatten(-2)
     s = torch.exp2(scale.to(dtype) - E8M0_BIAS).masked_fill(scale == E8M0_NAN, float("nan"))
     return vals.unflatten(-1, (-1, GROUP)).mul_(s.unsqueeze(-1)).flatten(-2)  # in place: one full-size temporary
 
