@@ -23,7 +23,8 @@ from .. import kernels
 from ..kernels.gemm import skinny_gemm
 from ..kernels.kda import kda_decode
 from ..kernels.mla import mla_decode
-from ..kernels.moe import moe_combine, moe_expert_partials, moe_route
+from ..kernels.moe import moe_combine, moe_expert_partials, moe_experts, moe_route
+from ..kernels.moe_mxfp4 import moe_mxfp4_experts
 from ..kernels.norm import add_rms_norm, rms_norm
 from ..kernels.sampling import argmax
 from ..models.layers import swiglu
@@ -58,9 +59,9 @@ class SpecializedRunner:
         self._graph_args = (cuda_graphs and dev.type == "cuda", max_blocks)
         self.unavailable = kernels.why_unavailable(dev)
         # model features the fused kernels do not cover yet: every step of such a model falls back
-        self.unsupported = ", ".join(f for f, on in (
-            ("K3 layers (latent MoE, q-LoRA MLA, AttnRes)", self.cfg.is_k3),
-            ("MXFP4 experts", self.cfg.expert_quant is not None)) if on)
+        # (K3 layers and MXFP4 experts run through _step_k3, but not under tensor parallel)
+        self._k3 = self.cfg.is_k3 or self.cfg.expert_quant is not None  # served by _step_k3
+        self.unsupported = "K3 layers with tensor parallel" if self._k3 and getattr(model, "tp", SINGLE).world > 1 else ""
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         # tensor parallel: row-parallel outputs are written straight into the one-shot all-reduce's
         # symmetric buffer when there is one (NCCL all-reduce otherwise)
@@ -90,6 +91,8 @@ class SpecializedRunner:
             return "prefill in batch"
         if step.num_seqs > self.max_batch:
             return "batch too large"
+        if self._k3 and step.spec_tokens:
+            return "unsupported feature: speculative verify on K3 layers"
         return None
 
     def forward(self, step) -> torch.Tensor:
@@ -128,7 +131,7 @@ class SpecializedRunner:
         (B, T) now, with block tables of max_blocks (room for k tokens past max_model_len)."""
         on, fixed = self._graph_args
         self.verify_graphs = {}
-        if not on or self.unavailable or self.unsupported:
+        if not on or self.unavailable or self.unsupported or self._k3:  # K3 verify steps fall back
             return
         for T in range(2, k + 2):
             g = GraphCache(self._step, self.cache, self.max_batch, self.log, fixed_blocks=max_blocks,
@@ -140,6 +143,8 @@ class SpecializedRunner:
     # ---- the step ----
     @torch.inference_mode()
     def _step(self, step):
+        if self.cfg.is_k3 or self.cfg.expert_quant is not None:
+            return self._step_k3(step)
         m, c, cfg = self.model, self.cache, self.cfg
         eps = cfg.rms_norm_eps
         if self.oneshot is not None:
@@ -231,3 +236,77 @@ class SpecializedRunner:
             torch.cuda.current_stream().wait_stream(self.side)
         # the shared expert is added before the one rounding; out may be the all-reduce buffer
         return moe_combine(part, w, add=shared, dtype=h.dtype, out=self._rbuf(h))
+
+    # ---- K3 layers and MXFP4 experts (MODELS.md K3 column): q-LoRA MLA with output gate, latent MoE
+    # with SiTU, AttnRes block mixing. KDA's bounded gate and full-rank output gate are _kda's.
+    def _step_k3(self, step):
+        m, eps = self.model, self.cfg.rms_norm_eps
+        p = m.embed_tokens[step.input_ids]
+        blocks: list[torch.Tensor] = []  # AttnRes block list (DecoderLayer.forward_res)
+        for layer in m.layers:
+            x = p
+            if layer.res:
+                x = layer.attn_res(p, blocks) if blocks else p
+                if layer.block_start:
+                    blocks.append(p)
+            h = rms_norm(x, layer.input_layernorm.weight, eps)
+            a = self._kda(layer.attn, h, step) if layer.is_kda else self._mla_k3(layer.attn, h, step)
+            if layer.res:
+                p = a if layer.block_start else p + a
+                h = rms_norm(layer.mlp_res(p, blocks), layer.post_attention_layernorm.weight, eps)
+            else:
+                h, p = add_rms_norm(a, p, layer.post_attention_layernorm.weight, eps)  # p is ours: in place
+            p = p + (self._moe_k3(layer.mlp, h) if layer.is_moe else self._mlp_k3(layer.mlp, h))
+        if m.output_res is not None:
+            p = m.output_res(p, blocks)
+        logits = skinny_gemm(rms_norm(p, m.norm.weight, eps), m.lm_head).float()
+        return logits, argmax(logits)
+
+    def _mla_k3(self, attn, h, step):
+        B, c = h.shape[0], self.cache
+        q, kva, g = skinny_gemm(h, attn.in_proj).split(attn.splits, dim=-1)
+        if attn.q_b is not None:  # q-LoRA: q = W_qb RMSNorm(W_qa x)
+            q = skinny_gemm(rms_norm(q, attn.q_a_norm, self.cfg.mla_norm_eps), attn.q_b)
+        q = q.view(B, attn.H, -1)
+        entries = torch.cat([rms_norm(kva[:, : attn.r], attn.kv_norm, self.cfg.mla_norm_eps), kva[:, attn.r:]], -1)
+        c.write_latent(attn.layer, step.slot_mapping, entries)
+        w_uk, w_uv = attn.w_uk_uv
+        q_lat = torch.bmm(q[..., : attn.nope].transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, r]
+        qh = torch.cat([q_lat, q[..., attn.nope:]], -1)
+        mi = c.mla_index[attn.layer]
+        o_lat = mla_decode(qh, c.latent[mi], c.scale[mi] if c.fp8 else None, step.block_tables,
+                           step.context_lens_t, attn.sm_scale, kv_lora_rank=attn.r)
+        o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(B, -1)  # [B, H·v]
+        if attn.gate_dim:  # K3: o ⊙ σ(W_g x), in FP32
+            o = (o.float() * torch.sigmoid(g.float())).to(h.dtype)
+        return skinny_gemm(o, attn.o_proj)
+
+    def _mlp_k3(self, mlp, h):  # dense / shared expert with the model's activation (SiTU for K3)
+        return skinny_gemm(mlp.act(skinny_gemm(h, mlp.gate_up)), mlp.down)
+
+    def _moe_k3(self, moe, h):
+        cfg = self.cfg
+        shared = None
+        if moe.shared is not None:  # on the un-projected input, overlapping the routed experts
+            if self.side is not None:
+                self.side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.side):
+                    shared = self._mlp_k3(moe.shared, h)
+            else:
+                shared = self._mlp_k3(moe.shared, h)
+        ids, w = moe_route(h, moe.gate_w, moe.bias, cfg.num_experts_per_token, cfg.moe_renormalize,
+                           cfg.routed_scaling_factor)  # the router also reads x, not z
+        moe.last_ids = ids
+        z = skinny_gemm(h, moe.down) if moe.latent else h
+        act = "situ" if cfg.hidden_act == "situ" else "swiglu"
+        if moe.mx:
+            y = moe_mxfp4_experts(z, moe.w13_q, moe.w13_s, moe.w2_q, moe.w2_s, ids, w, activation=act)
+        else:
+            y = moe_experts(z, moe.w13, moe.w2, ids, w, activation=act)
+        if moe.latent:
+            y = skinny_gemm(rms_norm(y, moe.norm, cfg.rms_norm_eps), moe.up)
+        if shared is None:
+            return y
+        if self.side is not None:
+            torch.cuda.current_stream().wait_stream(self.side)
+        return y + shared

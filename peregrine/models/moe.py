@@ -64,26 +64,43 @@ def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None) -> tor
     return (y.view(N, k, -1).float() * w.unsqueeze(-1)).sum(1).to(x.dtype)
 
 
-def mxfp4_experts(x, q13, s13, q2, s2, ids, w, act) -> torch.Tensor:
-    """grouped_experts over MXFP4 weights, dequantizing only the experts this step uses.
+MX_CHUNK = 8  # experts (or token-expert pairs) dequantized at a time: ~1 GB of BF16 temporaries at K3 widths
 
-    Few pairs (decode): gather each (token, expert) pair's weights, no host sync (graph-capturable).
-    Many pairs (prefill): dequantize each distinct expert once and reuse grouped_experts.
+
+def mxfp4_experts(x, q13, s13, q2, s2, ids, w, act, chunk: int = MX_CHUNK) -> torch.Tensor:
+    """grouped_experts over MXFP4 weights, dequantizing only the chosen experts, `chunk` at a time.
+
+    Eager: each distinct expert is dequantized once (one host sync for the expert list) and serves
+    all of its tokens. Under CUDA-graph capture nothing may sync, so the token-expert pairs are
+    taken in order, `chunk` at a time (a repeated expert is dequantized once per pair).
+    Either way the weighted sum over k runs in FP32 in a fixed order.
     """
     N, k = ids.shape
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()  # torch.unique would sync
-    if N * k <= q13.shape[0] or capturing:
-        flat = ids.flatten()
-        w13 = mxfp4.dequantize(q13[flat], s13[flat], x.dtype)  # [N·k, 2I, Dz]
-        w2 = mxfp4.dequantize(q2[flat], s2[flat], x.dtype)      # [N·k, Dz, I]
-        xs = x.repeat_interleave(k, 0).unsqueeze(-1)
-        h = act(torch.bmm(w13, xs).squeeze(-1))
-        ys = torch.bmm(w2, h.unsqueeze(-1)).squeeze(-1)
-        return (ys.view(N, k, -1).float() * w.unsqueeze(-1)).sum(1).to(x.dtype)
-    used, local = torch.unique(ids, return_inverse=True)
-    w13 = mxfp4.dequantize(q13[used], s13[used], x.dtype)
-    w2 = mxfp4.dequantize(q2[used], s2[used], x.dtype)
-    return grouped_experts(x, w13, w2, local, w, act)
+    flat = ids.flatten()
+    xs = x.repeat_interleave(k, 0)  # row n·k + j: token n for its j-th expert
+    ys = torch.empty(N * k, q2.shape[1], dtype=x.dtype, device=x.device)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        for a in range(0, N * k, chunk):
+            e = flat[a:a + chunk]
+            w13 = mxfp4.dequantize(q13[e], s13[e], x.dtype)  # [c, 2I, Dz]
+            h = act(torch.bmm(w13, xs[a:a + chunk].unsqueeze(-1)).squeeze(-1))
+            del w13
+            w2 = mxfp4.dequantize(q2[e], s2[e], x.dtype)     # [c, Dz, I]
+            ys[a:a + chunk] = torch.bmm(w2, h.unsqueeze(-1)).squeeze(-1)
+    else:
+        sf, order = torch.sort(flat, stable=True)
+        used, counts = (t.tolist() for t in torch.unique_consecutive(sf, return_counts=True))  # one host sync
+        xs, ys_sorted, row = xs[order], torch.empty_like(ys), 0
+        for a in range(0, len(used), chunk):
+            sel = torch.tensor(used[a:a + chunk], device=x.device)
+            w13 = mxfp4.dequantize(q13[sel], s13[sel], x.dtype)
+            w2 = mxfp4.dequantize(q2[sel], s2[sel], x.dtype)
+            for j, n in enumerate(counts[a:a + chunk]):
+                ys_sorted[row:row + n] = act(xs[row:row + n] @ w13[j].T) @ w2[j].T
+                row += n
+            del w13, w2
+        ys[order] = ys_sorted
+    return (ys.view(N, k, -1).float() * w.unsqueeze(-1)).sum(1).to(x.dtype)
 
 
 class MoE(nn.Module):

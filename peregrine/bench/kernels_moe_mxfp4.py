@@ -1,0 +1,178 @@
+"""MXFP4 routed-expert microbenchmark (BENCHMARKS.md §2) at K3 expert widths: latent 3584,
+expert inter 3072, top-16 of 192 experts (k3-slice), B = 1..8.
+
+Timed as a CUDA graph of REPS calls, each with a different routing (so weights stream
+from HBM: 192 MXFP4 experts are 3.4 GB, far past the 60 MB L2). GB/s counts the
+packed bytes (codes + E8M0 scales) of the distinct experts each call routes, plus
+activations. Side by side in the same run: the BF16 expert kernel (kernels/moe.py,
+SiTU, 3.6x the bytes) and the standard path's dequantize-then-GEMM
+(models/moe.mxfp4_experts, eager). A small tile sweep picks the best MXFP4 config;
+a config whose output disagrees with the FP32 reference is skipped and reported.
+    python -m peregrine.bench.kernels_moe_mxfp4 [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from peregrine.kernels import moe_mxfp4 as mx
+from peregrine.kernels.moe import moe_experts
+from peregrine.models import mxfp4
+
+DZ, I, E, TOP_K = 3584, 3072, 192, 16  # k3-slice routed experts (latent width, inter, experts, top-k)
+BS = (1, 2, 4, 8)
+REPS = 16      # routings per graph replay: rotates experts, amortises the replay launch
+TOL = 2e-2     # BF16 operands: relative RMS error against the FP32 reference
+SWEEP = [      # (UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS, DOWN_BLOCK_D, DOWN_BLOCK_KB, DOWN_WARPS); the first is the default
+    (mx.UP_BLOCK_I, mx.UP_BLOCK_KB, mx.UP_WARPS, mx.DOWN_BLOCK_D, mx.DOWN_BLOCK_KB, mx.DOWN_WARPS),
+    (16, 256, 4, 16, 256, 4),
+    (32, 64, 4, 32, 64, 4),
+    (64, 64, 8, 64, 64, 8),
+]
+KEYS = ("UP_BLOCK_I", "UP_BLOCK_KB", "UP_WARPS", "DOWN_BLOCK_D", "DOWN_BLOCK_KB", "DOWN_WARPS")
+
+
+def mx_expert_bytes() -> float:
+    """w1, w3, w2 of one expert: half a byte a value plus one scale byte per 32 values."""
+    return 3 * I * DZ * (0.5 + 1 / mxfp4.GROUP)
+
+
+class Weights:
+    def __init__(self, bf16: bool):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        u8 = lambda *s: torch.randint(0, 256, s, device="cuda", generator=g, dtype=torch.uint8)  # noqa: E731
+        self.q13, self.q2 = u8(E, 2 * I, DZ // 2), u8(E, DZ, I // 2)
+        self.s13 = torch.full((E, 2 * I, DZ // 32), 127 - 7, dtype=torch.uint8, device="cuda")  # RMS ~ 0.02
+        self.s2 = torch.full((E, DZ, I // 32), 127 - 7, dtype=torch.uint8, device="cuda")
+        self.w13 = self.w2 = None
+        if bf16:  # the same values in BF16 (12.7 GB), dequantized 8 experts at a time
+            self.w13 = torch.empty(E, 2 * I, DZ, dtype=torch.bfloat16, device="cuda")
+            self.w2 = torch.empty(E, DZ, I, dtype=torch.bfloat16, device="cuda")
+            for a in range(0, E, 8):
+                self.w13[a:a + 8] = mxfp4.dequantize(self.q13[a:a + 8], self.s13[a:a + 8], torch.bfloat16)
+                self.w2[a:a + 8] = mxfp4.dequantize(self.q2[a:a + 8], self.s2[a:a + 8], torch.bfloat16)
+
+    def mx(self):
+        return self.q13, self.s13, self.q2, self.s2
+
+
+def routings(B: int):
+    g = torch.Generator(device="cuda").manual_seed(B)
+    out = []
+    for _ in range(REPS):
+        logits = torch.randn(B, E, device="cuda", generator=g)
+        ids = torch.topk(logits, TOP_K, dim=-1).indices.to(torch.int32)
+        w = torch.softmax(torch.gather(logits, 1, ids.long()), -1)
+        out.append((torch.randn(B, DZ, device="cuda", generator=g).to(torch.bfloat16), ids.contiguous(), w))
+    return out
+
+
+def time_graph(fn, calls, iters: int) -> list[float]:
+    from peregrine.bench.gpu import time_fn
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls[:2]:  # compile + allocator warm-up outside the capture
+            fn(*c)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            fn(*c)
+    samples = [t / len(calls) for t in time_fn(graph.replay, iters=iters, warmup=3)]
+    del graph
+    return samples
+
+
+def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print) -> list[dict]:
+    """One row per B (bench/kernels.py's family interface: time_ms, gbps, pct_of_copy are the MXFP4 kernel's)."""
+    W = Weights(bf16=True)
+    ebytes_mx, ebytes_bf = mx_expert_bytes(), 3 * I * DZ * 2
+    rows, sweep = [], []
+    quick = not full
+    for B in ((1, 8) if quick else BS):
+        calls = routings(B)
+        distinct = statistics.mean(torch.unique(ids).numel() for _, ids, _ in calls)
+        act_bytes = B * DZ * 2 * 2
+        mx_bytes, bf_bytes = distinct * ebytes_mx + act_bytes, distinct * ebytes_bf + act_bytes
+        x, ids, w = calls[0]
+        ref = mx.moe_mxfp4_experts_ref(x, *W.mx(), ids, w, "situ")
+        row = {"kernel": "moe_mxfp4_experts", "shape": f"B={B} E={E} k={TOP_K} Dz={DZ} I={I}",
+               "B": B, "E": E, "top_k": TOP_K, "Dz": DZ, "I": I, "distinct_experts": distinct,
+               "mxfp4_bytes": mx_bytes, "bf16_bytes": bf_bytes}
+        best = None
+        for cfg in (SWEEP[:1] if quick else SWEEP):
+            c = dict(zip(KEYS, cfg))
+            try:
+                err = (mx.moe_mxfp4_experts(x, *W.mx(), ids, w, activation="situ", config=c).float() - ref).norm() / ref.norm()
+                if not err < TOL:
+                    raise ValueError(f"relative error {err:.2e} >= {TOL}")
+                t = statistics.median(time_graph(
+                    lambda x, i, w: mx.moe_mxfp4_experts(x, *W.mx(), i, w, activation="situ", config=c), calls, iters))
+            except Exception as e:  # noqa: BLE001 - a failing variant is reported, not fatal
+                log(f"B={B} config {c}: skipped ({type(e).__name__}: {str(e)[:120]})")
+                sweep.append({"B": B, "config": c, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                continue
+            sweep.append({"B": B, "config": c, "time_ms": t, "gbps": mx_bytes / t / 1e6})
+            if best is None or t < best[0]:
+                best = (t, c)
+        if best is not None:
+            t, c = best
+            row.update(mxfp4_ms=t, mxfp4_config=c, mxfp4_gbps=mx_bytes / t / 1e6,
+                       mxfp4_pct_of_copy=mx_bytes / t / 1e6 / copy_gbps, time_ms=t, gbps=mx_bytes / t / 1e6,
+                       pct_of_copy=mx_bytes / t / 1e6 / copy_gbps,
+                       mxfp4_default_ms=next((s["time_ms"] for s in sweep if s["B"] == B and s["config"] == dict(
+                           zip(KEYS, SWEEP[0])) and "time_ms" in s), None))
+        try:
+            t = statistics.median(time_graph(lambda x, i, w: moe_experts(x, W.w13, W.w2, i, w, activation="situ",
+                                                                          ), calls, iters))
+            row.update(bf16_ms=t, bf16_gbps=bf_bytes / t / 1e6, bf16_pct_of_copy=bf_bytes / t / 1e6 / copy_gbps)
+        except Exception as e:  # noqa: BLE001
+            row["bf16_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        try:
+            from peregrine.bench.gpu import time_fn
+            from peregrine.models.layers import situ
+            from peregrine.models.moe import mxfp4_experts
+            it = iter(range(1 << 30))
+            act = lambda gu: situ(gu, 4.0, 25.0)  # noqa: E731
+
+            def std():
+                x, i, w = calls[next(it) % REPS]
+                mxfp4_experts(x, *W.mx(), i.long(), w, act)
+            row["standard_ms"] = statistics.median(time_fn(std, iters=max(3, iters // 4), warmup=2))
+        except Exception as e:  # noqa: BLE001
+            row["standard_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if "mxfp4_ms" in row and "bf16_ms" in row:
+            row["speedup_vs_bf16"] = row["bf16_ms"] / row["mxfp4_ms"]
+        row["sweep"] = [x for x in sweep if x["B"] == B]
+        log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "sweep"}))
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    from peregrine.bench.gpu import copy_bandwidth, result_path, run_metadata, write_result
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="B = 1 and 8, default tiles only")
+    ap.add_argument("--results-dir", default="results")
+    args = ap.parse_args()
+    copy = copy_bandwidth()
+    print(f"copy bandwidth {copy['gbps']:.0f} GB/s")
+    rows = run(copy["gbps"], full=not args.quick)
+    print(f"{'B':>2} {'experts':>7} {'MXFP4 ms':>9} {'GB/s':>6} {'%copy':>6} {'BF16 ms':>8} {'%copy':>6} {'x BF16':>6} {'std ms':>7}")
+    for r in rows:
+        f = lambda k, fmt: format(r[k], fmt) if r.get(k) is not None else "-"  # noqa: E731
+        pct = lambda k: format(100 * r[k], ".1f") if r.get(k) is not None else "-"  # noqa: E731
+        print(f"{r['B']:>2} {r['distinct_experts']:>7.1f} {f('mxfp4_ms', '9.4f')} {f('mxfp4_gbps', '6.0f')} "
+              f"{pct('mxfp4_pct_of_copy'):>6} {f('bf16_ms', '8.4f')} {pct('bf16_pct_of_copy'):>6} "
+              f"{f('speedup_vs_bf16', '6.2f')} {f('standard_ms', '7.2f')}")
+    path = write_result(result_path("k3-slice", "kernels-moe-mxfp4", args.results_dir),
+                        {"meta": run_metadata(), "copy": copy, "rows": rows})
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

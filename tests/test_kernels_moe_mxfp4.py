@@ -1,0 +1,152 @@
+"""MXFP4 expert kernels (kernels/moe_mxfp4.py) against the FP32 reference over dequantized
+weights (models/mxfp4.py's table path, itself checked bit by bit in test_k3.py), and the
+register dequantization against an independent bit-field decode for every byte and many scales."""
+import pytest
+import torch
+
+from conftest import DEVICE, FULL_SHAPES
+from peregrine.kernels import available
+from peregrine.testing import SENTINEL, rel_rmse
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(DEVICE), reason="triton kernels unavailable")]
+
+if available(DEVICE):
+    from peregrine.kernels.moe_mxfp4 import moe_mxfp4_experts, moe_mxfp4_experts_ref, mxfp4_gemv
+
+PAD = 5  # sentinel columns right of the output: must stay bit-identical
+
+
+def e2m1(code: int) -> float:
+    """Independent decode from the bit fields: sign | 2-bit exponent | 1-bit mantissa."""
+    sign, e, m = -1.0 if code & 8 else 1.0, (code >> 1) & 3, code & 1
+    return sign * (0.5 * m if e == 0 else 2.0 ** (e - 1) * (1 + 0.5 * m))
+
+
+def experts(E, I, Dz, g, lo=118, hi=126):
+    u8 = lambda *s, a=0, b=256: torch.randint(a, b, s, generator=g, dtype=torch.int32).to(torch.uint8)  # noqa: E731
+    return (u8(E, 2 * I, Dz // 2), u8(E, 2 * I, Dz // 32, a=lo, b=hi), u8(E, Dz, I // 2), u8(E, Dz, I // 32, a=lo, b=hi))
+
+
+def routing(B, E, k, g, shared=False):
+    if shared:  # every token picks the same experts: one weight read serves all of them
+        ids = torch.randperm(E, generator=g)[:k].repeat(B, 1)
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(B)])
+    return ids.to(torch.int32), torch.rand(B, k, generator=g) + 0.1
+
+
+CASES = [  # B, E, k, I, Dz, activation, x dtype, all tokens share experts
+    (1, 4, 2, 32, 64, "situ", torch.float32, False),
+    (3, 6, 3, 96, 96, "swiglu", torch.float32, False),   # 3 scale groups: partial last K block
+    (5, 8, 4, 64, 32, "situ", torch.bfloat16, True),
+    (8, 16, 4, 32, 64, "situ", torch.float32, False),
+]
+if FULL_SHAPES:  # K3's latent expert widths; 20 experts keep the reference's FP32 copies small
+    CASES += [(1, 20, 16, 3072, 3584, "situ", torch.bfloat16, False), (8, 20, 16, 3072, 3584, "situ", torch.bfloat16, False),
+              (16, 20, 8, 3072, 3584, "swiglu", torch.bfloat16, False)]
+
+
+@pytest.mark.parametrize("B,E,k,I,Dz,act,xdt,shared", CASES)
+def test_experts_match_reference(B, E, k, I, Dz, act, xdt, shared):
+    g = torch.Generator().manual_seed(B * 131 + I + Dz)
+    q13, s13, q2, s2 = (t.to(DEVICE) for t in experts(E, I, Dz, g))
+    ids, w = (t.to(DEVICE) for t in routing(B, E, k, g, shared))
+    x = torch.randn(B, Dz, generator=g).to(xdt).to(DEVICE)
+    ref = moe_mxfp4_experts_ref(x, q13, s13, q2, s2, ids, w, act)
+    buf = torch.full((B, Dz + PAD), SENTINEL, dtype=xdt, device=DEVICE)
+    buf[:, :Dz] = float("nan")  # poisoned: every output element must be written
+    y = moe_mxfp4_experts(x, q13, s13, q2, s2, ids, w, activation=act, out=buf[:, :Dz])
+    tol = 1e-5 if xdt == torch.float32 and DEVICE == "cpu" else 2e-2  # BF16 operands/outputs on the GPU
+    assert rel_rmse(y, ref) < tol
+    assert (buf[:, Dz:].cpu() == SENTINEL).all(), "wrote past the output columns"
+
+
+def test_batch_invariant_and_repeatable():
+    """A token's output does not depend on the other tokens of the batch, and reruns are bitwise equal."""
+    g = torch.Generator().manual_seed(7)
+    E, I, Dz, k = 8, 32, 64, 3
+    w4 = [t.to(DEVICE) for t in experts(E, I, Dz, g)]
+    ids, w = routing(4, E, k, g)
+    x = torch.randn(4, Dz, generator=g).to(DEVICE)
+    ids, w = ids.to(DEVICE), w.to(DEVICE)
+    full = moe_mxfp4_experts(x, *w4, ids, w, activation="situ")
+    again = moe_mxfp4_experts(x, *w4, ids, w, activation="situ")
+    alone = moe_mxfp4_experts(x[2:3], *w4, ids[2:3].contiguous(), w[2:3], activation="situ")
+    assert torch.equal(full, again) and torch.equal(full[2:3], alone)
+
+
+def test_register_dequant_every_byte_and_scale():
+    """One-hot activations read the weight matrix back column by column: every byte value, in both
+    nibbles, under scales from 2^-20 to 2^20, must come out exactly as the bit-field decode says."""
+    C = 512  # 256 packed bytes per row = every byte value once; 16 scale groups per row
+    scales = torch.tensor([107, 112, 120, 126, 127, 128, 131, 140, 147], dtype=torch.uint8)
+    R = len(scales)
+    packed = torch.stack([torch.roll(torch.arange(256, dtype=torch.uint8), 17 * r) for r in range(R)])
+    scale = scales[:, None].repeat(1, C // 32)
+    lut = torch.tensor([e2m1(c) for c in range(16)], dtype=torch.float64)
+    want = torch.empty(R, C, dtype=torch.float64)
+    want[:, 0::2], want[:, 1::2] = lut[packed.long() & 15], lut[packed.long() >> 4]
+    want *= torch.pow(2.0, scale.double() - 127).repeat_interleave(32, 1)
+    cols = torch.arange(0, C, 7)  # a spread of columns (even and odd), one activation row each
+    x = torch.zeros(len(cols), C)
+    x[torch.arange(len(cols)), cols] = 1.0
+    out = torch.full((len(cols), R), float("nan"), device=DEVICE)
+    y = mxfp4_gemv(x.to(DEVICE), packed.to(DEVICE), scale.to(DEVICE), out=out).cpu().double()
+    assert torch.equal(y, want[:, cols].T)
+
+
+def test_nan_scale_poisons_only_its_group():
+    g = torch.Generator().manual_seed(3)
+    q13, s13, q2, s2 = experts(2, 32, 64, g)
+    s13[1, 5, 1] = 255  # E8M0 NaN in expert 1, gate row 5, second group
+    x = torch.randn(2, 64, generator=g)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    ids = torch.tensor([[0], [1]], dtype=torch.int32)
+    y = moe_mxfp4_experts(dev(x), dev(q13), dev(s13), dev(q2), dev(s2), dev(ids), dev(torch.ones(2, 1)))
+    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()  # gate row 5 feeds every W2 row
+
+
+AOT_SCRIPT = r"""
+import inspect, json, os, re, subprocess, tempfile
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from peregrine.kernels import moe_mxfp4 as mx
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+ptr = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "h_ptr": "*fp32", "tw_ptr": "*fp32",
+       "part_ptr": "*fp32"}
+base = dict(TOP_K=16, B_PAD=16, K_PAD=16, N_PAD=128, BPG=mx.BPG, DOT_T=tl.bfloat16, PREC="tf32")
+res = {}
+for fn, ce, warps in ((mx._mx_up_kernel, dict(base, BLOCK_I=mx.UP_BLOCK_I, BLOCK_KB=mx.UP_BLOCK_KB, ACT=1, BETA=4.0,
+                                              BETA_L=25.0), mx.UP_WARPS),
+                      (mx._mx_down_kernel, dict(base, BLOCK_D=mx.DOWN_BLOCK_D, BLOCK_KB=mx.DOWN_BLOCK_KB,
+                                                ACT_T=tl.bfloat16), mx.DOWN_WARPS)):
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {n: "constexpr" if n in ce else ptr.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+    k = triton.compile(ASTSource(fn, sig, ce, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(k.asm["ptx"])
+        f.flush()
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True).stderr
+    res[fn.__name__] = int(re.search(r"(\d+) bytes spill stores", info).group(1))
+print(json.dumps(res))
+"""
+
+
+def test_default_tiles_compile_for_sm90_without_spills():
+    """Ahead-of-time sm_90a compile of both expert kernels at K3's top-16, B = 8 (no GPU needed)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import triton
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")):
+        pytest.skip("triton's ptxas is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", AOT_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    if r.returncode != 0 and ("GPUTarget" in r.stderr or "ASTSource" in r.stderr):
+        pytest.skip("no ahead-of-time compile API in this triton")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"_mx_up_kernel": 0, "_mx_down_kernel": 0}
