@@ -120,6 +120,19 @@ def test_prefill_joining_mid_generation(model_dir):
     assert paths.count("latency_specialized") >= 5 and "standard" in paths[1:], paths
 
 
+def test_speculative_verify_on_k3_falls_back_and_keeps_tokens(model_dir):
+    """The K3 step has no verify form: speculative verify steps go to the standard path (counted),
+    and greedy output still equals plain greedy output."""
+    p = [4, 4, 5, 4, 4, 5, 4, 4, 5, 4, 4]
+    want = engine(model_dir, "standard")[0].generate([p], greedy(12))[0]
+    spec, _ = engine(model_dir, "latency_specialized",
+                     speculative_config={"method": "draft_model", "model": model_dir, "num_speculative_tokens": 2})
+    assert spec.generate([p], greedy(12))[0] == want
+    reasons = spec.stats["fallback_reasons"]
+    assert spec.stats["spec"]["num_drafts"] > 0  # the model drafts for itself: every step verifies
+    assert any("speculative verify on K3" in r for r in reasons), reasons
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="k3-slice needs an H200")
 @pytest.mark.parametrize("quant", ["mxfp4", "bf16"])
 def test_k3_slice_steps_match_standard(quant, tmp_path):
