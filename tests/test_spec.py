@@ -138,7 +138,7 @@ def test_draft_model_same_weights_accepts_everything_other_model_still_exact():
     other = tiny({"model": "peregrine-tiny", "dummy_weights": True, "num_speculative_tokens": 2})
     assert other.generate(ps, greedy(16)) == want
     with pytest.raises(ConfigError, match="ships no weights"):
-        tiny({"model": "peregrine-tiny", "num_speculative_tokens": 2})
+        tiny({"model": "tiny-kimi-linear", "num_speculative_tokens": 2})
     with pytest.raises(ConfigError, match="vocabulary"):
         tiny({"model": "kimi-linear-48b-a3b", "dummy_weights": True, "num_speculative_tokens": 2})
 
