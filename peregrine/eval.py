@@ -99,6 +99,13 @@ def run_eval(model: str, task: str, n: int = DEFAULT_N, context: int = tasks.DEF
     return res
 
 
+def _diff_slug(a: dict, b: dict) -> str:
+    """What B changes, for the file name: one comparison's JSON must not overwrite another's."""
+    changed = [f"{k}-{b[k]}" for k in sorted(b) if a.get(k) != b[k]]
+    slug = "_".join(changed) or "same"
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in slug)[:80]
+
+
 def compare(model: str, task: str, n: int, cfg_a: EngineConfig | None, cfg_b: EngineConfig | None,
             context: int = tasks.DEFAULT_CONTEXT, dummy_weights: bool = False, results_dir="results",
             strict: bool = False, log=lambda m: None) -> dict:
@@ -114,7 +121,7 @@ def compare(model: str, task: str, n: int, cfg_a: EngineConfig | None, cfg_b: En
            "accuracy_a": acc(a), "accuracy_b": acc(b), "num_different": len(diff), "identical": not diff,
            "differences": [{"index": i, "prompt": probs[i].prompt[-40:], "want": probs[i].answer,
                             "a": _text(a[i]), "b": _text(b[i])} for i in diff[:SHOW_DIFFS]]}
-    res["path"] = _write(model, f"eval-{task}-compare", res, results_dir)
+    res["path"] = _write(model, f"eval-{task}-compare-{_diff_slug(res['a'], res['b'])}", res, results_dir)
     if diff and strict:
         raise AnswerMismatch(f"{len(diff)}/{n} answers differ between the two configurations; first: {res['differences'][0]}")
     return res

@@ -180,7 +180,9 @@ def test_compare_detects_differences_and_passes_identical(tmp_path, capsys, monk
     assert eval_cli(base + ["--compare", '{"seed": 1}']) == 1
     assert "ANSWER MISMATCH" in capsys.readouterr().err
     assert eval_cli(base + ["--compare", '{"seed": 1}', "--tolerance-points", "100"]) == 0  # accuracy-only gate
-    r = json.loads(next(tmp_path.glob("*-eval-add-compare.json")).read_text())
+    (f,) = tmp_path.glob("*-eval-add-compare-*.json")  # named by what B changes: runs of other comparisons keep theirs
+    assert f.name.endswith("-eval-add-compare-seed-1.json"), f.name
+    r = json.loads(f.read_text())
     assert r["identical"] is False and r["num_different"] >= 1 and r["b"]["seed"] == 1
     # one injected difference among identical answers is caught too
     calls = []
