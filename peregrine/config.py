@@ -312,6 +312,9 @@ class EngineConfig:
             setattr(self, k, v)
 
     def validate(self) -> None:
+        if self.speculative_config and self.tensor_parallel_size > 1:
+            raise ConfigError("--speculative-config does not work with --tensor-parallel-size > 1 yet: "
+                              "use one of them")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.max_num_seqs < 1:

@@ -180,3 +180,11 @@ def test_bench_spec_records_plain_ngram_and_oracle(tmp_path):
         assert ngram["outputs_equal_plain"] == oracle["outputs_equal_plain"] == f"{b['batch']}/{b['batch']}"
         assert oracle["speedup_vs_plain"] > 0 and "verify_steps" in oracle["routing"]
     assert (tmp_path / r["paths"]["json"].split("/")[-1]).exists() and "oracle k=2" in open(r["paths"]["md"]).read()
+
+
+def test_speculation_with_tensor_parallel_is_a_clear_error():
+    from peregrine.config import EngineConfig
+    with pytest.raises(ConfigError, match="speculative-config does not work with --tensor-parallel-size"):
+        EngineConfig(tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}).validate()
+    EngineConfig(tensor_parallel_size=2).validate()  # each alone is fine
+    EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).validate()
