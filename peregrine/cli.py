@@ -19,6 +19,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=DEFAULT_MODEL, help=f"preset name or model folder (config.json + safetensors); default {DEFAULT_MODEL}")
     g.add_argument("--dummy-weights", action="store_true", help="seeded random weights instead of loading a checkpoint")
     g.add_argument("--max-num-seqs", type=int, default=8, help="most sequences running at once (default 8)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, metavar="N",
+                   help=f"prompt tokens prefilled per step (default {EngineConfig.max_num_batched_tokens}); lower it to "
+                        "shorten how long running decodes wait behind a new prompt (inter-token latency tail) at the "
+                        "cost of time to first token")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt+output per sequence (default min(model limit, 4096))")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"], help="MLA latent cache dtype (auto = model dtype)")
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -35,6 +39,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config(args) -> EngineConfig:
     ecfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
                         kv_cache_dtype=args.kv_cache_dtype, device=args.device, dtype=args.dtype, seed=args.seed,
                         tensor_parallel_size=args.tensor_parallel_size)
     ecfg.apply_additional_config(args.additional_config)

@@ -150,3 +150,22 @@ def test_cli_generates_from_saved_checkpoint(tmp_path, capsys):
     folder_out = capsys.readouterr().out
     assert main(["generate", "--model", "tiny-kimi-linear", "--dummy-weights", "--prompt-ids", "1,2,3", "--max-tokens", "4", "--quiet"]) == 0
     assert capsys.readouterr().out == folder_out
+
+
+def test_cli_prefill_budget_reaches_the_scheduler():
+    """--max-num-batched-tokens bounds the prompt tokens of one step: a 10-token prompt with a
+    budget of 4 takes 3 prefill steps (4 + 4 + 2)."""
+    from peregrine.cli import build_parser, engine_config
+    from peregrine.engine import SamplingParams
+    from peregrine.engine.build import build_engine
+    a = build_parser().parse_args(["generate", "--model", "tiny-kimi-linear", "--dummy-weights",
+                                   "--max-num-batched-tokens", "4", "--prompt", "x"])
+    ecfg = engine_config(a)
+    assert ecfg.max_num_batched_tokens == 4
+    e, _ = build_engine("tiny-kimi-linear", ecfg, dummy_weights=True, log=lambda m: None)
+    prefill_tokens = []
+    e.add_request(list(range(10, 20)), SamplingParams(max_tokens=1))
+    while e.has_unfinished():
+        e.step()
+        prefill_tokens.append(e.last_step.num_prefill_tokens)
+    assert prefill_tokens == [4, 4, 2], prefill_tokens
