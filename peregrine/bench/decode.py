@@ -38,10 +38,12 @@ def _prompts(vocab: int, batch: int, input_len: int, set_idx: int) -> list[list[
     return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(batch)]
 
 
-def run_batch(engine, prompts: list[list[int]], params) -> list[dict]:
-    """Add the prompts together and step to completion; one record per forward step."""
-    for p in prompts:
-        engine.add_request(p, params)
+def run_batch(engine, prompts: list[list[int]], params, outputs: list | None = None) -> list[dict]:
+    """Add the prompts together and step to completion; one record per forward step.
+    outputs, when given, receives each prompt's output token ids (in prompt order)."""
+    done: dict[str, list[int]] = {}
+    ids = [engine.add_request(p, params, on_token=lambda o: o.finished and done.__setitem__(o.request_id, o.output_token_ids))
+           for p in prompts]
     records, last = [], engine.last_step
     limit = len(prompts) * (len(prompts[0]) + params.max_tokens) + STEP_SLACK
     while engine.has_unfinished():
@@ -58,7 +60,10 @@ def run_batch(engine, prompts: list[list[int]], params) -> list[dict]:
         last = info
         records.append({"num_seqs": info.num_seqs, "num_prefill_tokens": info.num_prefill_tokens,
                         "num_decode_seqs": info.num_decode_seqs, "path": info.path, "duration_s": dt,
-                        "engine_duration_s": info.duration_s})
+                        "engine_duration_s": info.duration_s, "new": info.num_new_tokens,
+                        "drafted": info.num_draft_tokens, "accepted": info.num_accepted_tokens})
+    if outputs is not None:
+        outputs.extend(done[i] for i in ids)
     return records
 
 

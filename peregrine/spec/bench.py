@@ -15,22 +15,16 @@ from __future__ import annotations
 import argparse
 import gc
 import random
-import time
 import traceback
 
 import torch
 
 from ..config import ConfigError, EngineConfig, resolve_model
+from ..bench.decode import run_batch
 from .config import SpeculativeConfig
 
 PROMPT_SEED = 4321       # prompt set s uses PROMPT_SEED + s: the same prompts for every configuration
 ROUTING_TOKENS = 64      # tokens of the untimed run that counts routed experts
-STEP_SLACK = 16          # steps allowed past input + output before a run is declared stuck
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def repetitive_prompts(vocab: int, batch: int, input_len: int, pattern_len: int, set_idx: int) -> list[list[int]]:
@@ -65,27 +59,8 @@ class OracleDrafter:
 
 def run(engine, prompts, params) -> tuple[list[dict], list[list[int]]]:
     """Add the prompts together, step to completion; per-step records and the outputs."""
-    outs: dict[str, list[int]] = {}
-    ids = [engine.add_request(p, params, on_token=lambda o: o.finished and outs.__setitem__(o.request_id, o.output_token_ids))
-           for p in prompts]
-    recs, last = [], engine.last_step
-    limit = len(prompts) * (len(prompts[0]) + params.max_tokens) + STEP_SLACK
-    while engine.has_unfinished():
-        if len(recs) > limit:
-            raise RuntimeError(f"run did not finish within {limit} steps")
-        _sync()
-        t0 = time.perf_counter()
-        engine.step()
-        _sync()
-        dt = time.perf_counter() - t0
-        info = engine.last_step
-        if info is None or info is last:
-            continue
-        last = info
-        recs.append({"num_seqs": info.num_seqs, "num_prefill_tokens": info.num_prefill_tokens,
-                     "num_decode_seqs": info.num_decode_seqs, "path": info.path, "duration_s": dt,
-                     "new": info.num_new_tokens, "drafted": info.num_draft_tokens, "accepted": info.num_accepted_tokens})
-    return recs, [outs[i] for i in ids]
+    outs: list[list[int]] = []
+    return run_batch(engine, prompts, params, outs), outs
 
 
 def _median(xs):
