@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from ..models import mxfp4
-from .moe import (ACTIVATIONS, MIN_DOT_ROWS, SITU_BETA, SITU_LINEAR_BETA, _dot_meta, _pow2, moe_combine,
-                  moe_experts_ref)
+from .moe import (ACTIVATIONS, MIN_DOT_ROWS, SITU_BETA, SITU_LINEAR_BETA, _dot_meta, _first_use, _pow2,
+                  _token_slots, moe_combine, moe_experts_ref)
 
 GROUP = mxfp4.GROUP                  # values per E8M0 scale
 BPG = GROUP // 2                     # packed bytes per scale group
@@ -82,16 +82,10 @@ def _mx_up_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, h_ptr, B, KB, I, stride_xb,
                   BLOCK_I: tl.constexpr, BLOCK_KB: tl.constexpr, BPG: tl.constexpr, ACT: tl.constexpr,
                   DOT_T: tl.constexpr, PREC: tl.constexpr, BETA: tl.constexpr, BETA_L: tl.constexpr):
     n = tl.program_id(0)
-    offs_n = tl.arange(0, N_PAD)
     e = tl.load(ids_ptr + n)
-    all_ids = tl.load(ids_ptr + offs_n, mask=offs_n < B * TOP_K, other=-1)
-    if tl.sum(((all_ids == e) & (offs_n < n)).to(tl.int32), axis=0) == 0:  # first assignment of e
+    if _first_use(ids_ptr, n, e, B * TOP_K, N_PAD):  # the first assignment of e serves every token that chose it
+        chose, slot = _token_slots(ids_ptr, e, B, TOP_K, B_PAD, K_PAD)
         offs_b = tl.arange(0, B_PAD)
-        offs_s = tl.arange(0, K_PAD)
-        match = tl.load(ids_ptr + offs_b[:, None] * TOP_K + offs_s[None, :],
-                        mask=(offs_b[:, None] < B) & (offs_s[None, :] < TOP_K), other=-1) == e
-        chose = tl.sum(match.to(tl.int32), axis=1) > 0
-        slot = tl.sum(tl.where(match, offs_s[None, :], 0), axis=1)
         offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         i_ok = offs_i < I
         KG = KB // BPG
@@ -129,16 +123,10 @@ def _mx_down_kernel(h_ptr, q_ptr, s_ptr, ids_ptr, part_ptr, B, D, KB,
                     BLOCK_D: tl.constexpr, BLOCK_KB: tl.constexpr, BPG: tl.constexpr,
                     DOT_T: tl.constexpr, PREC: tl.constexpr, ACT_T: tl.constexpr):
     n = tl.program_id(0)
-    offs_n = tl.arange(0, N_PAD)
     e = tl.load(ids_ptr + n)
-    all_ids = tl.load(ids_ptr + offs_n, mask=offs_n < B * TOP_K, other=-1)
-    if tl.sum(((all_ids == e) & (offs_n < n)).to(tl.int32), axis=0) == 0:
+    if _first_use(ids_ptr, n, e, B * TOP_K, N_PAD):  # the first assignment of e serves every token that chose it
+        chose, slot = _token_slots(ids_ptr, e, B, TOP_K, B_PAD, K_PAD)
         offs_b = tl.arange(0, B_PAD)
-        offs_s = tl.arange(0, K_PAD)
-        match = tl.load(ids_ptr + offs_b[:, None] * TOP_K + offs_s[None, :],
-                        mask=(offs_b[:, None] < B) & (offs_s[None, :] < TOP_K), other=-1) == e
-        chose = tl.sum(match.to(tl.int32), axis=1) > 0
-        slot = tl.sum(tl.where(match, offs_s[None, :], 0), axis=1)
         offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
         I = 2 * KB
