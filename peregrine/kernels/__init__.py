@@ -6,7 +6,10 @@ interpreter is on). Callers fall back to the standard PyTorch path otherwise.
 """
 from __future__ import annotations
 
+import json
 import os
+import warnings
+from pathlib import Path
 
 import torch
 
@@ -43,3 +46,16 @@ def why_unavailable(device=None) -> str | None:
     if dev.type == "cpu":
         return "CPU without TRITON_INTERPRET=1"
     return f"GPU capability below sm_{MIN_CAPABILITY[0]}{MIN_CAPABILITY[1]}"
+
+
+def read_plan_entries(path: Path, warn: str | None = None) -> dict:
+    """The "entries" object of a tuned plan file (kernels/*_plan.json); {} when the file is missing,
+    unreadable or malformed, so every shape takes its kernel's defaults. warn: name the plan in a
+    warning when an existing file cannot be read."""
+    try:
+        entries = json.loads(path.read_text()).get("entries", {}) if path.exists() else {}
+    except (OSError, ValueError, AttributeError) as e:
+        if warn:
+            warnings.warn(f"ignoring unreadable {warn} plan {path}: {e}")
+        return {}
+    return entries if isinstance(entries, dict) else {}

@@ -21,7 +21,6 @@ channel), as in peregrine/cache.py. Configs per (H, d, B) come from kda_plan.jso
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -29,6 +28,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from . import read_plan_entries
 
 SOFTPLUS_LINEAR = tl.constexpr(20.0)  # softplus(x) == x in FP32 beyond this; avoids exp overflow
 INLINE, LAST, LAUNCH = 0, 1, 2  # finisher modes (see the module docstring)
@@ -268,13 +269,8 @@ def is_valid(c: KdaConfig) -> bool:
 @functools.lru_cache(maxsize=None)
 def load_plan(path: str | None = None) -> dict:
     """{(H, D, B): KdaConfig} from the plan file; a missing or unreadable file or a bad entry is skipped."""
-    p = Path(path) if path else PLAN_PATH
-    try:
-        entries = json.loads(p.read_text()).get("entries", {})
-    except (OSError, ValueError, AttributeError):
-        return {}
     plan = {}
-    for key, e in entries.items() if isinstance(entries, dict) else ():
+    for key, e in read_plan_entries(Path(path) if path else PLAN_PATH).items():
         try:
             H, D, B = (int(x) for x in key.split(","))
             c = KdaConfig(split=e["split"], num_warps=e["num_warps"], num_stages=e.get("num_stages", 1),

@@ -29,7 +29,6 @@ the result is deterministic. A sequence of length 0 yields zeros (padded graph r
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import interpreting, read_plan_entries
 
 LOG2E = 1.4426950408889634  # scores go through exp2: fold log2(e) into the scale once
 MIN_DOT = 16                # smallest tl.dot dimension on the tensor cores
@@ -111,13 +110,8 @@ def plan_key(cache: str, batch: int, context: int) -> str:
 @functools.lru_cache(maxsize=None)
 def load_plan(path: str | None = None) -> dict:
     """{(cache, B, context): (MlaTiling, num_splits)}; a missing/corrupt file or a bad entry is skipped."""
-    p = Path(path) if path else PLAN_PATH
-    try:
-        entries = json.loads(p.read_text()).get("entries", {})
-    except (OSError, ValueError, AttributeError):
-        return {}
     plan = {}
-    for key, e in entries.items() if isinstance(entries, dict) else ():
+    for key, e in read_plan_entries(Path(path) if path else PLAN_PATH).items():
         try:
             cache, b, ctx = key.split(",")
             fields = {k: e[k] for k in MlaTiling.__dataclass_fields__ if k in e}

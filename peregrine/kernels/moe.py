@@ -26,7 +26,6 @@ one order class per shape and, per B, the fastest tiles within it.
 from __future__ import annotations
 
 import functools
-import json
 import warnings
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import interpreting, read_plan_entries
 
 PLAN_PATH = Path(__file__).with_name("moe_plan.json")
 B_MAX = 16             # decode batches up to 16 share one padded token tile: one compile, batch-invariant bits
@@ -70,13 +69,7 @@ def _token_pad(B: int) -> int:
 @functools.cache
 def load_plan(path: str | None = None) -> dict:
     """Plan entries; a missing or unreadable plan is empty (every shape takes the defaults)."""
-    p = Path(path) if path else PLAN_PATH
-    try:
-        entries = json.loads(p.read_text()).get("entries", {}) if p.exists() else {}
-        return entries if isinstance(entries, dict) else {}
-    except (OSError, ValueError, AttributeError) as e:
-        warnings.warn(f"ignoring unreadable MoE plan {p}: {e}")
-        return {}
+    return read_plan_entries(Path(path) if path else PLAN_PATH, warn="MoE")
 
 
 def router_key(E: int, D: int, dtype: torch.dtype) -> str:
