@@ -195,10 +195,14 @@ class SpecializedRunner:
         return _mm(o.view(N, -1), attn.o_proj, out=self._rbuf(h))
 
     def _mla(self, attn, h, step, T=1):
-        B, c = h.shape[0], self.cache
         proj = _mm(h, attn.in_proj)
-        q = proj[:, : attn.q_dim].view(B, attn.H, -1)
-        kva = proj[:, attn.q_dim:]
+        o = self._mla_attend(attn, proj[:, : attn.q_dim], proj[:, attn.q_dim:], step, T)
+        return _mm(o, attn.o_proj, out=self._rbuf(h))
+
+    def _mla_attend(self, attn, q, kva, step, T=1):
+        """Write this step's latents, then absorbed attention over the paged cache: [B, H·v]."""
+        B, c = q.shape[0], self.cache
+        q = q.view(B, attn.H, -1)
         entries = torch.cat([rms_norm(kva[:, : attn.r], attn.kv_norm, self.cfg.mla_norm_eps), kva[:, attn.r:]], -1)
         c.write_latent(attn.layer, step.slot_mapping, entries)
         w_uk, w_uv = attn.w_uk_uv
@@ -212,22 +216,25 @@ class SpecializedRunner:
             lens = (lens.unsqueeze(1) - (T - 1) + torch.arange(T, device=lens.device, dtype=lens.dtype)).reshape(B)
         o_lat = mla_decode(qh, c.latent[mi], c.scale[mi] if c.fp8 else None, tables,
                            lens, attn.sm_scale, kv_lora_rank=attn.r)
-        o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, v]
-        return _mm(o.reshape(B, -1), attn.o_proj, out=self._rbuf(h))
+        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(B, -1)
 
     def _dense(self, mlp, h, out=None):
         return _mm(swiglu(_mm(h, mlp.gate_up)), mlp.down, out=out)
 
+    def _shared(self, moe, h, mlp):
+        """Launch the shared expert (None without one) on the side stream, overlapping the routed
+        experts; the caller waits on self.side before using it."""
+        if moe.shared is None:
+            return None
+        if self.side is None:
+            return mlp(moe.shared, h)
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            return mlp(moe.shared, h)
+
     def _moe(self, moe, h):
         cfg = self.cfg
-        shared = None
-        if moe.shared is not None:
-            if self.side is not None:  # the shared expert overlaps the routed ones
-                self.side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(self.side):
-                    shared = self._dense(moe.shared, h)
-            else:
-                shared = self._dense(moe.shared, h)
+        shared = self._shared(moe, h, self._dense)
         ids, w = moe_route(h, moe.gate_w, moe.bias, cfg.num_experts_per_token, cfg.moe_renormalize,
                            cfg.routed_scaling_factor)
         moe.last_ids = ids
@@ -263,20 +270,10 @@ class SpecializedRunner:
         return logits, argmax(logits)
 
     def _mla_k3(self, attn, h, step):
-        B, c = h.shape[0], self.cache
         q, kva, g = skinny_gemm(h, attn.in_proj).split(attn.splits, dim=-1)
         if attn.q_b is not None:  # q-LoRA: q = W_qb RMSNorm(W_qa x)
             q = skinny_gemm(rms_norm(q, attn.q_a_norm, self.cfg.mla_norm_eps), attn.q_b)
-        q = q.view(B, attn.H, -1)
-        entries = torch.cat([rms_norm(kva[:, : attn.r], attn.kv_norm, self.cfg.mla_norm_eps), kva[:, attn.r:]], -1)
-        c.write_latent(attn.layer, step.slot_mapping, entries)
-        w_uk, w_uv = attn.w_uk_uv
-        q_lat = torch.bmm(q[..., : attn.nope].transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, r]
-        qh = torch.cat([q_lat, q[..., attn.nope:]], -1)
-        mi = c.mla_index[attn.layer]
-        o_lat = mla_decode(qh, c.latent[mi], c.scale[mi] if c.fp8 else None, step.block_tables,
-                           step.context_lens_t, attn.sm_scale, kv_lora_rank=attn.r)
-        o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(B, -1)  # [B, H·v]
+        o = self._mla_attend(attn, q, kva, step)  # [B, H·v]
         if attn.gate_dim:  # K3: o ⊙ σ(W_g x), in FP32
             o = (o.float() * torch.sigmoid(g.float())).to(h.dtype)
         return skinny_gemm(o, attn.o_proj)
@@ -286,14 +283,7 @@ class SpecializedRunner:
 
     def _moe_k3(self, moe, h):
         cfg = self.cfg
-        shared = None
-        if moe.shared is not None:  # on the un-projected input, overlapping the routed experts
-            if self.side is not None:
-                self.side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(self.side):
-                    shared = self._mlp_k3(moe.shared, h)
-            else:
-                shared = self._mlp_k3(moe.shared, h)
+        shared = self._shared(moe, h, self._mlp_k3)  # on the un-projected input
         ids, w = moe_route(h, moe.gate_w, moe.bias, cfg.num_experts_per_token, cfg.moe_renormalize,
                            cfg.routed_scaling_factor)  # the router also reads x, not z
         moe.last_ids = ids
