@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Run independent GPU jobs side by side on a multi-GPU device machine, one "lane" per GPU set,
+# then bundle everything into at most 8 files (the device returns no more):
+#   bash scripts/gpu_lanes.sh "0:STEPS=mlatune bash scripts/gpu_run.sh" "1,2:TP=2 bash scripts/tp_gpu_run.sh"
+# Each lane runs with CUDA_VISIBLE_DEVICES=<gpus>, its own OUT=$OUT/laneN and log $OUT/laneN.log.
+# Lanes on disjoint GPUs share nothing but the host (64 cores on the x4 kind) and the results/ folder,
+# whose file names carry the model, kind and TP size. At the end: $OUT/summary.txt (rc and time per lane)
+# and $OUT/bundle.tgz (lane folders, logs and results/), split into 15 MB parts when larger.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+[ -f .commit ] && export PEREGRINE_COMMIT=${PEREGRINE_COMMIT:-$(cat .commit)}
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/peregrine-out}
+BUNDLE_PART=15000000  # under the device's 16 MiB per returned file
+mkdir -p "$OUT" results
+if [ -d .whl ]; then  # wheels the GPU image lacks (scripts/fetch_gpu_wheels.sh), installed once for all lanes
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  mv .whl /tmp/whl-installed  # the lanes' scripts must not install them again, concurrently
+fi
+nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/summary.txt"
+START=$(date +%s)
+i=0
+pids=()
+for lane in "$@"; do
+  gpus=${lane%%:*} cmd=${lane#*:}
+  mkdir -p "$OUT/lane$i"
+  echo "lane$i gpus=$gpus: $cmd" | tee -a "$OUT/summary.txt"
+  ( t0=$(date +%s)
+    CUDA_VISIBLE_DEVICES=$gpus OUT=$OUT/lane$i bash -c "$cmd" > "$OUT/lane$i.log" 2>&1
+    echo "lane$i rc=$? in $(( $(date +%s) - t0 ))s" >> "$OUT/lanes-done.txt" ) &
+  pids+=($!)
+  i=$((i + 1))
+done
+wait "${pids[@]}"
+cat "$OUT/lanes-done.txt" | tee -a "$OUT/summary.txt"
+echo "all lanes in $(( $(date +%s) - START ))s" | tee -a "$OUT/summary.txt"
+for f in "$OUT"/lane*.log; do echo "===== $f (tail)"; tail -n 15 "$f"; done
+cd "$OUT" && tar czf /tmp/bundle.tgz lane* summary.txt -C "$OLDPWD" results && rm -rf "$OUT"/lane* "$OUT/lanes-done.txt"
+if [ "$(stat -c %s /tmp/bundle.tgz)" -gt $BUNDLE_PART ]; then
+  split -b $BUNDLE_PART -d /tmp/bundle.tgz "$OUT/bundle.tgz.part"
+else
+  mv /tmp/bundle.tgz "$OUT/bundle.tgz"
+fi
+ls -la "$OUT"
