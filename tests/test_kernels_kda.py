@@ -282,12 +282,15 @@ def test_heuristic_and_committed_plan():
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
 @pytest.mark.parametrize("fresh_counters", [False, True])
 def test_split_under_cuda_graph(fresh_counters, monkeypatch):
-    """Replays match eager calls; counters first made inside a capture fall back to the launch finisher."""
+    """Replays match eager calls bit for bit; counters first made inside a capture fall back to the
+    launch finisher (so the eager reference uses it too: the two finishers are separately compiled
+    kernels, equal only to rounding in the FP32 state)."""
     H, d, slots = 32, 128, [5, 2]
     cfg = KdaConfig(split=8, finish="last")
+    eager = KdaConfig(split=8, finish="launch") if fresh_counters else cfg
     inp, state, conv, idx = make_case(H, d, slots, 1, dtype=torch.bfloat16, seed=31)
     st_e, cv_e = state.clone(), conv.clone()
-    want = [kda_decode(**inp, state=st_e, conv_state=cv_e, slots=idx, config=cfg).clone() for _ in range(3)]
+    want = [kda_decode(**inp, state=st_e, conv_state=cv_e, slots=idx, config=eager).clone() for _ in range(3)]
     kda_decode(**inp, state=state.clone(), conv_state=conv.clone(), slots=idx,  # compile outside the capture
                config=KdaConfig(split=8, finish="launch"))
     if fresh_counters:
@@ -307,6 +310,19 @@ def test_split_under_cuda_graph(fresh_counters, monkeypatch):
         assert torch.equal(out, w)
     assert torch.equal(st, st_e) and torch.equal(cv, cv_e)
     assert counters_zero()
+
+
+def test_tuner_validates_from_untouched_state(monkeypatch):
+    """The tuner times candidates over its state copies in place; validating a candidate afterwards
+    must still start from the original state (on the H200 every candidate was once rejected so)."""
+    from peregrine.bench import kernels_kda as bench
+    monkeypatch.setattr(bench, "H", 2), monkeypatch.setattr(bench, "D", 16), monkeypatch.setattr(bench, "SLOTS", 4)
+    monkeypatch.setattr(bench, "DTYPE", torch.float32)
+    case = bench.Case(1, dev=DEVICE)
+    cfg = KdaConfig(split=2, num_warps=1)
+    case.call(0, config=cfg)  # what timing does to copy 0
+    e_o, e_s = case.errors(config=cfg)
+    assert e_o < 1e-4 and e_s < 1e-4, (e_o, e_s)
 
 
 def test_bench_plan_writer_round_trips(tmp_path):

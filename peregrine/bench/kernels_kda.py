@@ -64,7 +64,9 @@ class Case:
         weights = (C * W + HD + D) * DTYPE.itemsize + H * 4
         self.bytes = 2 * per + io + weights + batch * 8
         self.batch = batch
-        st, cv = self.state[0].clone(), self.conv[0].clone()
+        # timing updates the copies in place: validation starts from these untouched originals
+        self.state0, self.conv0 = self.state[0].clone(), self.conv[0].clone()
+        st, cv = self.state0.clone(), self.conv0.clone()
         self.ref_out = kda_decode_ref(**self.inp, state=st, conv_state=cv, slots=self.slots,  # FP32, unrounded
                                       out=torch.empty(batch, T, HD, device=dev))
         self.ref_state = st[self.slots]
@@ -74,8 +76,8 @@ class Case:
                           out=self.out, **kw)
 
     def errors(self, **kw) -> tuple[float, float]:
-        """(output, state) relative errors of one call vs the FP32 reference, on a copy of copy 0."""
-        st, cv = self.state[0].clone(), self.conv[0].clone()
+        """(output, state) relative errors of one call vs the FP32 reference, from copy 0's original state."""
+        st, cv = self.state0.clone(), self.conv0.clone()
         kda_decode(**self.inp, state=st, conv_state=cv, slots=self.slots, out=self.out, **kw)
         e_o = ((self.out.float() - self.ref_out).norm() / self.ref_out.norm()).item()
         e_s = ((st[self.slots] - self.ref_state).norm() / self.ref_state.norm()).item()
@@ -106,7 +108,7 @@ def graph_time(fn_of_i, copies: int, iters: int) -> tuple[float, list[float]]:
 def _conv_qkv(case: Case, dtype) -> tuple[torch.Tensor, ...]:
     """The short conv + SiLU fla's kernel leaves to the caller, from copy 0's conv state: q, k, v [B,T,H,D]."""
     x = case.inp["qkv"]
-    hist = torch.cat([case.conv[0][case.slots], x], 1).float()          # [B, W-1+T, C]
+    hist = torch.cat([case.conv0[case.slots], x], 1).float()          # [B, W-1+T, C]
     w = case.inp["conv_w"].float()                                       # [C, W]
     y = sum(hist[:, j:j + T] * w[:, j] for j in range(W))
     y = y * torch.sigmoid(y)
@@ -125,7 +127,7 @@ def fla_errors(case: Case, fwd) -> tuple[float, float]:
     gap is the recurrence itself; our output norm and σ(r) gate are applied to its o in PyTorch."""
     B, HD = case.batch, H * D
     q, k, v = _conv_qkv(case, torch.float32)
-    st = case.state[0].clone()
+    st = case.state0.clone()
     o = torch.empty_like(v)
     _fla_call(fwd, q, k, v, case, st, case.inp["f"].view(B, T, H, D).contiguous(), case.inp["b"].contiguous(), o)
     o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * case.inp["o_norm_w"].float()
