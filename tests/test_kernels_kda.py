@@ -352,7 +352,7 @@ res = {}
 for B in (1, 8):
     c = kda.lookup(32, 128, B, "cpu")
     ce = dict(W=4, BLOCK_W=4, BLOCK_D=128, BLOCK_V=128 // c.split, SPLIT=c.split, FINISH=0 if c.split == 1 else 1,
-              SOFTPLUS=True, CKPT=False)
+              SOFTPLUS=True, CKPT=False, USE_PDL=False)
     sig = {n: "constexpr" if n in ce else ptr.get(n, "*bf16") if n in names[:16] else
            "fp32" if n in ("lower_bound", "eps_qk", "eps_o", "q_scale") else "i32" for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}

@@ -190,11 +190,14 @@ def main():
     ap.add_argument("--write-plan", action="store_true", help="with --tune: merge the winners into gemm_plan.json")
     ap.add_argument("--fast", action="store_true", help="with --tune: only heuristic tile (FMA / tensor-core) vs cuBLAS")
     ap.add_argument("--ms", default="1,2,4,8,16", help="row counts M, comma separated")
+    ap.add_argument("--pdl", action="store_true", help="launch with Programmatic Dependent Launch (tune for {\"pdl\": true})")
     ap.add_argument("--results-dir", default="results")
     a = ap.parse_args()
+    from peregrine.kernels.pdl import set_pdl
+    set_pdl(a.pdl)  # back-to-back calls in the timed graphs then overlap as in a PDL decode step
     ms = tuple(int(v) for v in a.ms.split(","))
     copy = copy_bandwidth()
-    meta = run_metadata() | {"copy_gbps": copy["gbps"], "copy_samples_ms": copy["samples_ms"]}
+    meta = run_metadata() | {"copy_gbps": copy["gbps"], "copy_samples_ms": copy["samples_ms"], "pdl": a.pdl}
     plan = tune_plan(copy["gbps"], not a.quick, ms, fast=a.fast) if a.tune else None
     if plan and a.write_plan:
         write_plan(plan, {k: meta[k] for k in ("commit", "gpu", "torch", "triton", "time_utc", "copy_gbps")})

@@ -346,7 +346,7 @@ def compile_sm90(fn, args: dict, num_warps: int, num_stages: int) -> dict:
     from triton.compiler import ASTSource
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
-        ty, v = args[name]
+        ty, v = args.get(name, ("constexpr", False)) if name == "USE_PDL" else args[name]  # PDL: off unless asked
         sig[name] = ty
         if ty == "constexpr":
             consts[name] = v

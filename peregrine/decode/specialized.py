@@ -26,6 +26,7 @@ from ..kernels.mla import mla_decode
 from ..kernels.moe import moe_combine, moe_expert_partials, moe_experts, moe_route
 from ..kernels.moe_mxfp4 import moe_mxfp4_experts
 from ..kernels.norm import add_rms_norm, rms_norm
+from ..kernels.pdl import pdl as kernels_pdl
 from ..kernels.sampling import argmax
 from ..models.layers import swiglu
 from ..parallel.group import SINGLE
@@ -46,11 +47,12 @@ class SpecializedRunner:
     name = "latency_specialized"
 
     def __init__(self, model, cache, standard, *, max_batch: int = 8, cuda_graphs: bool = True, log=print,
-                 max_blocks: int | None = None, allreduce: str = "auto"):
+                 max_blocks: int | None = None, allreduce: str = "auto", pdl: bool = False):
         if not 1 <= max_batch <= MAX_DECODE_BATCH:
             raise ValueError(f"max_decode_batch must be in 1..{MAX_DECODE_BATCH}, got {max_batch}")
         self.model, self.cache, self.standard, self.max_batch, self.log = model, cache, standard, max_batch, log
         self.cfg = model.cfg
+        self.pdl = pdl  # Programmatic Dependent Launch for this runner's kernels (captured into its graphs)
         self.last_path = self.name
         self.fallback_reasons: Counter = Counter()
         self.greedy_tokens = None  # argmax of the last specialized step (the engine skips its own)
@@ -71,10 +73,11 @@ class SpecializedRunner:
             from ..parallel.symm import OneShot
             self.oneshot = OneShot.create(self.tp, max_batch, self.cfg.hidden_size, model.dtype, dev, log)
         # one graph per B: the MLA decode grid depends only on the block-table width, not on lengths
-        self.graphs = GraphCache(self._step, cache, max_batch, log, fixed_blocks=max_blocks) if (
+        self.graphs = GraphCache(self._pdl_step, cache, max_batch, log, fixed_blocks=max_blocks) if (
             cuda_graphs and dev.type == "cuda") else None
         log(f"latency_specialized: decode B ≤ {max_batch} via fused kernels"
             + (f", CUDA graphs per batch size" if self.graphs else ", no graphs")
+            + (", programmatic dependent launch on" if pdl else "")
             + "; weights shared with the standard path in place (0 bytes re-packed)"
             + (f"; kernels unavailable here ({self.unavailable}): every step falls back" if self.unavailable else "")
             + (f"; unsupported: {self.unsupported}: every step falls back" if self.unsupported else ""))
@@ -106,7 +109,7 @@ class SpecializedRunner:
         self.last_path = self.name
         graphs = self.verify_graphs.get(step.spec_tokens) if step.spec_tokens else self.graphs
         out = graphs.run(step) if graphs and not self.record_routing else None  # record eagerly
-        logits, self.greedy_tokens = out if out is not None else self._step(step)
+        logits, self.greedy_tokens = out if out is not None else self._pdl_step(step)
         if self.record_routing:
             self.standard.record_step_routing()  # same model, same log
         return logits
@@ -134,13 +137,18 @@ class SpecializedRunner:
         if not on or self.unavailable or self.unsupported or self._k3:  # K3 verify steps fall back
             return
         for T in range(2, k + 2):
-            g = GraphCache(self._step, self.cache, self.max_batch, self.log, fixed_blocks=max_blocks,
+            g = GraphCache(self._pdl_step, self.cache, self.max_batch, self.log, fixed_blocks=max_blocks,
                            tokens_per_seq=T, static_extra={"spec_tokens": T, "kda_ckpt": kda_ckpt})
             if fixed is not None:
                 g.capture_all()
             self.verify_graphs[T] = g
 
     # ---- the step ----
+    def _pdl_step(self, step):
+        """The step with this runner's PDL setting, for eager runs, warm-up and graph capture alike."""
+        with kernels_pdl(self.pdl):
+            return self._step(step)
+
     @torch.inference_mode()
     def _step(self, step):
         if self.cfg.is_k3 or self.cfg.expert_quant is not None:

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from peregrine.kernels import interpreting
+from peregrine.kernels.pdl import launch_kwargs, pdl_wait
 
 PLAN_PATH = Path(__file__).with_name("gemm_plan.json")
 NUM_SMS = 132  # H200; the heuristic aims for >= 2 waves of programs
@@ -34,9 +35,29 @@ SUPPORTED = (torch.bfloat16, torch.float32)
 
 
 @triton.jit
+def _tile(ptrs, row_ok, kk, K, EVEN_K: tl.constexpr):
+    """One [rows, BLOCK_K] tile at columns kk (zero past K or past the valid rows)."""
+    if EVEN_K:
+        return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    return tl.load(ptrs, mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _mac(acc, xk, wk, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
+    if USE_DOT:
+        if IEEE:  # FP32 operands: exact FP32 products, not TF32 (see _use_ieee)
+            acc = tl.dot(xk.to(tl.float32), tl.trans(wk.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xk.to(tl.bfloat16), tl.trans(wk.to(tl.bfloat16)), acc)
+    else:
+        acc += xk.to(tl.float32)[:, None, :] * wk.to(tl.float32)[None, :, :]
+    return acc
+
+
+@triton.jit
 def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys, k_per_split,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr):
+                 USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -51,33 +72,31 @@ def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, 
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
-        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, k_per_split, BLOCK_K):
-        if EVEN_K:
-            xk = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-            wk = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-        else:
-            k_ok = (k0 + k + rk) < K
-            xk = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            wk = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if USE_DOT:
-            if IEEE:  # FP32 operands: exact FP32 products, not TF32 (see _use_ieee)
-                acc = tl.dot(xk.to(tl.float32), tl.trans(wk.to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xk.to(tl.bfloat16), tl.trans(wk.to(tl.bfloat16)), acc)
-        else:
-            acc3 += xk.to(tl.float32)[:, None, :] * wk.to(tl.float32)[None, :, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    k_start = 0
+    if USE_PDL:  # first step peeled: its weight tile streams in before the predecessor is done
+        wk = _tile(w_ptrs, n_ok, k0 + rk, K, EVEN_K)
+        pdl_wait(USE_PDL)
+        acc = _mac(acc, _tile(x_ptrs, m_ok, k0 + rk, K, EVEN_K), wk, USE_DOT, IEEE)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        k_start = BLOCK_K
+    for k in range(k_start, k_per_split, BLOCK_K):
+        xk = _tile(x_ptrs, m_ok, k0 + k + rk, K, EVEN_K)
+        wk = _tile(w_ptrs, n_ok, k0 + k + rk, K, EVEN_K)
+        acc = _mac(acc, xk, wk, USE_DOT, IEEE)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if not USE_DOT:
-        acc = tl.sum(acc3, axis=2)
+        acc = tl.sum(acc, axis=2)
     y_ptrs = y_ptr + pid_s.to(tl.int64) * stride_ys + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def _splitk_reduce_kernel(ws_ptr, y_ptr, N, stride_ws_s, stride_ws_m, stride_ym,
-                          SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+                          SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # every input is the GEMM's workspace
     m = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rn < N
@@ -191,11 +210,12 @@ def launch(x, w, y, cfg: dict) -> None:
     ieee = _use_ieee(x, w)
     grid = (triton.cdiv(N, bn), split, triton.cdiv(M, bm))
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot, IEEE=ieee, EVEN_K=even_k,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(x.device))
     if split == 1:
         _gemm_kernel[grid](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), 0, k_per, **meta)
         return
     ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     _gemm_kernel[grid](x, w, ws, M, N, K, x.stride(0), w.stride(0), N, M * N, k_per, **meta)
     rgrid = (triton.cdiv(N, REDUCE_BLOCK), M)
-    _splitk_reduce_kernel[rgrid](ws, y, N, M * N, N, y.stride(0), SPLIT_K=split, BLOCK=REDUCE_BLOCK, num_warps=4)
+    _splitk_reduce_kernel[rgrid](ws, y, N, M * N, N, y.stride(0), SPLIT_K=split, BLOCK=REDUCE_BLOCK, num_warps=4,
+                                 **launch_kwargs(x.device))

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from . import read_plan_entries
+from .pdl import launch_kwargs, pdl_wait
 
 SOFTPLUS_LINEAR = tl.constexpr(20.0)  # softplus(x) == x in FP32 beyond this; avoids exp overflow
 INLINE, LAST, LAUNCH = 0, 1, 2  # finisher modes (see the module docstring)
@@ -124,7 +125,7 @@ def _kda_decode_kernel(
     s_sck_b, s_sck_t, s_sck_h, s_sck_k, s_cck_b, s_cck_t, s_cck_j, s_os_b, s_os_t,
     lower_bound, eps_qk, eps_o, q_scale,
     W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, SPLIT: tl.constexpr,
-    FINISH: tl.constexpr, SOFTPLUS: tl.constexpr, CKPT: tl.constexpr,
+    FINISH: tl.constexpr, SOFTPLUS: tl.constexpr, CKPT: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     pb = tl.program_id(0)
     h = tl.program_id(1)
@@ -137,6 +138,12 @@ def _kda_decode_kernel(
     ch_q = h * D + offs
     ch_k = HD + ch_q
     ch_v = 2 * HD + h * D + ov
+    # Weights first (safe before the PDL wait); state, conv state, slots and inputs are all
+    # written by earlier kernels of this step or the previous one, so they load after it.
+    a = tl.exp(tl.load(A_log + h).to(tl.float32))
+    dtb = tl.load(dt_bias + ch_q, mask=m, other=0.0).to(tl.float32)
+    nw = tl.load(onw + ov, mask=mv, other=0.0).to(tl.float32)
+    pdl_wait(USE_PDL)
     slot = tl.load(slots + pb).to(tl.int64)
 
     x_b = qkv + pb.to(tl.int64) * s_qkv_b
@@ -145,10 +152,6 @@ def _kda_decode_kernel(
     sp = st + offs[:, None] * s_st_k + ov[None, :]
     m2 = m[:, None] & mv[None, :]
     S = tl.load(sp, mask=m2, other=0.0)
-
-    a = tl.exp(tl.load(A_log + h).to(tl.float32))
-    dtb = tl.load(dt_bias + ch_q, mask=m, other=0.0).to(tl.float32)
-    nw = tl.load(onw + ov, mask=mv, other=0.0).to(tl.float32)
 
     for t in range(T):
         q = _conv_silu(x_b, cs, conv_w, s_cw, ch_q, m, t, s_qkv_t, s_cs_j, W)
@@ -218,7 +221,9 @@ def _kda_decode_kernel(
 def _kda_finish_kernel(qkv, r, onw, conv_state, slots, out, cck, osc, T, H, D,
                        s_qkv_b, s_qkv_t, s_cs_s, s_cs_j, s_r_b, s_r_t, s_os_b, s_os_t, s_o_b, s_o_t,
                        s_cck_b, s_cck_t, s_cck_j, eps_o,
-                       W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, CKPT: tl.constexpr):
+                       W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, CKPT: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # o slices in the scratch come from the decode kernel just before
     pb = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots + pb).to(tl.int64)
@@ -359,6 +364,7 @@ def kda_decode(qkv, f, b, r, conv_w, A_log, dt_bias, o_norm_w, state, conv_state
         float(lower_bound), float(eps_qk), float(eps_o), d ** -0.5,
         W=W, BLOCK_W=BLOCK_W, BLOCK_D=BLOCK_D, BLOCK_V=BLOCK_D // split, SPLIT=split, FINISH=finish,
         SOFTPLUS=gate == "softplus", CKPT=ckpt, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch_kwargs(qkv.device),
     )
     if finish == LAUNCH:
         _kda_finish_kernel[(B, H)](
@@ -366,7 +372,7 @@ def kda_decode(qkv, f, b, r, conv_w, A_log, dt_bias, o_norm_w, state, conv_state
             qkv.stride(0), qkv.stride(1), conv_state.stride(0), conv_state.stride(1), r.stride(0), r.stride(1),
             osc.stride(0), osc.stride(1), out.stride(0), out.stride(1),
             cck.stride(0), cck.stride(1), cck.stride(2) if ckpt else 0, float(eps_o),
-            W=W, BLOCK_W=BLOCK_W, BLOCK_D=BLOCK_D, CKPT=ckpt, num_warps=FINISH_WARPS,
+            W=W, BLOCK_W=BLOCK_W, BLOCK_D=BLOCK_D, CKPT=ckpt, num_warps=FINISH_WARPS, **launch_kwargs(qkv.device),
         )
     return out
 

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting, read_plan_entries
+from .pdl import launch_kwargs, pdl_wait
 
 LOG2E = 1.4426950408889634  # scores go through exp2: fold log2(e) into the scale once
 MIN_DOT = 16                # smallest tl.dot dimension on the tensor cores
@@ -167,7 +168,9 @@ def _mla_split_kernel(
     C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, PAGE: tl.constexpr,
     FP8: tl.constexpr, PV_LOG: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr, CDT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)  # no weights here: q̂, lengths, tables and this step's cache entry come from earlier work
     b = tl.program_id(0)
     sp = tl.program_id(1)
     g = tl.program_id(2)
@@ -256,8 +259,10 @@ def _mla_combine_kernel(
     part_ptr, lse_ptr, len_ptr, out_ptr, num_splits,
     s_pb, s_ph, s_ps, s_eb, s_eh, s_ob, s_oh,
     C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_CC: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """One (sequence, head, channel slice): all of its splits in one [BLOCK_S, BLOCK_CC] tile."""
+    pdl_wait(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     oc = tl.program_id(2) * BLOCK_CC + tl.arange(0, BLOCK_CC)
@@ -342,7 +347,7 @@ def mla_decode(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lor
         ps[0], ps[1], ps[2], es[0], es[1], out.stride(0), out.stride(1),
         C=C, R=R, BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_N=t.block_n,
         MIN_CHUNK=t.min_split_tokens, PAGE=page, FP8=fp8, PV_LOG=fp16, DIRECT=direct, PREC=prec, CDT=cdt,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        num_warps=t.num_warps, num_stages=t.num_stages, **launch_kwargs(q.device),
     )
     if not direct:
         block_s = triton.next_power_of_2(S)
@@ -351,6 +356,7 @@ def mla_decode(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lor
             part, lse, context_lens, out, S,
             ps[0], ps[1], ps[2], es[0], es[1], out.stride(0), out.stride(1),
             C=C, BLOCK_S=block_s, BLOCK_CC=cc, BLOCK_N=t.block_n, MIN_CHUNK=t.min_split_tokens, num_warps=4,
+            **launch_kwargs(q.device),
         )
     return out
 

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting, read_plan_entries
+from .pdl import launch_kwargs, pdl_wait
 
 PLAN_PATH = Path(__file__).with_name("moe_plan.json")
 B_MAX = 16             # decode batches up to 16 share one padded token tile: one compile, batch-invariant bits
@@ -140,8 +141,24 @@ def clear_plan_cache() -> None:
 
 # ----------------------------------------------------------------------------- router
 @triton.jit
+def _router_mac(acc, w, x_ptr, d, d_ok, offs_b, b_ok, B, stride_xb, DOT: tl.constexpr):
+    """acc[b, e] += Σ_d x[b, d] · w[e, d] over one [BLOCK_E, BLOCK_K] tile of W_r (FP32)."""
+    if DOT:  # exact FP32 FMAs in K order (IEEE, not TF32): the router decides which experts run
+        x = tl.load(x_ptr + offs_b[:, None] * stride_xb + d[None, :], mask=b_ok[:, None] & d_ok[None, :],
+                    other=0.0).to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    else:  # token loop over the W tile held in registers
+        for b in range(0, B):
+            xb = tl.load(x_ptr + b * stride_xb + d, mask=d_ok, other=0.0).to(tl.float32)
+            r = tl.sum(w * xb[None, :], axis=1)
+            acc = tl.where(offs_b[:, None] == b, acc + r[None, :], acc)
+    return acc
+
+
+@triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, part_ptr, B, E, D, stride_xb, chunk,
-                          B_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
+                          B_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+                          USE_PDL: tl.constexpr = False):
     s = tl.program_id(1)
     offs_b = tl.arange(0, B_PAD)
     offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -150,26 +167,28 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, B, E, D, stride_xb, chunk,
     w_rows = w_ptr + offs_e.to(tl.int64)[:, None] * D
     acc = tl.zeros([B_PAD, BLOCK_E], tl.float32)
     d_lo = s * chunk
-    for d0 in range(d_lo, tl.minimum(d_lo + chunk, D), BLOCK_K):
+    d_first = d_lo
+    if USE_PDL:  # first W_r tile peeled: it loads before the predecessor (which writes x) is done
+        d = d_lo + offs_k
+        d_ok = d < D
+        w = tl.load(w_rows + d[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        pdl_wait(USE_PDL)
+        acc = _router_mac(acc, w, x_ptr, d, d_ok, offs_b, b_ok, B, stride_xb, DOT)
+        d_first = d_lo + BLOCK_K
+    for d0 in range(d_first, tl.minimum(d_lo + chunk, D), BLOCK_K):
         d = d0 + offs_k
         d_ok = d < D
         w = tl.load(w_rows + d[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        if DOT:  # exact FP32 FMAs in K order (IEEE, not TF32): the router decides which experts run
-            x = tl.load(x_ptr + offs_b[:, None] * stride_xb + d[None, :], mask=b_ok[:, None] & d_ok[None, :],
-                        other=0.0).to(tl.float32)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        else:  # token loop over the W tile held in registers
-            for b in range(0, B):
-                xb = tl.load(x_ptr + b * stride_xb + d, mask=d_ok, other=0.0).to(tl.float32)
-                r = tl.sum(w * xb[None, :], axis=1)
-                acc = tl.where(offs_b[:, None] == b, acc + r[None, :], acc)
+        acc = _router_mac(acc, w, x_ptr, d, d_ok, offs_b, b_ok, B, stride_xb, DOT)
     tl.store(part_ptr + (s * B + offs_b[:, None]) * E + offs_e[None, :], acc, mask=b_ok[:, None] & e_ok[None, :])
 
 
 @triton.jit
 def _router_topk_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, logits_ptr, B, E, scaling,
                         SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                        RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_LOGITS: tl.constexpr):
+                        RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_LOGITS: tl.constexpr,
+                        USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # the partial logits come from the previous kernel
     b = tl.program_id(0)
     offs = tl.arange(0, E_PAD)
     ok = offs < E
@@ -215,13 +234,15 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
     w = torch.empty(B, top_k, dtype=torch.float32, device=x.device)
     _router_logits_kernel[(triton.cdiv(E, cfg["BLOCK_E"]), split)](
         x, gate_w, part, B, E, D, x.stride(0), cfg["CHUNK"], B_PAD=_token_pad(B), BLOCK_E=cfg["BLOCK_E"],
-        BLOCK_K=cfg["BLOCK_K"], DOT=cfg["variant"] == "dot", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BLOCK_K=cfg["BLOCK_K"], DOT=cfg["variant"] == "dot", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **launch_kwargs(x.device))
     if logits_out is not None:
         assert logits_out.shape == (B, E) and logits_out.dtype == torch.float32 and logits_out.is_contiguous()
     b = bias.float().contiguous() if bias is not None else part  # dummy pointer when absent
     _router_topk_kernel[(B,)](part, b, ids, w, logits_out if logits_out is not None else part, B, E, float(scaling),
                               SPLIT=split, TOP_K=top_k, K_PAD=_pow2(top_k), E_PAD=_pow2(E), RENORM=bool(renormalize),
-                              HAS_BIAS=bias is not None, STORE_LOGITS=logits_out is not None, num_warps=TOPK_WARPS)
+                              HAS_BIAS=bias is not None, STORE_LOGITS=logits_out is not None, num_warps=TOPK_WARPS,
+                              **launch_kwargs(x.device))
     return ids, w
 
 
@@ -278,7 +299,9 @@ def _gate_up(x_ptr, w13_ptr, e, chose, offs_i, i_ok, D, I, stride_xb,
 def _expert_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, B, D, I, stride_xb,
                       TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
                       BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, ACT: tl.constexpr,
-                      DOT_T: tl.constexpr, PREC: tl.constexpr, BETA: tl.constexpr, BETA_L: tl.constexpr):
+                      DOT_T: tl.constexpr, PREC: tl.constexpr, BETA: tl.constexpr, BETA_L: tl.constexpr,
+                      USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # the expert ids come from the router: no weight address is known before
     n = tl.program_id(0)
     e = tl.load(ids_ptr + n)
     if _first_use(ids_ptr, n, e, B * TOP_K, N_PAD):
@@ -297,7 +320,9 @@ def _expert_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, B, D, I, stride_xb,
 def _expert_down_kernel(h_ptr, w2_ptr, ids_ptr, part_ptr, B, D, I,
                         TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, SWAP: tl.constexpr,
-                        DOT_T: tl.constexpr, PREC: tl.constexpr):
+                        DOT_T: tl.constexpr, PREC: tl.constexpr,
+                        USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # the expert ids come from the router: no weight address is known before
     n = tl.program_id(0)
     e = tl.load(ids_ptr + n)
     if _first_use(ids_ptr, n, e, B * TOP_K, N_PAD):
@@ -332,8 +357,10 @@ def _expert_down_kernel(h_ptr, w2_ptr, ids_ptr, part_ptr, B, D, I,
 def _expert_fused_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, part_ptr, B, D, I, stride_xb,
                          TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
                          BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr, ACT: tl.constexpr,
-                         DOT_T: tl.constexpr, PREC: tl.constexpr, BETA: tl.constexpr, BETA_L: tl.constexpr):
+                         DOT_T: tl.constexpr, PREC: tl.constexpr, BETA: tl.constexpr, BETA_L: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
     """Up and down for one I tile: its h never leaves registers; writes part[I tile, b, slot, :]."""
+    pdl_wait(USE_PDL)  # the expert ids come from the router: no weight address is known before
     n = tl.program_id(0)
     e = tl.load(ids_ptr + n)
     if _first_use(ids_ptr, n, e, B * TOP_K, N_PAD):
@@ -358,8 +385,10 @@ def _expert_fused_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, part_ptr, B, D, I, str
 
 @triton.jit
 def _combine_kernel(part_ptr, tw_ptr, add_ptr, out_ptr, B, D, NJ, stride_ob, stride_ab,
-                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr):
+                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr,
+                    USE_PDL: tl.constexpr = False):
     """out[b] = Σ_slot tw[b, slot] · Σ_j part[j, b, slot] (+ add[b]): one fixed order for every B."""
+    pdl_wait(USE_PDL)
     b = tl.program_id(0)
     offs_s = tl.arange(0, K_PAD)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -417,7 +446,8 @@ def moe_expert_partials(x, w13, w2, topk_ids, *, activation: str = "swiglu", wor
     part = partials if partials is not None else torch.empty(pshape, dtype=torch.float32, device=x.device)
     assert part.shape == pshape and part.dtype == torch.float32 and part.is_contiguous()
     B_PAD = _token_pad(B)
-    meta = dict(TOP_K=k, B_PAD=B_PAD, K_PAD=_pow2(k), N_PAD=_pow2(B_PAD * k), **_dot_meta(w13.dtype))
+    meta = dict(TOP_K=k, B_PAD=B_PAD, K_PAD=_pow2(k), N_PAD=_pow2(B_PAD * k), **_dot_meta(w13.dtype),
+                **launch_kwargs(x.device))
     act = dict(ACT=ACTIVATIONS[activation], BETA=SITU_BETA, BETA_L=SITU_LINEAR_BETA)
     if cfg["variant"] == "split":
         h = workspace if workspace is not None else torch.empty(B, k, I, dtype=w13.dtype, device=x.device)
@@ -450,7 +480,7 @@ def moe_combine(part: torch.Tensor, topk_w: torch.Tensor, *, out: torch.Tensor |
     _combine_kernel[(B, triton.cdiv(D, COMBINE_BLOCK_D))](
         part, topk_w, add if add is not None else out, out, B, D, nj, out.stride(0),
         add.stride(0) if add is not None else 0, TOP_K=k, K_PAD=_pow2(k), BLOCK_D=COMBINE_BLOCK_D,
-        HAS_ADD=add is not None)
+        HAS_ADD=add is not None, **launch_kwargs(part.device))
     return out
 
 

@@ -12,12 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_kwargs, pdl_wait
+
 MAX_BLOCK = 8192  # widest row kept in registers (K3 hidden 7168 fits); wider rows loop
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, D, stride_x, stride_r, stride_y, eps,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr):
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr, USE_PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_x
@@ -25,6 +27,8 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, D, stride_x, stride_r, stride_y
     y_row = y_ptr + row * stride_y
     if SINGLE:
         ok = cols < D
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)  # a weight: safe before the PDL wait
+        pdl_wait(USE_PDL)
         v = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
         if HAS_RES:
             v = v + tl.load(r_row + cols, mask=ok, other=0.0).to(tl.float32)
@@ -32,9 +36,9 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, D, stride_x, stride_r, stride_y
             tl.store(r_row + cols, v_r, mask=ok)
             v = v_r.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(v * v, axis=0) / D + eps)
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(y_row + cols, (v * rstd * w).to(y_ptr.dtype.element_ty), mask=ok)
     else:
+        pdl_wait(USE_PDL)
         sq = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, D, BLOCK):
             c = start + cols
@@ -76,7 +80,8 @@ def _launch(x, r, w, y, eps: float) -> None:
     warps = 4 if block <= 2048 else 8  # ~16-32 values per thread either way
     res = r if r is not None else x
     _rms_norm_kernel[(M,)](x, res, w, y, D, x.stride(0), res.stride(0), y.stride(0), eps,
-                           HAS_RES=r is not None, BLOCK=block, SINGLE=D <= block, num_warps=warps)
+                           HAS_RES=r is not None, BLOCK=block, SINGLE=D <= block, num_warps=warps,
+                           **launch_kwargs(x.device))
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:

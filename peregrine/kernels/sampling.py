@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_kwargs, pdl_wait
+
 BLOCK_V = 4096  # vocab chunk per program: 163840 -> 40 programs per row even at B = 1
 NO_INDEX = tl.constexpr(2**31 - 1)  # "no valid element" in a chunk; larger than any vocab index
 U_SCALE = tl.constexpr(2.0**-23)  # uniforms from the top 23 random bits: (x + 0.5)·2^-23 is exact and inside (0, 1)
@@ -33,7 +35,8 @@ def _chunk_best(score, pos, ok, pmax_ptr, pidx_ptr, out_at):
 
 
 @triton.jit
-def _argmax_stage1(x_ptr, stride_x, V, pmax_ptr, pidx_ptr, BLOCK: tl.constexpr):
+def _argmax_stage1(x_ptr, stride_x, V, pmax_ptr, pidx_ptr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # no weights: everything read comes from earlier kernels
     row = tl.program_id(0)
     c = tl.program_id(1)
     pos = c * BLOCK + tl.arange(0, BLOCK)
@@ -44,8 +47,9 @@ def _argmax_stage1(x_ptr, stride_x, V, pmax_ptr, pidx_ptr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _sample_stage1(p_ptr, tok_ptr, stride_p, stride_t, nkeep_ptr, seed_ptr, off_ptr, pmax_ptr, pidx_ptr,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     """Scores p / E over the sorted probabilities; positions >= n_keep are out of the set."""
+    pdl_wait(USE_PDL)
     row = tl.program_id(0)
     c = tl.program_id(1)
     pos = c * BLOCK + tl.arange(0, BLOCK)
@@ -67,7 +71,8 @@ def _sample_stage1(p_ptr, tok_ptr, stride_p, stride_t, nkeep_ptr, seed_ptr, off_
 
 
 @triton.jit
-def _stage2(pmax_ptr, pidx_ptr, out_ptr, n_chunks, CBLOCK: tl.constexpr):
+def _stage2(pmax_ptr, pidx_ptr, out_ptr, n_chunks, CBLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0)
     r = tl.arange(0, CBLOCK)
     ok = r < n_chunks
@@ -84,8 +89,9 @@ def _two_stage(stage1, args, B: int, V: int, device) -> torch.Tensor:
     out = torch.empty((B,), dtype=torch.int64, device=device)
     if B == 0:
         return out
-    stage1[(B, n_chunks)](*args, pmax, pidx, BLOCK=BLOCK_V, num_warps=8)
-    _stage2[(B,)](pmax, pidx, out, n_chunks, CBLOCK=max(triton.next_power_of_2(n_chunks), 16), num_warps=1)
+    pdl = launch_kwargs(device)
+    stage1[(B, n_chunks)](*args, pmax, pidx, BLOCK=BLOCK_V, num_warps=8, **pdl)
+    _stage2[(B,)](pmax, pidx, out, n_chunks, CBLOCK=max(triton.next_power_of_2(n_chunks), 16), num_warps=1, **pdl)
     return out
 
 
