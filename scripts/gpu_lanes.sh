@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/peregrine-out}
 BUNDLE_PART=15000000  # under the device's 16 MiB per returned file
+LANE_TIMEOUT=${LANE_TIMEOUT:-555}  # every lane ends in time to bundle inside the device's 600 s per command
 mkdir -p "$OUT" results
 if [ -d .whl ]; then  # wheels the GPU image lacks (scripts/fetch_gpu_wheels.sh), installed once for all lanes
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -27,7 +28,7 @@ for lane in "$@"; do
   mkdir -p "$OUT/lane$i"
   echo "lane$i gpus=$gpus: $cmd" | tee -a "$OUT/summary.txt"
   ( t0=$(date +%s)
-    CUDA_VISIBLE_DEVICES=$gpus OUT=$OUT/lane$i bash -c "$cmd" > "$OUT/lane$i.log" 2>&1
+    CUDA_VISIBLE_DEVICES=$gpus OUT=$OUT/lane$i timeout -k 5 "$LANE_TIMEOUT" bash -c "$cmd" > "$OUT/lane$i.log" 2>&1
     echo "lane$i rc=$? in $(( $(date +%s) - t0 ))s" >> "$OUT/lanes-done.txt" ) &
   pids+=($!)
   i=$((i + 1))
