@@ -278,7 +278,7 @@ class EngineConfig:
     seed: int = 0
     gpu_memory_utilization: float = 0.90
     tensor_parallel_size: int = 1             # ranks, one process (one GPU) each
-    pdl: bool = False                         # specialized path: Programmatic Dependent Launch (Hopper; kept off until measured faster)
+    pdl: bool = True                          # specialized path: Programmatic Dependent Launch on Hopper (H200: B=1 step 3.06 -> 2.74 ms)
     tp_allreduce: str = "auto"                # specialized path: "auto" (one-shot symmetric memory, else NCCL) or "nccl"
     speculative_config: object = None         # --speculative-config (peregrine.spec.config.SpeculativeConfig, dict or JSON)
     extra: dict = field(default_factory=dict)

@@ -9,7 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ -f .commit ] && export PEREGRINE_COMMIT=${PEREGRINE_COMMIT:-$(cat .commit)}
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps wheels installed by the caller (gpu_lanes.sh)
 OUT=${OUT:-/tmp/peregrine-out}
 BUNDLE_PART=15000000  # under the device's 16 MiB per returned file
 LANE_TIMEOUT=${LANE_TIMEOUT:-555}  # every lane ends in time to bundle inside the device's 600 s per command

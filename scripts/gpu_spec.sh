@@ -6,7 +6,7 @@
 #   STEPS="tests tiny 48b"  which parts to run (default: all); SPEC_ARGS="..." extra `bench spec` args
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps wheels installed by the caller (gpu_lanes.sh)
 OUT=${OUT:-/tmp/peregrine-out}
 mkdir -p "$OUT" results
 STEPS=${STEPS:-"tests tiny 48b"}

@@ -12,7 +12,7 @@
 #   STEPS="check allreduce moesplit decode"  BATCHES=1,2,4,8  OUTPUT_LEN=48
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps wheels installed by the caller (gpu_lanes.sh)
 OUT=${OUT:-/tmp/peregrine-out}
 mkdir -p "$OUT" results
 STEPS=${STEPS:-"check allreduce moesplit decode"}
