@@ -27,6 +27,8 @@ against ~4 per value that the ALUs can afford at copy bandwidth: expect this to 
 (bench/kernels_moe_mxfp4.py measures it). The cheaper form: 32-bit words holding 8 codes paired
 16 bits apart (two codes per shift/and/lop3 -> FP16x2 without conversion), scales applied in FP16
 relative to the row tile's largest, FP16 MMA with per-token power-of-two scaled activations.
+Variant "v2" (kernels/moe_mxfp4_v2.py) takes the word decode with FP32 FMAs and one scale multiply
+per 32-value group instead; moe_mxfp4_experts(variant=...) picks, DEFAULT_VARIANT until measured.
 """
 from __future__ import annotations
 
