@@ -46,8 +46,17 @@ if FULL_SHAPES:  # K3's latent expert widths; 20 experts keep the reference's FP
               (16, 20, 8, 3072, 3584, "swiglu", torch.bfloat16, False)]
 
 
-@pytest.mark.parametrize("B,E,k,I,Dz,act,xdt,shared", CASES)
-def test_experts_match_reference(B, E, k, I, Dz, act, xdt, shared):
+CASES_V2 = [  # v2 pads tokens to a power of two (not 16) and takes whole groups per step: odd B, k, group counts
+    (1, 3, 1, 32, 32, "swiglu", torch.float32, False),
+    (7, 9, 5, 160, 96, "situ", torch.float32, False),    # 5 / 3 groups: partial last group blocks
+    (6, 8, 3, 64, 224, "swiglu", torch.bfloat16, False),  # 7 groups along Dz
+    (4, 5, 3, 96, 64, "situ", torch.float32, True),
+]
+VARIANT_CASES = [c + ("v1",) for c in CASES] + [c + ("v2",) for c in CASES + CASES_V2]
+
+
+@pytest.mark.parametrize("B,E,k,I,Dz,act,xdt,shared,variant", VARIANT_CASES)
+def test_experts_match_reference(B, E, k, I, Dz, act, xdt, shared, variant):
     g = torch.Generator().manual_seed(B * 131 + I + Dz)
     q13, s13, q2, s2 = (t.to(DEVICE) for t in experts(E, I, Dz, g))
     ids, w = (t.to(DEVICE) for t in routing(B, E, k, g, shared))
@@ -55,13 +64,14 @@ def test_experts_match_reference(B, E, k, I, Dz, act, xdt, shared):
     ref = moe_mxfp4_experts_ref(x, q13, s13, q2, s2, ids, w, act)
     buf = torch.full((B, Dz + PAD), SENTINEL, dtype=xdt, device=DEVICE)
     buf[:, :Dz] = float("nan")  # poisoned: every output element must be written
-    y = moe_mxfp4_experts(x, q13, s13, q2, s2, ids, w, activation=act, out=buf[:, :Dz])
+    y = moe_mxfp4_experts(x, q13, s13, q2, s2, ids, w, activation=act, out=buf[:, :Dz], variant=variant)
     tol = 1e-5 if xdt == torch.float32 and DEVICE == "cpu" else 2e-2  # BF16 operands/outputs on the GPU
     assert rel_rmse(y, ref) < tol
     assert (buf[:, Dz:].cpu() == SENTINEL).all(), "wrote past the output columns"
 
 
-def test_batch_invariant_and_repeatable():
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+def test_batch_invariant_and_repeatable(variant):
     """A token's output does not depend on the other tokens of the batch, and reruns are bitwise equal."""
     g = torch.Generator().manual_seed(7)
     E, I, Dz, k = 8, 32, 64, 3
@@ -69,9 +79,9 @@ def test_batch_invariant_and_repeatable():
     ids, w = routing(4, E, k, g)
     x = torch.randn(4, Dz, generator=g).to(DEVICE)
     ids, w = ids.to(DEVICE), w.to(DEVICE)
-    full = moe_mxfp4_experts(x, *w4, ids, w, activation="situ")
-    again = moe_mxfp4_experts(x, *w4, ids, w, activation="situ")
-    alone = moe_mxfp4_experts(x[2:3], *w4, ids[2:3].contiguous(), w[2:3], activation="situ")
+    full = moe_mxfp4_experts(x, *w4, ids, w, activation="situ", variant=variant)
+    again = moe_mxfp4_experts(x, *w4, ids, w, activation="situ", variant=variant)
+    alone = moe_mxfp4_experts(x[2:3], *w4, ids[2:3].contiguous(), w[2:3], activation="situ", variant=variant)
     assert torch.equal(full, again) and torch.equal(full[2:3], alone)
 
 
@@ -95,15 +105,65 @@ def test_register_dequant_every_byte_and_scale():
     assert torch.equal(y, want[:, cols].T)
 
 
-def test_nan_scale_poisons_only_its_group():
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+def test_nan_scale_poisons_only_its_group(variant):
     g = torch.Generator().manual_seed(3)
     q13, s13, q2, s2 = experts(2, 32, 64, g)
     s13[1, 5, 1] = 255  # E8M0 NaN in expert 1, gate row 5, second group
     x = torch.randn(2, 64, generator=g)
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     ids = torch.tensor([[0], [1]], dtype=torch.int32)
-    y = moe_mxfp4_experts(dev(x), dev(q13), dev(s13), dev(q2), dev(s2), dev(ids), dev(torch.ones(2, 1)))
+    y = moe_mxfp4_experts(dev(x), dev(q13), dev(s13), dev(q2), dev(s2), dev(ids), dev(torch.ones(2, 1)), variant=variant)
     assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()  # gate row 5 feeds every W2 row
+
+
+def test_v2_down_every_byte_every_lane_and_scale():
+    """v2 decodes 32-bit words into lane pairs and scales whole groups: with one-hot activations the
+    down kernel reads W2 back column by column. Every byte value sits in every byte position of a
+    word (rows are rolled), under scales 2^-20 .. 2^20 and E8M0 0 (reads as 0); results must be exact."""
+    import triton
+    from peregrine.kernels import moe_mxfp4_v2 as v2
+    Dz, I = 64, 512  # W2 [Dz, I/2 = 256 bytes]
+    packed = torch.stack([torch.roll(torch.arange(256, dtype=torch.uint8), 3 * r) for r in range(Dz)])
+    scales = torch.tensor([107, 118, 126, 127, 128, 140, 147, 0], dtype=torch.uint8)
+    s2 = scales[(torch.arange(Dz)[:, None] + torch.arange(I // 32)[None, :]) % len(scales)]
+    lut = torch.tensor([e2m1(c) for c in range(16)], dtype=torch.float64)
+    want = torch.empty(Dz, I, dtype=torch.float64)
+    want[:, 0::2], want[:, 1::2] = lut[packed.long() & 15], lut[packed.long() >> 4]
+    want *= torch.where(s2 == 0, 0.0, torch.pow(2.0, s2.double() - 127)).repeat_interleave(32, 1)
+    cols = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 13, 38, 101, 200, 255, 256, 400, 511])  # every lane, many groups
+    B = len(cols)
+    h = torch.zeros(B, 1, I)
+    h[torch.arange(B), 0, cols] = 1.0
+    ids = torch.zeros(B, 1, dtype=torch.int32)  # every token chose expert 0: program 0 serves them all
+    part = torch.full((B, 1, Dz), float("nan"), device=DEVICE)
+    v2._mx2_down_kernel[(B, triton.cdiv(Dz, 32))](
+        h.to(DEVICE), packed[None].contiguous().to(DEVICE), s2[None].contiguous().to(DEVICE), ids.to(DEVICE), part,
+        B, Dz, I // 32, TOP_K=1, B_PAD=B, K_PAD=1, N_PAD=B, BLOCK_D=32, BLOCK_G=4, WPG=v2.WPG, ACT_T=None)
+    assert torch.equal(part[:, 0].cpu().double(), want[:, cols].T)
+
+
+@pytest.mark.parametrize("code", [0, 255])
+def test_v2_edge_scale_codes(code):
+    """E8M0 0 reads as 0 (as in v1) and 255 as NaN, in one group only; the other groups carry extreme
+    exponents (2^-100, 2^+60) next to ordinary ones and must still match the reference."""
+    g = torch.Generator().manual_seed(11 + code)
+    E, I, Dz, B, k = 3, 64, 96, 2, 1
+    q13, s13, q2, s2 = experts(E, I, Dz, g)
+    s13[:, :, 0], s2[:, :, 1] = 27, 187    # 2^-100, 2^60: products stay in FP32 range
+    s13[1, 3, 2] = code                    # gate row 3 of expert 1, third group
+    ids = torch.tensor([[0], [1]], dtype=torch.int32)
+    x = torch.randn(B, Dz, generator=g)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    args = [dev(t) for t in (x, q13, s13, q2, s2, ids, torch.ones(B, 1))]
+    y = moe_mxfp4_experts(*args, activation="situ", variant="v2").cpu()
+    s13[1, 3, 2] = 127 - 126               # what the reference computes for code 0: 2^-126 · codes, about 0
+    ref = moe_mxfp4_experts_ref(x, q13, s13, q2, s2, ids, torch.ones(B, 1), "situ")
+    assert rel_rmse(y[0], ref[0]) < 1e-5
+    if code == 255:
+        assert torch.isnan(y[1]).all()     # gate row 3 feeds every W2 row
+    else:
+        assert rel_rmse(y[1], ref[1]) < 1e-5
 
 
 AOT_SCRIPT = r"""
@@ -111,7 +171,7 @@ import inspect, json, os, re, subprocess, tempfile
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from peregrine.kernels import moe_mxfp4 as mx
+from peregrine.kernels import moe_mxfp4 as mx, moe_mxfp4_v2 as v2
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
 ptr = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "h_ptr": "*fp32", "tw_ptr": "*fp32",
        "part_ptr": "*fp32"}
@@ -120,7 +180,13 @@ res = {}
 for fn, ce, warps in ((mx._mx_up_kernel, dict(base, BLOCK_I=mx.UP_BLOCK_I, BLOCK_KB=mx.UP_BLOCK_KB, ACT=1, BETA=4.0,
                                               BETA_L=25.0), mx.UP_WARPS),
                       (mx._mx_down_kernel, dict(base, BLOCK_D=mx.DOWN_BLOCK_D, BLOCK_KB=mx.DOWN_BLOCK_KB,
-                                                ACT_T=tl.bfloat16), mx.DOWN_WARPS)):
+                                                ACT_T=tl.bfloat16), mx.DOWN_WARPS),
+                      (v2._mx2_up_kernel, dict(TOP_K=16, B_PAD=8, K_PAD=16, N_PAD=128, WPG=v2.WPG, ACT=1, BETA=4.0,
+                                               BETA_L=25.0, BLOCK_I=v2.DEFAULTS["UP_BLOCK_I"],
+                                               BLOCK_G=v2.DEFAULTS["UP_BLOCK_G"]), v2.DEFAULTS["UP_WARPS"]),
+                      (v2._mx2_down_kernel, dict(TOP_K=16, B_PAD=8, K_PAD=16, N_PAD=128, WPG=v2.WPG, ACT_T=tl.bfloat16,
+                                                 BLOCK_D=v2.DEFAULTS["DOWN_BLOCK_D"],
+                                                 BLOCK_G=v2.DEFAULTS["DOWN_BLOCK_G"]), v2.DEFAULTS["DOWN_WARPS"])):
     names = list(inspect.signature(fn.fn).parameters)
     sig = {n: "constexpr" if n in ce else ptr.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
@@ -135,7 +201,7 @@ print(json.dumps(res))
 
 
 def test_default_tiles_compile_for_sm90_without_spills():
-    """Ahead-of-time sm_90a compile of both expert kernels at K3's top-16, B = 8 (no GPU needed)."""
+    """Ahead-of-time sm_90a compile of both variants' expert kernels at K3's top-16, B = 8 (no GPU needed)."""
     import json
     import os
     import subprocess
@@ -149,4 +215,5 @@ def test_default_tiles_compile_for_sm90_without_spills():
     if r.returncode != 0 and ("GPUTarget" in r.stderr or "ASTSource" in r.stderr):
         pytest.skip("no ahead-of-time compile API in this triton")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"_mx_up_kernel": 0, "_mx_down_kernel": 0}
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"_mx_up_kernel": 0, "_mx_down_kernel": 0,
+                                                             "_mx2_up_kernel": 0, "_mx2_down_kernel": 0}

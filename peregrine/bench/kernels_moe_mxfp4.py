@@ -6,8 +6,10 @@ from HBM: 192 MXFP4 experts are 3.4 GB, far past the 60 MB L2). GB/s counts the
 packed bytes (codes + E8M0 scales) of the distinct experts each call routes, plus
 activations. Side by side in the same run: the BF16 expert kernel (kernels/moe.py,
 SiTU, 3.6x the bytes) and the standard path's dequantize-then-GEMM
-(models/moe.mxfp4_experts, eager). A small tile sweep picks the best MXFP4 config;
-a config whose output disagrees with the FP32 reference is skipped and reported.
+(models/moe.mxfp4_experts, eager). Both MXFP4 variants (v1: MMA, per-element scales;
+v2: word decode, FMA, per-group scales) get a small tile sweep; a config whose output
+disagrees with the FP32 reference is skipped and reported, never timed. mxfp4_* fields
+are v1 (as before), v2_* fields v2; time_ms/gbps/pct_of_copy are the faster of the two.
     python -m peregrine.bench.kernels_moe_mxfp4 [--quick]
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ import statistics
 import torch
 
 from peregrine.kernels import moe_mxfp4 as mx
+from peregrine.kernels import moe_mxfp4_v2 as mx2
 from peregrine.kernels.moe import moe_experts
 from peregrine.models import mxfp4
 
@@ -31,6 +34,11 @@ SWEEP = [      # (UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS, DOWN_BLOCK_D, DOWN_BLOCK_KB
     (16, 256, 4, 16, 256, 4),
     (32, 64, 4, 32, 64, 4),
     (64, 64, 8, 64, 64, 8),
+]
+V2_SWEEP = [   # (UP_BLOCK_I, UP_BLOCK_G, UP_WARPS, DOWN_BLOCK_D, DOWN_BLOCK_G, DOWN_WARPS); the first is the default
+    tuple(mx2.DEFAULTS[k] for k in mx2.KEYS),
+    (32, 4, 4, 64, 4, 8),
+    (16, 16, 8, 32, 8, 4),
 ]
 KEYS = ("UP_BLOCK_I", "UP_BLOCK_KB", "UP_WARPS", "DOWN_BLOCK_D", "DOWN_BLOCK_KB", "DOWN_WARPS")
 
@@ -103,29 +111,34 @@ def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print) -> list
         row = {"kernel": "moe_mxfp4_experts", "shape": f"B={B} E={E} k={TOP_K} Dz={DZ} I={I}",
                "B": B, "E": E, "top_k": TOP_K, "Dz": DZ, "I": I, "distinct_experts": distinct,
                "mxfp4_bytes": mx_bytes, "bf16_bytes": bf_bytes}
-        best = None
-        for cfg in (SWEEP[:1] if quick else SWEEP):
-            c = dict(zip(KEYS, cfg))
-            try:
-                err = (mx.moe_mxfp4_experts(x, *W.mx(), ids, w, activation="situ", config=c).float() - ref).norm() / ref.norm()
-                if not err < TOL:
-                    raise ValueError(f"relative error {err:.2e} >= {TOL}")
-                t = statistics.median(time_graph(
-                    lambda x, i, w: mx.moe_mxfp4_experts(x, *W.mx(), i, w, activation="situ", config=c), calls, iters))
-            except Exception as e:  # noqa: BLE001 - a failing variant is reported, not fatal
-                log(f"B={B} config {c}: skipped ({type(e).__name__}: {str(e)[:120]})")
-                sweep.append({"B": B, "config": c, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-                continue
-            sweep.append({"B": B, "config": c, "time_ms": t, "gbps": mx_bytes / t / 1e6})
-            if best is None or t < best[0]:
-                best = (t, c)
-        if best is not None:
-            t, c = best
-            row.update(mxfp4_ms=t, mxfp4_config=c, mxfp4_gbps=mx_bytes / t / 1e6,
-                       mxfp4_pct_of_copy=mx_bytes / t / 1e6 / copy_gbps, time_ms=t, gbps=mx_bytes / t / 1e6,
-                       pct_of_copy=mx_bytes / t / 1e6 / copy_gbps,
-                       mxfp4_default_ms=next((s["time_ms"] for s in sweep if s["B"] == B and s["config"] == dict(
-                           zip(KEYS, SWEEP[0])) and "time_ms" in s), None))
+        for variant, grid, keys, pre in (("v1", SWEEP, KEYS, "mxfp4"), ("v2", V2_SWEEP, mx2.KEYS, "v2")):
+            best = None
+            for cfg in (grid[:1] if quick else grid):
+                c = dict(zip(keys, cfg))
+                try:
+                    err = (mx.moe_mxfp4_experts(x, *W.mx(), ids, w, activation="situ", config=c, variant=variant).float()
+                           - ref).norm() / ref.norm()
+                    if not err < TOL:
+                        raise ValueError(f"relative error {err:.2e} >= {TOL}")
+                    t = statistics.median(time_graph(lambda x, i, w: mx.moe_mxfp4_experts(
+                        x, *W.mx(), i, w, activation="situ", config=c, variant=variant), calls, iters))
+                except Exception as e:  # noqa: BLE001 - a failing variant is reported, not fatal
+                    log(f"B={B} {variant} config {c}: skipped ({type(e).__name__}: {str(e)[:120]})")
+                    sweep.append({"B": B, "variant": variant, "config": c, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                    continue
+                sweep.append({"B": B, "variant": variant, "config": c, "time_ms": t, "gbps": mx_bytes / t / 1e6,
+                              "rel_err": float(err)})
+                if best is None or t < best[0]:
+                    best = (t, c)
+            if best is not None:
+                t, c = best
+                row.update({f"{pre}_ms": t, f"{pre}_config": c, f"{pre}_gbps": mx_bytes / t / 1e6,
+                            f"{pre}_pct_of_copy": mx_bytes / t / 1e6 / copy_gbps,
+                            f"{pre}_default_ms": next((s["time_ms"] for s in sweep if s["B"] == B and s["variant"] == variant
+                                                       and s["config"] == dict(zip(keys, grid[0])) and "time_ms" in s), None)})
+                if row.get("time_ms") is None or t < row["time_ms"]:
+                    row.update(best_variant=variant, time_ms=t, gbps=mx_bytes / t / 1e6,
+                               pct_of_copy=mx_bytes / t / 1e6 / copy_gbps)
         try:
             t = statistics.median(time_graph(lambda x, i, w: moe_experts(x, W.w13, W.w2, i, w, activation="situ",
                                                                           ), calls, iters))
@@ -147,6 +160,10 @@ def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print) -> list
             row["standard_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         if "mxfp4_ms" in row and "bf16_ms" in row:
             row["speedup_vs_bf16"] = row["bf16_ms"] / row["mxfp4_ms"]
+        if "v2_ms" in row and "bf16_ms" in row:
+            row["v2_speedup_vs_bf16"] = row["bf16_ms"] / row["v2_ms"]
+        if "v2_ms" in row and "mxfp4_ms" in row:
+            row["v2_speedup_vs_v1"] = row["mxfp4_ms"] / row["v2_ms"]
         row["sweep"] = [x for x in sweep if x["B"] == B]
         log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "sweep"}))
         rows.append(row)
@@ -162,13 +179,15 @@ def main() -> None:
     copy = copy_bandwidth()
     print(f"copy bandwidth {copy['gbps']:.0f} GB/s")
     rows = run(copy["gbps"], full=not args.quick)
-    print(f"{'B':>2} {'experts':>7} {'MXFP4 ms':>9} {'GB/s':>6} {'%copy':>6} {'BF16 ms':>8} {'%copy':>6} {'x BF16':>6} {'std ms':>7}")
+    print(f"{'B':>2} {'experts':>7} {'v1 ms':>9} {'GB/s':>6} {'%copy':>6} {'v2 ms':>8} {'GB/s':>6} {'%copy':>6} "
+          f"{'BF16 ms':>8} {'%copy':>6} {'v1xBF16':>7} {'v2xBF16':>7} {'std ms':>7}")
     for r in rows:
         f = lambda k, fmt: format(r[k], fmt) if r.get(k) is not None else "-"  # noqa: E731
         pct = lambda k: format(100 * r[k], ".1f") if r.get(k) is not None else "-"  # noqa: E731
         print(f"{r['B']:>2} {r['distinct_experts']:>7.1f} {f('mxfp4_ms', '9.4f')} {f('mxfp4_gbps', '6.0f')} "
-              f"{pct('mxfp4_pct_of_copy'):>6} {f('bf16_ms', '8.4f')} {pct('bf16_pct_of_copy'):>6} "
-              f"{f('speedup_vs_bf16', '6.2f')} {f('standard_ms', '7.2f')}")
+              f"{pct('mxfp4_pct_of_copy'):>6} {f('v2_ms', '8.4f')} {f('v2_gbps', '6.0f')} {pct('v2_pct_of_copy'):>6} "
+              f"{f('bf16_ms', '8.4f')} {pct('bf16_pct_of_copy'):>6} {f('speedup_vs_bf16', '7.2f')} "
+              f"{f('v2_speedup_vs_bf16', '7.2f')} {f('standard_ms', '7.2f')}")
     path = write_result(result_path("k3-slice", "kernels-moe-mxfp4", args.results_dir),
                         {"meta": run_metadata(), "copy": copy, "rows": rows})
     print("wrote", path)

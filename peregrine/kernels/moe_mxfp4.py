@@ -27,6 +27,8 @@ against ~4 per value that the ALUs can afford at copy bandwidth: expect this to 
 (bench/kernels_moe_mxfp4.py measures it). The cheaper form: 32-bit words holding 8 codes paired
 16 bits apart (two codes per shift/and/lop3 -> FP16x2 without conversion), scales applied in FP16
 relative to the row tile's largest, FP16 MMA with per-token power-of-two scaled activations.
+Variant "v2" (kernels/moe_mxfp4_v2.py) takes the word decode with FP32 FMAs and one scale multiply
+per 32-value group instead; moe_mxfp4_experts(variant=...) picks, DEFAULT_VARIANT until measured.
 """
 from __future__ import annotations
 
@@ -45,6 +47,8 @@ FP16_CODE_SCALE = tl.constexpr(2.0 ** 14)  # an E2M1 code read as FP16 bits is i
 UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS = 32, 128, 8          # gate+up rows, packed bytes per step (2 x 4 KB in flight)
 DOWN_BLOCK_D, DOWN_BLOCK_KB, DOWN_WARPS = 32, 128, 4    # W2 rows, packed bytes per step (4 KB in flight)
 GEMV_BLOCK_R, GEMV_BLOCK_KB = 16, 128                   # one-matrix GEMV tiles (small M, no tl.dot)
+VARIANTS = ("v1", "v2")  # v1: this file's MMA kernels; v2: kernels/moe_mxfp4_v2.py (word decode, FMA, group scales)
+DEFAULT_VARIANT = "v1"   # flip to "v2" once the H200 bench (bench/kernels_moe_mxfp4.py) shows it faster
 
 
 @triton.jit
@@ -153,13 +157,17 @@ _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 
 def moe_mxfp4_experts(x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, q2: torch.Tensor, s2: torch.Tensor,
                       topk_ids: torch.Tensor, topk_w: torch.Tensor, *, activation: str = "swiglu",
-                      out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, config: dict | None = None,
+                      variant: str | None = None) -> torch.Tensor:
     """out[b] = Σ_k topk_w[b,k] · W2_e act(W1_e x_b, W3_e x_b) over MXFP4 experts; out in x.dtype.
 
     x [B, Dz] (BF16 or FP32), q13 [E, 2I, Dz/2] uint8 + s13 [E, 2I, Dz/32] uint8, q2 [E, Dz, I/2] + s2 [E, Dz, I/32],
     topk_ids [B, k] int32 (distinct per token), topk_w [B, k] FP32. config: tile overrides
-    (UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS, DOWN_BLOCK_D, DOWN_BLOCK_KB, DOWN_WARPS) for the benchmark sweep.
+    (UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS, DOWN_BLOCK_D, DOWN_BLOCK_KB, DOWN_WARPS) for the benchmark sweep;
+    with variant "v2" its keys are moe_mxfp4_v2.KEYS. variant: "v1" | "v2", default DEFAULT_VARIANT.
     """
+    variant = variant or DEFAULT_VARIANT
+    assert variant in VARIANTS, variant
     B, Dz = x.shape
     E, two_i, kb_up = q13.shape
     I = two_i // 2
@@ -168,17 +176,21 @@ def moe_mxfp4_experts(x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, q2:
     assert s13.shape == (E, 2 * I, Dz // GROUP) and q2.shape == (E, Dz, I // 2) and s2.shape == (E, Dz, I // GROUP)
     assert all(t.dtype == torch.uint8 and t.is_contiguous() for t in (q13, s13, q2, s2)), "packed weights: contiguous uint8"
     assert x.stride(1) == 1 and topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() and topk_w.shape == (B, k)
-    c = {"UP_BLOCK_I": UP_BLOCK_I, "UP_BLOCK_KB": UP_BLOCK_KB, "UP_WARPS": UP_WARPS,
-         "DOWN_BLOCK_D": DOWN_BLOCK_D, "DOWN_BLOCK_KB": DOWN_BLOCK_KB, "DOWN_WARPS": DOWN_WARPS, **(config or {})}
     topk_w = topk_w.float().contiguous()
     if out is None:
         out = torch.empty(B, Dz, dtype=x.dtype, device=x.device)
     assert out.shape == (B, Dz) and out.stride(1) == 1
+    h = torch.empty(B, k, I, dtype=torch.float32, device=x.device)
+    part = torch.empty(B, k, Dz, dtype=torch.float32, device=x.device)
+    if variant == "v2":
+        from . import moe_mxfp4_v2
+        moe_mxfp4_v2.launch(x, q13, s13, q2, s2, topk_ids, h, part, activation, _TL[x.dtype], config)
+        return moe_combine(part.view(1, B * k, Dz), topk_w, out=out)
+    c = {"UP_BLOCK_I": UP_BLOCK_I, "UP_BLOCK_KB": UP_BLOCK_KB, "UP_WARPS": UP_WARPS,
+         "DOWN_BLOCK_D": DOWN_BLOCK_D, "DOWN_BLOCK_KB": DOWN_BLOCK_KB, "DOWN_WARPS": DOWN_WARPS, **(config or {})}
     # blocks never wider than the packed row (tiny test shapes), and whole scale groups
     up_kb = max(BPG, min(c["UP_BLOCK_KB"], _pow2(Dz // 2)))
     down_kb = max(BPG, min(c["DOWN_BLOCK_KB"], _pow2(I // 2)))
-    h = torch.empty(B, k, I, dtype=torch.float32, device=x.device)
-    part = torch.empty(B, k, Dz, dtype=torch.float32, device=x.device)
     meta = dict(TOP_K=k, B_PAD=max(MIN_DOT_ROWS, _pow2(B)), K_PAD=_pow2(k), N_PAD=_pow2(B * k), BPG=BPG,
                 **_dot_meta(torch.bfloat16 if x.dtype != torch.float32 else torch.float32))
     _mx_up_kernel[(B * k, triton.cdiv(I, c["UP_BLOCK_I"]))](
