@@ -33,8 +33,12 @@ def ref_logits(tokens: list[int], vocab: int) -> torch.Tensor:
 
 
 class FakeRunner:
-    def __init__(self, cache: ModelCache, vocab: int):
+    def __init__(self, cache: ModelCache, vocab: int, greedy: bool = False):
+        """greedy: act like the specialized runner, whose decode steps also return their argmax
+        (greedy_tokens) and whose next step may take it as input ids (decode lookahead)."""
         self.cache, self.vocab = cache, vocab
+        self.lookahead = greedy
+        self.greedy_tokens = None
         self.layer = cache.cfg.mla_layers[0]
         self.last_path = "standard"
         self.fallback_reasons: dict[str, int] = {}
@@ -66,6 +70,7 @@ class FakeRunner:
             out[i] = _logits_for(h if h == s else h + s + 1, n, self.vocab)
         decode = step.is_decode
         self.last_path = "latency_specialized" if decode else "standard"
+        self.greedy_tokens = out.argmax(-1) if decode and self.lookahead else None
         if not decode:
             self.fallback_reasons["prefill in batch"] = self.fallback_reasons.get("prefill in batch", 0) + 1
         return out
