@@ -113,8 +113,35 @@ def test_all_stopped_step_is_dropped_and_slot_reused_fresh():
     assert eng.generate([p], SamplingParams(max_tokens=20))[0] == ref[: k + 1]
     n = len(runner.steps)
     assert eng._ahead is not None and eng.stats["lookahead_steps"] > 0  # launched past the stop
-    assert eng.generate([q], SamplingParams(max_tokens=8, ignore_eos=True))[0] == ref_generate(q, 8, ignore_eos=True)[0]
-    assert eng.stats["lookahead_discarded_tokens"] == 1 and runner.steps[n] == [len(q)]  # dropped, not run again
+    got = []
+    eng.add_request(q, SamplingParams(max_tokens=8, ignore_eos=True), "q", got.append)
+    eng.step()  # drops the stale step and prefills q at once
+    assert len(runner.steps) == n + 1 and runner.steps[n] == [len(q)] and eng.last_step.num_prefill_tokens == len(q)
+    assert eng.stats["lookahead_discarded_tokens"] == 1
+    while eng.has_unfinished():
+        eng.step()
+    assert got[-1].output_token_ids == ref_generate(q, 8, ignore_eos=True)[0]
+    check_clean(eng, runner, cache)
+
+
+def test_new_request_ends_lookahead_and_joins_next_step():
+    """A request added between steps waits only for the step already launched ahead."""
+    pa, pb = prompts([3, 5], seed=14)
+    eng, runner, cache = make_engine(True, max_num_seqs=2)
+    fin = {}
+    done = lambda o: o.finished and fin.__setitem__(o.request_id, o.output_token_ids)  # noqa: E731
+    eng.add_request(pa, SamplingParams(max_tokens=12, ignore_eos=True), "a", done)
+    for _ in range(4):
+        eng.step()
+    assert eng._ahead is not None
+    m = len(runner.steps)
+    eng.add_request(pb, SamplingParams(max_tokens=5, ignore_eos=True), "b", done)
+    eng.step()  # the step launched ahead (a alone)
+    eng.step()
+    assert runner.steps[m] == [1, len(pb)]  # b's prefill joins the first step not yet launched
+    while eng.has_unfinished():
+        eng.step()
+    assert fin == {"a": ref_generate(pa, 12, ignore_eos=True)[0], "b": ref_generate(pb, 5, ignore_eos=True)[0]}
     check_clean(eng, runner, cache)
 
 
