@@ -150,9 +150,10 @@ def test_chunked_prefill_budget():
     check_clean(eng, runner, cache)
 
 
-def test_cache_pressure_and_max_num_seqs():
+@pytest.mark.parametrize("greedy", [False, True])
+def test_cache_pressure_and_max_num_seqs(greedy):
     # each request needs ceil((prompt + 8) / 4) blocks; 14 blocks hold only two or three at once
-    eng, runner, cache = make_engine(num_blocks=14, num_slots=3, max_num_seqs=2)
+    eng, runner, cache = make_engine(num_blocks=14, num_slots=3, max_num_seqs=2, greedy=greedy)
     ps = prompts([4, 11, 1, 20, 6, 7, 3, 15, 2, 9], seed=3)
     runner.prompts = [tuple(p) for p in ps]
     waited = []
@@ -160,12 +161,13 @@ def test_cache_pressure_and_max_num_seqs():
 
     def watch(_):
         assert eng.num_running <= 2
-        waited.append(eng.num_waiting)
+        waited.append((eng.num_waiting, eng.last_step.lookahead))
 
     for p in ps:
         eng.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True))
     run_all(eng, watch)
-    assert max(waited) > 0 and max(len(q) for q in runner.steps) <= 2
+    assert max(w for w, _ in waited) > 0 and max(len(q) for q in runner.steps) <= 2
+    assert any(w > 0 and la for w, la in waited) == greedy  # requests that cannot start yet do not stop lookahead
     outs = eng.generate(ps, SamplingParams(max_tokens=8, ignore_eos=True))
     for p, o in zip(ps, outs):
         assert o == ref_generate(p, 8, ignore_eos=True)[0]

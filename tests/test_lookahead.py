@@ -151,7 +151,7 @@ def test_no_lookahead_when_sampling_or_waiting():
     eng.add_request(prompts([3])[0], SamplingParams(max_tokens=6, ignore_eos=True))  # waits behind the first
     while eng.num_waiting:
         eng.step()
-    assert eng.stats["lookahead_steps"] == 0  # sampled, and a request was waiting
+    assert eng.stats["lookahead_steps"] == 0  # sampled (the waiting one cannot start: max_num_seqs)
     while eng.has_unfinished():
         eng.step()
     assert eng.stats["lookahead_steps"] > 0  # the greedy one alone

@@ -259,8 +259,8 @@ class LLMEngine:
     def _can_look_ahead(self, seqs: list[Sequence]) -> bool:
         """Whether the next step is certainly these sequences again, one greedy decode token each,
         inside the blocks they own: then it may be launched before this step's tokens are read."""
-        if not self.lookahead or self.spec is not None or self.scheduler.waiting:
-            return False
+        if not self.lookahead or self.spec is not None or self.scheduler.admits_now():
+            return False  # (a request that cannot start yet does not stop it)
         if len(seqs) != len(self.scheduler.running) or any(s.finished for s in seqs):
             return False  # a sequence stopped or was aborted since this step was launched
         with self._lock:
