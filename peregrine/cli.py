@@ -99,7 +99,7 @@ def cmd_generate(args) -> int:
         med = sorted(itl)[len(itl) // 2] if itl else float("nan")
         print(f"[peregrine] prompt {len(ids)} tokens, generated {len(out_ids)}; time to first token {(stamps[0] - t0) * 1e3:.1f} ms; "
               f"median inter-token {med:.2f} ms ({1e3 / med if itl else float('nan'):.1f} tok/s); finish {finish[0] if finish else '?'}; "
-              f"path {engine.stats.get('steps_by_path')}",
+              f"path {engine.stats.get('steps_by_path')}, lookahead steps {engine.stats.get('lookahead_steps', 0)}",
               file=sys.stderr)
         if engine.spec is not None:
             sp = engine.stats.get("spec", {})

@@ -273,6 +273,7 @@ class EngineConfig:
     decode_backend: str = "standard"
     max_decode_batch: int = 8                 # largest B served by the specialized path
     cuda_graphs: bool = True
+    decode_lookahead: bool = True             # launch the next greedy decode step before reading this one's tokens
     device: str | None = None                 # default: cuda if available
     dtype: str | None = None                  # default: bf16 on cuda, fp32 on cpu
     seed: int = 0
@@ -287,6 +288,7 @@ class EngineConfig:
         "decode_backend": DECODE_BACKENDS,
         "max_decode_batch": "int in 1..16",
         "cuda_graphs": "bool",
+        "decode_lookahead": "bool",
         "tp_allreduce": TP_ALLREDUCE,
         "pdl": "bool",
     }
@@ -309,7 +311,7 @@ class EngineConfig:
                 raise ConfigError(f"--additional-config: max_decode_batch must be an int in 1..16, got {v!r}")
             if k == "tp_allreduce" and v not in TP_ALLREDUCE:
                 raise ConfigError(f"--additional-config: tp_allreduce must be one of {', '.join(TP_ALLREDUCE)}, got {v!r}")
-            if k in ("cuda_graphs", "pdl") and not isinstance(v, bool):
+            if k in ("cuda_graphs", "pdl", "decode_lookahead") and not isinstance(v, bool):
                 raise ConfigError(f"--additional-config: {k} must be true or false, got {v!r}")
             setattr(self, k, v)
 

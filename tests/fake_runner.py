@@ -33,8 +33,14 @@ def ref_logits(tokens: list[int], vocab: int) -> torch.Tensor:
 
 
 class FakeRunner:
-    def __init__(self, cache: ModelCache, vocab: int):
+    def __init__(self, cache: ModelCache, vocab: int, greedy: bool = False):
+        """greedy: act like the specialized runner, whose decode steps also return their argmax
+        (greedy_tokens) and whose next step may take it as input ids (decode lookahead). Like a
+        CUDA graph's static output, the argmax buffer of a batch size is overwritten by every step."""
         self.cache, self.vocab = cache, vocab
+        self.lookahead = greedy
+        self.greedy_tokens = None
+        self._greedy_out: dict[int, torch.Tensor] = {}
         self.layer = cache.cfg.mla_layers[0]
         self.last_path = "standard"
         self.fallback_reasons: dict[str, int] = {}
@@ -66,6 +72,10 @@ class FakeRunner:
             out[i] = _logits_for(h if h == s else h + s + 1, n, self.vocab)
         decode = step.is_decode
         self.last_path = "latency_specialized" if decode else "standard"
+        self.greedy_tokens = None
+        if decode and self.lookahead:
+            buf = self._greedy_out.setdefault(step.num_seqs, torch.empty(step.num_seqs, dtype=torch.long))
+            self.greedy_tokens = buf.copy_(out.argmax(-1))
         if not decode:
             self.fallback_reasons["prefill in batch"] = self.fallback_reasons.get("prefill in batch", 0) + 1
         return out

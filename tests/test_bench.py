@@ -280,3 +280,31 @@ def test_git_commit_prefers_the_device_run_env(monkeypatch):
     assert git_commit().startswith("abc123")
     monkeypatch.delenv("PEREGRINE_COMMIT")
     assert not git_commit().startswith("abc123")
+
+
+def test_bench_decode_times_lookahead_and_reports_it_off(tmp_path):
+    """An engine that looks ahead (the greedy fake runner): the samples come from steps launched ahead
+    (all decode steps but the first of a run), and one more run with lookahead off is reported."""
+    from fake_runner import FakeRunner as CacheFakeRunner
+    from peregrine.cache import ModelCache
+    from peregrine.engine.engine import LLMEngine
+
+    def builder(model, ecfg, dummy_weights, log):
+        cfg = resolve_model(model)[0]
+        cache = ModelCache(cfg, num_blocks=ecfg.max_num_seqs * 2, block_size=ecfg.block_size,
+                           num_slots=ecfg.max_num_seqs, dtype=torch.float32, device="cpu")
+        return LLMEngine(CacheFakeRunner(cache, cfg.vocab_size, greedy=True), cfg, ecfg, cache), None
+
+    logs = []
+    r = decode.bench_decode("tiny-kimi-linear", [2], input_len=2, output_len=6, dummy_weights=True,
+                            backends=("latency_specialized",), prompt_sets=2, runs=1, results_dir=None,
+                            builder=builder, log=logs.append)
+    b = r["backends"]["latency_specialized"]
+    assert b["status"] == "ok", b.get("traceback")
+    x = b["batches"][0]
+    # per run 5 decode steps: the first runs at once, the other 4 were launched by the step before
+    assert x["n"] == 10 and x["lookahead_steps"] == 8 and x["paths"] == {"latency_specialized": 10}
+    off = x["no_lookahead"]
+    assert off["n"] == 5 and off["lookahead_steps"] == 0 and off["median_ms"] > 0
+    assert b["engine_stats"]["lookahead_steps"] >= 8 + 4  # the untimed warm-up run looked ahead too
+    assert any("lookahead 8/10 steps; off: median" in line for line in logs)

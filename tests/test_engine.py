@@ -27,10 +27,11 @@ V = CFG.vocab_size
 EOS = CFG.eos_token_id
 
 
-def make_engine(num_blocks=64, block_size=4, num_slots=8, model_cfg=CFG, **ecfg):
+def make_engine(num_blocks=64, block_size=4, num_slots=8, model_cfg=CFG, greedy=False, **ecfg):
+    """greedy: the runner returns decode steps' argmax, so the engine's decode lookahead engages."""
     cache = ModelCache(model_cfg, num_blocks=num_blocks, block_size=block_size, num_slots=num_slots,
                        dtype=torch.float32, device="cpu")
-    runner = FakeRunner(cache, V)
+    runner = FakeRunner(cache, V, greedy=greedy)
     ecfg.setdefault("max_model_len", 256)
     eng = LLMEngine(runner, model_cfg, EngineConfig(block_size=block_size, **ecfg), cache)
     return eng, runner, cache
@@ -97,8 +98,9 @@ def test_default_max_model_len():
     assert ecfg.max_model_len == min(CFG.max_position_embeddings, 4096)
 
 
-def test_staggered_arrivals_stream_and_mix():
-    eng, runner, cache = make_engine(max_num_seqs=4)
+@pytest.mark.parametrize("greedy", [False, True])
+def test_staggered_arrivals_stream_and_mix(greedy):
+    eng, runner, cache = make_engine(max_num_seqs=4, greedy=greedy)
     ps = prompts([5, 1, 30, 9, 4, 17], seed=1)
     runner.prompts = [tuple(p) for p in ps]
     streamed: dict[str, list[int]] = {}
@@ -124,6 +126,7 @@ def test_staggered_arrivals_stream_and_mix():
     for k, p in enumerate(ps):
         assert final[ids[k]] == ref_generate(p, 12, ignore_eos=True)
     assert any(len(q) > 1 and 1 in q and max(q) > 1 for q in runner.steps), "no mixed prefill+decode step"
+    assert (eng.stats["lookahead_steps"] > 0) == greedy
     check_clean(eng, runner, cache)
 
 
@@ -147,9 +150,10 @@ def test_chunked_prefill_budget():
     check_clean(eng, runner, cache)
 
 
-def test_cache_pressure_and_max_num_seqs():
+@pytest.mark.parametrize("greedy", [False, True])
+def test_cache_pressure_and_max_num_seqs(greedy):
     # each request needs ceil((prompt + 8) / 4) blocks; 14 blocks hold only two or three at once
-    eng, runner, cache = make_engine(num_blocks=14, num_slots=3, max_num_seqs=2)
+    eng, runner, cache = make_engine(num_blocks=14, num_slots=3, max_num_seqs=2, greedy=greedy)
     ps = prompts([4, 11, 1, 20, 6, 7, 3, 15, 2, 9], seed=3)
     runner.prompts = [tuple(p) for p in ps]
     waited = []
@@ -157,12 +161,13 @@ def test_cache_pressure_and_max_num_seqs():
 
     def watch(_):
         assert eng.num_running <= 2
-        waited.append(eng.num_waiting)
+        waited.append((eng.num_waiting, eng.last_step.lookahead))
 
     for p in ps:
         eng.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True))
     run_all(eng, watch)
-    assert max(waited) > 0 and max(len(q) for q in runner.steps) <= 2
+    assert max(w for w, _ in waited) > 0 and max(len(q) for q in runner.steps) <= 2
+    assert any(w > 0 and la for w, la in waited) == greedy  # requests that cannot start yet do not stop lookahead
     outs = eng.generate(ps, SamplingParams(max_tokens=8, ignore_eos=True))
     for p, o in zip(ps, outs):
         assert o == ref_generate(p, 8, ignore_eos=True)[0]
@@ -218,8 +223,9 @@ def test_abort_waiting_and_running():
     check_clean(eng, runner, cache)
 
 
-def test_abort_inside_step_is_deferred():
-    eng, runner, cache = make_engine()
+@pytest.mark.parametrize("greedy", [False, True])
+def test_abort_inside_step_is_deferred(greedy):
+    eng, runner, cache = make_engine(greedy=greedy)
     got = []
 
     def cb(out):
@@ -233,11 +239,13 @@ def test_abort_inside_step_is_deferred():
     y = [o for o in got if o.request_id == "y"]
     assert y[-1].finish_reason == "abort" and len(y[-1].output_token_ids) == 2
     assert [o.finish_reason for o in got if o.finished and o.request_id == "x"] == ["length"]
+    assert (eng.stats["lookahead_steps"] > 0) == greedy
     check_clean(eng, runner, cache)
 
 
-def test_threads_add_and_abort():
-    eng, runner, cache = make_engine(max_num_seqs=3)
+@pytest.mark.parametrize("greedy", [False, True])
+def test_threads_add_and_abort(greedy):
+    eng, runner, cache = make_engine(max_num_seqs=3, greedy=greedy)
     stop = threading.Event()
     done = []
 

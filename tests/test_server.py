@@ -263,6 +263,7 @@ def test_metrics_counters_move(srv):
     steps = sum(v - a.get(k, 0) for k, v in b.items() if k[0] == "peregrine:decode_steps_total")
     assert steps >= max(n for _, n in reqs)  # at least one step per generated token of the longest
     assert ("peregrine:decode_steps_total", (("path", "standard"),)) in b
+    assert ("peregrine:decode_lookahead_steps_total", ()) in b  # 0 here: the standard runner does not look ahead
     assert b[("peregrine:num_requests_running", ())] == 0 and b[("peregrine:num_requests_waiting", ())] == 0
     assert b[("peregrine:cache_usage_perc", ())] == 0.0
 

@@ -200,3 +200,34 @@ def test_graph_keys():
         st = StepInput.build([([1], ctx - 1, 0, list(range(-(-ctx // 4)))), ([2], 0, 1, [20])], 4, "cpu")
         assert fixed.key_for(st) == (2, 16)
         assert bucketed.key_for(st) == (2, bucket)
+
+
+def test_decode_lookahead_tokens_identical(model_dir):
+    """Decode lookahead (on by default) vs off on the specialized runner: the same tokens with a stop
+    token, max_tokens and a request added mid-run, the next step's ids taken from the on-device
+    argmax (on the GPU: graph replays, a pinned read-back and a non-blocking input copy)."""
+    pa, pb, pc = prompts(3, seed=5)
+    on, _ = engine(model_dir, "latency_specialized")
+    off, _ = engine(model_dir, "latency_specialized", decode_lookahead=False)
+    del on.runner.forward, off.runner.forward  # no logits recording: its device sync would hide races
+    ref_b = off.generate([pb], greedy(8))[0]
+    k = next(i for i in range(3, len(ref_b)) if ref_b[i] not in ref_b[:i])
+    steps = STEPS // 2
+
+    def run(e):
+        fin = {}
+        done = lambda o: o.finished and fin.__setitem__(o.request_id, (o.output_token_ids, o.finish_reason))  # noqa: E731
+        e.add_request(pa, greedy(steps), "a", done)
+        e.add_request(pb, SamplingParams(max_tokens=steps, ignore_eos=True, stop_token_ids=[ref_b[k]]), "b", done)
+        n = 0
+        while e.has_unfinished():
+            e.step()
+            n += 1
+            if n == 3:
+                e.add_request(pc, greedy(4), "c", done)
+        return fin
+
+    got = run(on)
+    assert got == run(off)
+    assert got["b"] == (ref_b[: k + 1], "stop") and got["c"][1] == "length" and len(got["a"][0]) == steps
+    assert on.stats["lookahead_steps"] > 0 and off.stats["lookahead_steps"] == 0

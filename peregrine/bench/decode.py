@@ -1,12 +1,15 @@
 """`peregrine bench decode`: decode step time exactly as BENCHMARKS.md §1.
 
 Per backend and batch size B: 4 prompt sets × 3 runs of B requests added
-together (greedy, ignore EOS); every engine.step() is timed on the host with
-the device synchronised before and after, so a sample is the full inter-token
-latency a user sees (schedule + forward + sampling). Only steps where exactly
-B sequences ran, all in decode, are kept. Cross-check: N CUDA-graph replays of
-the step timed with CUDA events (runner.graph_replay_time), which must agree
-with the median within 5 %. Bytes per step come from the roofline model with
+together (greedy, ignore EOS); a sample is the host time from one engine.step()
+returning to the next one returning (the device synchronised once before the
+run), so it is the full inter-token latency a user sees (schedule + forward +
+sampling) and the engine's decode lookahead, which launches the next step
+before reading this one's tokens, shows as it serves. Only steps where exactly
+B sequences ran, all in decode, are kept. With lookahead on, one more run with
+it off gives the same engine's synchronous step time (no_lookahead).
+Cross-check: N CUDA-graph replays of the step timed with CUDA events
+(runner.graph_replay_time), which must agree with the median within 5 %. Bytes per step come from the roofline model with
 the distinct experts the run actually routed (runner.routed_experts_per_step).
 """
 from __future__ import annotations
@@ -46,14 +49,14 @@ def run_batch(engine, prompts: list[list[int]], params, outputs: list | None = N
            for p in prompts]
     records, last = [], engine.last_step
     limit = len(prompts) * (len(prompts[0]) + params.max_tokens) + STEP_SLACK
+    _sync()  # once: a sync between steps would stall a step launched ahead
+    t0 = time.perf_counter()
     while engine.has_unfinished():
         if len(records) > limit:
             raise RuntimeError(f"run did not finish within {limit} steps")
-        _sync()
-        t0 = time.perf_counter()
         engine.step()
-        _sync()
-        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        dt, t0 = t1 - t0, t1
         info = engine.last_step
         if info is None or info is last:  # nothing was scheduled this step
             continue
@@ -61,10 +64,27 @@ def run_batch(engine, prompts: list[list[int]], params, outputs: list | None = N
         records.append({"num_seqs": info.num_seqs, "num_prefill_tokens": info.num_prefill_tokens,
                         "num_decode_seqs": info.num_decode_seqs, "path": info.path, "duration_s": dt,
                         "engine_duration_s": info.duration_s, "new": info.num_new_tokens,
-                        "drafted": info.num_draft_tokens, "accepted": info.num_accepted_tokens})
+                        "drafted": info.num_draft_tokens, "accepted": info.num_accepted_tokens,
+                        "lookahead": info.lookahead})
     if outputs is not None:
         outputs.extend(done[i] for i in ids)
     return records
+
+
+def _no_lookahead(engine, prompts, params, batch: int) -> dict | None:
+    """One timed run with decode lookahead off: the same engine's synchronous step time (None when
+    the engine does not look ahead)."""
+    if not getattr(engine, "lookahead", False):
+        return None
+    engine.lookahead = False
+    try:
+        recs = run_batch(engine, prompts, params)
+    finally:
+        engine.lookahead = True
+    ms = [round(r["duration_s"] * 1e3, 4) for r in recs if stats.is_pure_decode(r, batch)]
+    summ = stats.summarize(ms)
+    return {"samples_ms": ms, "median_ms": summ["median"], "p90_ms": summ["p90"], "n": len(ms),
+            "lookahead_steps": sum(1 for r in recs if r["lookahead"])}
 
 
 def _routing(engine, prompts, params, batch: int) -> dict:
@@ -100,7 +120,7 @@ def _bench_batch(engine, cfg, batch, input_len, output_len, prompt_sets, runs, k
     # one full untimed run first: compiles, autotuning and the graph captures of every
     # context bucket the timed runs will reach stay out of the samples
     run_batch(engine, _prompts(cfg.vocab_size, batch, input_len, 0), params)
-    samples, run_medians, paths = [], [], {}
+    samples, run_medians, paths, ahead = [], [], {}, 0
     for s in range(prompt_sets):
         prompts = _prompts(cfg.vocab_size, batch, input_len, s)
         for _ in range(runs):
@@ -112,13 +132,15 @@ def _bench_batch(engine, cfg, batch, input_len, output_len, prompt_sets, runs, k
             samples += ms
             if ms:
                 run_medians.append(stats.summarize(ms)["median"])
+            ahead += sum(1 for r in kept if r["lookahead"])
     summ = stats.summarize(samples)
     if not summ["n"]:
         raise RuntimeError(f"no step ran with exactly {batch} sequences all in decode (output_len {output_len} too short?)")
     med = summ["median"]
     out = {"batch": batch, "samples_ms": samples, "run_medians_ms": run_medians, "paths": paths,
            "median_ms": med, "p90_ms": summ["p90"], "p99_ms": summ["p99"], "mean_ms": summ["mean"],
-           "n": summ["n"], "tok_s_user": 1e3 / med}
+           "n": summ["n"], "tok_s_user": 1e3 / med, "lookahead_steps": ahead,
+           "no_lookahead": _no_lookahead(engine, _prompts(cfg.vocab_size, batch, input_len, 0), params, batch)}
     if backend not in paths or len(paths) > 1:
         log(f"WARNING: backend {backend} B={batch}: measured steps ran on paths {paths} "
             f"(fallbacks: {engine.stats.get('fallback_reasons')})")
@@ -155,8 +177,10 @@ def _bench_batch(engine, cfg, batch, input_len, output_len, prompt_sets, runs, k
                 "achieved_gbps": nbytes / (med * 1e-3) / 1e9})
     out["pct_copy_bw"] = out["achieved_gbps"] / copy_gbps * 100 if copy_gbps else None
     pct = f"{out['pct_copy_bw']:.1f} % of copy BW" if out["pct_copy_bw"] is not None else "copy BW n/a"
+    sync = out["no_lookahead"]
     log(f"{backend:>20} B={batch:<3} median {med:.3f} ms  p90 {summ['p90']:.3f} ms  "
-        f"{out['tok_s_user']:.1f} tok/s/user  {out['achieved_gbps']:.0f} GB/s ({pct})")
+        f"{out['tok_s_user']:.1f} tok/s/user  {out['achieved_gbps']:.0f} GB/s ({pct})"
+        + (f"  lookahead {ahead}/{summ['n']} steps; off: median {sync['median_ms']:.3f} ms" if sync and sync["n"] else ""))
     return out
 
 

@@ -58,6 +58,12 @@ def markdown_table(results: list[dict]) -> str:
                              f"{x['achieved_gbps']:.0f} | {_f(x.get('pct_copy_bw'), '.1f')} |")
             if b.get("status") != "ok":
                 lines.append(f"| {name} | {b['status']}: {b.get('reason', '')} |  |  |  |  |  |  |  |  |")
+        for name, b in r.get("backends", {}).items():  # the same engine's step with decode lookahead off
+            off = [(x["batch"], x["median_ms"], x["no_lookahead"]["median_ms"]) for x in b.get("batches") or []
+                   if (x.get("no_lookahead") or {}).get("median_ms")]
+            if off:
+                lines += ["", f"{name} with decode lookahead off (same run): "
+                          + ", ".join(f"B={B}: {o:.3f} ms (on: {m:.3f})" for B, m, o in off)]
         if r.get("ratios"):
             lines += ["", "standard / latency_specialized median step: "
                       + ", ".join(f"B={k}: {v:.2f}×" for k, v in r["ratios"].items())]

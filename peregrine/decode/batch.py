@@ -52,8 +52,11 @@ class StepInput:
         return torch.tensor(idx, dtype=torch.long, device=self.input_ids.device)
 
     @staticmethod
-    def build(seqs: list[tuple[list[int], int, int, list[int]]], block_size: int, device) -> "StepInput":
-        """seqs: (new_token_ids, start_position, kda_slot, block_table) per sequence."""
+    def build(seqs: list[tuple[list[int], int, int, list[int]]], block_size: int, device,
+              non_blocking: bool = False) -> "StepInput":
+        """seqs: (new_token_ids, start_position, kda_slot, block_table) per sequence.
+        non_blocking: copy through pinned memory without waiting for the device (a blocking
+        copy from pageable memory synchronises the stream: decode lookahead must not)."""
         ids, pos, slots_map, q_lens, ctx, kslots = [], [], [], [], [], []
         max_blocks = max(1, max(len(s[3]) for s in seqs))
         tables = []
@@ -76,7 +79,10 @@ class StepInput:
         # one host-to-device copy for every index tensor of the step
         N, S = len(ids), len(seqs)
         host = torch.tensor(ids + pos + slots_map + kslots + ctx + tables, dtype=torch.long)
-        flat = host.to(device)
+        if non_blocking and torch.device(device).type == "cuda":
+            flat = host.pin_memory().to(device, non_blocking=True)
+        else:
+            flat = host.to(device)
         a = flat[:N], flat[N:2 * N], flat[2 * N:3 * N]
         kst, ctt = flat[3 * N:3 * N + S], flat[3 * N + S:3 * N + 2 * S]
         bt = flat[3 * N + 2 * S:].view(S, max_blocks)

@@ -3,6 +3,10 @@
 With speculative decoding on (peregrine/spec), a step whose decoding sequences got drafts is a
 verify step instead: several tokens per sequence may be accepted, each checked for stops in order.
 
+With decode lookahead (engine/lookahead.py), a greedy pure-decode step whose next step is certain
+launches that next forward before reading its own tokens; the next step() then takes that forward's
+results instead of scheduling one.
+
 add_request/abort may come from other threads (the server's event loop) while step()
 runs in the engine thread: they only touch a lock-guarded pending queue, drained at the
 start of step() (or at once by abort() when no step is running).
@@ -20,6 +24,7 @@ from typing import Callable
 from ..cache import ModelCache
 from ..config import EngineConfig, ModelConfig
 from ..decode.batch import StepInput
+from .lookahead import Ahead, Readback, next_decode_input
 from .request import RequestError, RequestOutput, SamplingParams, Sequence, StepInfo
 from .sampling import make_generator, sample
 from .scheduler import Scheduler
@@ -46,7 +51,11 @@ class LLMEngine:
         self._unreturned: list[RequestOutput] = []        # abort outputs made outside step()
         self.last_step: StepInfo | None = None
         self.stats = {"steps_by_path": Counter(), "fallback_reasons": {}, "prompt_tokens": 0,
-                      "generation_tokens": 0, "finished_requests": 0, "aborted_requests": 0}
+                      "generation_tokens": 0, "finished_requests": 0, "aborted_requests": 0,
+                      "lookahead_steps": 0, "lookahead_discarded_tokens": 0}
+        # lookahead needs a runner whose argmax stays on the device and can feed the next step's ids
+        self.lookahead = bool(getattr(engine_cfg, "decode_lookahead", True) and getattr(runner, "lookahead", False))
+        self._ahead: Ahead | None = None  # the forward the last step launched for the next one
         self.spec = None
         if getattr(engine_cfg, "speculative_config", None):
             self.enable_speculation(engine_cfg.speculative_config)
@@ -168,34 +177,43 @@ class LLMEngine:
             outputs, self._unreturned = self._unreturned, []
             outputs += self._drain()
             t0 = time.perf_counter()
-            batch = self.scheduler.schedule()
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None and all(s.finished for s, _ in ahead.batch):  # all stopped or aborted since
+                self.stats["lookahead_discarded_tokens"] += len(ahead.batch)
+                ahead = None
+            batch = ahead.batch if ahead is not None else self.scheduler.schedule()
             if not batch:
                 return outputs
-            n_prefill = sum(n for s, n in batch if s.in_prefill)
-            n_decode = sum(1 for s, _ in batch if not s.in_prefill)
-            spec = self.spec.step(batch) if self.spec is not None else None
+            live = [(s, n) for s, n in batch if not s.finished]
+            n_prefill = sum(n for s, n in live if s.in_prefill)
+            n_decode = sum(1 for s, _ in live if not s.in_prefill)
+            spec = self.spec.step(batch) if self.spec is not None and ahead is None else None
             d0 = (self.spec.stats["num_draft_tokens"], self.spec.stats["num_accepted_tokens"]) if spec else (0, 0)
             if spec is None:
-                new = self._plain_step(batch)
+                new, path = self._plain_step(batch, ahead)
             else:
                 step, drafts, T = spec
                 logits = self._forward(step, len(step.logits_idx))
+                path = getattr(self.runner, "last_path", "standard")
                 new = self.spec.finish(batch, step, drafts, T, logits)
             n_new = 0
             for seq, toks in new:
+                if seq.finished:  # stopped or aborted after this forward was launched ahead
+                    self.stats["lookahead_discarded_tokens"] += len(toks)
+                    continue
                 out = self._accept(seq, toks)
                 n_new += len(out.new_token_ids)
                 outputs.append(out)
-            path = getattr(self.runner, "last_path", "standard")
             self.stats["steps_by_path"][path] += 1
             self.stats["fallback_reasons"] = dict(getattr(self.runner, "fallback_reasons", {}))
             self.stats["prompt_tokens"] += n_prefill
             self.stats["generation_tokens"] += n_new
             if self.spec is not None:
                 self.stats["spec"] = dict(self.spec.stats, mean_acceptance_length=self.spec.mean_acceptance_length)
-            self.last_step = StepInfo(len(batch), n_prefill, n_decode, path, time.perf_counter() - t0, n_new,
+            self.last_step = StepInfo(len(live), n_prefill, n_decode, path, time.perf_counter() - t0, n_new,
                                       self.spec.stats["num_draft_tokens"] - d0[0] if spec else 0,
-                                      self.spec.stats["num_accepted_tokens"] - d0[1] if spec else 0)
+                                      self.spec.stats["num_accepted_tokens"] - d0[1] if spec else 0,
+                                      lookahead=ahead is not None)
             return outputs
 
     def _forward(self, step: StepInput, rows: int):
@@ -204,29 +222,63 @@ class LLMEngine:
             raise RuntimeError(f"runner returned logits for {logits.shape[0]} rows, expected {rows}")
         return logits
 
-    def _plain_step(self, batch) -> list[tuple[Sequence, list[int]]]:
-        """One forward with each sequence's scheduled tokens; sample the sequences now fully cached."""
-        bs = self.cache.block_size
-        seqs = []
-        for seq, n in batch:
-            start = seq.num_cached
-            table = seq.blocks[: -(-(start + n) // bs)]  # only the blocks this step can touch
-            seqs.append((seq.token_ids[start:start + n], start, seq.kda_slot, table))
-        logits = self._forward(StepInput.build(seqs, bs, self.device), len(batch))
+    def _plain_step(self, batch, ahead: Ahead | None = None) -> tuple[list[tuple[Sequence, list[int]]], str]:
+        """One forward with each sequence's scheduled tokens (or the one the last step launched
+        ahead); sample the sequences now fully cached. -> (sequence, tokens) rows and the path."""
+        if ahead is None:
+            bs = self.cache.block_size
+            seqs = []
+            for seq, n in batch:
+                start = seq.num_cached
+                table = seq.blocks[: -(-(start + n) // bs)]  # only the blocks this step can touch
+                seqs.append((seq.token_ids[start:start + n], start, seq.kda_slot, table))
+            logits = self._forward(StepInput.build(seqs, bs, self.device), len(batch))
+            greedy = getattr(self.runner, "greedy_tokens", None)  # argmax already taken inside the step
+            path = getattr(self.runner, "last_path", "standard")
+        else:
+            logits, greedy, path = ahead.logits, ahead.greedy, ahead.path
         ready = []  # rows whose sequence has every token in the cache: sample those
         for i, (seq, n) in enumerate(batch):
             seq.num_cached += n
             if seq.num_cached == len(seq.token_ids):
                 ready.append(i)
         if not ready:
-            return []
+            return [], path
         rs = [batch[i][0] for i in ready]
-        greedy = getattr(self.runner, "greedy_tokens", None)  # argmax already taken inside the step
         if greedy is not None and len(ready) == len(batch) and all(s.params.greedy for s in rs):
-            toks = greedy.tolist()
+            if self._can_look_ahead(rs):
+                pending = Readback(greedy)  # queued before the next launch reuses the graph's output buffer
+                self._ahead = self._launch_ahead(rs, greedy)
+                toks = pending.tolist()     # waits for this step only; the next one is queued behind it
+            else:
+                toks = greedy.tolist()
         else:
             toks = self._sample(rs, logits if len(ready) == len(batch) else logits[ready])
-        return [(s, [t]) for s, t in zip(rs, toks)]
+        return [(s, [t]) for s, t in zip(rs, toks)], path
+
+    def _can_look_ahead(self, seqs: list[Sequence]) -> bool:
+        """Whether the next step is certainly these sequences again, one greedy decode token each,
+        inside the blocks they own: then it may be launched before this step's tokens are read."""
+        if not self.lookahead or self.spec is not None or self.scheduler.admits_now():
+            return False  # (a request that cannot start yet does not stop it)
+        if len(seqs) != len(self.scheduler.running) or any(s.finished for s in seqs):
+            return False  # a sequence stopped or was aborted since this step was launched
+        with self._lock:
+            if self._pending_add or self._pending_abort:  # a new request's prefill joins the next step
+                return False
+        bs = self.cache.block_size
+        for s in seqs:
+            n = len(s.token_ids) + 1  # tokens once this step's token is appended
+            if n - s.prompt_len >= s.params.max_tokens or n >= self.max_model_len or n > len(s.blocks) * bs:
+                return False  # stops at this step for length, or the next write would leave its blocks
+        return True
+
+    def _launch_ahead(self, seqs: list[Sequence], greedy) -> Ahead:
+        step = next_decode_input(seqs, greedy, self.cache.block_size, self.device)
+        logits = self._forward(step, len(seqs))
+        self.stats["lookahead_steps"] += 1
+        return Ahead([(s, 1) for s in seqs], logits, getattr(self.runner, "greedy_tokens", None),
+                     getattr(self.runner, "last_path", "standard"))
 
     def _sample(self, seqs: list[Sequence], logits) -> list[int]:
         for s in seqs:

@@ -70,6 +70,7 @@ class StepInfo:
     num_new_tokens: int = 0          # tokens appended to sequences this step (> rows with speculation)
     num_draft_tokens: int = 0        # speculative: drafted tokens verified this step
     num_accepted_tokens: int = 0     # speculative: of those, accepted
+    lookahead: bool = False          # this step's forward was launched by the step before (decode lookahead)
 
 
 class Sequence:

@@ -29,6 +29,13 @@ class Scheduler:
     def can_ever_fit(self, seq: Sequence) -> bool:
         return self.blocks_needed(seq) <= self.cache.num_blocks and self.cache.num_slots > 0
 
+    def fits_now(self, seq: Sequence) -> bool:
+        return self.cache.num_free_slots > 0 and self.cache.blocks.num_free >= self.blocks_needed(seq)
+
+    def admits_now(self) -> bool:
+        """Whether schedule() would start the first waiting request now (decode steps use no token budget)."""
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs and self.fits_now(self.waiting[0])
+
     def schedule(self) -> list[tuple[Sequence, int]]:
         """(sequence, number of new tokens) for this step: decodes always, prefill chunks within budget."""
         budget = self.max_num_batched_tokens
@@ -42,12 +49,11 @@ class Scheduler:
                 out.append((seq, n))
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            need = self.blocks_needed(seq)
-            if self.cache.num_free_slots == 0 or self.cache.blocks.num_free < need:
+            if not self.fits_now(seq):
                 break
             self.waiting.popleft()
             seq.kda_slot = self.cache.allocate_slot()
-            seq.blocks = self.cache.blocks.allocate(need)
+            seq.blocks = self.cache.blocks.allocate(self.blocks_needed(seq))
             self.running.append(seq)
             n = min(seq.prompt_len, budget)
             budget -= n

@@ -5,6 +5,8 @@ from . import control
 
 
 class TPDriver:
+    lookahead = False  # the other ranks get each step's ids from the host (control.send_step)
+
     def __init__(self, inner, tp):
         self.inner, self.tp = inner, tp
         self._record = False

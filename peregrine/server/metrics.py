@@ -54,6 +54,10 @@ class EngineCollector:
         for reason, n in _safe_copy(e.stats.get("fallback_reasons", {})).items():
             c.add_metric([reason], n)
         yield c
+        c = CounterMetricFamily("peregrine:decode_lookahead_steps",
+                                "Decode steps launched before the previous step's tokens were read (decode lookahead)")
+        c.add_metric([], e.stats.get("lookahead_steps", 0))
+        yield c
         sp = _safe_copy(e.stats.get("spec") or {})
         if sp:  # speculative decoding (only when --speculative-config is set)
             for key, name, doc in (("num_drafts", "drafts", "Verified drafts (sequence-steps with at least one draft token)"),

@@ -1,0 +1,170 @@
+"""Decode lookahead (engine/lookahead.py): the next greedy decode step is launched before this
+step's tokens are read. Output must be token for token the synchronous engine's.
+
+The FakeRunner with greedy=True acts like the specialized runner (argmax on the "device", and its
+next step may take it as input ids); it goes through the real caches and checks positions, so a
+wrong position, slot or block in a lookahead step changes the output or raises.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from peregrine.cache import ModelCache
+from peregrine.config import ConfigError, EngineConfig
+from peregrine.engine import LLMEngine, SamplingParams
+from peregrine.parallel.driver import TPDriver
+from peregrine.testing import SENTINEL
+from fake_runner import FakeRunner
+from test_engine import CFG, V, check_clean, prompts, ref_generate
+
+
+def make_engine(lookahead: bool, num_blocks=64, block_size=4, num_slots=8, model_cfg=CFG, **ecfg):
+    cache = ModelCache(model_cfg, num_blocks=num_blocks, block_size=block_size, num_slots=num_slots,
+                       dtype=torch.float32, device="cpu")
+    runner = FakeRunner(cache, V, greedy=True)
+    ecfg.setdefault("max_model_len", 256)
+    eng = LLMEngine(runner, model_cfg, EngineConfig(block_size=block_size, decode_lookahead=lookahead, **ecfg), cache)
+    return eng, runner, cache
+
+
+def first_new_at(toks: list[int], k: int) -> int:
+    """The first index >= k whose token does not occur before it (a stop token there stops there)."""
+    return next(i for i in range(k, len(toks)) if toks[i] not in toks[:i])
+
+
+def mixed_run(lookahead: bool):
+    """Stops by EOS, stop token and max_tokens at different steps, a request added mid-run and one
+    aborted mid-run. -> (final outputs by request, engine, runner, cache)."""
+    ps = prompts([5, 3, 8, 2, 6, 4], seed=11)
+    refs = [ref_generate(p, 40, eos=-1)[0] for p in ps]
+    i_eos, i_stop = first_new_at(refs[0], 3), first_new_at(refs[1], 6)
+    cfg = dataclasses.replace(CFG, eos_token_id=refs[0][i_eos])
+    eng, runner, cache = make_engine(lookahead, num_slots=7, max_num_seqs=6, model_cfg=cfg)
+    cache.state[:, 6] = SENTINEL  # max_num_seqs=6 of 7 slots, low ids first: slot 6 is never used
+    params = {"eos": SamplingParams(max_tokens=40), "stop": SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=[refs[1][i_stop]]),
+              "len": SamplingParams(max_tokens=5, ignore_eos=True), "long": SamplingParams(max_tokens=14, ignore_eos=True),
+              "late": SamplingParams(max_tokens=6, ignore_eos=True), "abort": SamplingParams(max_tokens=40, ignore_eos=True)}
+    names = list(params)
+    streamed, final = {}, {}
+
+    def cb(out):
+        streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert out.output_token_ids == streamed[out.request_id]
+        if out.finished:
+            final[out.request_id] = (out.output_token_ids, out.finish_reason)
+
+    for k in (0, 1, 2, 3, 5):
+        eng.add_request(ps[k], params[names[k]], names[k], cb)
+    step = 0
+    while eng.has_unfinished():
+        eng.step()
+        step += 1
+        if step == 3:
+            eng.add_request(ps[4], params["late"], "late", cb)
+        if step == 8:
+            assert eng.abort("abort")
+    want = {"eos": (refs[0][: i_eos + 1], "stop"), "stop": (refs[1][: i_stop + 1], "stop"),
+            "len": (refs[2][:5], "length"), "long": (refs[3][:14], "length"), "late": (refs[4][:6], "length")}
+    assert {k: final[k] for k in want} == want
+    assert final["abort"] == (refs[5][: len(final["abort"][0])], "abort") and 5 <= len(final["abort"][0]) < 40
+    check_clean(eng, runner, cache)
+    assert bool((cache.state[:, 6] == SENTINEL).all())
+    return final, eng, runner
+
+
+def test_identical_to_sync_with_mixed_stops_add_and_abort():
+    on, eng_on, run_on = mixed_run(True)
+    off, eng_off, run_off = mixed_run(False)
+    assert on == off
+    assert eng_off.stats["lookahead_steps"] == 0 and eng_on.stats["lookahead_steps"] > 0
+    assert eng_on.stats["lookahead_discarded_tokens"] > 0  # stops seen one step late drop a token
+    assert eng_on.stats["generation_tokens"] == eng_off.stats["generation_tokens"]
+    # only stops the host cannot predict (EOS, stop token, abort) cost a row; no whole step is wasted here
+    assert len(run_on.steps) == len(run_off.steps)
+
+
+def test_reaching_max_model_len_stays_in_its_blocks():
+    """max_model_len 12 with blocks for exactly 12 tokens per sequence: a lookahead step one past the
+    end would need a fourth block (build() raises); none is launched, none is wasted."""
+    res = {}
+    for la in (True, False):
+        eng, runner, cache = make_engine(la, num_blocks=6, max_model_len=12, max_num_seqs=2)
+        ps = prompts([3, 7], seed=12)
+        res[la] = eng.generate(ps, SamplingParams(max_tokens=100, ignore_eos=True))
+        for p, o in zip(ps, res[la]):
+            assert o == ref_generate(p, 100, ignore_eos=True, max_model_len=12)[0] and len(p) + len(o) == 12
+        check_clean(eng, runner, cache)
+        res[la, "steps"], res[la, "ahead"] = len(runner.steps), eng.stats["lookahead_steps"]
+    assert res[True] == res[False] and res[True, "steps"] == res[False, "steps"]
+    assert res[True, "ahead"] > 0 and res[False, "ahead"] == 0
+
+
+def test_all_stopped_step_is_dropped_and_slot_reused_fresh():
+    """The only sequence stops on EOS while its next step is already launched: that step is dropped,
+    and the next request gets the same KDA slot and blocks, starting from a clean state."""
+    p, q = prompts([4, 6], seed=13)
+    ref = ref_generate(p, 20, eos=-1)[0]
+    k = first_new_at(ref, 4)
+    eng, runner, cache = make_engine(True, num_blocks=6, num_slots=1, max_num_seqs=1,
+                                     model_cfg=dataclasses.replace(CFG, eos_token_id=ref[k]))
+    assert eng.generate([p], SamplingParams(max_tokens=20))[0] == ref[: k + 1]
+    n = len(runner.steps)
+    assert eng._ahead is not None and eng.stats["lookahead_steps"] > 0  # launched past the stop
+    got = []
+    eng.add_request(q, SamplingParams(max_tokens=8, ignore_eos=True), "q", got.append)
+    eng.step()  # drops the stale step and prefills q at once
+    assert len(runner.steps) == n + 1 and runner.steps[n] == [len(q)] and eng.last_step.num_prefill_tokens == len(q)
+    assert eng.stats["lookahead_discarded_tokens"] == 1
+    while eng.has_unfinished():
+        eng.step()
+    assert got[-1].output_token_ids == ref_generate(q, 8, ignore_eos=True)[0]
+    check_clean(eng, runner, cache)
+
+
+def test_new_request_ends_lookahead_and_joins_next_step():
+    """A request added between steps waits only for the step already launched ahead."""
+    pa, pb = prompts([3, 5], seed=14)
+    eng, runner, cache = make_engine(True, max_num_seqs=2)
+    fin = {}
+    done = lambda o: o.finished and fin.__setitem__(o.request_id, o.output_token_ids)  # noqa: E731
+    eng.add_request(pa, SamplingParams(max_tokens=12, ignore_eos=True), "a", done)
+    for _ in range(4):
+        eng.step()
+    assert eng._ahead is not None
+    m = len(runner.steps)
+    eng.add_request(pb, SamplingParams(max_tokens=5, ignore_eos=True), "b", done)
+    eng.step()  # the step launched ahead (a alone)
+    eng.step()
+    assert runner.steps[m] == [1, len(pb)]  # b's prefill joins the first step not yet launched
+    while eng.has_unfinished():
+        eng.step()
+    assert fin == {"a": ref_generate(pa, 12, ignore_eos=True)[0], "b": ref_generate(pb, 5, ignore_eos=True)[0]}
+    check_clean(eng, runner, cache)
+
+
+def test_no_lookahead_when_sampling_or_waiting():
+    eng, runner, cache = make_engine(True, max_num_seqs=1)
+    eng.add_request(prompts([3])[0], SamplingParams(max_tokens=6, temperature=1.0, seed=1))
+    eng.add_request(prompts([3])[0], SamplingParams(max_tokens=6, ignore_eos=True))  # waits behind the first
+    while eng.num_waiting:
+        eng.step()
+    assert eng.stats["lookahead_steps"] == 0  # sampled (the waiting one cannot start: max_num_seqs)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats["lookahead_steps"] > 0  # the greedy one alone
+    check_clean(eng, runner, cache)
+
+
+def test_config_key_and_tp_driver():
+    ecfg = EngineConfig()
+    assert ecfg.decode_lookahead is True
+    ecfg.apply_additional_config('{"decode_lookahead": false}')
+    assert ecfg.decode_lookahead is False
+    with pytest.raises(ConfigError, match="decode_lookahead must be true or false"):
+        ecfg.apply_additional_config({"decode_lookahead": 1})
+    eng, _, _ = make_engine(False)
+    assert eng.lookahead is False
+    assert TPDriver(FakeRunner(eng.cache, V, greedy=True), None).lookahead is False  # not forwarded to the inner runner
