@@ -2,6 +2,9 @@
 # Run independent GPU jobs side by side on a multi-GPU device machine, one "lane" per GPU set,
 # then bundle everything into at most 8 files (the device returns no more):
 #   bash scripts/gpu_lanes.sh "0:STEPS=mlatune bash scripts/gpu_run.sh" "1,2:TP=2 bash scripts/tp_gpu_run.sh"
+# A "--" argument starts a new phase: its lanes start when every lane of the previous phase ended
+# (e.g. a 4-GPU job first, then single-GPU jobs). LANE_TIMEOUT bounds each lane, DEADLINE the whole
+# run (seconds from the start; a later phase's lanes get what is left).
 # Each lane runs with CUDA_VISIBLE_DEVICES=<gpus>, its own OUT=$OUT/laneN and log $OUT/laneN.log.
 # Lanes on disjoint GPUs share nothing but the host (64 cores on the x4 kind) and the results/ folder,
 # whose file names carry the model, kind and TP size. At the end: $OUT/summary.txt (rc and time per lane)
@@ -13,27 +16,36 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps wh
 OUT=${OUT:-/tmp/peregrine-out}
 BUNDLE_PART=15000000  # under the device's 16 MiB per returned file
 LANE_TIMEOUT=${LANE_TIMEOUT:-555}  # every lane ends in time to bundle inside the device's 600 s per command
+DEADLINE=${DEADLINE:-550}
 mkdir -p "$OUT" results
 if [ -d .whl ]; then  # wheels the GPU image lacks (scripts/fetch_gpu_wheels.sh), installed once for all lanes
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
-  mv .whl /tmp/whl-installed  # the lanes' scripts must not install them again, concurrently
+  export PEREGRINE_WHEELS_DONE=1  # the lanes' scripts must not install them again, concurrently
 fi
 nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/summary.txt"
 START=$(date +%s)
 i=0
 pids=()
+run_phase() {  # wait for the lanes started so far
+  [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
+  pids=()
+}
 for lane in "$@"; do
+  if [ "$lane" = "--" ]; then run_phase; echo "phase ends at $(( $(date +%s) - START ))s" | tee -a "$OUT/summary.txt"; continue; fi
   gpus=${lane%%:*} cmd=${lane#*:}
+  left=$(( DEADLINE - ($(date +%s) - START) ))
+  t=$(( left < LANE_TIMEOUT ? left : LANE_TIMEOUT ))
+  if [ "$t" -lt 10 ]; then echo "lane$i gpus=$gpus skipped (deadline): $cmd" | tee -a "$OUT/summary.txt"; i=$((i + 1)); continue; fi
   mkdir -p "$OUT/lane$i"
-  echo "lane$i gpus=$gpus: $cmd" | tee -a "$OUT/summary.txt"
+  echo "lane$i gpus=$gpus (timeout ${t}s): $cmd" | tee -a "$OUT/summary.txt"
   ( t0=$(date +%s)
-    CUDA_VISIBLE_DEVICES=$gpus OUT=$OUT/lane$i timeout -k 5 "$LANE_TIMEOUT" bash -c "$cmd" > "$OUT/lane$i.log" 2>&1
+    CUDA_VISIBLE_DEVICES=$gpus OUT=$OUT/lane$i timeout -k 5 "$t" bash -c "$cmd" > "$OUT/lane$i.log" 2>&1
     echo "lane$i rc=$? in $(( $(date +%s) - t0 ))s" >> "$OUT/lanes-done.txt" ) &
   pids+=($!)
   i=$((i + 1))
 done
-wait "${pids[@]}"
+run_phase
 cat "$OUT/lanes-done.txt" | tee -a "$OUT/summary.txt"
 echo "all lanes in $(( $(date +%s) - START ))s" | tee -a "$OUT/summary.txt"
 for f in "$OUT"/lane*.log; do echo "===== $f (tail)"; tail -n 15 "$f"; done

@@ -14,7 +14,7 @@ mkdir -p "$OUT" results
 STEPS=${STEPS:-"tests kernels generate decode"}
 MODEL=${MODEL:-kimi-linear-48b-a3b}
 DATE=$(date -u +%F)
-if [ -d .whl ]; then  # wheels the GPU image lacks (scripts/fetch_gpu_wheels.sh)
+if [ -d .whl ] && [ -z "${PEREGRINE_WHEELS_DONE:-}" ]; then  # wheels the GPU image lacks (scripts/fetch_gpu_wheels.sh)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"

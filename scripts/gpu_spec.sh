@@ -10,7 +10,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps wh
 OUT=${OUT:-/tmp/peregrine-out}
 mkdir -p "$OUT" results
 STEPS=${STEPS:-"tests tiny 48b"}
-if [ -d .whl ]; then  # wheels the GPU image lacks (scripts/fetch_gpu_wheels.sh)
+if [ -d .whl ] && [ -z "${PEREGRINE_WHEELS_DONE:-}" ]; then  # wheels the GPU image lacks (scripts/fetch_gpu_wheels.sh)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"

@@ -18,7 +18,7 @@ mkdir -p "$OUT" results
 STEPS=${STEPS:-"check allreduce moesplit decode"}
 BATCHES=${BATCHES:-1,2,4,8}
 OUTPUT_LEN=${OUTPUT_LEN:-48}
-if [ -d .whl ]; then
+if [ -d .whl ] && [ -z "${PEREGRINE_WHEELS_DONE:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
