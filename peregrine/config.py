@@ -281,6 +281,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1             # ranks, one process (one GPU) each
     pdl: bool = True                          # specialized path: Programmatic Dependent Launch on Hopper (H200: B=1 step 3.06 -> 2.74 ms)
     tp_allreduce: str = "auto"                # specialized path: "auto" (one-shot symmetric memory, else NCCL) or "nccl"
+    # TP: router logits and MLA latent/q-down projections as a slice per rank + all-gather (true), or
+    # computed whole on every rank (false: no extra collective, the default until measured on the GPU)
+    tp_slice_replicated: bool = False
     speculative_config: object = None         # --speculative-config (peregrine.spec.config.SpeculativeConfig, dict or JSON)
     extra: dict = field(default_factory=dict)
 
@@ -291,6 +294,7 @@ class EngineConfig:
         "decode_lookahead": "bool",
         "tp_allreduce": TP_ALLREDUCE,
         "pdl": "bool",
+        "tp_slice_replicated": "bool",
     }
 
     def apply_additional_config(self, text_or_dict) -> None:
@@ -311,7 +315,7 @@ class EngineConfig:
                 raise ConfigError(f"--additional-config: max_decode_batch must be an int in 1..16, got {v!r}")
             if k == "tp_allreduce" and v not in TP_ALLREDUCE:
                 raise ConfigError(f"--additional-config: tp_allreduce must be one of {', '.join(TP_ALLREDUCE)}, got {v!r}")
-            if k in ("cuda_graphs", "pdl", "decode_lookahead") and not isinstance(v, bool):
+            if k in ("cuda_graphs", "pdl", "decode_lookahead", "tp_slice_replicated") and not isinstance(v, bool):
                 raise ConfigError(f"--additional-config: {k} must be true or false, got {v!r}")
             setattr(self, k, v)
 

@@ -181,6 +181,36 @@ def test_report_png_table_readme(tmp_path):
         report.report([], results_dir=tmp_path / "none", log=lambda *a: None)
 
 
+def tp_result(tp: int, ms: dict, model="kimi-linear-48b-a3b") -> dict:
+    """A decode result at tensor-parallel size tp; ms: {backend: {B: median ms}}."""
+    return {"kind": "decode", "model": model, "tensor_parallel_size": tp, "backends": {
+        b: {"status": "ok", "batches": [{"batch": B, "median_ms": v} for B, v in per.items()]} for b, per in ms.items()}}
+
+
+def test_tp_plot_step_time_against_tp(tmp_path, capsys):
+    from peregrine.bench import tp_plot
+    d = tmp_path / "results"
+    d.mkdir()
+    for tp, name in ((1, ""), (2, "-tp2"), (4, "-tp4"), (8, "-tp8")):
+        ms = {"standard": {1: 9.0 / tp, 8: 18.0 / tp}, "latency_specialized": {1: 3.0 / tp ** 0.5}}
+        (d / f"2026-01-02-h200-kimi-linear-48b-a3b{name}-decode.json").write_text(json.dumps(tp_result(tp, ms)))
+    # an older TP=2 file (earlier date) loses to the newer one; other kinds and models are kept apart
+    (d / "2026-01-01-h200-kimi-linear-48b-a3b-tp2-decode.json").write_text(json.dumps(tp_result(2, {"standard": {1: 99.0}})))
+    (d / "2026-01-02-h200-k3-slice-tp2-decode.json").write_text(json.dumps(tp_result(2, {"standard": {1: 7.0}}, "k3-slice")))
+    (d / "2026-01-02-h200-tp2-allreduce.json").write_text(json.dumps({"kind": "allreduce"}))
+    data = tp_plot.collect([d])
+    assert data["kimi-linear-48b-a3b"]["standard"] == {1: {1: 9.0, 2: 4.5, 4: 2.25, 8: 1.125}, 8: {1: 18.0, 2: 9.0, 4: 4.5, 8: 2.25}}
+    assert data["kimi-linear-48b-a3b"]["latency_specialized"][1][4] == 1.5 and data["k3-slice"]["standard"] == {1: {2: 7.0}}
+    assert tp_plot.main([str(d), "--results-dir", str(d)]) == 0
+    for m in ("kimi-linear-48b-a3b", "k3-slice"):
+        assert (d / f"{m}-decode-tp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "| standard | 8 | 18.000 | 9.000 | 4.500 | 2.250 |" in out and "| standard | 1 | – | 7.000 |" not in out
+    assert "| TP=1 | TP=2 | TP=4 | TP=8 |" in out
+    assert tp_plot.main([str(d), "--out", str(tmp_path / "x.png")]) == 1  # two models, one file name
+    assert tp_plot.main([str(tmp_path / "empty-dir-none")]) == 1
+
+
 # ---------------------------------------------------------------- CLI
 def parsers():
     ap = argparse.ArgumentParser()

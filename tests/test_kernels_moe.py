@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from peregrine.kernels import available, moe
-from peregrine.kernels.moe import moe_combine, moe_expert_partials, moe_experts, moe_forward, moe_route
+from peregrine.kernels.moe import (moe_combine, moe_expert_partials, moe_experts, moe_forward, moe_route, router_partials,
+                                  router_topk)
 from peregrine.testing import SENTINEL, assert_close, poisoned
 from conftest import DEVICE, FULL_SHAPES
 
@@ -156,6 +157,42 @@ def test_route_logits_batch_invariant(variant):
     moe_route(x, gate_w, None, 2, config=cfg, logits_out=full)
     moe_route(x[4:5], gate_w, None, 2, config=cfg, logits_out=alone)
     assert torch.equal(alone[0], full[4]), "a token's router logits depend on the rest of its batch"
+
+
+# (ranks, B, shape, dtype, variant): E = 16 in 2/4/8 slabs, an E/N (10/5) below one BLOCK_E tile
+SLICED_ROUTER_CASES = [(2, 3, TINY, F32, "dot_chunk32"), (4, 1, TINY, BF16, "fma"), (8, 5, TINY, F32, "default"),
+                       (5, 2, dict(D=100, E=50, k=6), F32, "fma_one_chunk")]
+
+
+@pytest.mark.parametrize("ranks,B,shape,dtype,variant", SLICED_ROUTER_CASES)
+def test_sliced_router_gathered_equals_whole(ranks, B, shape, dtype, variant):
+    """TP slicing: each rank's partials on its E/N gate rows, stacked in rank order, give the whole
+    router's exact logits, ids and weights (same plan entry: the same chunks and sum order)."""
+    D, E, k = shape["D"], shape["E"], shape["k"]
+    g = torch.Generator().manual_seed(ranks * 10 + B)
+    x = torch.randn(B, D, generator=g).to(dtype).to(DEVICE)
+    gate_w = (torch.randn(E, D, generator=g) / D**0.5).to(dtype).to(DEVICE)
+    bias = (torch.randn(E, generator=g) * 0.05).to(DEVICE)
+    cfg = ROUTER_VARIANTS[variant]
+    whole_logits, logits = poisoned((B, E), F32, DEVICE), poisoned((B, E), F32, DEVICE)
+    wid, ww = moe_route(x, gate_w, bias, k, renormalize=True, scaling=2.446, config=cfg, logits_out=whole_logits)
+    parts = torch.stack([router_partials(x, s.contiguous(), config=cfg) for s in gate_w.chunk(ranks, 0)])
+    ids, w = router_topk(parts, bias, k, renormalize=True, scaling=2.446, logits_out=logits)
+    assert torch.equal(logits, whole_logits), "gathered slabs' logits differ from the whole router's"
+    assert torch.equal(ids, wid) and torch.equal(w, ww)
+    rid, rw, rlogits = route_ref(x, gate_w, bias, k, True, 2.446)  # and both are the router, not just alike
+    assert (logits.double() - rlogits).abs().max().item() <= LOGIT_TOL * (1 + rlogits.abs().max().item())
+    assert torch.equal(ids.long().sort(-1).values, rid.sort(-1).values)
+
+
+def test_router_partials_use_the_whole_routers_plan(monkeypatch):
+    """A rank's slice looks up the plan entry of num_experts, not of its own row count."""
+    seen = []
+    monkeypatch.setattr(moe, "router_config", lambda E, D, dt, B: seen.append(E) or moe.DEFAULT_ROUTER)
+    x = torch.randn(2, 64, device=DEVICE)
+    router_partials(x, torch.randn(4, 64, device=DEVICE), num_experts=16)
+    router_partials(x, torch.randn(4, 64, device=DEVICE))
+    assert seen == [16, 4]
 
 
 # --------------------------------------------------------------------------- experts

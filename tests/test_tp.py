@@ -17,11 +17,15 @@ from peregrine.models.kimi import KimiModel
 from peregrine.models.loader import init_dummy_weights, save_weights
 from peregrine.parallel import launch
 from peregrine.parallel.group import TPGroup
-from peregrine.parallel.shard import shard_config, slice_of, take
+from peregrine.parallel.shard import describe, holdings, shard_config, slice_of, slicing, take
 from peregrine.testing import rel_rmse
 
 TOL = 1e-5  # FP32 on CPU: only the order of the partial sums differs
 K3_OVER = {"moe_intermediate_size": 64}  # tiny-k3's 32 rows of MXFP4 experts cannot split into 32-wide groups
+TP8_OVER = {"num_attention_heads": 8, "num_key_value_heads": 8,  # tiny-kimi-linear with 8 KDA and 8 MLA heads
+            "linear_attn_config": {"full_attn_layers": [3, 5], "kda_layers": [1, 2, 4], "head_dim": 32, "num_heads": 8,
+                                   "short_conv_kernel_size": 4}}
+SLICED = {"tp_slice_replicated": True}
 
 
 def raw_config(preset: str, **over) -> dict:
@@ -49,9 +53,17 @@ def _leave_group():
 
 
 # ---- shards (in process, no group needed) ----
-@pytest.mark.parametrize("preset,over,world", [("tiny-kimi-linear", {}, 2), ("tiny-kimi-linear", {}, 4),
-                                               ("tiny-k3", K3_OVER, 2)])
-def test_shards_are_exact_slices_of_the_full_weights(preset, over, world):
+# (preset, overrides, world, slicing: the replicated projections it splits)
+SHARD_CASES = [("tiny-kimi-linear", {}, 2, None), ("tiny-kimi-linear", {}, 4, None), ("tiny-k3", K3_OVER, 2, None),
+               ("tiny-kimi-linear", TP8_OVER, 8, None),
+               ("tiny-kimi-linear", {}, 4, {"gate", "kv_a_proj_with_mqa"}),
+               ("tiny-k3", K3_OVER, 2, {"gate", "kv_a_proj_with_mqa", "q_a_proj"}),
+               ("tiny-kimi-linear", TP8_OVER, 8, {"gate", "kv_a_proj_with_mqa"}),
+               ("tiny-kimi-linear", {**TP8_OVER, "num_experts": 12}, 8, {"kv_a_proj_with_mqa"})]  # 12 experts: router whole
+
+
+@pytest.mark.parametrize("preset,over,world,sliced", SHARD_CASES)
+def test_shards_are_exact_slices_of_the_full_weights(preset, over, world, sliced):
     cfg = ModelConfig.from_dict(raw_config(preset, **over))
     full = KimiModel(cfg)
     init_dummy_weights(full, seed=5)
@@ -59,7 +71,7 @@ def test_shards_are_exact_slices_of_the_full_weights(preset, over, world):
     split_seen = set()
     total = 0
     for r in range(world):
-        tp = TPGroup(r, world)
+        tp = TPGroup(r, world, slice_replicated=sliced is not None)
         m = KimiModel(cfg, tp=tp)
         for p in m.parameters():
             p.data.fill_(float("nan")) if p.is_floating_point() else p.data.fill_(0)  # poison: every slice must be written
@@ -73,8 +85,25 @@ def test_shards_are_exact_slices_of_the_full_weights(preset, over, world):
     # the split tensors: heads, intermediate rows, vocab; the rest is replicated
     for part in ("q_proj", "b_proj", "o_proj", "kv_b_proj", "down_proj", "embed_tokens", "lm_head"):
         assert part in split_seen, f"{part} was not split"
-    assert "kv_a_proj_with_mqa" not in split_seen and "f_a_proj" not in split_seen and "gate" not in split_seen
+    assert "f_a_proj" not in split_seen  # KDA's low-rank projections stay whole, slicing or not
+    for part in ("gate", "kv_a_proj_with_mqa", "q_a_proj"):
+        assert (part in split_seen) == (part in (sliced or ())), f"{part}: split {part in split_seen}"
     assert total < world * sum(p.numel() for p in full.parameters())
+
+
+def test_slicing_says_what_stays_replicated():
+    cfg = ModelConfig.from_dict(raw_config("tiny-kimi-linear", **TP8_OVER, num_experts=12))
+    assert slicing(cfg, TPGroup(0, 8)) == {}  # off: nothing sliced
+    got = slicing(cfg, TPGroup(3, 8, slice_replicated=True))
+    assert got["kv_a"] is None and "q_a" not in got  # no q-LoRA: nothing to say about q_a
+    assert "'num_experts' (12) is not divisible by 8" in got["router"]
+    h = holdings(KimiModel(cfg, tp=TPGroup(3, 8, slice_replicated=True)))
+    assert h["sliced"] == {"router": got["router"], "kv_a": "sliced"} and "router 'num_experts'" in describe(h)
+    with pytest.raises(ConfigError, match="tp_slice_replicated must be true or false"):
+        EngineConfig().apply_additional_config('{"tp_slice_replicated": 1}')
+    e = EngineConfig()
+    e.apply_additional_config('{"tp_slice_replicated": true}')
+    assert e.tp_slice_replicated is True and EngineConfig().tp_slice_replicated is False
 
 
 def test_sizes_that_do_not_divide_name_the_field(tmp_path):
@@ -152,22 +181,72 @@ def test_tp2_loads_slices_from_a_checkpoint_and_k3(tmp_path):
         assert_same(one, two)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU ranks run the kernels under the interpreter")
-def test_tp2_specialized_path():
-    """latency_specialized with TP = 2 (kernels under the interpreter on a micro config)."""
+def test_tp2_sliced_router_and_latent_equal_one_rank(tmp_path):
+    """tp_slice_replicated: router logits and MLA kv_a (K3: and q_a) computed as a slice per rank and
+    gathered, on the standard path: Kimi-Linear (dummy weights) and a K3 checkpoint (q-LoRA MLA)."""
+    one = run("tiny-kimi-linear", 1)
+    two = run("tiny-kimi-linear", 2, **SLICED)
+    assert_same(one, two)
+    assert two[2].tp_holdings[1]["sliced"] == {"router": "sliced", "kv_a": "sliced"}
+    d = model_dir(tmp_path, raw_config("tiny-k3", **K3_OVER), weights_seed=3)
+    one = run(d, 1, dummy=False)
+    two = run(d, 2, dummy=False, **SLICED)
+    assert_same(one, two)
+    assert two[2].tp_holdings[0]["sliced"] == {"router": "sliced", "kv_a": "sliced", "q_a": "sliced"}
+
+
+def micro_dir(heads: int) -> str:
+    """test_specialized's micro config with `heads` KDA and MLA heads, dummy weights saved."""
     from test_specialized import MICRO
     import tempfile
     from pathlib import Path
-    d = model_dir(Path(tempfile.mkdtemp()), raw_config("tiny-kimi-linear", **MICRO), weights_seed=4)
+    raw = raw_config("tiny-kimi-linear", **MICRO)
+    raw["linear_attn_config"] = {**raw["linear_attn_config"], "num_heads": heads}
+    raw["num_attention_heads"] = raw["num_key_value_heads"] = heads
+    return model_dir(Path(tempfile.mkdtemp()), raw, weights_seed=4)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU ranks run the kernels under the interpreter")
+def test_tp2_specialized_path():
+    """latency_specialized with TP = 2 (kernels under the interpreter on a micro config), replicated
+    and sliced router / MLA latent."""
+    d = micro_dir(2)
     one = run(d, 1, dummy=False)
-    two = run(d, 2, backend="latency_specialized", dummy=False)
-    assert any(p == "latency_specialized" for _, p, _ in two[1]), "no step took the specialized path"
-    assert_same(one, two)
+    for kw in ({}, SLICED):
+        two = run(d, 2, backend="latency_specialized", dummy=False, **kw)
+        assert any(p == "latency_specialized" for _, p, _ in two[1]), "no step took the specialized path"
+        assert_same(one, two)
 
 
 def test_tp4_equals_one_rank_dummy_weights():
-    """Last of the engine tests: the two-rank group is replaced by a four-rank one."""
+    """The two-rank group is replaced by a four-rank one."""
     check_tp_equals_one_rank_dummy_weights(4)
+
+
+def test_tp4_sliced_equals_one_rank():
+    """Sliced router / MLA latent at TP = 4, standard path (tiny preset)."""
+    assert_same(run("tiny-kimi-linear", 1), run("tiny-kimi-linear", 4, **SLICED))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU ranks run the kernels under the interpreter")
+def test_tp4_sliced_specialized_path():
+    """Sliced router / MLA latent at TP = 4 on the specialized path (micro config, 4 heads; ~50 s on 2 CPUs)."""
+    d = micro_dir(4)
+    four = run(d, 4, backend="latency_specialized", dummy=False, **SLICED)
+    assert any(p == "latency_specialized" for _, p, _ in four[1]), "no step took the specialized path"
+    assert_same(run(d, 1, dummy=False), four)
+
+
+@pytest.mark.slow
+def test_tp8_equals_one_rank_replicated_and_sliced(tmp_path):
+    """Last of the engine tests: eight ranks on the tiny preset with 8 heads (~25 s on 2 CPUs)."""
+    d = model_dir(tmp_path, raw_config("tiny-kimi-linear", **TP8_OVER))
+    one = run(d, 1)
+    for kw in ({}, SLICED):
+        eight = run(d, 8, **kw)
+        assert_same(one, eight)
+        assert [h["rank"] for h in eight[2].tp_holdings] == list(range(8))
     launch.shutdown()
 
 
@@ -183,13 +262,14 @@ def _collectives(rank, world, port, q):
     local = full[:, rank * V:(rank + 1) * V].clone()
     got = tp.argmax(local)
     gathered = tp.all_gather(local, -1)
+    stacked_ok = torch.equal(tp.all_gather_stacked(local), torch.stack(full.split(V, -1)))
     x = torch.full((2, 3), float(rank + 1))
     red = tp.all_reduce(x.clone())
-    q.put((rank, got.tolist(), full.argmax(-1).tolist(), torch.equal(gathered, full), red[0, 0].item()))
+    q.put((rank, got.tolist(), full.argmax(-1).tolist(), torch.equal(gathered, full) and stacked_ok, red[0, 0].item()))
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_gathered_argmax_ties_gather_and_reduce(world):
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
@@ -203,5 +283,5 @@ def test_gathered_argmax_ties_gather_and_reduce(world):
         p.join(timeout=60)
     for rank, got, want, gathered_ok, red in res:
         assert got == want == [2, 0, 7], f"rank {rank}: gathered argmax {got}, full-row argmax {want}"
-        assert gathered_ok, f"rank {rank}: all_gather lost the rank order"
+        assert gathered_ok, f"rank {rank}: all_gather (or all_gather_stacked) lost the rank order"
         assert red == world * (world + 1) / 2

@@ -7,7 +7,7 @@ replays them.
 
 Reports per variant and size: median µs per all-reduce, algorithm bandwidth
 (bytes / time), bus bandwidth (x 2(N-1)/N, NCCL's convention) and its % of the
-HBM copy bandwidth measured in the same run; results/DATE-GPU-allreduce.json.
+HBM copy bandwidth measured in the same run; results/DATE-GPU-tpN-allreduce.json (N = --world).
 A variant that fails (or whose sum is wrong) is reported and skipped.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ fused MoE kernels (kernels/moe.py) at the model's real widths:
       assignment (k = 1); the step waits for the busiest rank, so its time is the max over ranks
 
 Routes are seeded uniform top-k draws (dummy-weight routing is close to uniform), the same for
-both. Prints median µs per layout and B and writes results/DATE-GPU-MODEL-moe-split-tpN.json.
+both. Prints median µs per layout and B and writes results/DATE-GPU-MODEL-moe-split-tpN-bench.json.
 
     python -m peregrine.bench.moe_split [--model kimi-linear-48b-a3b] [--tp 2]
 """

@@ -23,7 +23,7 @@ from .. import kernels
 from ..kernels.gemm import skinny_gemm
 from ..kernels.kda import kda_decode
 from ..kernels.mla import mla_decode
-from ..kernels.moe import moe_combine, moe_expert_partials, moe_experts, moe_route
+from ..kernels.moe import moe_combine, moe_expert_partials, moe_experts, moe_route, router_partials, router_topk
 from ..kernels.moe_mxfp4 import moe_mxfp4_experts
 from ..kernels.norm import add_rms_norm, rms_norm
 from ..kernels.pdl import pdl as kernels_pdl
@@ -204,8 +204,9 @@ class SpecializedRunner:
         return _mm(o.view(N, -1), attn.o_proj, out=self._rbuf(h))
 
     def _mla(self, attn, h, step, T=1):
-        proj = _mm(h, attn.in_proj)
-        o = self._mla_attend(attn, proj[:, : attn.q_dim], proj[:, attn.q_dim:], step, T)
+        q, kva, _ = _mm(h, attn.in_proj).split(attn.splits, dim=-1)
+        q, kva = attn.gather_sliced(q, kva)  # TP slicing: this rank's kv_a columns -> all of them
+        o = self._mla_attend(attn, q, kva, step, T)
         return _mm(o, attn.o_proj, out=self._rbuf(h))
 
     def _mla_attend(self, attn, q, kva, step, T=1):
@@ -241,11 +242,20 @@ class SpecializedRunner:
         with torch.cuda.stream(self.side):
             return mlp(moe.shared, h)
 
-    def _moe(self, moe, h):
+    def _route(self, moe, h):
+        """The fused router; under TP slicing its logits kernel runs on the rank's experts and the
+        partials are gathered before the top-k (the same FP32 bits on every rank: the same choice)."""
         cfg = self.cfg
+        if not moe.router_sliced:
+            return moe_route(h, moe.gate_w, moe.bias, cfg.num_experts_per_token, cfg.moe_renormalize,
+                             cfg.routed_scaling_factor)
+        part = router_partials(h, moe.gate_w, num_experts=cfg.num_experts)
+        return router_topk(self.tp.all_gather_stacked(part), moe.bias, cfg.num_experts_per_token,
+                           cfg.moe_renormalize, cfg.routed_scaling_factor)
+
+    def _moe(self, moe, h):
         shared = self._shared(moe, h, self._dense)
-        ids, w = moe_route(h, moe.gate_w, moe.bias, cfg.num_experts_per_token, cfg.moe_renormalize,
-                           cfg.routed_scaling_factor)
+        ids, w = self._route(moe, h)
         moe.last_ids = ids
         part = moe_expert_partials(h, moe.w13, moe.w2, ids)  # tiles per B from kernels/moe_plan.json
         if shared is not None and self.side is not None:
@@ -280,6 +290,7 @@ class SpecializedRunner:
 
     def _mla_k3(self, attn, h, step):
         q, kva, g = skinny_gemm(h, attn.in_proj).split(attn.splits, dim=-1)
+        q, kva = attn.gather_sliced(q, kva)
         if attn.q_b is not None:  # q-LoRA: q = W_qb RMSNorm(W_qa x)
             q = skinny_gemm(rms_norm(q, attn.q_a_norm, self.cfg.mla_norm_eps), attn.q_b)
         o = self._mla_attend(attn, q, kva, step)  # [B, H·v]
@@ -293,8 +304,7 @@ class SpecializedRunner:
     def _moe_k3(self, moe, h):
         cfg = self.cfg
         shared = self._shared(moe, h, self._mlp_k3)  # on the un-projected input
-        ids, w = moe_route(h, moe.gate_w, moe.bias, cfg.num_experts_per_token, cfg.moe_renormalize,
-                           cfg.routed_scaling_factor)  # the router also reads x, not z
+        ids, w = self._route(moe, h)  # the router also reads x, not z
         moe.last_ids = ids
         z = skinny_gemm(h, moe.down) if moe.latent else h
         act = "situ" if cfg.hidden_act == "situ" else "swiglu"

@@ -92,6 +92,7 @@ def report_holdings(tp, model, error: str | None, log) -> list[dict]:
 def build_parts(model: str, ecfg: EngineConfig, dummy_weights: bool, log, tp=SINGLE):
     """One rank's (global config, model shard, caches, runner, weights folder)."""
     cfg, folder = resolve_model(model)
+    tp = tp.with_slicing(getattr(ecfg, "tp_slice_replicated", False))  # this engine's choice; same group
     dev = tp.device if tp.world > 1 else pick_device(ecfg)
     dtype = pick_dtype(ecfg, dev)
     if ecfg.max_model_len is None:

@@ -8,6 +8,8 @@ many programs with one big load each); exact FP32 products, either an IEEE dot
 (sequential FMA chain) or a token loop over the tile held in registers.
 (2) one program per token sums the chunks in a fixed order and picks top-k of
 σ(logit) + bias (ties -> lowest expert index, like a stable descending sort).
+Tensor parallel with slicing: (1) runs on the rank's E/N experts, the partials are
+all-gathered (stacked in rank order) and (2) reads the N slabs as one row of E logits.
 
 Experts: the program of assignment n = (token, slot) exits unless n is the first
 occurrence of its expert e in the flat topk_ids; the first one serves EVERY token
@@ -184,7 +186,7 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, B, E, D, stride_xb, chunk,
 
 
 @triton.jit
-def _router_topk_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, logits_ptr, B, E, scaling,
+def _router_topk_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, logits_ptr, B, E, E_SLAB, scaling,
                         SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                         RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_LOGITS: tl.constexpr,
                         USE_PDL: tl.constexpr = False):
@@ -192,9 +194,11 @@ def _router_topk_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, logits_ptr, B, E, sc
     b = tl.program_id(0)
     offs = tl.arange(0, E_PAD)
     ok = offs < E
-    logit = tl.load(part_ptr + b * E + offs, mask=ok, other=0.0)
+    # partials [E / E_SLAB slabs, SPLIT, B, E_SLAB]: one slab per rank under TP slicing (one slab: [SPLIT, B, E])
+    col = (offs // E_SLAB) * (SPLIT * B * E_SLAB) + offs % E_SLAB
+    logit = tl.load(part_ptr + b * E_SLAB + col, mask=ok, other=0.0)
     for c in tl.static_range(1, SPLIT):  # fixed order over the D chunks
-        logit += tl.load(part_ptr + (c * B + b) * E + offs, mask=ok, other=0.0)
+        logit += tl.load(part_ptr + (c * B + b) * E_SLAB + col, mask=ok, other=0.0)
     if STORE_LOGITS:
         tl.store(logits_ptr + b * E + offs, logit, mask=ok)
     s = tl.sigmoid(logit)
@@ -223,26 +227,47 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
               logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, D], gate_w [E, D], bias [E] FP32 or None -> (topk_ids [B, k] int32, topk_w [B, k] FP32).
     config overrides the plan; logits_out (FP32 [B, E]) also receives the router logits."""
+    part = router_partials(x, gate_w, config=config)
+    return router_topk(part.unsqueeze(0), bias, top_k, renormalize, scaling, logits_out=logits_out)
+
+
+def router_partials(x: torch.Tensor, gate_w: torch.Tensor, *, config: dict | None = None,
+                    num_experts: int | None = None) -> torch.Tensor:
+    """Split-D partial logits of gate_w's experts: FP32 [D chunks, B, gate_w rows].
+
+    Under TP slicing gate_w is a rank's slice of the num_experts rows: the plan entry (chunks,
+    tiles) of the whole router is used, so every expert's partials are the bits the whole-router
+    launch computes, and the gathered partials give router_topk the replicated path's exact logits."""
     B, D = x.shape
     E = gate_w.shape[0]
-    assert gate_w.shape[1] == D and x.stride(1) == 1 and gate_w.is_contiguous() and 0 < top_k <= E
-    cfg = config or router_config(E, D, gate_w.dtype, B)
+    assert gate_w.shape[1] == D and x.stride(1) == 1 and gate_w.is_contiguous()
+    cfg = config or router_config(num_experts or E, D, gate_w.dtype, B)
     assert valid_router(cfg), f"bad router config {cfg}"
     split = triton.cdiv(D, cfg["CHUNK"])
     part = torch.empty(split, B, E, dtype=torch.float32, device=x.device)
-    ids = torch.empty(B, top_k, dtype=torch.int32, device=x.device)
-    w = torch.empty(B, top_k, dtype=torch.float32, device=x.device)
     _router_logits_kernel[(triton.cdiv(E, cfg["BLOCK_E"]), split)](
         x, gate_w, part, B, E, D, x.stride(0), cfg["CHUNK"], B_PAD=_token_pad(B), BLOCK_E=cfg["BLOCK_E"],
         BLOCK_K=cfg["BLOCK_K"], DOT=cfg["variant"] == "dot", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **launch_kwargs(x.device))
+    return part
+
+
+def router_topk(parts: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool = True,
+                scaling: float = 1.0, *, logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k over the partials of R slabs of experts, [R, D chunks, B, E/R] (R ranks' router_partials
+    stacked in rank order; R = 1 for the whole router): chunks summed in a fixed order, then as moe_route."""
+    R, split, B, E_slab = parts.shape
+    E = R * E_slab
+    assert parts.dtype == torch.float32 and parts.is_contiguous() and 0 < top_k <= E
     if logits_out is not None:
         assert logits_out.shape == (B, E) and logits_out.dtype == torch.float32 and logits_out.is_contiguous()
-    b = bias.float().contiguous() if bias is not None else part  # dummy pointer when absent
-    _router_topk_kernel[(B,)](part, b, ids, w, logits_out if logits_out is not None else part, B, E, float(scaling),
-                              SPLIT=split, TOP_K=top_k, K_PAD=_pow2(top_k), E_PAD=_pow2(E), RENORM=bool(renormalize),
-                              HAS_BIAS=bias is not None, STORE_LOGITS=logits_out is not None, num_warps=TOPK_WARPS,
-                              **launch_kwargs(x.device))
+    ids = torch.empty(B, top_k, dtype=torch.int32, device=parts.device)
+    w = torch.empty(B, top_k, dtype=torch.float32, device=parts.device)
+    b = bias.float().contiguous() if bias is not None else parts  # dummy pointer when absent
+    _router_topk_kernel[(B,)](parts, b, ids, w, logits_out if logits_out is not None else parts, B, E, E_slab,
+                              float(scaling), SPLIT=split, TOP_K=top_k, K_PAD=_pow2(top_k), E_PAD=_pow2(E),
+                              RENORM=bool(renormalize), HAS_BIAS=bias is not None, STORE_LOGITS=logits_out is not None,
+                              num_warps=TOPK_WARPS, **launch_kwargs(parts.device))
     return ids, w
 
 

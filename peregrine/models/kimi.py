@@ -46,7 +46,7 @@ class DecoderLayer(nn.Module):
         self.is_kda, self.is_moe = cfg.is_kda(i), cfg.is_moe(i)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.attn = KDA(cfg, i, dtype) if self.is_kda else MLA(cfg, i, dtype)
+        self.attn = KDA(cfg, i, dtype) if self.is_kda else MLA(cfg, i, dtype, tp)
         self.mlp = MoE(cfg, dtype, tp) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype, act=activation(cfg))
         self.res = cfg.attn_res_block_size is not None
         if self.res:

@@ -13,20 +13,30 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..parallel.group import SINGLE
+from ..parallel.shard import slicing
 from .layers import HFParam, param, rms_norm, split_rows
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype):
+    """With tensor parallel the q (or q_b) and g rows are the rank's heads; kv_a and q_a are
+    replicated, or with slicing (parallel/shard.py) a row slice per rank whose outputs one
+    all-gather completes (gather_sliced)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype, tp=SINGLE):
         super().__init__()
-        self.cfg, self.layer = cfg, layer
+        self.cfg, self.layer, self.tp = cfg, layer, tp
         H, D = cfg.mla_num_heads, cfg.hidden_size
         self.H, self.nope, self.rope, self.vd, self.r = H, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         self.q_dim = H * cfg.qk_head_dim
         ql = cfg.q_lora_rank
         self.gate_dim = H * self.vd if cfg.mla_output_gate else 0
+        sl = slicing(cfg, tp)
+        # which of (q part, kv_a) this rank holds as a 1/N row slice: q only when it is q-LoRA's q_a
+        self.sliced = (bool(ql) and sl.get("q_a", "") is None, sl.get("kv_a", "") is None)
+        self.full = [ql or self.q_dim, cfg.latent_dim]  # widths after gather_sliced
         # in_proj rows: q_proj (or q_a_proj) | kv_a_proj_with_mqa | g_proj (K3)
-        self.splits = [ql or self.q_dim, cfg.latent_dim, self.gate_dim]
+        self.splits = [n // tp.world if s else n for n, s in zip(self.full, self.sliced)] + [self.gate_dim]
         self.in_proj = param(sum(self.splits), D, dtype=dtype)
         self.q_a_norm = param(ql, dtype=dtype) if ql else None
         self.q_b = param(self.q_dim, ql, dtype=dtype) if ql else None
@@ -37,7 +47,8 @@ class MLA(nn.Module):
 
     def hf_params(self, prefix: str) -> list[HFParam]:
         D, ql = self.cfg.hidden_size, self.cfg.q_lora_rank
-        parts = [("q_a_proj.weight", ql) if ql else ("q_proj.weight", self.q_dim), ("kv_a_proj_with_mqa.weight", self.cfg.latent_dim)]
+        q_rows, kv_rows = self.splits[:2]
+        parts = [("q_a_proj.weight" if ql else "q_proj.weight", q_rows), ("kv_a_proj_with_mqa.weight", kv_rows)]
         parts += [("g_proj.weight", self.gate_dim)] if self.gate_dim else []
         out = split_rows(self.in_proj, prefix, parts, (D,))
         if ql:
@@ -53,9 +64,21 @@ class MLA(nn.Module):
         w = self.kv_b.view(self.H, self.nope + self.vd, self.r)
         return w[:, : self.nope], w[:, self.nope:]
 
+    def gather_sliced(self, q: torch.Tensor, kva: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q part, kv_a) outputs of this rank's in_proj rows -> the full ones: the sliced parts of
+        every rank, in rank order, from one all-gather (a no-op without slicing)."""
+        if not any(self.sliced):
+            return q, kva
+        parts = [t for t, s in zip((q, kva), self.sliced) if s]
+        every = self.tp.all_gather_stacked(torch.cat(parts, -1))  # [ranks, N, Σ widths]: one collective
+        whole = iter(p.permute(1, 0, 2).reshape(q.shape[0], -1)  # rank-major columns: the full rows' order
+                     for p in every.split([t.shape[-1] for t in parts], -1))
+        return tuple(next(whole) if s else t for t, s in zip((q, kva), self.sliced))
+
     def project(self, x):
         """x [N, D] -> q [N, H, nope+rope], cache entries [N, r+rope] (normalised latent | k_r), gate logits [N, H·v] or None."""
         q, kva, g = (x @ self.in_proj.T).split(self.splits, dim=-1)
+        q, kva = self.gather_sliced(q, kva)
         if self.q_b is not None:
             q = rms_norm(q, self.q_a_norm, self.cfg.mla_norm_eps) @ self.q_b.T
         c = rms_norm(kva[:, : self.r], self.kv_norm, self.cfg.mla_norm_eps)

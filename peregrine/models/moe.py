@@ -15,6 +15,7 @@ from ..config import ConfigError, ModelConfig
 from . import mxfp4
 from .layers import DenseMLP, HFParam, param, rms_norm, situ, swiglu
 from ..parallel.group import SINGLE
+from ..parallel.shard import slicing
 
 
 def activation(cfg: ModelConfig):
@@ -26,7 +27,12 @@ def activation(cfg: ModelConfig):
 
 def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scaling: float):
     """FP32 router: -> (ids [N, k] long, weights [N, k] FP32)."""
-    s = torch.sigmoid(x.float() @ gate_w.float().T)
+    return select(x.float() @ gate_w.float().T, bias, top_k, renormalize, scaling)
+
+
+def select(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scaling: float):
+    """The router's top-k of FP32 logits [N, E]: -> (ids [N, k] long, weights [N, k] FP32)."""
+    s = torch.sigmoid(logits)
     ids = torch.topk(s + bias.float(), top_k, dim=-1, sorted=True).indices
     w = s.gather(-1, ids)
     if renormalize:
@@ -106,7 +112,8 @@ def mxfp4_experts(x, q13, s13, q2, s2, ids, w, act, chunk: int = MX_CHUNK) -> to
 class MoE(nn.Module):
     """With tensor parallelism (cfg is a rank's shard) the experts hold a slice of the
     intermediate rows and the output is a partial sum; K3's latent y is summed over ranks
-    before its norm, and up_proj holds a column slice of the latent width."""
+    before its norm, and up_proj holds a column slice of the latent width. With slicing
+    (parallel/shard.py) gate_w holds the rank's E/N experts' rows: the logits are gathered."""
 
     def __init__(self, cfg: ModelConfig, dtype, tp=SINGLE):
         super().__init__()
@@ -114,7 +121,8 @@ class MoE(nn.Module):
         E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         Dz = cfg.routed_expert_hidden_size or D  # width the routed experts read and write
         self.act = activation(cfg)
-        self.gate_w = param(E, D, dtype=dtype)
+        self.router_sliced = slicing(cfg, tp).get("router", "") is None  # gate_w: this rank's E/N rows
+        self.gate_w = param(E // tp.world if self.router_sliced else E, D, dtype=dtype)
         self.bias = param(E, dtype=torch.float32)
         self.mx = cfg.expert_quant == "mxfp4"
         if self.mx:
@@ -137,9 +145,9 @@ class MoE(nn.Module):
         self.last_ids = None  # routed expert ids of the last forward (roofline counts them)
 
     def hf_params(self, prefix: str) -> list[HFParam]:
-        E, I, D = self.gate_w.shape[0], self.cfg.moe_intermediate_size, self.cfg.hidden_size
+        E, I, D = self.cfg.num_experts, self.cfg.moe_intermediate_size, self.cfg.hidden_size
         Dz, G = self.cfg.routed_expert_hidden_size or D, mxfp4.GROUP
-        out = [(prefix + "gate.weight", self.gate_w, (E, D)), (prefix + "gate.e_score_correction_bias", self.bias, (E,))]
+        out = [(prefix + "gate.weight", self.gate_w, tuple(self.gate_w.shape)), (prefix + "gate.e_score_correction_bias", self.bias, (E,))]
         if self.latent:
             out += [(prefix + "routed_expert_down_proj.weight", self.down, (Dz, D)),
                     (prefix + "routed_expert_norm.weight", self.norm, (Dz,)),
@@ -157,9 +165,15 @@ class MoE(nn.Module):
             out += self.shared.hf_params(prefix + "shared_experts.")
         return out
 
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """FP32 [N, E]: the rank's slice of the experts' logits gathered in rank order when sliced."""
+        logits = x.float() @ self.gate_w.float().T
+        return self.tp.all_gather(logits, -1) if self.router_sliced else logits
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
-        ids, w = route(x, self.gate_w, self.bias, c.num_experts_per_token, c.moe_renormalize, c.routed_scaling_factor)
+        ids, w = select(self.router_logits(x), self.bias, c.num_experts_per_token, c.moe_renormalize,
+                        c.routed_scaling_factor)
         self.last_ids = ids
         z = x @ self.down.T if self.latent else x
         if self.mx:

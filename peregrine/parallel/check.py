@@ -8,7 +8,9 @@ RMSE, BF16 tolerance) and the greedy tokens must be identical. In BF16 the parti
 sums are added in another order, so a near-tie may flip a token: the first
 divergence is reported with whether each side's token is in the other's top-5
 (vLLM's check_logprobs_close rule), and only steps before it are compared.
-Writes results/DATE-GPU-tp-check.json; exit 1 if a path fails.
+A path may carry options after colons: `nccl` (NCCL instead of the one-shot all-reduce),
+`slice` (tp_slice_replicated: router logits and MLA latent sliced per rank and gathered).
+Writes results/DATE-GPU-MODEL-tpN-check.json (one file per world size); exit 1 if a path fails.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ FP32_TOL = 1e-4
 TOP = 5                # the near-tie rule at a divergence
 LM_HEAD_SCALE = 4.0    # sharper dummy logits: greedy choices as confident as a trained model's
 N_SEQS = 8
+OPTIONS = ("nccl", "slice")  # path options after a colon (module docstring)
 
 
 def truncated(model: str, layers: int | None) -> str:
@@ -53,9 +56,12 @@ def truncated(model: str, layers: int | None) -> str:
 def run(model: str, tp: int, backend: str, steps: int, log) -> dict:
     from ..engine import SamplingParams
     from ..engine.build import build_engine
-    backend, _, allreduce = backend.partition(":")  # e.g. latency_specialized:nccl
+    backend, *opts = backend.split(":")  # e.g. latency_specialized:nccl:slice
+    if set(opts) - set(OPTIONS):
+        raise ValueError(f"unknown path option(s) {sorted(set(opts) - set(OPTIONS))}; known: {', '.join(OPTIONS)}")
     ecfg = EngineConfig(max_num_seqs=N_SEQS, max_model_len=steps + 32, decode_backend=backend, tensor_parallel_size=tp,
-                        max_decode_batch=N_SEQS, tp_allreduce=allreduce or "auto", extra={"lm_head_scale": LM_HEAD_SCALE})
+                        max_decode_batch=N_SEQS, tp_allreduce="nccl" if "nccl" in opts else "auto",
+                        tp_slice_replicated="slice" in opts, extra={"lm_head_scale": LM_HEAD_SCALE})
     e, _ = build_engine(model, ecfg, dummy_weights=True, log=log)
     rec, fwd = [], e.runner.forward
 
@@ -109,7 +115,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers (real widths, quick build)")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--backends", default="standard,latency_specialized,latency_specialized:nccl",
-                    help="decode paths; latency_specialized:nccl forces NCCL instead of the one-shot all-reduce")
+                    help="decode paths with options: latency_specialized:nccl forces NCCL instead of the one-shot "
+                         "all-reduce, :slice turns tp_slice_replicated on (e.g. standard:slice)")
     ap.add_argument("--results-dir", default="results")
     args = ap.parse_args(argv)
     from ..bench import gpu

@@ -10,22 +10,37 @@ all-reduce (parallel/symm.py), chosen per group with an NCCL fallback.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ..config import ConfigError
 
 
 class TPGroup:
-    def __init__(self, rank: int = 0, world: int = 1, device: torch.device | None = None, group=None, ctrl=None):
+    def __init__(self, rank: int = 0, world: int = 1, device: torch.device | None = None, group=None, ctrl=None,
+                 slice_replicated: bool = False):
         """group: the torch.distributed group of the collectives (None: the default group);
-        ctrl: a CPU (gloo) group for the per-step control messages (parallel/control.py)."""
+        ctrl: a CPU (gloo) group for the per-step control messages (parallel/control.py);
+        slice_replicated: the models built on this group compute the router logits and the MLA
+        latent (and q-LoRA query-down) projections as a slice per rank and all-gather them,
+        instead of every rank computing them whole (parallel/shard.py)."""
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} outside a world of {world}")
         self.rank, self.world, self.device, self.group, self.ctrl = rank, world, device, group, ctrl
+        self.slice_replicated = slice_replicated and world > 1
         self.symm = None  # parallel.symm.OneShot when the symmetric-memory all-reduce is on
 
     def __repr__(self) -> str:
-        return f"TPGroup(rank={self.rank}, world={self.world})"
+        return f"TPGroup(rank={self.rank}, world={self.world}" + (", sliced)" if self.slice_replicated else ")")
+
+    def with_slicing(self, on: bool) -> "TPGroup":
+        """This group (same process group, same collectives) with slice_replicated set: one engine's choice."""
+        if bool(on) == self.slice_replicated or self.world == 1:
+            return self
+        g = copy.copy(self)
+        g.slice_replicated = bool(on)
+        return g
 
     # ---- sizes ----
     def split(self, n: int, field: str) -> int:
@@ -52,20 +67,24 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def all_gather_stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x (at least 1-D) stacked in rank order: [world, *x.shape] (no concatenation copy)."""
+        if self.world == 1:
+            return x.unsqueeze(0)
+        import torch.distributed as dist
+        x = x.contiguous()
+        out = torch.empty((self.world, *x.shape), dtype=x.dtype, device=x.device)
+        if x.is_cuda:  # one buffer, no Python list: graph-capturable
+            dist.all_gather_into_tensor(out.view(-1, *x.shape[1:]), x, group=self.group)
+        else:
+            dist.all_gather(list(out.unbind(0)), x, group=self.group)
+        return out
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's x along dim, in rank order."""
         if self.world == 1:
             return x
-        import torch.distributed as dist
-        x = x.contiguous()
-        if x.is_cuda:  # one buffer, no Python list: graph-capturable
-            out = torch.empty((self.world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-            dist.all_gather_into_tensor(out, x, group=self.group)
-            parts = out.chunk(self.world, 0)
-        else:
-            parts = [torch.empty_like(x) for _ in range(self.world)]
-            dist.all_gather(parts, x, group=self.group)
-        return torch.cat(parts, dim)
+        return torch.cat(self.all_gather_stacked(x).unbind(0), dim)
 
     def argmax(self, local_logits: torch.Tensor, local_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Greedy token over a vocab split in rank order: [S, V/N] local logits -> [S] int64 global ids.

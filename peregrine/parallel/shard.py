@@ -6,6 +6,12 @@ intermediate width (tensor parallel inside the experts), vocab. Low-rank and
 latent projections (KDA f_a/g_a, MLA kv_a and q_a), norms and the router are
 replicated. The KDA conv, A_log and dt_bias follow their heads.
 
+With slice_replicated (engine key tp_slice_replicated) the router (gate rows: experts)
+and the MLA kv_a (and K3's q_a) rows are split too, where the world divides them: each
+rank computes its slice of the logits / latent and one all-gather completes them
+(slicing). The bias and the norms stay whole: they act on the gathered vectors. KDA's
+f_a/g_a stay replicated (rank-128 outputs: the gather would cost more than their read).
+
 Every checkpoint tensor of a rank is then a contiguous slice of the full tensor
 along the one dimension whose size differs (slice_of): the loader reads only
 that slice and dummy init generates the full tensor (same seed, same order as
@@ -39,6 +45,25 @@ def shard_config(cfg: ModelConfig, tp: TPGroup) -> ModelConfig:
         tp.split(cfg.routed_expert_hidden_size, "routed_expert_hidden_size")  # the latent up_proj is split by columns
     return dataclasses.replace(cfg, kda_num_heads=kda_h, mla_num_heads=mla_h, intermediate_size=inter,
                                moe_intermediate_size=moe_i, vocab_size=vocab)
+
+
+SLICEABLE = {  # replicated projection -> (its output width, the config field named when it does not divide)
+    "router": (lambda c: c.num_experts, "num_experts"),
+    "kv_a": (lambda c: c.latent_dim, "kv_lora_rank + qk_rope_head_dim"),
+    "q_a": (lambda c: c.q_lora_rank, "q_lora_rank"),
+}
+
+
+def slicing(cfg: ModelConfig, tp: TPGroup) -> dict[str, str | None]:
+    """With tp.slice_replicated: each projection the model has -> None (sliced) or why it stays replicated."""
+    if not tp.slice_replicated:
+        return {}
+    out = {}
+    for what, (width, field) in SLICEABLE.items():
+        n = width(cfg)
+        if n:
+            out[what] = None if n % tp.world == 0 else f"'{field}' ({n}) is not divisible by {tp.world}: replicated"
+    return out
 
 
 def slice_of(name: str, full: tuple[int, ...], local: tuple[int, ...], tp: TPGroup) -> tuple[int, int] | None:
@@ -79,6 +104,7 @@ def holdings(model) -> dict:
         "dense_rows": span(full.intermediate_size, cfg.intermediate_size),
         "experts": f"all {full.num_experts}, rows {span(full.moe_intermediate_size, cfg.moe_intermediate_size)} of each",
         "vocab_rows": span(full.vocab_size, cfg.vocab_size),
+        "sliced": {k: v or "sliced" for k, v in slicing(full, tp).items()},
         "params": sum(p.numel() for p in model.parameters()), "bytes": nbytes,
     }
 
@@ -86,4 +112,5 @@ def holdings(model) -> dict:
 def describe(h: dict) -> str:
     return (f"rank {h['rank']}/{h['world']}: KDA heads {h['kda_heads']}, MLA heads {h['mla_heads']}, "
             f"dense rows {h['dense_rows']}, experts {h['experts']}, vocab rows {h['vocab_rows']}; "
-            f"{h['params'] / 1e9:.3f}B params, {h['bytes'] / 2**30:.2f} GiB")
+            + "".join(f"{k} {v}; " for k, v in h.get("sliced", {}).items())
+            + f"{h['params'] / 1e9:.3f}B params, {h['bytes'] / 2**30:.2f} GiB")
