@@ -3,7 +3,8 @@
 # then bundle everything into at most 8 files (the device returns no more):
 #   bash scripts/gpu_lanes.sh "0:STEPS=mlatune bash scripts/gpu_run.sh" "1,2:TP=2 bash scripts/tp_gpu_run.sh"
 # A "--" argument starts a new phase: its lanes start when every lane of the previous phase ended
-# (e.g. a 4-GPU job first, then single-GPU jobs). LANE_TIMEOUT bounds each lane, DEADLINE the whole
+# (e.g. a 4-GPU job first, then single-GPU jobs). LANE_TIMEOUT bounds each lane ("0,1@270:cmd" sets
+# one lane's own), DEADLINE the whole
 # run (seconds from the start; a later phase's lanes get what is left).
 # Each lane runs with CUDA_VISIBLE_DEVICES=<gpus>, its own OUT=$OUT/laneN and log $OUT/laneN.log.
 # Lanes on disjoint GPUs share nothing but the host (64 cores on the x4 kind) and the results/ folder,
@@ -34,8 +35,10 @@ run_phase() {  # wait for the lanes started so far
 for lane in "$@"; do
   if [ "$lane" = "--" ]; then run_phase; echo "phase ends at $(( $(date +%s) - START ))s" | tee -a "$OUT/summary.txt"; continue; fi
   gpus=${lane%%:*} cmd=${lane#*:}
+  lt=$LANE_TIMEOUT
+  if [[ $gpus == *@* ]]; then lt=${gpus#*@}; gpus=${gpus%@*}; fi  # "0,1@270:cmd": this lane's own timeout
   left=$(( DEADLINE - ($(date +%s) - START) ))
-  t=$(( left < LANE_TIMEOUT ? left : LANE_TIMEOUT ))
+  t=$(( left < lt ? left : lt ))
   if [ "$t" -lt 10 ]; then echo "lane$i gpus=$gpus skipped (deadline): $cmd" | tee -a "$OUT/summary.txt"; i=$((i + 1)); continue; fi
   mkdir -p "$OUT/lane$i"
   echo "lane$i gpus=$gpus (timeout ${t}s): $cmd" | tee -a "$OUT/summary.txt"

@@ -14,6 +14,7 @@
 #   plot       decode step time against TP per B from results/*-decode.json -> results/MODEL-decode-tp.png
 # Every step has its own timeout; a failing step is reported and the next one runs.
 #   TP=2  STEPS="check allreduce moesplit decode plot"  BATCHES=1,2,4,8  OUTPUT_LEN=48  DECODE_TP1=1
+#   DECODE_VARIANTS="main nccl slice"  which TP=N decode runs the decode step makes
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps wheels installed by the caller (gpu_lanes.sh)
@@ -23,6 +24,7 @@ TP=${TP:-2}
 case $TP in 2|4|8) ;; *) echo "TP must be 2, 4 or 8 (got $TP)"; exit 2 ;; esac
 STEPS=${STEPS:-"check allreduce moesplit decode plot"}
 DECODE_TP1=${DECODE_TP1:-1}
+DECODE_VARIANTS=${DECODE_VARIANTS:-"main nccl slice"}
 DECODE_TPS=$TP; [ "$DECODE_TP1" = 1 ] && DECODE_TPS="$TP 1"
 SLICE='{"tp_slice_replicated": true}'
 BATCHES=${BATCHES:-1,2,4,8}
@@ -52,13 +54,17 @@ for s in $STEPS; do
     moesplit)
       timeout ${MOESPLIT_TIMEOUT:-90} python3 -m peregrine.bench.moe_split --model kimi-linear-48b-a3b --tp $TP --results-dir results 2>&1 | tee "$OUT/moe-split-tp$TP.log" | tail -10 ;;
     decode)
-      for tp in $DECODE_TPS; do timeout ${DECODE_TIMEOUT:-200} $BENCH --model kimi-linear-48b-a3b --tensor-parallel-size $tp 2>&1 | tee "$OUT/decode-tp$tp.log" | grep -v "captur" | tail -16; done
-      # the specialized step with NCCL instead of the one-shot all-reduce (own folder: same file name)
-      timeout ${DECODE_TIMEOUT:-200} $BENCH --model kimi-linear-48b-a3b --tensor-parallel-size $TP --backends latency_specialized \
-        --additional-config '{"tp_allreduce": "nccl"}' --results-dir results/tp$TP-nccl 2>&1 | tee "$OUT/decode-tp$TP-nccl.log" | grep -v "captur" | tail -10
-      # router logits and MLA latent sliced per rank + all-gathered, against the replicated run above
-      timeout ${DECODE_TIMEOUT:-200} $BENCH --model kimi-linear-48b-a3b --tensor-parallel-size $TP \
-        --additional-config "$SLICE" --results-dir results/tp$TP-slice 2>&1 | tee "$OUT/decode-tp$TP-slice.log" | grep -v "captur" | tail -16 ;;
+      for v in $DECODE_VARIANTS; do case $v in
+        main)
+          for tp in $DECODE_TPS; do timeout ${DECODE_TIMEOUT:-200} $BENCH --model kimi-linear-48b-a3b --tensor-parallel-size $tp 2>&1 | tee "$OUT/decode-tp$tp.log" | grep -v "captur" | tail -16; done ;;
+        nccl)  # the specialized step with NCCL instead of the one-shot all-reduce (own folder: same file name)
+          timeout ${DECODE_TIMEOUT:-200} $BENCH --model kimi-linear-48b-a3b --tensor-parallel-size $TP --backends latency_specialized \
+            --additional-config '{"tp_allreduce": "nccl"}' --results-dir results/tp$TP-nccl 2>&1 | tee "$OUT/decode-tp$TP-nccl.log" | grep -v "captur" | tail -10 ;;
+        slice)  # router logits and MLA latent sliced per rank + all-gathered, against the replicated run above
+          timeout ${DECODE_TIMEOUT:-200} $BENCH --model kimi-linear-48b-a3b --tensor-parallel-size $TP \
+            --additional-config "$SLICE" --results-dir results/tp$TP-slice 2>&1 | tee "$OUT/decode-tp$TP-slice.log" | grep -v "captur" | tail -16 ;;
+        *) echo "unknown decode variant $v (main nccl slice)" ;;
+      esac; done ;;
     k3)
       for tp in $DECODE_TPS; do timeout ${DECODE_TIMEOUT:-200} $BENCH --model k3-slice --tensor-parallel-size $tp 2>&1 | tee "$OUT/decode-k3-tp$tp.log" | grep -v "captur" | tail -16; done ;;
     plot)
