@@ -32,13 +32,13 @@ TOL = 2e-2     # BF16 operands: relative RMS error against the FP32 reference
 SWEEP = [      # (UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS, DOWN_BLOCK_D, DOWN_BLOCK_KB, DOWN_WARPS); the first is the default
     (mx.UP_BLOCK_I, mx.UP_BLOCK_KB, mx.UP_WARPS, mx.DOWN_BLOCK_D, mx.DOWN_BLOCK_KB, mx.DOWN_WARPS),
     (16, 256, 4, 16, 256, 4),
-    (32, 64, 4, 32, 64, 4),
+    (32, 128, 8, 32, 128, 4),  # the default before the first H200 sweep
     (64, 64, 8, 64, 64, 8),
 ]
 V2_SWEEP = [   # (UP_BLOCK_I, UP_BLOCK_G, UP_WARPS, DOWN_BLOCK_D, DOWN_BLOCK_G, DOWN_WARPS); the first is the default
     tuple(mx2.DEFAULTS[k] for k in mx2.KEYS),
     (32, 4, 4, 64, 4, 8),
-    (16, 16, 8, 32, 8, 4),
+    (16, 8, 4, 32, 4, 4),  # the default before the first H200 sweep
 ]
 KEYS = ("UP_BLOCK_I", "UP_BLOCK_KB", "UP_WARPS", "DOWN_BLOCK_D", "DOWN_BLOCK_KB", "DOWN_WARPS")
 

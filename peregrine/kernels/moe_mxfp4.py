@@ -28,7 +28,7 @@ against ~4 per value that the ALUs can afford at copy bandwidth: expect this to 
 16 bits apart (two codes per shift/and/lop3 -> FP16x2 without conversion), scales applied in FP16
 relative to the row tile's largest, FP16 MMA with per-token power-of-two scaled activations.
 Variant "v2" (kernels/moe_mxfp4_v2.py) takes the word decode with FP32 FMAs and one scale multiply
-per 32-value group instead; moe_mxfp4_experts(variant=...) picks, DEFAULT_VARIANT until measured.
+per 32-value group instead; measured faster only at B = 1, so default_variant(B) picks it there.
 """
 from __future__ import annotations
 
@@ -44,11 +44,17 @@ GROUP = mxfp4.GROUP                  # values per E8M0 scale
 BPG = GROUP // 2                     # packed bytes per scale group
 E8M0_NAN = tl.constexpr(mxfp4.E8M0_NAN)  # the scale code that means NaN
 FP16_CODE_SCALE = tl.constexpr(2.0 ** 14)  # an E2M1 code read as FP16 bits is its value times 2^-14
-UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS = 32, 128, 8          # gate+up rows, packed bytes per step (2 x 4 KB in flight)
-DOWN_BLOCK_D, DOWN_BLOCK_KB, DOWN_WARPS = 32, 128, 4    # W2 rows, packed bytes per step (4 KB in flight)
+# H200 sweep (results/2026-11-29-h200-k3-slice-kernels-moe-mxfp4.json): 64-byte steps at 4 warps were the
+# fastest tiles at every B = 1..8, 1.85x the earlier 128-byte / 8-warp default
+UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS = 32, 64, 4           # gate+up rows, packed bytes per step (2 x 2 KB in flight)
+DOWN_BLOCK_D, DOWN_BLOCK_KB, DOWN_WARPS = 32, 64, 4     # W2 rows, packed bytes per step (2 KB in flight)
 GEMV_BLOCK_R, GEMV_BLOCK_KB = 16, 128                   # one-matrix GEMV tiles (small M, no tl.dot)
 VARIANTS = ("v1", "v2")  # v1: this file's MMA kernels; v2: kernels/moe_mxfp4_v2.py (word decode, FMA, group scales)
-DEFAULT_VARIANT = "v1"   # flip to "v2" once the H200 bench (bench/kernels_moe_mxfp4.py) shows it faster
+V2_MAX_BATCH = 1  # H200: v2 0.42 vs v1 0.47 ms at B = 1; slower from B = 2 (its FMA work grows with the token pad)
+
+
+def default_variant(B: int) -> str:
+    return "v2" if B <= V2_MAX_BATCH else "v1"
 
 
 @triton.jit
@@ -164,9 +170,9 @@ def moe_mxfp4_experts(x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, q2:
     x [B, Dz] (BF16 or FP32), q13 [E, 2I, Dz/2] uint8 + s13 [E, 2I, Dz/32] uint8, q2 [E, Dz, I/2] + s2 [E, Dz, I/32],
     topk_ids [B, k] int32 (distinct per token), topk_w [B, k] FP32. config: tile overrides
     (UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS, DOWN_BLOCK_D, DOWN_BLOCK_KB, DOWN_WARPS) for the benchmark sweep;
-    with variant "v2" its keys are moe_mxfp4_v2.KEYS. variant: "v1" | "v2", default DEFAULT_VARIANT.
+    with variant "v2" its keys are moe_mxfp4_v2.KEYS. variant: "v1" | "v2", default default_variant(B).
     """
-    variant = variant or DEFAULT_VARIANT
+    variant = variant or default_variant(x.shape[0])
     assert variant in VARIANTS, variant
     B, Dz = x.shape
     E, two_i, kb_up = q13.shape
