@@ -338,3 +338,13 @@ def test_bench_decode_times_lookahead_and_reports_it_off(tmp_path):
     assert off["n"] == 5 and off["lookahead_steps"] == 0 and off["median_ms"] > 0
     assert b["engine_stats"]["lookahead_steps"] >= 8 + 4  # the untimed warm-up run looked ahead too
     assert any("lookahead 8/10 steps; off: median" in line for line in logs)
+
+
+def test_moe_split_harness_runs(tmp_path):
+    """The expert-split benchmark calls the MoE kernels as the decode step does (it once broke on an
+    API the MoE rewrite removed, and the GPU run failed at once): a CPU smoke run of every layout."""
+    from peregrine.bench import moe_split
+    assert moe_split.main(["--model", "tiny-kimi-linear", "--tp", "2", "--batch-sizes", "1,3", "--device", "cpu",
+                           "--results-dir", str(tmp_path)]) == 0
+    out = json.loads(next(tmp_path.glob("*moe-split-tp2*.json")).read_text())
+    assert [r["batch"] for r in out["rows"]] == [1, 3] and out["tp"] == 2
