@@ -58,6 +58,28 @@ def default_variant(B: int) -> str:
 
 
 @triton.jit
+def _group_scales(s_ptr, rows, row_ok, offs_g, g_ok, KG):
+    """E8M0 scale bytes of groups offs_g of `rows` -> FP32 [R, NG]: 2^(s-127) with the FP16 codes'
+    2^14 folded in, NaN for s = 255 (per group, so nearly free)."""
+    s = tl.load(s_ptr + rows[:, None] * KG + offs_g[None, :], mask=row_ok[:, None] & g_ok[None, :], other=127)
+    sc = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True) * FP16_CODE_SCALE
+    return tl.where(s == E8M0_NAN, float("nan"), sc)
+
+
+@triton.jit
+def _act(acc_g, acc_u, ACT: tl.constexpr, BETA: tl.constexpr, BETA_L: tl.constexpr):
+    """act(gate, up) in FP32: SwiGLU (ACT 0) or SiTU, tanh from e^{-2|z|} ∈ (0, 1]: no overflow,
+    exact ±1 saturation."""
+    if ACT == 0:
+        return acc_g * tl.sigmoid(acc_g) * acc_u
+    eg = tl.exp(-2.0 * tl.abs(acc_g) / BETA)
+    eu = tl.exp(-2.0 * tl.abs(acc_u) / BETA_L)
+    tg = tl.where(acc_g < 0, -1.0, 1.0) * (1.0 - eg) / (1.0 + eg)
+    tu = tl.where(acc_u < 0, -1.0, 1.0) * (1.0 - eu) / (1.0 + eu)
+    return BETA * tg * tl.sigmoid(acc_g) * (BETA_L * tu)
+
+
+@triton.jit
 def _dequant(byte, scale, HIGH: tl.constexpr, R: tl.constexpr, NG: tl.constexpr, BPG: tl.constexpr):
     """Packed bytes [R, NG, BPG] (int32) and FP32 group scales [R, NG] (2^14 folded in) -> the low or
     high nibbles' values [R, NG*BPG] FP32."""
@@ -80,9 +102,7 @@ def _tile(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG,
     col = offs_g[None, :, None] * BPG + offs_j[None, None, :]
     byte = tl.load(q_ptr + rows[:, None, None] * KB + col, mask=row_ok[:, None, None] & g_ok[None, :, None],
                    other=0).to(tl.int32)
-    s = tl.load(s_ptr + rows[:, None] * KG + offs_g[None, :], mask=row_ok[:, None] & g_ok[None, :], other=127)
-    sc = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True) * FP16_CODE_SCALE  # E8M0 -> 2^(s-127), times 2^14
-    sc = tl.where(s == E8M0_NAN, float("nan"), sc)  # per group, so nearly free
+    sc = _group_scales(s_ptr, rows, row_ok, offs_g, g_ok, KG)
     return _dequant(byte, sc, False, R, NG, BPG), _dequant(byte, sc, True, R, NG, BPG)
 
 
@@ -115,14 +135,7 @@ def _mx_up_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, h_ptr, B, KB, I, stride_xb,
             ulo, uhi = _tile(q_ptr, s_ptr, u_rows, i_ok, kb0, KB, KG, BLOCK_I, BLOCK_KB, BPG)
             acc_u = tl.dot(xe, tl.trans(ulo.to(DOT_T)), acc_u, input_precision=PREC)
             acc_u = tl.dot(xo, tl.trans(uhi.to(DOT_T)), acc_u, input_precision=PREC)
-        if ACT == 0:  # SwiGLU
-            h = acc_g * tl.sigmoid(acc_g) * acc_u
-        else:  # SiTU in FP32; tanh from e^{-2|z|} ∈ (0, 1]: no overflow, exact ±1 saturation
-            eg = tl.exp(-2.0 * tl.abs(acc_g) / BETA)
-            eu = tl.exp(-2.0 * tl.abs(acc_u) / BETA_L)
-            tg = tl.where(acc_g < 0, -1.0, 1.0) * (1.0 - eg) / (1.0 + eg)
-            tu = tl.where(acc_u < 0, -1.0, 1.0) * (1.0 - eu) / (1.0 + eu)
-            h = BETA * tg * tl.sigmoid(acc_g) * (BETA_L * tu)
+        h = _act(acc_g, acc_u, ACT, BETA, BETA_L)
         tl.store(h_ptr + (offs_b[:, None] * TOP_K + slot[:, None]) * I + offs_i[None, :], h,
                  mask=chose[:, None] & i_ok[None, :])
 

@@ -25,10 +25,9 @@ import triton.language as tl
 
 from ..models import mxfp4
 from .moe import ACTIVATIONS, SITU_BETA, SITU_LINEAR_BETA, _first_use, _pow2, _token_slots
+from .moe_mxfp4 import _act, _group_scales
 
 WPG = mxfp4.GROUP // 8   # 32-bit words per scale group (8 codes a word)
-E8M0_NAN = tl.constexpr(mxfp4.E8M0_NAN)
-FP16_CODE_SCALE = tl.constexpr(2.0 ** 14)  # an E2M1 code read as FP16 bits is its value times 2^-14
 # tiles: rows x scale groups per step; a step reads rows·groups·16 bytes per matrix
 DEFAULTS = {"UP_BLOCK_I": 16, "UP_BLOCK_G": 16, "UP_WARPS": 8,     # 2 x 4 KB in flight (H200: best at B = 1, 2)
             "DOWN_BLOCK_D": 32, "DOWN_BLOCK_G": 8, "DOWN_WARPS": 4}  # 4 KB in flight
@@ -72,9 +71,7 @@ def _group_dots(q_ptr, s_ptr, rows, row_ok, xb, x_ok, g0, KG, ROUND_T: tl.conste
     word = tl.load(q_ptr.to(tl.pointer_type(tl.uint32)) + rows[:, None, None] * (KG * WPG)
                    + offs_g[None, :, None] * WPG + offs_w[None, None, :],
                    mask=row_ok[:, None, None] & g_ok[None, :, None], other=0)
-    s = tl.load(s_ptr + rows[:, None] * KG + offs_g[None, :], mask=row_ok[:, None] & g_ok[None, :], other=127)
-    sc = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True) * FP16_CODE_SCALE  # E8M0 -> 2^(s-127), times 2^14
-    sc = tl.where(s == E8M0_NAN, float("nan"), sc)
+    sc = _group_scales(s_ptr, rows, row_ok, offs_g, g_ok, KG)
     col = (offs_g[:, None] * WPG + offs_w[None, :]) * 8                          # element 0 of each word
     xp = xb[:, None, None] + col[None, :, :]
     xm = x_ok[:, None, None] & g_ok[None, :, None]
@@ -109,14 +106,7 @@ def _mx2_up_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, h_ptr, B, KG, I, stride_xb,
         for g0 in range(0, KG, BLOCK_G):
             acc_g += _group_dots(q_ptr, s_ptr, g_rows, i_ok, xb, chose, g0, KG, None, BLOCK_I, BLOCK_G, WPG)
             acc_u += _group_dots(q_ptr, s_ptr, g_rows + I, i_ok, xb, chose, g0, KG, None, BLOCK_I, BLOCK_G, WPG)
-        if ACT == 0:  # SwiGLU
-            h = acc_g * tl.sigmoid(acc_g) * acc_u
-        else:  # SiTU in FP32, as in v1
-            eg = tl.exp(-2.0 * tl.abs(acc_g) / BETA)
-            eu = tl.exp(-2.0 * tl.abs(acc_u) / BETA_L)
-            tg = tl.where(acc_g < 0, -1.0, 1.0) * (1.0 - eg) / (1.0 + eg)
-            tu = tl.where(acc_u < 0, -1.0, 1.0) * (1.0 - eu) / (1.0 + eu)
-            h = BETA * tg * tl.sigmoid(acc_g) * (BETA_L * tu)
+        h = _act(acc_g, acc_u, ACT, BETA, BETA_L)
         tl.store(h_ptr + (offs_b[:, None] * TOP_K + slot[:, None]) * I + offs_i[None, :], h,
                  mask=chose[:, None] & i_ok[None, :])
 
