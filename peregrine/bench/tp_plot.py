@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .report import DEFAULT_GLOB, load_results
+from .report import DEFAULT_GLOB, load_results, save_figure
 
 
 def collect(paths) -> dict:
@@ -57,12 +57,7 @@ def plot(model: str, per_backend: dict, out: str | Path) -> Path:
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def main(argv=None) -> int:
