@@ -19,6 +19,25 @@ DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRE
 FULL_SHAPES = DEVICE == "cuda" or os.environ.get("PEREGRINE_FULL_SHAPES") == "1"
 
 
+def run_aot(script: str, timeout: int = 300):
+    """Run `script` in a fresh Python without the interpreter, where it compiles kernels ahead of time
+    for sm_90a (no GPU needed), and return the JSON its last output line prints. Skips where triton
+    ships no ptxas or has no ahead-of-time compile API."""
+    import json
+    import subprocess
+    import sys
+    import triton
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")):
+        pytest.skip("triton's ptxas is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout)
+    if r.returncode != 0 and ("GPUTarget" in r.stderr or "ASTSource" in r.stderr):
+        pytest.skip("no ahead-of-time compile API in this triton")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture
 def device():
     return DEVICE

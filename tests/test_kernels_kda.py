@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from peregrine.kernels import available, kda as kda_mod
 from peregrine.kernels.kda import KdaConfig, heuristic, kda_decode, kda_decode_ref, load_plan, lookup
 from peregrine.testing import SENTINEL, assert_close, poisoned, rel_rmse
-from conftest import DEVICE, FULL_SHAPES
+from conftest import DEVICE, FULL_SHAPES, run_aot
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(DEVICE), reason="no Triton backend")]
 
@@ -374,20 +374,7 @@ def test_default_configs_compile_for_sm90_without_spills():
     """Ahead-of-time sm_90a compile (no GPU needed, a subprocess without the interpreter): the
     planned / heuristic split configs keep the state in registers. The unsplit kernel spilled
     ~25 KB per thread under ptxas -v, which is where its 18.7 us at B = 1 went."""
-    import os
-    import subprocess
-    import sys
-    import triton
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")):
-        pytest.skip("triton's ptxas is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", AOT_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
-    if r.returncode != 0 and ("GPUTarget" in r.stderr or "ASTSource" in r.stderr):
-        pytest.skip("no ahead-of-time compile API in this triton")
-    assert r.returncode == 0, r.stderr[-2000:]
-    for key, (cfg, spill) in json.loads(r.stdout.strip().splitlines()[-1]).items():
+    for key, (cfg, spill) in run_aot(AOT_SCRIPT).items():
         # the heuristic never spills; a tuned plan entry may spill a little if it measured fastest
         # (B = 1's 1-warp config spills 264 B on the H200 and still wins)
         assert spill <= (PLAN_SPILL_MAX if key.startswith("plan") else 0), f"{key} {cfg}: {spill} bytes of spill stores"

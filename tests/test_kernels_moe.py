@@ -16,7 +16,7 @@ from peregrine.kernels import available, moe
 from peregrine.kernels.moe import (moe_combine, moe_expert_partials, moe_experts, moe_forward, moe_route, router_partials,
                                   router_topk)
 from peregrine.testing import SENTINEL, assert_close, poisoned
-from conftest import DEVICE, FULL_SHAPES
+from conftest import DEVICE, FULL_SHAPES, run_aot
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(DEVICE), reason="triton kernels unavailable")]
 
@@ -425,16 +425,10 @@ def test_tuner_smoke_on_cpu(monkeypatch):
 # --------------------------------------------------------------------------- compiled code (no GPU needed)
 def test_every_variant_compiles_for_sm90_without_spills():
     """The interpreter cannot catch compile errors: compile each variant for sm_90 (ptxas included)."""
-    import os
-    import subprocess
-    import sys
     code = ("import json; from peregrine.bench import kernels_moe as km; from peregrine.kernels import moe; "
             f"print(json.dumps(km.compile_check([moe.DEFAULT_ROUTER, {ROUTER_VARIANTS['fma']!r}], "
             f"[moe.DEFAULT_EXPERTS, moe.DEFAULT_EXPERTS | {{'SWAP': True}}, {EXPERT_VARIANTS['fused_wide']!r}])))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = run_aot(code, timeout=600)
     assert len(rows) == 1 + 2 * 2 + 2 * 2 + 1  # combine, (logits + top-k) x 2, (up + down) x 2, fused
     for row in rows:
         assert "error" not in row, row

@@ -4,7 +4,7 @@ register dequantization against an independent bit-field decode for every byte a
 import pytest
 import torch
 
-from conftest import DEVICE, FULL_SHAPES
+from conftest import DEVICE, FULL_SHAPES, run_aot
 from peregrine.kernels import available
 from peregrine.testing import SENTINEL, rel_rmse
 
@@ -202,18 +202,5 @@ print(json.dumps(res))
 
 def test_default_tiles_compile_for_sm90_without_spills():
     """Ahead-of-time sm_90a compile of both variants' expert kernels at K3's top-16, B = 8 (no GPU needed)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    import triton
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")):
-        pytest.skip("triton's ptxas is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", AOT_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
-    if r.returncode != 0 and ("GPUTarget" in r.stderr or "ASTSource" in r.stderr):
-        pytest.skip("no ahead-of-time compile API in this triton")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"_mx_up_kernel": 0, "_mx_down_kernel": 0,
+    assert run_aot(AOT_SCRIPT) == {"_mx_up_kernel": 0, "_mx_down_kernel": 0,
                                                              "_mx2_up_kernel": 0, "_mx2_down_kernel": 0}

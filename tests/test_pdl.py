@@ -6,15 +6,10 @@ Under the interpreter the PDL code path runs with no-op gdc calls, and programs 
 scrambled until the first program reaches griddepcontrol.wait, and the outputs are re-poisoned there,
 so a read of anything but weights before the wait (or a write before it) changes the result.
 """
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, run_aot
 from peregrine.config import ConfigError, EngineConfig
 from peregrine.kernels import pdl as P
 from peregrine.kernels.gemm import skinny_gemm
@@ -241,13 +236,6 @@ print(json.dumps(res))
 def test_pdl_variants_compile_for_sm90_with_griddepcontrol():
     """Ahead-of-time sm_90a compile (no GPU needed): USE_PDL kernels carry griddepcontrol.wait and
     .launch_dependents in their PTX, the default ones none."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", AOT_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
-    if r.returncode != 0 and ("GPUTarget" in r.stderr or "ASTSource" in r.stderr):
-        pytest.skip("no ahead-of-time compile API in this triton")
-    assert r.returncode == 0, r.stderr[-2000:]
-    for key, (wait, trig, _) in json.loads(r.stdout.strip().splitlines()[-1]).items():
+    for key, (wait, trig, _) in run_aot(AOT_SCRIPT).items():
         on = key.endswith("True")
         assert (wait >= 1 and trig >= 1) if on else (wait == 0 and trig == 0), f"{key}: wait {wait}, trigger {trig}"
