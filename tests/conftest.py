@@ -38,6 +38,26 @@ def run_aot(script: str, timeout: int = 300):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+LM_HEAD_SHARPEN = 4.0  # dummy lm_head x4: confident greedy choices, as a trained model has
+
+
+def dummy_model_dir(tmp_path_factory, raw: dict, name: str, seed: int) -> str:
+    """A model folder (config.json + safetensors) with seeded FP32 dummy weights and a sharpened lm_head."""
+    import json
+    from peregrine.config import ModelConfig
+    from peregrine.models.kimi import KimiModel
+    from peregrine.models.loader import init_dummy_weights, save_weights
+    d = tmp_path_factory.mktemp(name)
+    (d / "config.json").write_text(json.dumps(raw))
+    m = KimiModel(ModelConfig.from_dict(raw), torch.float32)
+    init_dummy_weights(m, seed=seed)
+    for pname, view, _ in m.hf_params():
+        if pname.endswith("lm_head.weight"):
+            view.mul_(LM_HEAD_SHARPEN)
+    save_weights(m, d)
+    return str(d)
+
+
 @pytest.fixture
 def device():
     return DEVICE

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from conftest import DEVICE, FULL_SHAPES
+from conftest import DEVICE, FULL_SHAPES, dummy_model_dir
 from peregrine.config import PRESET_DIR, EngineConfig, ModelConfig
 from peregrine.engine import SamplingParams
 from peregrine.engine.build import build_engine
@@ -44,19 +44,9 @@ def k3_raw(mxfp4: bool) -> dict:
 @pytest.fixture(scope="module", params=["mxfp4", "bf16"])
 def model_dir(request, tmp_path_factory):
     raw = k3_raw(request.param == "mxfp4")
-    d = tmp_path_factory.mktemp(f"k3-{request.param}")
-    (d / "config.json").write_text(json.dumps(raw))
-    from peregrine.models.kimi import KimiModel
-    from peregrine.models.loader import init_dummy_weights, save_weights
     cfg = ModelConfig.from_dict(raw)
     assert cfg.is_k3 and (cfg.expert_quant == "mxfp4") == (request.param == "mxfp4")
-    m = KimiModel(cfg, torch.float32)
-    init_dummy_weights(m, seed=5)
-    for name, view, _ in m.hf_params():  # confident greedy choices, as a trained model has
-        if name.endswith("lm_head.weight"):
-            view.mul_(4.0)
-    save_weights(m, d)
-    return str(d)
+    return dummy_model_dir(tmp_path_factory, raw, f"k3-{request.param}", seed=5)
 
 
 def engine(model_dir, backend, routing=None, **kw):

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from conftest import DEVICE, FULL_SHAPES
-from peregrine.config import PRESET_DIR, EngineConfig, ModelConfig
+from conftest import DEVICE, FULL_SHAPES, dummy_model_dir
+from peregrine.config import PRESET_DIR, EngineConfig
 from peregrine.decode.batch import StepInput
 from peregrine.engine import SamplingParams
 from peregrine.engine.build import build_engine
@@ -29,17 +29,7 @@ def model_dir(tmp_path_factory):
     raw = json.loads((PRESET_DIR / "tiny-kimi-linear.json").read_text())
     if not FULL_SHAPES:
         raw.update(MICRO)
-    d = tmp_path_factory.mktemp("spec_model")
-    (d / "config.json").write_text(json.dumps(raw))
-    from peregrine.models.kimi import KimiModel
-    from peregrine.models.loader import init_dummy_weights, save_weights
-    m = KimiModel(ModelConfig.from_dict(raw), torch.float32)
-    init_dummy_weights(m, seed=5)
-    for name, view, _ in m.hf_params():
-        if name == "lm_head.weight":
-            view.mul_(4.0)  # confident greedy choices, as a trained model has
-    save_weights(m, d)
-    return str(d)
+    return dummy_model_dir(tmp_path_factory, raw, "spec_model", seed=5)
 
 
 def engine(model_dir, backend, spec=None):

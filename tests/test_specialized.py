@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from conftest import DEVICE, FULL_SHAPES
-from peregrine.config import PRESET_DIR, EngineConfig, ModelConfig
+from conftest import DEVICE, FULL_SHAPES, dummy_model_dir
+from peregrine.config import PRESET_DIR, EngineConfig
 from peregrine.engine import SamplingParams
 from peregrine.engine.build import build_engine
 
@@ -33,17 +33,7 @@ def model_dir(tmp_path_factory):
     raw = json.loads((PRESET_DIR / "tiny-kimi-linear.json").read_text())
     if not FULL_SHAPES:
         raw.update(MICRO)
-    d = tmp_path_factory.mktemp("model")
-    (d / "config.json").write_text(json.dumps(raw))
-    from peregrine.models.kimi import KimiModel
-    from peregrine.models.loader import init_dummy_weights, save_weights
-    m = KimiModel(ModelConfig.from_dict(raw), torch.float32)
-    init_dummy_weights(m, seed=3)
-    for name, view, _ in m.hf_params():  # sharper logits: confident greedy choices, as a trained model has
-        if name == "lm_head.weight":
-            view.mul_(4.0)
-    save_weights(m, d)
-    return str(d)
+    return dummy_model_dir(tmp_path_factory, raw, "model", seed=3)
 
 
 def engine(model_dir, backend, routing=None, **kw):
