@@ -4,12 +4,7 @@
 # the 8K-context case (BENCHMARKS.md §1; results/ctx8k/), then the per-kernel profile at B = 1 and 8.
 #   PARTS="decode ctx8k profile"  DECODE_ARGS="--prompt-sets 2 --runs 1 --output-len 256"
 #   CTX_ARGS="--batch-sizes 1,8 --output-len 64 --prompt-sets 1 --runs 1"
-set -uo pipefail
-cd "$(dirname "$0")/.."
-[ -f .commit ] && export PEREGRINE_COMMIT=${PEREGRINE_COMMIT:-$(cat .commit)}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/peregrine-out}
-mkdir -p "$OUT" results
+source "$(dirname "$0")/device_env.sh"
 BENCH="python3 -m peregrine.cli bench decode --model kimi-linear-48b-a3b --dummy-weights --backends standard,latency_specialized"
 for p in ${PARTS:-decode ctx8k profile}; do
   echo "=== $p ($(date -u +%T))"

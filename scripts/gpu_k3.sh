@@ -7,12 +7,7 @@
 # reported in $OUT/summary.txt and the next one still runs. Results land in results/ (+ $OUT).
 #   PARTS="tests decode-mxfp4 decode-bf16"   which parts, in this order (also: kernels)
 #   BATCHES=1,8  OUTPUT_LEN=48                       decode bench batch sizes and tokens per request
-set -uo pipefail
-cd "$(dirname "$0")/.."
-[ -f .commit ] && export PEREGRINE_COMMIT=${PEREGRINE_COMMIT:-$(cat .commit)}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps wheels installed by the caller (gpu_lanes.sh)
-OUT=${OUT:-/tmp/peregrine-out}
-mkdir -p "$OUT" results
+source "$(dirname "$0")/device_env.sh"
 PARTS=${PARTS:-"tests decode-mxfp4 decode-bf16"}
 BUDGET=${BUDGET:-290}
 START=$(date +%s)

@@ -10,20 +10,10 @@
 # Lanes on disjoint GPUs share nothing but the host (64 cores on the x4 kind) and the results/ folder,
 # whose file names carry the model, kind and TP size. At the end: $OUT/summary.txt (rc and time per lane)
 # and $OUT/bundle.tgz (lane folders, logs and results/), split into 15 MB parts when larger.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-[ -f .commit ] && export PEREGRINE_COMMIT=${PEREGRINE_COMMIT:-$(cat .commit)}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps wheels installed by the caller (gpu_lanes.sh)
-OUT=${OUT:-/tmp/peregrine-out}
+source "$(dirname "$0")/device_env.sh"  # installs the carried wheels once, for every lane
 BUNDLE_PART=15000000  # under the device's 16 MiB per returned file
 LANE_TIMEOUT=${LANE_TIMEOUT:-555}  # every lane ends in time to bundle inside the device's 600 s per command
 DEADLINE=${DEADLINE:-550}
-mkdir -p "$OUT" results
-if [ -d .whl ]; then  # wheels the GPU image lacks (scripts/fetch_gpu_wheels.sh), installed once for all lanes
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-  export PEREGRINE_WHEELS_DONE=1  # the lanes' scripts must not install them again, concurrently
-fi
 nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/summary.txt"
 START=$(date +%s)
 i=0

@@ -3,12 +3,7 @@
 # kimi-linear-48b-a3b with both backends, then the specialized backend again with PDL on
 # (results/pdl-on/: same file name), then the PDL microbenchmark. Each part has its own timeout.
 #   DECODE_ARGS="--prompt-sets 1 --runs 1 --output-len 128"  BATCHES=1,2,4,8
-set -uo pipefail
-cd "$(dirname "$0")/.."
-[ -f .commit ] && export PEREGRINE_COMMIT=${PEREGRINE_COMMIT:-$(cat .commit)}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps wheels installed by the caller (gpu_lanes.sh)
-OUT=${OUT:-/tmp/peregrine-out}
-mkdir -p "$OUT" results
+source "$(dirname "$0")/device_env.sh"
 DECODE="python3 -m peregrine.cli bench decode --model kimi-linear-48b-a3b --dummy-weights --batch-sizes ${BATCHES:-1,2,4,8}
   --input-len 1 ${DECODE_ARGS:---prompt-sets 1 --runs 1 --output-len 128}"
 echo "=== tests ($(date -u +%T))"

@@ -5,18 +5,10 @@
 #   STEPS="tests kernels generate decode"  which parts to run (default: these four; also tune (GEMM plan),
 #                                          moetune, kdatune, mlatune (kernel plans), profile)
 #   DECODE_ARGS="..."                      extra args for `bench decode`
-set -uo pipefail
-cd "$(dirname "$0")/.."
-[ -f .commit ] && export PEREGRINE_COMMIT=${PEREGRINE_COMMIT:-$(cat .commit)}  # the device copy's git HEAD can be stale
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps wheels installed by the caller (gpu_lanes.sh)
-OUT=${OUT:-/tmp/peregrine-out}
-mkdir -p "$OUT" results
+source "$(dirname "$0")/device_env.sh"
 STEPS=${STEPS:-"tests kernels generate decode"}
 MODEL=${MODEL:-kimi-linear-48b-a3b}
 DATE=$(date -u +%F)
-if [ -d .whl ] && [ -z "${PEREGRINE_WHEELS_DONE:-}" ]; then  # wheels the GPU image lacks (scripts/fetch_gpu_wheels.sh)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 cat .commit 2>/dev/null | sed "s/^/commit /" | tee -a "$OUT/gpu.txt"

@@ -4,15 +4,8 @@
 # when peregrine/presets/peregrine-tiny/ exists, else dummy) and kimi-linear-48b-a3b (dummy weights):
 # plain vs n-gram vs oracle drafts at B = 1, 2, 4, k = 2, 4. JSON + Markdown land in results/ and $OUT.
 #   STEPS="tests tiny 48b"  which parts to run (default: all); SPEC_ARGS="..." extra `bench spec` args
-set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps wheels installed by the caller (gpu_lanes.sh)
-OUT=${OUT:-/tmp/peregrine-out}
-mkdir -p "$OUT" results
+source "$(dirname "$0")/device_env.sh"
 STEPS=${STEPS:-"tests tiny 48b"}
-if [ -d .whl ] && [ -z "${PEREGRINE_WHEELS_DONE:-}" ]; then  # wheels the GPU image lacks (scripts/fetch_gpu_wheels.sh)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 cat .commit 2>/dev/null | sed "s/^/commit /" | tee -a "$OUT/gpu.txt"
 TINY_W="--dummy-weights"

@@ -4,13 +4,8 @@
 # standard vs latency_specialized greedy answers. Weights land in $OUT/peregrine-tiny/ (21.7 MB: the
 # caller bundles/splits them; the device returns files of at most 16 MiB).
 #   MINUTES=6  MIX=add=0.7,copy=0.15,reverse=0.15  N=500  TRAIN_ARGS="..."
-set -uo pipefail
-cd "$(dirname "$0")/.."
-[ -f .commit ] && export PEREGRINE_COMMIT=${PEREGRINE_COMMIT:-$(cat .commit)}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps wheels installed by the caller (gpu_lanes.sh)
-OUT=${OUT:-/tmp/peregrine-out}
+source "$(dirname "$0")/device_env.sh"
 DIR=$OUT/peregrine-tiny  # the folder name is the model name in the eval result files
-mkdir -p "$OUT" results
 timeout $(( ${MINUTES:-6} * 60 + 120 )) python3 -m peregrine.train.train --init peregrine/presets/peregrine-tiny \
   --short-mix "${MIX:-add=0.7,copy=0.15,reverse=0.15}" --recall-every 4 --lr 1e-3 --warmup 50 --batch 1024 --chunk 16 \
   --minutes "${MINUTES:-6}" --eval-every 400 --log-every 100 --device cuda --out "$DIR" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train.log"

@@ -15,11 +15,7 @@
 # Every step has its own timeout; a failing step is reported and the next one runs.
 #   TP=2  STEPS="check allreduce moesplit decode plot"  BATCHES=1,2,4,8  OUTPUT_LEN=48  DECODE_TP1=1
 #   DECODE_VARIANTS="main nccl slice"  which TP=N decode runs the decode step makes
-set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps wheels installed by the caller (gpu_lanes.sh)
-OUT=${OUT:-/tmp/peregrine-out}
-mkdir -p "$OUT" results
+source "$(dirname "$0")/device_env.sh"
 TP=${TP:-2}
 case $TP in 2|4|8) ;; *) echo "TP must be 2, 4 or 8 (got $TP)"; exit 2 ;; esac
 STEPS=${STEPS:-"check allreduce moesplit decode plot"}
@@ -29,9 +25,6 @@ DECODE_TPS=$TP; [ "$DECODE_TP1" = 1 ] && DECODE_TPS="$TP 1"
 SLICE='{"tp_slice_replicated": true}'
 BATCHES=${BATCHES:-1,2,4,8}
 OUTPUT_LEN=${OUTPUT_LEN:-48}
-if [ -d .whl ] && [ -z "${PEREGRINE_WHEELS_DONE:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 nvidia-smi topo -m 2>&1 | head -5 | tee -a "$OUT/gpu.txt"
 python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/gpu.txt"
