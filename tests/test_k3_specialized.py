@@ -28,6 +28,10 @@ MICRO = {  # tiny-k3's layer kinds at the interpreter's budget: dense 0, KDA, ML
 MICRO_LAC = {"full_attn_layers": [3], "kda_layers": [1, 2, 4], "head_dim": 16, "num_heads": 2}
 STEPS = 256 if FULL_SHAPES else 16
 TOL = 1e-4 if DEVICE == "cpu" else 3e-2  # FP32 on CPU; BF16 on the GPU
+# GPU, a step over TOL before any flip: the BF16 paths drift apart over the steps (KDA state, caches)
+# with random weights. It still passes where the specialized logits are no further than this factor
+# times the standard path's from an FP32 standard run of the same history (VERIFY.md §1's reference).
+DRIFT_SLACK = 2.0
 
 
 def k3_raw(mxfp4: bool) -> dict:
@@ -82,6 +86,21 @@ def first_routing_flips(rstd, rspec, n):
     return flips
 
 
+def fp32_truth(model_dir, ps, a, b, rstd, rspec):
+    """The standard path in FP32 over the same prompts: (its per-step logits, per request the first
+    step no longer comparable: its history or routing differs from either BF16 run's)."""
+    rref = []
+    ref, lref = engine(model_dir, "standard", routing=rref, dtype="float32", cuda_graphs=False)
+    c = ref.generate(ps, greedy(STEPS))
+    until = []
+    for r in range(len(ps)):
+        tok = next((i for i, (x, y, z) in enumerate(zip(a[r], b[r], c[r])) if not x == y == z), STEPS)
+        route = next((i for i, (x, y, z) in enumerate(zip(rstd, rspec, rref)) if x is not None and not (
+            torch.equal(x[:, r], z[:, r]) and torch.equal(y[:, r], z[:, r]))), STEPS)
+        until.append(min(tok + 1, route))  # a token at step i feeds step i + 1; a routing flip changes step i
+    return lref, until
+
+
 def test_logits_close_and_tokens_identical(model_dir):
     """As tests/test_specialized.py: FP32 exact; in BF16 a token or router near-tie may split the paths
     (steps run eagerly on the GPU to record routing): a step over tolerance must be where the routed
@@ -105,11 +124,18 @@ def test_logits_close_and_tokens_identical(model_dir):
     flips = first_routing_flips(rstd, rspec, len(ps))
     if DEVICE == "cpu":
         assert flips == [None, None], f"FP32 routing differs at steps {flips}"
+    truth = fp32_truth(model_dir, ps, a, b, rstd, rspec) if DEVICE == "cuda" else None
     for i, ((_, x), (_, y)) in enumerate(zip(lstd, lspec)):
         for r in range(len(ps)):
             if div[r] is not None and i > div[r] or flips[r] is not None and i > flips[r]:
                 continue  # BF16 near-tie flipped a token or an expert: histories differ from here on
             err = rel_rmse(y[r], x[r])
+            if err >= TOL and i != flips[r] and truth is not None and i < truth[1][r]:
+                z = truth[0][i][1][r]  # both BF16 paths drift from FP32 over the steps: the fused one no more
+                e_spec, e_std = rel_rmse(y[r], z), rel_rmse(x[r], z)
+                assert e_spec <= DRIFT_SLACK * e_std, (
+                    f"request {r} step {i}: specialized {e_spec:.2e} from FP32, standard {e_std:.2e} (apart {err:.2e})")
+                continue
             assert err < TOL or i == flips[r], f"request {r} step {i}: logits relative error {err:.2e} (routing flips {flips})"
             if i == div[r] and i != flips[r]:  # a token flip must be a near-tie (vLLM's check_logprobs_close rule)
                 assert b[r][i] in x[r].topk(5).indices.tolist() and a[r][i] in y[r].topk(5).indices.tolist()

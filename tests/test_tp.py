@@ -218,6 +218,23 @@ def test_tp2_specialized_path():
         assert_same(one, two)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU ranks run the kernels under the interpreter")
+@pytest.mark.parametrize("mxfp4", [True, False], ids=["mxfp4", "bf16"])
+def test_tp2_specialized_path_k3(tmp_path, mxfp4):
+    """K3 layers (bounded-gate KDA, q-LoRA MLA with output gate, latent MoE reduced before its norm,
+    AttnRes) on the specialized path at TP = 2, replicated and sliced, against one rank's standard path."""
+    from test_k3_specialized import k3_raw
+    raw = k3_raw(mxfp4)
+    raw["text_config"]["moe_intermediate_size"] = 64  # MXFP4: each rank's 32 rows stay whole scale groups
+    d = model_dir(tmp_path, raw, weights_seed=4)
+    one = run(d, 1, dummy=False)
+    for kw in ({}, SLICED):
+        two = run(d, 2, backend="latency_specialized", dummy=False, **kw)
+        assert any(p == "latency_specialized" for _, p, _ in two[1]), "no step took the specialized path"
+        assert not any("unsupported" in r for r in two[2].stats["fallback_reasons"])
+        assert_same(one, two)
+
+
 def test_tp4_equals_one_rank_dummy_weights():
     """The two-rank group is replaced by a four-rank one."""
     check_tp_equals_one_rank_dummy_weights(4)

@@ -31,6 +31,23 @@ def time_fn(fn, iters: int = 50, warmup: int = 10) -> list[float]:
     return out
 
 
+def graph_time(calls, iters: int = 30) -> tuple[float, list[float]]:
+    """Capture `calls` in one CUDA graph; returns (median ms per call, samples ms per call)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls[:3]:  # compile + allocator warm-up outside capture
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    samples = [t / len(calls) for t in time_fn(g.replay, iters=iters, warmup=3)]
+    del g
+    return statistics.median(samples), samples
+
+
 def copy_bandwidth(nbytes: int = COPY_BYTES, iters: int = 20) -> dict:
     """Device-to-device copy, counting bytes read + written. Returns GB/s (1e9) and samples."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()

@@ -14,6 +14,7 @@ import statistics
 
 import torch
 
+from peregrine.bench.gpu import graph_time
 from peregrine.kernels import gemm
 
 # Weight shapes (N, K) of the decode step.
@@ -56,24 +57,6 @@ class Case:
 
     def time(self, call, iters=30) -> tuple[float, list[float]]:
         return graph_time([lambda w=self.ws[i % len(self.ws)]: call(w) for i in range(max(REPS, len(self.ws)))], iters)
-
-
-def graph_time(calls, iters: int = 30) -> tuple[float, list[float]]:
-    """Capture `calls` in one CUDA graph; returns (median ms per call, samples ms per call)."""
-    from peregrine.bench.gpu import time_fn
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls[:3]:  # compile + allocator warm-up outside capture
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    samples = [t / len(calls) for t in time_fn(g.replay, iters=iters, warmup=3)]
-    del g
-    return statistics.median(samples), samples
 
 
 def _ours(case, cfg=None):

@@ -6,8 +6,9 @@ fused MoE kernels (kernels/moe.py) at the model's real widths:
   ep  rank r: only the assignments routed to its E/N experts (full rows), one row per
       assignment (k = 1); the step waits for the busiest rank, so its time is the max over ranks
 
-Routes are seeded uniform top-k draws (dummy-weight routing is close to uniform), the same for
-both. Prints median µs per layout and B and writes results/DATE-GPU-MODEL-moe-split-tpN-bench.json.
+Each layout is timed as REPS calls in one CUDA graph, as the decode step runs it (timing single
+calls measured the host's launch cost, ~200 µs, not the kernels). Routes are seeded uniform top-k
+draws (dummy-weight routing is close to uniform), the same for both. Prints median µs per layout and B and writes results/DATE-GPU-MODEL-moe-split-tpN-bench.json.
 
     python -m peregrine.bench.moe_split [--model kimi-linear-48b-a3b] [--tp 2]
 """
@@ -23,6 +24,7 @@ from ..config import resolve_model
 
 ROUTE_SEEDS = 4  # route draws per B (the EP imbalance varies with them)
 ITERS = 50
+REPS = 10  # calls per CUDA graph: timed on the device alone, without the per-call host launch cost
 
 
 def main(argv=None) -> int:
@@ -43,8 +45,8 @@ def main(argv=None) -> int:
     N, E, I, D, k = args.tp, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts_per_token
     dev = torch.device(args.device)
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    if dev.type == "cuda":
-        timed = lambda fn: statistics.median(gpu.time_fn(fn, iters=ITERS)) * 1e3  # noqa: E731  µs
+    if dev.type == "cuda":  # µs per call, from a graph of REPS calls (a decode step is one graph too)
+        timed = lambda fn: gpu.graph_time([fn] * REPS, ITERS)[0] * 1e3  # noqa: E731
     else:
         timed = lambda fn: (fn(), 0.0)[1]  # noqa: E731
     w13_tp = torch.randn(E, 2 * I // N, D, dtype=dt, device=dev) * D ** -0.5

@@ -62,9 +62,8 @@ class SpecializedRunner:
         self._graph_args = (cuda_graphs and dev.type == "cuda", max_blocks)
         self.unavailable = kernels.why_unavailable(dev)
         # model features the fused kernels do not cover yet: every step of such a model falls back
-        # (K3 layers and MXFP4 experts run through _step_k3, but not under tensor parallel)
         self._k3 = self.cfg.is_k3 or self.cfg.expert_quant is not None  # served by _step_k3
-        self.unsupported = "K3 layers with tensor parallel" if self._k3 and getattr(model, "tp", SINGLE).world > 1 else ""
+        self.unsupported = ""
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         # tensor parallel: row-parallel outputs are written straight into the one-shot all-reduce's
         # symmetric buffer when there is one (NCCL all-reduce otherwise)
@@ -169,9 +168,12 @@ class SpecializedRunner:
             f = self._reduce(f)
             nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else m.norm.weight
             h, residual = add_rms_norm(f, residual, nxt, eps)
-        logits = _mm(h, m.lm_head).float()
+        return self._head(_mm(h, m.lm_head).float())
+
+    def _head(self, logits):
+        """Greedy ids of [B, V] FP32 logits; vocab-parallel lm_head: gathered argmax and logits."""
         ids = argmax(logits)
-        if self.tp.world > 1:  # vocab-parallel lm_head: gathered argmax, gathered logits for sampling
+        if self.tp.world > 1:
             ids = self.tp.argmax(logits, ids)
             logits = self.tp.all_gather(logits, -1)
         return logits, ids
@@ -265,9 +267,13 @@ class SpecializedRunner:
 
     # ---- K3 layers and MXFP4 experts (MODELS.md K3 column): q-LoRA MLA with output gate, latent MoE
     # with SiTU, AttnRes block mixing. KDA's bounded gate and full-rank output gate are _kda's.
+    # Under tensor parallel every attention and MLP output is a row-parallel partial sum, reduced
+    # here as the standard DecoderLayer does (the latent MoE also reduces y before its norm).
     def _step_k3(self, step):
         m, eps = self.model, self.cfg.rms_norm_eps
-        p = m.embed_tokens[step.input_ids]
+        if self.oneshot is not None:
+            self.oneshot.reset()  # the same buffer order in every step and every graph
+        p = m.embed(step.input_ids)
         blocks: list[torch.Tensor] = []  # AttnRes block list (DecoderLayer.forward_res)
         for layer in m.layers:
             x = p
@@ -276,17 +282,16 @@ class SpecializedRunner:
                 if layer.block_start:
                     blocks.append(p)
             h = rms_norm(x, layer.input_layernorm.weight, eps)
-            a = self._kda(layer.attn, h, step) if layer.is_kda else self._mla_k3(layer.attn, h, step)
+            a = self._reduce(self._kda(layer.attn, h, step) if layer.is_kda else self._mla_k3(layer.attn, h, step))
             if layer.res:
                 p = a if layer.block_start else p + a
                 h = rms_norm(layer.mlp_res(p, blocks), layer.post_attention_layernorm.weight, eps)
             else:
                 h, p = add_rms_norm(a, p, layer.post_attention_layernorm.weight, eps)  # p is ours: in place
-            p = p + (self._moe_k3(layer.mlp, h) if layer.is_moe else self._mlp_k3(layer.mlp, h))
+            p = p + self._reduce(self._moe_k3(layer.mlp, h) if layer.is_moe else self._mlp_k3(layer.mlp, h, self._rbuf(h)))
         if m.output_res is not None:
             p = m.output_res(p, blocks)
-        logits = skinny_gemm(rms_norm(p, m.norm.weight, eps), m.lm_head).float()
-        return logits, argmax(logits)
+        return self._head(skinny_gemm(rms_norm(p, m.norm.weight, eps), m.lm_head).float())
 
     def _mla_k3(self, attn, h, step):
         q, kva, g = skinny_gemm(h, attn.in_proj).split(attn.splits, dim=-1)
@@ -296,10 +301,10 @@ class SpecializedRunner:
         o = self._mla_attend(attn, q, kva, step)  # [B, H·v]
         if attn.gate_dim:  # K3: o ⊙ σ(W_g x), in FP32
             o = (o.float() * torch.sigmoid(g.float())).to(h.dtype)
-        return skinny_gemm(o, attn.o_proj)
+        return skinny_gemm(o, attn.o_proj, out=self._rbuf(h))
 
-    def _mlp_k3(self, mlp, h):  # dense / shared expert with the model's activation (SiTU for K3)
-        return skinny_gemm(mlp.act(skinny_gemm(h, mlp.gate_up)), mlp.down)
+    def _mlp_k3(self, mlp, h, out=None):  # dense / shared expert with the model's activation (SiTU for K3)
+        return skinny_gemm(mlp.act(skinny_gemm(h, mlp.gate_up)), mlp.down, out=out)
 
     def _moe_k3(self, moe, h):
         cfg = self.cfg
@@ -312,8 +317,10 @@ class SpecializedRunner:
             y = moe_mxfp4_experts(z, moe.w13_q, moe.w13_s, moe.w2_q, moe.w2_s, ids, w, activation=act)
         else:
             y = moe_experts(z, moe.w13, moe.w2, ids, w, activation=act)
-        if moe.latent:
-            y = skinny_gemm(rms_norm(y, moe.norm, cfg.rms_norm_eps), moe.up)
+        if moe.latent:  # TP: y is summed over the ranks before its norm; up_proj holds a column slice
+            lo, hi = self.tp.span(moe.norm.shape[0])
+            y = rms_norm(self.tp.all_reduce(y), moe.norm, cfg.rms_norm_eps)
+            y = skinny_gemm(y if self.tp.world == 1 else y[:, lo:hi].contiguous(), moe.up)
         if shared is None:
             return y
         if self.side is not None:
