@@ -86,18 +86,15 @@ def first_routing_flips(rstd, rspec, n):
     return flips
 
 
-def fp32_truth(model_dir, ps, a, b, rstd, rspec):
+def fp32_truth(model_dir, ps, a, b):
     """The standard path in FP32 over the same prompts: (its per-step logits, per request the first
-    step no longer comparable: its history or routing differs from either BF16 run's)."""
-    rref = []
-    ref, lref = engine(model_dir, "standard", routing=rref, dtype="float32", cuda_graphs=False)
+    step no longer comparable: its history differs from either BF16 run's). Its routing may differ
+    from the BF16 runs' (router near-ties); where it is compared, the two BF16 runs route alike, so
+    such a difference moves both of them away from it equally."""
+    ref, lref = engine(model_dir, "standard", dtype="float32", cuda_graphs=False)
     c = ref.generate(ps, greedy(STEPS))
-    until = []
-    for r in range(len(ps)):
-        tok = next((i for i, (x, y, z) in enumerate(zip(a[r], b[r], c[r])) if not x == y == z), STEPS)
-        route = next((i for i, (x, y, z) in enumerate(zip(rstd, rspec, rref)) if x is not None and not (
-            torch.equal(x[:, r], z[:, r]) and torch.equal(y[:, r], z[:, r]))), STEPS)
-        until.append(min(tok + 1, route))  # a token at step i feeds step i + 1; a routing flip changes step i
+    until = [next((i for i, (x, y, z) in enumerate(zip(a[r], b[r], c[r])) if not x == y == z), STEPS) + 1
+             for r in range(len(ps))]  # a token at step i feeds step i + 1
     return lref, until
 
 
@@ -124,7 +121,7 @@ def test_logits_close_and_tokens_identical(model_dir):
     flips = first_routing_flips(rstd, rspec, len(ps))
     if DEVICE == "cpu":
         assert flips == [None, None], f"FP32 routing differs at steps {flips}"
-    truth = fp32_truth(model_dir, ps, a, b, rstd, rspec) if DEVICE == "cuda" else None
+    truth = fp32_truth(model_dir, ps, a, b) if DEVICE == "cuda" else None
     for i, ((_, x), (_, y)) in enumerate(zip(lstd, lspec)):
         for r in range(len(ps)):
             if div[r] is not None and i > div[r] or flips[r] is not None and i > flips[r]:
@@ -135,8 +132,9 @@ def test_logits_close_and_tokens_identical(model_dir):
                 e_spec, e_std = rel_rmse(y[r], z), rel_rmse(x[r], z)
                 assert e_spec <= DRIFT_SLACK * e_std, (
                     f"request {r} step {i}: specialized {e_spec:.2e} from FP32, standard {e_std:.2e} (apart {err:.2e})")
-                continue
-            assert err < TOL or i == flips[r], f"request {r} step {i}: logits relative error {err:.2e} (routing flips {flips})"
+            else:
+                assert err < TOL or i == flips[r], (f"request {r} step {i}: logits relative error {err:.2e} (routing "
+                                                    f"flips {flips}, FP32 history comparable until {truth and truth[1]})")
             if i == div[r] and i != flips[r]:  # a token flip must be a near-tie (vLLM's check_logprobs_close rule)
                 assert b[r][i] in x[r].topk(5).indices.tolist() and a[r][i] in y[r].topk(5).indices.tolist()
 
