@@ -167,4 +167,6 @@ def test_config_key_and_tp_driver():
         ecfg.apply_additional_config({"decode_lookahead": 1})
     eng, _, _ = make_engine(False)
     assert eng.lookahead is False
-    assert TPDriver(FakeRunner(eng.cache, V, greedy=True), None).lookahead is False  # not forwarded to the inner runner
+    # under TP a lookahead step's ids are each rank's own argmax: the driver looks ahead where its inner runner does
+    assert TPDriver(FakeRunner(eng.cache, V, greedy=True), None).lookahead is True
+    assert TPDriver(FakeRunner(eng.cache, V, greedy=False), None).lookahead is False

@@ -215,6 +215,7 @@ def test_tp2_specialized_path():
     for kw in ({}, SLICED):
         two = run(d, 2, backend="latency_specialized", dummy=False, **kw)
         assert any(p == "latency_specialized" for _, p, _ in two[1]), "no step took the specialized path"
+        assert two[2].stats["lookahead_steps"] > 0, "decode lookahead never ran under TP"  # ids: each rank's argmax
         assert_same(one, two)
 
 

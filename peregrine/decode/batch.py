@@ -23,6 +23,7 @@ class StepInput:
     context_lens_t: torch.Tensor  # [S] int32 on device (for kernels)
     max_context: int = 0         # bound on context_lens read by decode attention (graphs fix it per capture)
     host: torch.Tensor | None = None  # the CPU int64 tensor build() copied to the device (sent to other TP ranks)
+    ids_from_greedy: bool = False  # decode lookahead: input_ids are the runner's last on-device argmax (host: placeholders)
     # speculative verify steps (peregrine/spec): which tokens need logits (default: each sequence's last),
     # T when every sequence verifies T tokens (the specialized path serves only those), and the buffers
     # where KDA layers write the state after each position: (state [n_kda, R, Tmax, H, K, V],

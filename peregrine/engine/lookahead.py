@@ -59,5 +59,5 @@ def next_decode_input(seqs, greedy: torch.Tensor, block_size: int, device) -> St
         rows.append(([0], p, s.kda_slot, s.blocks[: p // block_size + 1]))  # build() checks the blocks hold p
     step = StepInput.build(rows, block_size, device, non_blocking=True)
     step.input_ids = greedy  # device to device (a graph copies it into its static input): no host sync
-    step.host = None         # its ids are not on the host
+    step.ids_from_greedy = True  # host keeps placeholder ids: other TP ranks take their own (equal) argmax
     return step

@@ -15,6 +15,8 @@ from ..decode.batch import StepInput
 HEADER = 8          # kind, N, S, max_blocks, max_context, flags, payload length, spare
 STEP, OBJ = 1, 2    # message kinds
 RECORD_ROUTING = 1  # flag bit: count routed experts this step (runs eagerly on every rank)
+IDS_FROM_GREEDY = 2  # flag bit: decode lookahead, the input ids are each rank's last on-device argmax
+                     # (the gathered argmax: the same ids on every rank), the payload's are placeholders
 
 
 def _bcast(tp, t: torch.Tensor) -> None:
@@ -25,7 +27,9 @@ def send_step(tp, step: StepInput, flags: int = 0) -> None:
     N, S = step.input_ids.shape[0], step.num_seqs
     MB = step.block_tables.shape[1]
     host = step.host
-    if host is None:  # a step not made by build(): one device-to-host copy
+    if step.ids_from_greedy:
+        flags |= IDS_FROM_GREEDY
+    elif host is None:  # a step not made by build(): one device-to-host copy
         host = torch.cat([step.input_ids, step.positions, step.slot_mapping, step.kda_slots,
                           step.context_lens_t.long(), step.block_tables.flatten()]).cpu()
     payload = torch.cat([torch.tensor(step.q_lens, dtype=torch.long), host])
@@ -38,8 +42,9 @@ def send_obj(tp, obj) -> None:
     dist.broadcast_object_list([obj], src=0, group=tp.ctrl)
 
 
-def recv(tp, device) -> tuple[str, object]:
-    """-> ("step", (StepInput, flags)) or ("obj", object)."""
+def recv(tp, device, greedy=None) -> tuple[str, object]:
+    """-> ("step", (StepInput, flags)) or ("obj", object). greedy: this rank's last on-device argmax,
+    the input ids of an IDS_FROM_GREEDY step."""
     h = torch.empty(HEADER, dtype=torch.long)
     _bcast(tp, h)
     kind, N, S, MB, max_context, flags, n, _ = h.tolist()
@@ -53,9 +58,17 @@ def recv(tp, device) -> tuple[str, object]:
     _bcast(tp, payload)
     q_lens, host = payload[:S].tolist(), payload[S:]
     ctx = host[3 * N + S:3 * N + 2 * S].tolist()
-    d = host.to(device)
-    step = StepInput(d[:N], d[N:2 * N], d[2 * N:3 * N], q_lens, ctx, d[3 * N:3 * N + S],
-                     d[3 * N + 2 * S:].view(S, MB), d[3 * N + S:3 * N + 2 * S].to(torch.int32), max_context, host)
+    if torch.device(device).type == "cuda":  # pinned: the copy does not wait for the steps still running
+        host = host.pin_memory()
+    d = host.to(device, non_blocking=True)
+    ids = d[:N]
+    if flags & IDS_FROM_GREEDY:
+        if greedy is None or greedy.shape[0] != N:
+            raise RuntimeError(f"rank {tp.rank}: a lookahead step of {N} ids without this rank's argmax of the last step")
+        ids = greedy
+    step = StepInput(ids, d[N:2 * N], d[2 * N:3 * N], q_lens, ctx, d[3 * N:3 * N + S],
+                     d[3 * N + 2 * S:].view(S, MB), d[3 * N + S:3 * N + 2 * S].to(torch.int32), max_context, host,
+                     ids_from_greedy=bool(flags & IDS_FROM_GREEDY))
     return "step", (step, flags)
 
 

@@ -5,7 +5,9 @@ from . import control
 
 
 class TPDriver:
-    lookahead = False  # the other ranks get each step's ids from the host (control.send_step)
+    @property
+    def lookahead(self) -> bool:  # a lookahead step's ids: every rank's own on-device argmax (control.IDS_FROM_GREEDY)
+        return getattr(self.inner, "lookahead", False)
 
     def __init__(self, inner, tp):
         self.inner, self.tp = inner, tp

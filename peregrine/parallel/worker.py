@@ -30,7 +30,7 @@ def serve(tp) -> None:
 def _serve(tp) -> None:
     runner = cache = None
     while True:
-        kind, msg = control.recv(tp, tp.device or torch.device("cpu"))
+        kind, msg = control.recv(tp, tp.device or torch.device("cpu"), getattr(runner, "greedy_tokens", None))
         if kind == "step":
             step, flags = msg
             for s in control.new_sequences(step):  # rank 0 zeroes these when it admits the sequence
