@@ -348,3 +348,11 @@ def test_moe_split_harness_runs(tmp_path):
                            "--results-dir", str(tmp_path)]) == 0
     out = json.loads(next(tmp_path.glob("*moe-split-tp2*.json")).read_text())
     assert [r["batch"] for r in out["rows"]] == [1, 3] and out["tp"] == 2
+
+
+def test_kernels_partial_run_gets_its_own_file_name():
+    """A run of some families must not overwrite the day's file of a run of all of them."""
+    from peregrine.bench import kernels
+    assert kernels.result_name(kernels.FAMILIES) == "kernels"
+    assert kernels.result_name(["kda"]) == "kernels-kda"
+    assert kernels.result_name(["moe", "gemm"]) == "kernels-gemm-moe"  # the families' fixed order

@@ -24,6 +24,13 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def result_name(families) -> str:
+    """File stem: `kernels` for every family, else `kernels-<families>`, so a partial run never
+    overwrites the day's full one."""
+    fams = [f for f in FAMILIES if f in families]
+    return "kernels" if fams == list(FAMILIES) else "kernels-" + "-".join(fams)
+
+
 def bench_kernels(families=FAMILIES, full: bool = True, results_dir: str = "results", log=print) -> dict:
     import torch
     if not torch.cuda.is_available():
@@ -45,7 +52,7 @@ def bench_kernels(families=FAMILIES, full: bool = True, results_dir: str = "resu
     payload = {"meta": gpu.run_metadata(), "copy_bandwidth": copy, "rows": rows, "errors": errors}
     import datetime
     from pathlib import Path
-    path = gpu.write_result(Path(results_dir) / f"{datetime.date.today().isoformat()}-{gpu.gpu_slug()}-kernels.json", payload)
+    path = gpu.write_result(Path(results_dir) / f"{datetime.date.today().isoformat()}-{gpu.gpu_slug()}-{result_name(families)}.json", payload)
     path.with_suffix(".md").write_text(f"# Kernel microbenchmarks\n\ncopy bandwidth {copy['gbps']:.0f} GB/s\n\n{markdown(rows)}\n")
     log(f"wrote {path}")
     return payload
