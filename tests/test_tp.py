@@ -210,11 +210,17 @@ def micro_dir(heads: int) -> str:
 def test_tp2_specialized_path():
     """latency_specialized with TP = 2 (kernels under the interpreter on a micro config), replicated
     and sliced router / MLA latent."""
-    d = micro_dir(2)
+    check_specialized_tp2_equals_one_rank(micro_dir(2))
+
+
+def check_specialized_tp2_equals_one_rank(d: str):
+    """Specialized TP = 2, replicated and sliced, against one rank's standard path: every decode step
+    served by the fused kernels (none falls back as unsupported), decode lookahead running under TP."""
     one = run(d, 1, dummy=False)
     for kw in ({}, SLICED):
         two = run(d, 2, backend="latency_specialized", dummy=False, **kw)
         assert any(p == "latency_specialized" for _, p, _ in two[1]), "no step took the specialized path"
+        assert not any("unsupported" in r for r in two[2].stats["fallback_reasons"])
         assert two[2].stats["lookahead_steps"] > 0, "decode lookahead never ran under TP"  # ids: each rank's argmax
         assert_same(one, two)
 
@@ -227,13 +233,7 @@ def test_tp2_specialized_path_k3(tmp_path, mxfp4):
     from test_k3_specialized import k3_raw
     raw = k3_raw(mxfp4)
     raw["text_config"]["moe_intermediate_size"] = 64  # MXFP4: each rank's 32 rows stay whole scale groups
-    d = model_dir(tmp_path, raw, weights_seed=4)
-    one = run(d, 1, dummy=False)
-    for kw in ({}, SLICED):
-        two = run(d, 2, backend="latency_specialized", dummy=False, **kw)
-        assert any(p == "latency_specialized" for _, p, _ in two[1]), "no step took the specialized path"
-        assert not any("unsupported" in r for r in two[2].stats["fallback_reasons"])
-        assert_same(one, two)
+    check_specialized_tp2_equals_one_rank(model_dir(tmp_path, raw, weights_seed=4))
 
 
 def test_tp4_equals_one_rank_dummy_weights():

@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from peregrine.bench.gpu import graph_time
 from peregrine.kernels import moe
 
 D, I, E, TOP_K, SCALING = 2304, 1024, 256, 8, 2.446  # kimi-linear-48b-a3b MoE layer
@@ -105,11 +106,6 @@ class Case:
         experts = [lambda x=x, r=r: grouped_experts(x, self.w.w13, self.w.w2, r[0], r[1], swiglu)
                    for x, r in zip(self.xs, std)]
         return tuple(_graph_or_eager(c, iters) for c in (router, experts))
-
-
-def graph_time(calls, iters):
-    from peregrine.bench.kernels_gemm import graph_time as gt
-    return gt(calls, iters)
 
 
 def _graph_or_eager(calls, iters):

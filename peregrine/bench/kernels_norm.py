@@ -10,7 +10,8 @@ import itertools
 
 import torch
 
-from peregrine.bench.kernels_gemm import ROTATE_BYTES, graph_time
+from peregrine.bench.gpu import graph_time
+from peregrine.bench.kernels_gemm import ROTATE_BYTES
 from peregrine.kernels.norm import add_rms_norm, rms_norm
 
 DS = (2304, 7168)  # Kimi-Linear and K3 hidden sizes

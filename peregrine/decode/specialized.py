@@ -61,15 +61,13 @@ class SpecializedRunner:
         self.verify_graphs: dict[int, GraphCache] = {}  # speculative verify steps, by T = 1 + k
         self._graph_args = (cuda_graphs and dev.type == "cuda", max_blocks)
         self.unavailable = kernels.why_unavailable(dev)
-        # model features the fused kernels do not cover yet: every step of such a model falls back
         self._k3 = self.cfg.is_k3 or self.cfg.expert_quant is not None  # served by _step_k3
-        self.unsupported = ""
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         # tensor parallel: row-parallel outputs are written straight into the one-shot all-reduce's
         # symmetric buffer when there is one (NCCL all-reduce otherwise)
         self.tp = getattr(model, "tp", SINGLE)
         self.oneshot = None
-        if self.tp.world > 1 and allreduce != "nccl" and not (self.unavailable or self.unsupported):
+        if self.tp.world > 1 and allreduce != "nccl" and not self.unavailable:
             from ..parallel.symm import OneShot
             self.oneshot = OneShot.create(self.tp, max_batch, self.cfg.hidden_size, model.dtype, dev, log)
         # one graph per B: the MLA decode grid depends only on the block-table width, not on lengths
@@ -79,17 +77,14 @@ class SpecializedRunner:
             + (f", CUDA graphs per batch size" if self.graphs else ", no graphs")
             + (", programmatic dependent launch on" if pdl else "")
             + "; weights shared with the standard path in place (0 bytes re-packed)"
-            + (f"; kernels unavailable here ({self.unavailable}): every step falls back" if self.unavailable else "")
-            + (f"; unsupported: {self.unsupported}: every step falls back" if self.unsupported else ""))
-        if self.graphs is not None and max_blocks is not None and not (self.unavailable or self.unsupported):
+            + (f"; kernels unavailable here ({self.unavailable}): every step falls back" if self.unavailable else ""))
+        if self.graphs is not None and max_blocks is not None and not self.unavailable:
             self.graphs.capture_all()
 
     # ---- dispatch ----
     def why_not(self, step) -> str | None:
         if self.unavailable:
             return f"kernels unavailable: {self.unavailable}"
-        if self.unsupported:
-            return f"unsupported feature: {self.unsupported}"
         if not step.is_decode and not step.spec_tokens:  # a verify step has T tokens for every sequence
             return "prefill in batch"
         if step.num_seqs > self.max_batch:
@@ -134,7 +129,7 @@ class SpecializedRunner:
         (B, T) now, with block tables of max_blocks (room for k tokens past max_model_len)."""
         on, fixed = self._graph_args
         self.verify_graphs = {}
-        if not on or self.unavailable or self.unsupported or self._k3:  # K3 verify steps fall back
+        if not on or self.unavailable or self._k3:  # K3 verify steps fall back
             return
         for T in range(2, k + 2):
             g = GraphCache(self._pdl_step, self.cache, self.max_batch, self.log, fixed_blocks=max_blocks,
@@ -318,9 +313,8 @@ class SpecializedRunner:
         else:
             y = moe_experts(z, moe.w13, moe.w2, ids, w, activation=act)
         if moe.latent:  # TP: y is summed over the ranks before its norm; up_proj holds a column slice
-            lo, hi = self.tp.span(moe.norm.shape[0])
-            y = rms_norm(self.tp.all_reduce(y), moe.norm, cfg.rms_norm_eps)
-            y = skinny_gemm(y if self.tp.world == 1 else y[:, lo:hi].contiguous(), moe.up)
+            lo, hi = self.tp.span(moe.norm.shape[0])  # a row-strided view: the skinny GEMM reads it in place
+            y = skinny_gemm(rms_norm(self.tp.all_reduce(y), moe.norm, cfg.rms_norm_eps)[:, lo:hi], moe.up)
         if shared is None:
             return y
         if self.side is not None:
