@@ -87,7 +87,7 @@ def run(model: str, tp: int, backend: str, steps: int, log, routing: bool = True
     for p, _ in rec:
         paths[p] = paths.get(p, 0) + 1
     out = {"tokens": toks, "logits": [x for _, x in rec], "paths": paths, "dtype": str(e.model.dtype),
-           "routes": routes or None}
+           "routes": routes or None, "lookahead_steps": e.stats["lookahead_steps"]}
     del e
     gc.collect()
     torch.cuda.empty_cache()
@@ -144,7 +144,8 @@ def compare(a: dict, b: dict) -> dict:
                          "near_tie_top5": bool(ta in lb.topk(TOP).indices.tolist() and tb in la.topk(TOP).indices.tolist())})
     res = {"tokens_identical": all(d is None for d in divs), "max_rel_rmse": max(errs) if errs else None, "tol": tol,
            "rows_compared": len(errs), "first_divergence_per_sequence": divs, "first_routing_flip_per_sequence": flips,
-           "over_tolerance": bad[:8], "token_divergences_off_flips": near, "paths_tp1": a["paths"], "paths_tpn": b["paths"]}
+           "over_tolerance": bad[:8], "token_divergences_off_flips": near, "paths_tp1": a["paths"], "paths_tpn": b["paths"],
+           "lookahead_steps_tp1": a.get("lookahead_steps"), "lookahead_steps_tpn": b.get("lookahead_steps")}
     res["ok"] = bool(errs) and not bad and all(x["near_tie_top5"] for x in near)
     res["strict_ok"] = res["ok"] and res["tokens_identical"]
     return res
