@@ -331,3 +331,6 @@ def test_check_compare_accepts_router_near_ties_only():
     t_ref = [[1, 2, 3], [4, 5, int(la[2][1].argmax())]]
     bad = compare(_run_record(la, t_ref, routes_a), _run_record(far, t_far, routes_a))
     assert not bad["ok"] and bad["token_divergences_off_flips"][0]["near_tie_top5"] is False
+    after = [[ids(3), ids(3)], [ids(3), ids(4)], [ids(3), ids(4)]]  # sequence 1 swapped an expert at step 1
+    parted = compare(_run_record(la, t_ref, routes_a), _run_record(far, t_far, after))
+    assert parted["ok"] and parted["token_divergences_off_flips"] == []  # its step-2 token follows the flip
