@@ -334,3 +334,37 @@ def test_check_compare_accepts_router_near_ties_only():
     after = [[ids(3), ids(3)], [ids(3), ids(4)], [ids(3), ids(4)]]  # sequence 1 swapped an expert at step 1
     parted = compare(_run_record(la, t_ref, routes_a), _run_record(far, t_far, after))
     assert parted["ok"] and parted["token_divergences_off_flips"] == []  # its step-2 token follows the flip
+
+
+def test_shutdown_leaves_the_group_with_the_other_ranks_and_never_hangs(monkeypatch, capsys):
+    """Rank 0 leaves the group before waiting for the other ranks (their NCCL teardown may wait for it),
+    and a teardown that blocks is abandoned after TEARDOWN_S, with a message."""
+    import threading
+    import torch.distributed as dist
+    from peregrine.parallel import control
+    order, release = [], threading.Event()
+
+    def stuck_destroy():
+        order.append("destroy")
+        release.wait(30)
+
+    class Rank:
+        def join(self, timeout=None):
+            order.append("join")
+
+        def is_alive(self):
+            return False
+
+    monkeypatch.setattr(control, "send_obj", lambda tp, obj: order.append(obj[0]))
+    monkeypatch.setattr(dist, "destroy_process_group", stuck_destroy)
+    monkeypatch.setattr(launch, "TEARDOWN_S", 0.2)
+    monkeypatch.setitem(launch._state, "tp", object())
+    monkeypatch.setitem(launch._state, "procs", [Rank()])
+    t = threading.Thread(target=launch.shutdown, daemon=True)
+    t.start()
+    t.join(5)
+    release.set()
+    assert not t.is_alive(), "shutdown hung on a blocked teardown"
+    assert order == ["exit", "destroy", "join"]
+    assert launch._state["tp"] is None and launch._state["procs"] == []
+    assert "teardown did not finish" in capsys.readouterr().err

@@ -186,10 +186,10 @@ def main(argv=None) -> int:
         ok &= r["ok"]
         log(f"{name} {backend}: TP={args.tp} vs TP=1 " + ("OK" if r["ok"] else "FAILED") + " " +
             json.dumps({k: v for k, v in r.items() if k != "traceback"}))
+    path = gpu.write_result(gpu.result_path(name, f"tp{args.tp}-check", args.results_dir), result)
+    log(f"wrote {path}")  # before the ranks' teardown: the result is kept whatever happens there
     from .launch import shutdown
     shutdown()
-    path = gpu.write_result(gpu.result_path(name, f"tp{args.tp}-check", args.results_dir), result)
-    log(f"wrote {path}")
     return 0 if ok else 1
 
 

@@ -25,6 +25,7 @@ TIMEOUT = timedelta(minutes=10)  # a collective may wait this long for a peer (g
 IDLE_TIMEOUT = timedelta(days=30)  # the control group: an idle server's ranks wait for rank 0's next step
 
 PARENT_POLL_S = 1.0  # how often a spawned rank checks that rank 0 still runs
+TEARDOWN_S = 20.0    # longest wait for the group's teardown and each rank's exit: quitting never hangs
 
 _state: dict = {"tp": None, "procs": []}
 
@@ -140,9 +141,23 @@ def shutdown() -> None:
     try:
         control.send_obj(tp, ("exit",))
     finally:
+        # Every rank leaves the group at the same time: a rank's NCCL teardown may wait for its peers, so
+        # rank 0 joining the others first could leave them waiting on it (seen on two H200s after graph replays).
+        done = _bounded(dist.destroy_process_group, TEARDOWN_S)
         for p in _state["procs"]:
-            p.join(timeout=60)
+            p.join(timeout=TEARDOWN_S)
             if p.is_alive():
                 p.terminate()
         _state["procs"] = []
-        dist.destroy_process_group()
+        if not done:
+            print(f"[peregrine] tensor parallel teardown did not finish in {TEARDOWN_S:.0f} s; exiting without it",
+                  file=sys.stderr, flush=True)
+
+
+def _bounded(fn, seconds: float) -> bool:
+    """Run fn in a daemon thread; False if it has not returned after `seconds` (it is left behind)."""
+    import threading
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(seconds)
+    return not t.is_alive()
