@@ -7,7 +7,10 @@ N-rank engine built from the same seed; every step's logits are compared (relati
 RMSE, BF16 tolerance) and the greedy tokens must be identical. In BF16 the partial
 sums are added in another order, so a near-tie may flip a token: the first
 divergence is reported with whether each side's token is in the other's top-5
-(vLLM's check_logprobs_close rule), and only steps before it are compared.
+(vLLM's check_logprobs_close rule), and only steps before it are compared. With routing
+recorded (the default), a step where a sequence's routed experts differ ends its comparison too:
+its logits move by design, and a token divergence after it is not judged. --dtype float32
+leaves no room for either: tokens must be identical and logits within 1e-4.
 A path may carry options after colons: `nccl` (NCCL instead of the one-shot all-reduce),
 `slice` (tp_slice_replicated: router logits and MLA latent sliced per rank and gathered).
 Writes results/DATE-GPU-MODEL-tpN-check.json (one file per world size); exit 1 if a path fails.
@@ -116,8 +119,8 @@ def first_routing_flips(a: dict, b: dict, n: int) -> list:
 
 def compare(a: dict, b: dict) -> dict:
     """Per sequence, every step up to where the runs legitimately part (its first token divergence
-    or routing flip) within tolerance, except the flip step itself; a token divergence that is not
-    at a routing flip must be a top-5 near-tie (vLLM's check_logprobs_close rule)."""
+    or routing flip) within tolerance, except the flip step itself; a token divergence before any
+    routing flip must be a top-5 near-tie (vLLM's check_logprobs_close rule)."""
     from ..testing import rel_rmse
     tol = FP32_TOL if "float32" in a["dtype"] else BF16_TOL
     n = min(len(a["tokens"]), len(b["tokens"]))
