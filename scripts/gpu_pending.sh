@@ -1,17 +1,15 @@
 #!/usr/bin/env bash
-# The GPU work the open issues still wait for, as one device call on the two-GPU kind (~8 min):
+# The GPU work still waiting, as one device call on the two-GPU kind (~3 min):
 #   run (kind nvidia-h200-x2, carry .commit and .whl):  bash scripts/gpu_pending.sh
-# phase 1, side by side:
-#   GPU 0  k3-slice decode at TP = 1, MXFP4 experts, specialized path, B = 1, 2, 4, 8 (#9's TP = 1 side)
-#   GPU 1  the MoE kernel tests, the ahead-of-time compile check last (cut by lane limits twice)
-# phase 2 (both): k3-slice TP = 2 decode, both paths, with decode lookahead under TP (#9)
-# On the four- or eight-GPU kind, add a phase: TP=4 (or 8) STEPS='check decode k3' bash scripts/tp_gpu_run.sh (#11).
+# - the TP teardown after CUDA graph replays (hung at 1571ff5; reordered and bounded since, not re-run):
+#   the FP32 TP = 2 check with --graphs must now finish and write its JSON well inside its limit
+# - k3-slice at all 6 layers, FP32, TP = 2 vs TP = 1 (its first 4 layers passed at 1571ff5)
+# On the eight-GPU kind (#11): TP=8 STEPS='check decode k3' bash scripts/tp_gpu_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEREGRINE_COMMIT=${PEREGRINE_COMMIT:-$(cat .commit 2>/dev/null)}
-K3="python3 -m peregrine.cli bench decode --dummy-weights --model k3-slice --batch-sizes 1,2,4,8 --input-len 1 --output-len 32 --prompt-sets 1 --runs 1"
+C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \
-  "0@240:timeout 230 $K3 --backends latency_specialized --results-dir results/k3-tp1 2>&1 | grep -v captur | tail -14" \
-  "1@240:STEPS=tests TEST_TIMEOUT=230 TESTS='tests/test_kernels_moe.py' bash scripts/gpu_run.sh" \
+  "0,1@200:timeout 190 $C --model kimi-linear-48b-a3b --layers 4 --steps 32 --graphs --backends latency_specialized --results-dir results/tp2-graphs 2>&1 | tee \$OUT/graphs.log | grep 'TP=2 vs\|wrote\|teardown' | cut -c1-900" \
   -- \
-  "0,1:timeout 280 $K3 --tensor-parallel-size 2 --backends standard,latency_specialized --results-dir results/k3-tp2-lookahead 2>&1 | grep -v captur | tail -16"
+  "0,1@250:timeout 240 $C --model k3-slice --steps 24 --backends latency_specialized,standard 2>&1 | tee \$OUT/k3.log | grep 'TP=2 vs\|wrote\|teardown' | cut -c1-900"
