@@ -43,12 +43,18 @@ LM_HEAD_SHARPEN = 4.0  # dummy lm_head x4: confident greedy choices, as a traine
 
 def dummy_model_dir(tmp_path_factory, raw: dict, name: str, seed: int) -> str:
     """A model folder (config.json + safetensors) with seeded FP32 dummy weights and a sharpened lm_head."""
+    return write_dummy_model(tmp_path_factory.mktemp(name), raw, seed)
+
+
+def write_dummy_model(d, raw: dict, seed: int | None) -> str:
+    """config.json into folder d, and with a seed its FP32 dummy weights (lm_head sharpened)."""
     import json
     from peregrine.config import ModelConfig
     from peregrine.models.kimi import KimiModel
     from peregrine.models.loader import init_dummy_weights, save_weights
-    d = tmp_path_factory.mktemp(name)
     (d / "config.json").write_text(json.dumps(raw))
+    if seed is None:
+        return str(d)
     m = KimiModel(ModelConfig.from_dict(raw), torch.float32)
     init_dummy_weights(m, seed=seed)
     for pname, view, _ in m.hf_params():

@@ -10,11 +10,12 @@ import os
 import pytest
 import torch
 
+from conftest import write_dummy_model
 from peregrine.config import PRESET_DIR, ConfigError, EngineConfig, ModelConfig
 from peregrine.engine import SamplingParams
 from peregrine.engine.build import build_engine
 from peregrine.models.kimi import KimiModel
-from peregrine.models.loader import init_dummy_weights, save_weights
+from peregrine.models.loader import init_dummy_weights
 from peregrine.parallel import launch
 from peregrine.parallel.group import TPGroup
 from peregrine.parallel.shard import describe, holdings, shard_config, slice_of, slicing, take
@@ -35,15 +36,7 @@ def raw_config(preset: str, **over) -> dict:
 
 
 def model_dir(tmp_path, raw: dict, weights_seed: int | None = None) -> str:
-    (tmp_path / "config.json").write_text(json.dumps(raw))
-    if weights_seed is not None:
-        m = KimiModel(ModelConfig.from_dict(raw), torch.float32)
-        init_dummy_weights(m, seed=weights_seed)
-        for name, view, _ in m.hf_params():  # confident greedy choices, as a trained model makes
-            if name.endswith("lm_head.weight"):
-                view.mul_(4.0)
-        save_weights(m, tmp_path)
-    return str(tmp_path)
+    return write_dummy_model(tmp_path, raw, weights_seed)
 
 
 @pytest.fixture(autouse=True, scope="module")
