@@ -8,6 +8,8 @@ Layouts (the kernels index these directly; change them only with the kernels):
   KDA recurrent     state[k, slot, h, K, V]  FP32  (o = Sᵀq: row index = key channel)
   KDA conv          conv[k, slot, j, c]      model dtype, j = 0..conv_size-2 oldest first,
                     c over the concatenated q|k|v channels (3·H·d).
+  KDA snapshots     snap_state[k, n, ...], snap_conv[k, n, ...]: copies of a slot's state and conv
+                    window at a block end, for prefix caching (peregrine/prefix_cache.py).
 m / k index the MLA / KDA layers in model order (ModelConfig.mla_layers / kda_layers).
 """
 from __future__ import annotations
@@ -52,7 +54,7 @@ class BlockAllocator:
 
 class ModelCache:
     def __init__(self, cfg: ModelConfig, *, num_blocks: int, block_size: int, num_slots: int,
-                 dtype: torch.dtype, device, kv_cache_dtype: str = "auto"):
+                 dtype: torch.dtype, device, kv_cache_dtype: str = "auto", num_snapshots: int = 0):
         self.cfg, self.block_size, self.num_blocks, self.num_slots = cfg, block_size, num_blocks, num_slots
         self.fp8 = kv_cache_dtype == "fp8"
         lat_dtype = torch.float8_e4m3fn if self.fp8 else (torch.bfloat16 if kv_cache_dtype == "bf16" else dtype)
@@ -66,6 +68,9 @@ class ModelCache:
         H, d = cfg.kda_num_heads, cfg.kda_head_dim
         self.state = torch.zeros(n_kda, num_slots, H, d, d, dtype=torch.float32, device=device)
         self.conv = torch.zeros(n_kda, num_slots, cfg.kda_conv_size - 1, 3 * H * d, dtype=dtype, device=device)
+        self.num_snapshots = num_snapshots
+        self.snap_state = torch.zeros(n_kda, num_snapshots, H, d, d, dtype=torch.float32, device=device)
+        self.snap_conv = torch.zeros(n_kda, num_snapshots, cfg.kda_conv_size - 1, 3 * H * d, dtype=dtype, device=device)
         self.blocks = BlockAllocator(self.num_blocks)
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
         self.mla_index = {layer: i for i, layer in enumerate(cfg.mla_layers)}
@@ -83,7 +88,7 @@ class ModelCache:
         return len(cfg.kda_layers) * (H * d * d * 4 + (cfg.kda_conv_size - 1) * 3 * H * d * dtype.itemsize)
 
     def nbytes(self) -> int:
-        t = [self.latent, self.state, self.conv] + ([self.scale] if self.scale is not None else [])
+        t = [self.latent, self.state, self.conv, self.snap_state, self.snap_conv] + ([self.scale] if self.scale is not None else [])
         return sum(x.numel() * x.element_size() for x in t)
 
     # ---- slots ----
@@ -101,6 +106,20 @@ class ModelCache:
 
     def free_slot(self, s: int) -> None:
         self._free_slots.append(s)
+
+    # ---- prefix-cache snapshots ----
+    def apply(self, ops: list[tuple[str, int, int]]) -> None:
+        """("save", slot, snap): snapshot := the slot's state and conv window (every KDA layer);
+        ("load", snap, slot): the slot := the snapshot. In stream order with the steps around them."""
+        for kind, a, b in ops:
+            if kind == "save":
+                self.snap_state[:, b] = self.state[:, a]
+                self.snap_conv[:, b] = self.conv[:, a]
+            elif kind == "load":
+                self.state[:, b] = self.snap_state[:, a]
+                self.conv[:, b] = self.snap_conv[:, a]
+            else:
+                raise ValueError(f"unknown cache op {kind!r}")
 
     # ---- speculative rollback ----
     def restore_kda(self, slots: list[int], ckpt, rows: list[int], positions: list[int]) -> None:

@@ -20,9 +20,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dummy-weights", action="store_true", help="seeded random weights instead of loading a checkpoint")
     g.add_argument("--max-num-seqs", type=int, default=8, help="most sequences running at once (default 8)")
     g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, metavar="N",
-                   help=f"prompt tokens prefilled per step (default {EngineConfig.max_num_batched_tokens}); lower it to "
-                        "shorten how long running decodes wait behind a new prompt (inter-token latency tail) at the "
-                        "cost of time to first token")
+                   help=f"prompt tokens prefilled per step while no request is decoding (default "
+                        f"{EngineConfig.max_num_batched_tokens}): longer chunks, fewer steps, shorter time to first token")
+    g.add_argument("--max-prefill-tokens-while-decoding", type=int, default=EngineConfig.max_prefill_tokens_while_decoding,
+                   metavar="N", help=f"prompt tokens in a step that also decodes running requests (default "
+                                     f"{EngineConfig.max_prefill_tokens_while_decoding}): bounds their inter-token latency "
+                                     "while another prompt prefills")
+    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
+                   help="reuse the cached MLA blocks and KDA state snapshots of earlier prompts (default on)")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="compute every prompt from its first token")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt+output per sequence (default min(model limit, 4096))")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"], help="MLA latent cache dtype (auto = model dtype)")
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -40,6 +47,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args) -> EngineConfig:
     ecfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
+                        enable_prefix_caching=args.enable_prefix_caching,
                         kv_cache_dtype=args.kv_cache_dtype, device=args.device, dtype=args.dtype, seed=args.seed,
                         tensor_parallel_size=args.tensor_parallel_size)
     ecfg.apply_additional_config(args.additional_config)

@@ -266,7 +266,14 @@ TP_ALLREDUCE = ("auto", "nccl")
 class EngineConfig:
     max_num_seqs: int = 8
     max_model_len: int | None = None          # default: min(model limit, 4096)
-    max_num_batched_tokens: int = 2048        # prefill chunk budget per step
+    # prompt tokens per step when nobody is decoding: long prompts in few, compute-bound steps
+    # (every step of a 48B MoE reads nearly every expert once it holds ~1K tokens)
+    max_num_batched_tokens: int = 8192
+    # prompt tokens in a step that also carries decodes: bounds how long a running request waits
+    # for a token while another prompt prefills (the inter-token latency tail)
+    max_prefill_tokens_while_decoding: int = 2048
+    enable_prefix_caching: bool = True        # reuse cached MLA blocks + KDA snapshots of earlier prompts
+    prefix_cache_snapshots: int | None = None  # KDA state snapshots kept (default: sized from memory)
     block_size: int = 64                      # tokens per MLA cache block
     num_cache_blocks: int | None = None       # default: sized from memory
     kv_cache_dtype: str = "auto"
@@ -295,6 +302,7 @@ class EngineConfig:
         "tp_allreduce": TP_ALLREDUCE,
         "pdl": "bool",
         "tp_slice_replicated": "bool",
+        "prefix_cache_snapshots": "int >= 0",
     }
 
     def apply_additional_config(self, text_or_dict) -> None:
@@ -315,6 +323,8 @@ class EngineConfig:
                 raise ConfigError(f"--additional-config: max_decode_batch must be an int in 1..16, got {v!r}")
             if k == "tp_allreduce" and v not in TP_ALLREDUCE:
                 raise ConfigError(f"--additional-config: tp_allreduce must be one of {', '.join(TP_ALLREDUCE)}, got {v!r}")
+            if k == "prefix_cache_snapshots" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ConfigError(f"--additional-config: prefix_cache_snapshots must be an int >= 0, got {v!r}")
             if k in ("cuda_graphs", "pdl", "decode_lookahead", "tp_slice_replicated") and not isinstance(v, bool):
                 raise ConfigError(f"--additional-config: {k} must be true or false, got {v!r}")
             setattr(self, k, v)
@@ -333,3 +343,7 @@ class EngineConfig:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_prefill_tokens_while_decoding < 1:
+            raise ConfigError(f"max_prefill_tokens_while_decoding must be >= 1, got {self.max_prefill_tokens_while_decoding}")
+        if self.prefix_cache_snapshots is not None and self.prefix_cache_snapshots < 0:
+            raise ConfigError(f"prefix_cache_snapshots must be >= 0, got {self.prefix_cache_snapshots}")

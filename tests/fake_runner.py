@@ -60,7 +60,11 @@ class FakeRunner:
             assert pos[off:off + q] == list(range(n - q, n)), "positions do not follow the context"
             slot = int(step.kda_slots[i])
             st = c.state[0, slot, 0, 0, 0]
-            s = fold(int(st.item()), ids[off:off + q])
+            s, done = int(st.item()), 0
+            for cut, snap in sorted((step.kda_snapshots or {}).get(i, [])):  # prefix caching: state part way
+                s, done = fold(s, ids[off + done:off + cut]), cut
+                c.snap_state[0, snap, 0, 0, 0] = float(s)
+            s = fold(s, ids[off + done:off + q])
             st.fill_(float(s))
             off += q
             hist = c.gather_latent(self.layer, step.block_tables[i], n)[:, 0].round().long().tolist()

@@ -31,12 +31,12 @@ def test_batch_invariance_eight_prompts_of_different_lengths():
 def test_cache_pressure_all_requests_complete_and_resources_return():
     """Few cache blocks and slots, many requests: everything finishes, nothing is lost, caches are freed."""
     eng, _ = tiny_engine(max_num_seqs=3, num_cache_blocks=6, block_size=16, max_model_len=64)
-    free0, slots0 = eng.cache.blocks.num_free, eng.cache.num_free_slots
+    free0, slots0 = eng.prefix_cache.num_free, eng.cache.num_free_slots
     prompts = [[i + 1] * (5 + 3 * i) for i in range(9)]
     outs = eng.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert [len(o) for o in outs] == [12] * 9
     assert eng.stats["finished_requests"] == 9
-    assert eng.cache.blocks.num_free == free0 and eng.cache.num_free_slots == slots0
+    assert eng.prefix_cache.num_free == free0 and eng.cache.num_free_slots == slots0
 
 
 def test_model_folder_with_tokenizer_json(tmp_path, capsys):

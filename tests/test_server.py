@@ -64,7 +64,7 @@ def srv():
     app = create_app(eng, tok, NAME)
     with BackgroundServer(app) as s:
         s.engine, s.tok, s.state = eng, tok, app.state.peregrine
-        s.free0 = eng.cache.blocks.num_free
+        s.free0 = eng.prefix_cache.num_free
         s.client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=T)
         yield s
 
@@ -74,11 +74,11 @@ def wait_idle(s, timeout=T):
     deadline = time.time() + timeout
     e = s.engine
     while time.time() < deadline:
-        if (not e.has_unfinished() and e.num_running == 0 and e.cache.blocks.num_free == s.free0
+        if (not e.has_unfinished() and e.num_running == 0 and e.prefix_cache.num_free == s.free0
                 and e.cache.num_free_slots == e.cache.num_slots):
             return
         time.sleep(0.05)
-    raise AssertionError(f"engine not idle: running {e.num_running}, free blocks {e.cache.blocks.num_free}/{s.free0}")
+    raise AssertionError(f"engine not idle: running {e.num_running}, free blocks {e.prefix_cache.num_free}/{s.free0}")
 
 
 def expected_text(tok, ids, finish):
@@ -327,7 +327,7 @@ def test_queue_full_answers_429():
         deadline = time.time() + T
         while eng.has_unfinished() and time.time() < deadline:
             time.sleep(0.05)
-        assert not eng.has_unfinished() and eng.cache.blocks.num_free == eng.cache.num_blocks
+        assert not eng.has_unfinished() and eng.prefix_cache.num_free == eng.cache.num_blocks
         assert c.get(s.url + "/health").status_code == 200
 
 

@@ -149,7 +149,7 @@ def test_cache_blocks_and_slots_return_and_no_write_past_reservation():
     ps = [[3, 4] * 6, [9, 8, 7] * 4]
     want = tiny(max_num_seqs=2, num_cache_blocks=4, max_model_len=32).generate(ps, greedy(20))
     assert e.generate(ps, greedy(20)) == want
-    assert e.cache.blocks.num_free == 4 and e.cache.num_free_slots == 2
+    assert e.prefix_cache.num_free == 4 and e.cache.num_free_slots == 2
 
 
 def test_metrics_and_cli():

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+LOOP_TOKENS = 256  # rows up to this long build their positions in Python; longer ones with tensor ops
 
 @dataclass
 class StepInput:
@@ -31,6 +32,9 @@ class StepInput:
     logits_idx: torch.Tensor | None = None
     spec_tokens: int = 0
     kda_ckpt: tuple | None = None
+    # prefix caching: {row: [(offset, snapshot)]} KDA state snapshots the KDA layers take inside a prefill
+    # row, after its first `offset` new tokens (a chunk's own end is copied by the engine after the step)
+    kda_snapshots: dict | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -58,9 +62,9 @@ class StepInput:
         """seqs: (new_token_ids, start_position, kda_slot, block_table) per sequence.
         non_blocking: copy through pinned memory without waiting for the device (a blocking
         copy from pageable memory synchronises the stream: decode lookahead must not)."""
-        ids, pos, slots_map, q_lens, ctx, kslots = [], [], [], [], [], []
+        ids, q_lens, ctx, kslots, tables = [], [], [], [], []
+        pos_rows, slot_rows = [], []  # per row: a list (short rows) or a tensor (long prefill chunks)
         max_blocks = max(1, max(len(s[3]) for s in seqs))
-        tables = []
         for toks, start, kslot, table in seqs:
             n = len(toks)
             if n == 0:
@@ -69,9 +73,14 @@ class StepInput:
             if len(table) < need:
                 raise ValueError(f"block table of {len(table)} blocks cannot hold {start + n} tokens")
             ids.extend(toks)
-            for p in range(start, start + n):
-                pos.append(p)
-                slots_map.append(table[p // block_size] * block_size + p % block_size)
+            if n <= LOOP_TOKENS:
+                r = range(start, start + n)
+                pos_rows.append(list(r))
+                slot_rows.append([table[p // block_size] * block_size + p % block_size for p in r])
+            else:  # tensor ops instead of a Python loop per token
+                p = torch.arange(start, start + n)
+                pos_rows.append(p)
+                slot_rows.append(torch.tensor(table[:need])[p // block_size] * block_size + p % block_size)
             q_lens.append(n)
             ctx.append(start + n)
             kslots.append(kslot)
@@ -79,7 +88,13 @@ class StepInput:
             tables.extend([0] * (max_blocks - len(table)))
         # one host-to-device copy for every index tensor of the step
         N, S = len(ids), len(seqs)
-        host = torch.tensor(ids + pos + slots_map + kslots + ctx + tables, dtype=torch.long)
+        if all(isinstance(r, list) for r in pos_rows):
+            flat_rows = [x for rs in (pos_rows, slot_rows) for r in rs for x in r]
+            host = torch.tensor(ids + flat_rows + kslots + ctx + tables, dtype=torch.long)
+        else:
+            rows = lambda rs: [r if isinstance(r, torch.Tensor) else torch.tensor(r, dtype=torch.long) for r in rs]  # noqa: E731
+            host = torch.cat([torch.tensor(ids, dtype=torch.long), *rows(pos_rows), *rows(slot_rows),
+                              torch.tensor(kslots + ctx + tables, dtype=torch.long)])
         if non_blocking and torch.device(device).type == "cuda":
             flat = host.pin_memory().to(device, non_blocking=True)
         else:

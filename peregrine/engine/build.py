@@ -15,6 +15,8 @@ from ..tokenizer import load_tokenizer
 from .engine import LLMEngine
 
 DEFAULT_MAX_MODEL_LEN = 4096  # a cache sized for 1M-token contexts by default would waste memory
+DEFAULT_SNAPSHOTS = 64        # KDA snapshots for prefix caching: ~one per 8K-token chunk of 8 x 64K contexts
+SNAPSHOT_MEMORY_SHARE = 0.5   # at most this share of the memory left after the caches goes to snapshots
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 
 
@@ -131,16 +133,28 @@ def build_parts(model: str, ecfg: EngineConfig, dummy_weights: bool, log, tp=SIN
 
     blocks_per_seq = math.ceil(ecfg.max_model_len / ecfg.block_size)
     num_blocks = ecfg.num_cache_blocks or ecfg.max_num_seqs * blocks_per_seq
+    per_slot = ModelCache.bytes_per_slot(lcfg, dtype)
     need = num_blocks * ecfg.block_size * ModelCache.bytes_per_token(lcfg, ecfg.kv_cache_dtype, dtype) + \
-        ecfg.max_num_seqs * ModelCache.bytes_per_slot(lcfg, dtype)
+        ecfg.max_num_seqs * per_slot
+    snaps = ecfg.prefix_cache_snapshots if ecfg.prefix_cache_snapshots is not None else DEFAULT_SNAPSHOTS
+    if not ecfg.enable_prefix_caching or not lcfg.kda_layers:
+        snaps = 0
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         if need > free * ecfg.gpu_memory_utilization:
             raise ConfigError(f"caches need {gib(need)} but only {gib(free)} is free: lower --max-model-len or --max-num-seqs")
+        # the default pool shrinks to what fits (one GPU: under TP every rank must hold the same pool)
+        if ecfg.prefix_cache_snapshots is None and per_slot and tp.world == 1:
+            snaps = min(snaps, max(0, int((free * ecfg.gpu_memory_utilization - need) * SNAPSHOT_MEMORY_SHARE // per_slot)))
+        if snaps * per_slot + need > free * ecfg.gpu_memory_utilization:
+            raise ConfigError(f"{snaps} prefix-cache snapshots need {gib(snaps * per_slot)} more than is free: "
+                              "lower prefix_cache_snapshots")
     cache = ModelCache(lcfg, num_blocks=num_blocks, block_size=ecfg.block_size, num_slots=ecfg.max_num_seqs,
-                       dtype=dtype, device=dev, kv_cache_dtype=ecfg.kv_cache_dtype)
+                       dtype=dtype, device=dev, kv_cache_dtype=ecfg.kv_cache_dtype, num_snapshots=snaps)
     log(f"caches: {num_blocks} blocks x {ecfg.block_size} tokens ({ecfg.kv_cache_dtype} latent), "
-        f"{ecfg.max_num_seqs} KDA state slots, {gib(cache.nbytes())}")
+        f"{ecfg.max_num_seqs} KDA state slots, "
+        + (f"prefix caching on ({snaps} KDA snapshots of {gib(per_slot)}), " if ecfg.enable_prefix_caching
+           else "prefix caching off, ") + f"{gib(cache.nbytes())}")
     runner = make_runner(m, cache, ecfg, log)
     return cfg, m, cache, runner, folder
 

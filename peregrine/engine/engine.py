@@ -24,6 +24,7 @@ from typing import Callable
 from ..cache import ModelCache
 from ..config import EngineConfig, ModelConfig
 from ..decode.batch import StepInput
+from ..prefix_cache import PrefixCache
 from .lookahead import Ahead, Readback, next_decode_input
 from .request import RequestError, RequestOutput, SamplingParams, Sequence, StepInfo
 from .sampling import make_generator, sample
@@ -40,7 +41,11 @@ class LLMEngine:
             engine_cfg.max_model_len = min(model_cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         self.max_model_len = engine_cfg.max_model_len
         self.device = cache.latent.device
-        self.scheduler = Scheduler(cache, engine_cfg.max_num_seqs, engine_cfg.max_num_batched_tokens, self.max_model_len)
+        self.prefix_cache = PrefixCache(cache.blocks, cache.block_size, getattr(cache, "num_snapshots", 0),
+                                        needs_state=bool(model_cfg.kda_layers),
+                                        enabled=getattr(engine_cfg, "enable_prefix_caching", False))
+        self.scheduler = Scheduler(cache, engine_cfg.max_num_seqs, engine_cfg.max_num_batched_tokens, self.max_model_len,
+                                   getattr(engine_cfg, "max_prefill_tokens_while_decoding", None), self.prefix_cache)
         self._lock = threading.Lock()        # guards the pending queues and the live-request table
         self._step_lock = threading.Lock()   # held while the engine state is being changed
         self._pending_add: list[Sequence] = []
@@ -52,7 +57,8 @@ class LLMEngine:
         self.last_step: StepInfo | None = None
         self.stats = {"steps_by_path": Counter(), "fallback_reasons": {}, "prompt_tokens": 0,
                       "generation_tokens": 0, "finished_requests": 0, "aborted_requests": 0,
-                      "lookahead_steps": 0, "lookahead_discarded_tokens": 0}
+                      "lookahead_steps": 0, "lookahead_discarded_tokens": 0,
+                      "prefix_cache": self.prefix_cache.stats}
         # lookahead needs a runner whose argmax stays on the device and can feed the next step's ids
         self.lookahead = bool(getattr(engine_cfg, "decode_lookahead", True) and getattr(runner, "lookahead", False))
         self._ahead: Ahead | None = None  # the forward the last step launched for the next one
@@ -184,6 +190,7 @@ class LLMEngine:
             batch = ahead.batch if ahead is not None else self.scheduler.schedule()
             if not batch:
                 return outputs
+            self._cache_ops([("load", snap, slot) for snap, slot in self.scheduler.take_loads()])
             live = [(s, n) for s, n in batch if not s.finished]
             n_prefill = sum(n for s, n in live if s.in_prefill)
             n_decode = sum(1 for s, _ in live if not s.in_prefill)
@@ -196,6 +203,7 @@ class LLMEngine:
                 logits = self._forward(step, len(step.logits_idx))
                 path = getattr(self.runner, "last_path", "standard")
                 new = self.spec.finish(batch, step, drafts, T, logits)
+                self._after_forward(batch, {})
             n_new = 0
             for seq, toks in new:
                 if seq.finished:  # stopped or aborted after this forward was launched ahead
@@ -232,16 +240,20 @@ class LLMEngine:
                 start = seq.num_cached
                 table = seq.blocks[: -(-(start + n) // bs)]  # only the blocks this step can touch
                 seqs.append((seq.token_ids[start:start + n], start, seq.kda_slot, table))
-            logits = self._forward(StepInput.build(seqs, bs, self.device), len(batch))
+            step = StepInput.build(seqs, bs, self.device)
+            snaps = self._plan_snapshots(batch, step)
+            logits = self._forward(step, len(batch))
             greedy = getattr(self.runner, "greedy_tokens", None)  # argmax already taken inside the step
             path = getattr(self.runner, "last_path", "standard")
         else:
             logits, greedy, path = ahead.logits, ahead.greedy, ahead.path
+            snaps = {}
         ready = []  # rows whose sequence has every token in the cache: sample those
         for i, (seq, n) in enumerate(batch):
             seq.num_cached += n
             if seq.num_cached == len(seq.token_ids):
                 ready.append(i)
+        self._after_forward(batch, snaps)  # before a lookahead launch: its copies must run first
         if not ready:
             return [], path
         rs = [batch[i][0] for i in ready]
@@ -255,6 +267,71 @@ class LLMEngine:
         else:
             toks = self._sample(rs, logits if len(ready) == len(batch) else logits[ready])
         return [(s, [t]) for s, t in zip(rs, toks)], path
+
+    # ---- prefix caching: which block ends get a KDA snapshot, and the bookkeeping after a step ----
+    def _plan_snapshots(self, batch, step: StepInput) -> dict:
+        """Snapshot slots for this step's prefill rows: at every block-aligned chunk end, and at the
+        prompt's last block ends (floor(P/bs) and floor((P-1)/bs) blocks: what a longer or a repeated
+        prompt can reuse). Ends inside a chunk are taken by the KDA layers as they pass them
+        (step.kda_snapshots); a chunk's own end after the forward. -> {row: [(position, snapshot)]}."""
+        pc, bs = self.prefix_cache, self.cache.block_size
+        plan, mid = {}, {}
+        if not pc.enabled or not pc.needs_state:
+            return plan
+        for i, (seq, n) in enumerate(batch):
+            if not seq.in_prefill:
+                continue
+            s, e, P = seq.num_cached, seq.num_cached + n, seq.prompt_len
+            want = {p for p in (e, P // bs * bs, (P - 1) // bs * bs) if s < p <= e and p % bs == 0}
+            for p in sorted(want):
+                snap = pc.new_snapshot()
+                if snap is None:
+                    break
+                plan.setdefault(i, []).append((p, snap))
+                if p < e:
+                    mid.setdefault(i, []).append((p - s, snap))
+        step.kda_snapshots = mid or None
+        return plan
+
+    def _after_forward(self, batch, plan: dict) -> None:
+        """Register the full blocks the step completed and keep the KDA snapshots taken at block ends:
+        the planned prefill ones, and one per decoding sequence as it passes a block end (replacing its
+        previous one). Runs before the next forward is launched, so the copies see this step's state."""
+        pc, bs = self.prefix_cache, self.cache.block_size
+        if not pc.enabled:
+            return
+        saves = []
+        for i, (seq, n) in enumerate(batch):
+            if seq.finished or not seq.blocks:
+                for _, snap in plan.get(i, []):
+                    pc.discard(snap)
+                continue
+            pc.register(seq.blocks, seq.block_hashes, seq.token_ids, seq.num_cached)
+            if not pc.needs_state:
+                continue
+            for p, snap in plan.get(i, []):
+                if p == seq.num_cached:
+                    saves.append(("save", seq.kda_slot, snap))
+                pc.attach(snap, seq.blocks[p // bs - 1])
+            p = seq.num_cached
+            if i not in plan and p % bs == 0 and p > seq.prompt_len - 1:  # a decode step ended on a block end
+                snap = pc.new_snapshot()
+                if snap is None:
+                    continue
+                if seq.decode_snap is not None:
+                    pc.discard(seq.decode_snap)
+                saves.append(("save", seq.kda_slot, snap))
+                seq.decode_snap = snap if pc.attach(snap, seq.blocks[p // bs - 1]) else None
+        self._cache_ops(saves)
+
+    def _cache_ops(self, ops) -> None:
+        """Snapshot copies on this rank's caches, and (tensor parallel) on every other rank's first."""
+        if not ops:
+            return
+        send = getattr(self.runner, "cache_ops", None)
+        if send is not None:
+            send(ops)
+        self.cache.apply(ops)
 
     def _can_look_ahead(self, seqs: list[Sequence]) -> bool:
         """Whether the next step is certainly these sequences again, one greedy decode token each,

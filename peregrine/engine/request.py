@@ -83,7 +83,10 @@ class Sequence:
         self.prompt_len = len(prompt)
         self.num_cached = 0               # tokens already written to the caches
         self.kda_slot: int | None = None
-        self.blocks: list[int] = []       # reserved for the whole life of the request
+        self.blocks: list[int] = []       # reserved for the whole life of the request (a reused prefix first)
+        self.block_hashes: list[int] = []  # prefix-cache chain hash of each full cached block, in order
+        self.num_reused = 0               # prompt tokens taken from the prefix cache, not computed
+        self.decode_snap: int | None = None  # this sequence's latest decode-time KDA snapshot
         self.generator: torch.Generator | None = None  # made on first sample, on the logits device
         self.finish_reason: str | None = None
 

@@ -1,25 +1,36 @@
-"""Continuous batching with chunked prefill and up-front cache reservation.
+"""Continuous batching with chunked prefill, prefix reuse and up-front cache reservation.
 
-A request is admitted (FIFO) when a KDA slot and the MLA blocks for its whole life are
-free, so a running sequence never runs out of cache mid-generation and nothing is ever
-preempted. Admission stops at the first request that does not fit, so a large early
-request is not starved by later small ones.
+Every step serves each running decode first (one token each), then prefill chunks in FIFO order
+within a token budget: max_num_batched_tokens when nobody is decoding, and the smaller
+max_prefill_tokens_while_decoding when somebody is, so a long prompt arriving never stalls the
+running requests for more than one short chunk's time.
+
+A request is admitted (FIFO) when a KDA slot and the MLA blocks for its whole life are free
+(cached blocks nobody reads count as free: they are evicted on demand), so a running sequence never
+runs out of cache mid-generation and nothing is ever preempted. Admission stops at the first request
+that does not fit, so a large early request is not starved by later small ones. With prefix caching
+(peregrine/prefix_cache.py) an admitted prompt starts after its longest cached prefix.
 """
 from __future__ import annotations
 
 from collections import deque
 
 from ..cache import ModelCache
+from ..prefix_cache import Match, PrefixCache
 from .request import Sequence
 
 
 class Scheduler:
-    def __init__(self, cache: ModelCache, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(self, cache: ModelCache, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 max_prefill_tokens_while_decoding: int | None = None, prefix_cache: PrefixCache | None = None):
         self.cache = cache
         self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len = (
             max_num_seqs, max_num_batched_tokens, max_model_len)
+        self.decode_budget = min(max_prefill_tokens_while_decoding or max_num_batched_tokens, max_num_batched_tokens)
+        self.pc = prefix_cache or PrefixCache(cache.blocks, cache.block_size, 0, bool(cache.cfg.kda_layers), enabled=False)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loads: list[tuple[int, int]] = []  # (snapshot, slot) copies the engine must run before the next forward
 
     def blocks_needed(self, seq: Sequence) -> int:
         """Blocks for every token the sequence can ever write (its last sampled token is never written)."""
@@ -29,16 +40,37 @@ class Scheduler:
     def can_ever_fit(self, seq: Sequence) -> bool:
         return self.blocks_needed(seq) <= self.cache.num_blocks and self.cache.num_slots > 0
 
+    def _plan(self, seq: Sequence) -> Match | None:
+        """The prefix this request would reuse if admitted now, or None if it does not fit now."""
+        if self.cache.num_free_slots == 0:
+            return None
+        hit = self.pc.match(seq.token_ids, seq.prompt_len - 1)  # the last prompt token is always computed
+        if not self.pc.can_allocate(self.blocks_needed(seq) - hit.num_blocks, hit.blocks):
+            return None
+        return hit
+
     def fits_now(self, seq: Sequence) -> bool:
-        return self.cache.num_free_slots > 0 and self.cache.blocks.num_free >= self.blocks_needed(seq)
+        return self._plan(seq) is not None
 
     def admits_now(self) -> bool:
         """Whether schedule() would start the first waiting request now (decode steps use no token budget)."""
         return bool(self.waiting) and len(self.running) < self.max_num_seqs and self.fits_now(self.waiting[0])
 
+    def _admit(self, seq: Sequence, hit: Match) -> None:
+        self.pc.acquire(hit.blocks)
+        seq.blocks = hit.blocks + self.pc.allocate(self.blocks_needed(seq) - hit.num_blocks)
+        seq.kda_slot = self.cache.allocate_slot()
+        seq.block_hashes = list(hit.hashes)
+        seq.num_cached = seq.num_reused = hit.num_blocks * self.cache.block_size
+        if hit.snapshot is not None:
+            self.loads.append((hit.snapshot, seq.kda_slot))
+        self.pc.note_query(seq.prompt_len, hit)
+        self.running.append(seq)
+
     def schedule(self) -> list[tuple[Sequence, int]]:
-        """(sequence, number of new tokens) for this step: decodes always, prefill chunks within budget."""
-        budget = self.max_num_batched_tokens
+        """(sequence, number of new tokens) for this step: decodes first, prefill chunks within budget."""
+        decoding = [s for s in self.running if not s.in_prefill]
+        budget = self.decode_budget if decoding else self.max_num_batched_tokens
         out: list[tuple[Sequence, int]] = []
         for seq in self.running:
             n = len(seq.token_ids) - seq.num_cached
@@ -49,16 +81,19 @@ class Scheduler:
                 out.append((seq, n))
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.fits_now(seq):
+            hit = self._plan(seq)
+            if hit is None:
                 break
             self.waiting.popleft()
-            seq.kda_slot = self.cache.allocate_slot()
-            seq.blocks = self.cache.blocks.allocate(self.blocks_needed(seq))
-            self.running.append(seq)
-            n = min(seq.prompt_len, budget)
+            self._admit(seq, hit)
+            n = min(seq.prompt_len - seq.num_cached, budget)
             budget -= n
             out.append((seq, n))
         return out
+
+    def take_loads(self) -> list[tuple[int, int]]:
+        loads, self.loads = self.loads, []
+        return loads
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and give its slot and blocks back."""
@@ -70,5 +105,5 @@ class Scheduler:
             self.cache.free_slot(seq.kda_slot)
             seq.kda_slot = None
         if seq.blocks:
-            self.cache.blocks.free(seq.blocks)
+            self.pc.release(seq.blocks)
             seq.blocks = []

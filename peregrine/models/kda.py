@@ -2,7 +2,8 @@
 
 The recurrent form here is the reference for both prefill and decode
 (MODELS.md "KDA layer"); decode sequences of a step are processed together,
-prefill sequences one at a time over their tokens.
+prefill sequences one at a time over their tokens: long ones in the chunked form, on the GPU
+through flash-linear-attention's chunk_kda (fla-core) when it is installed.
 """
 from __future__ import annotations
 
@@ -16,11 +17,30 @@ from .layers import HFParam, param, rms_norm, split_rows
 QK_NORM_EPS = 1e-6  # eps of the q/k L2 norms (MODELS.md)
 CHUNK = 32  # KDA chunk: the intra-chunk [C, C, K] decay tensor grows with C, the chunk count shrinks
 CHUNKED_MIN_TOKENS = 64  # prefill chunks at least this long use the chunked form (no per-token loop)
+CONV1D_MIN_TOKENS = 64  # rows this long run the short conv as conv1d: unfold would materialise [T, C, W]
+
+
+def fla_chunk_kda():
+    """fla-core's chunk_kda (Triton, GPU), or None where it is not installed."""
+    global _FLA
+    if _FLA is None:
+        try:
+            from fla.ops.kda import chunk_kda as f
+        except Exception:  # not installed, or an incompatible build: the torch chunked form serves
+            f = False
+        _FLA = f
+    return _FLA or None
+
+
+_FLA = None
 
 
 def causal_conv(x_ext: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Depthwise causal conv + SiLU. x_ext [B, W-1+T, C] (state then new inputs), w [C, W] -> [B, T, C] FP32."""
     W = w.shape[1]
+    if x_ext.shape[1] - (W - 1) >= CONV1D_MIN_TOKENS:
+        y = F.conv1d(x_ext.float().transpose(1, 2), w.float().unsqueeze(1), groups=w.shape[0])  # [B, C, T]
+        return F.silu(y.transpose(1, 2))
     win = x_ext.float().unfold(1, W, 1)  # [B, T, C, W], tap j is input t-(W-1)+j
     return F.silu((win * w.float()).sum(-1))
 
@@ -155,7 +175,14 @@ class KDA(nn.Module):
         g = kda_gate(f, self.A_log, self.dt_bias, H, self.cfg.kda_gate_lower_bound)
         beta = torch.sigmoid(b.float())
         if y.shape[1] >= CHUNKED_MIN_TOKENS and trace is None:  # long prefill: the chunked form, exact up to rounding
-            o, S_end = chunk_kda(q, k, v, g, beta, S0=S)
+            fla = fla_chunk_kda() if y.is_cuda else None
+            if fla is not None:  # q, k, v in the model's dtype (fla's kernels read BF16), gates and state FP32
+                dt = self.in_proj.dtype
+                o, S_end = fla(q.to(dt), k.to(dt), v.to(dt), g, beta, scale=1.0, initial_state=S,
+                               output_final_state=True)
+                o = o.float()
+            else:
+                o, S_end = chunk_kda(q, k, v, g, beta, S0=S)
             S.copy_(S_end)
             return o
         outs = []
@@ -192,6 +219,7 @@ class KDA(nn.Module):
                 out = o
             else:
                 out[tok] = o
+        snaps = getattr(step, "kda_snapshots", None) or {}
         for i, q in enumerate(step.q_lens):
             if q == 1:
                 continue
@@ -203,8 +231,15 @@ class KDA(nn.Module):
             ck = step.kda_ckpt if q <= (step.kda_ckpt[0].shape[2] if getattr(step, "kda_ckpt", None) else 0) else None
             if ck is not None:  # verify rows: conv window after each position, for rollback
                 ck[1][kl, i, :q] = x_ext[0].unfold(0, W1, 1)[1:].transpose(1, 2)
-            o = self.mix(causal_conv(x_ext, self.conv_w), f[a:e].unsqueeze(0), b[a:e].unsqueeze(0), S,
-                         trace=None if ck is None else ck[0][kl, i, :q])
+            y = causal_conv(x_ext, self.conv_w)
+            cuts, o, lo = sorted(snaps.get(i, [])) + [(q, None)], [], 0
+            for hi, snap in cuts:  # prefix caching: the state after `hi` tokens goes to a snapshot on the way
+                o.append(self.mix(y[:, lo:hi], f[a + lo:a + hi].unsqueeze(0), b[a + lo:a + hi].unsqueeze(0), S,
+                                  trace=None if ck is None else ck[0][kl, i, :q]))
+                if snap is not None:
+                    cache.snap_state[kl, snap] = S[0]
+                    cache.snap_conv[kl, snap] = x_ext[0, hi:hi + W1]  # the W-1 inputs before that position
+                lo = hi
             state[s] = S
-            out[a:e] = o[0].flatten(-2)
+            out[a:e] = torch.cat(o, 1)[0].flatten(-2)
         return self.output(out.unflatten(-1, (self.H, self.d)), r, x.dtype)

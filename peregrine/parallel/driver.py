@@ -14,8 +14,14 @@ class TPDriver:
         self._record = False
 
     def forward(self, step):
+        if step.kda_snapshots:  # prefix caching: the KDA layers of every rank take the same snapshots
+            control.send_obj(self.tp, ("kda_snapshots", step.kda_snapshots))
         control.send_step(self.tp, step, control.RECORD_ROUTING if self._record else 0)
         return self.inner.forward(step)
+
+    def cache_ops(self, ops) -> None:
+        """Snapshot copies (ModelCache.apply) on every other rank; the engine runs them here itself."""
+        control.send_obj(self.tp, ("cache_ops", ops))
 
     @property
     def record_routing(self) -> bool:

@@ -29,6 +29,7 @@ def serve(tp) -> None:
 
 def _serve(tp) -> None:
     runner = cache = None
+    snapshots = None  # the next step's in-layer KDA snapshots (prefix caching)
     while True:
         kind, msg = control.recv(tp, tp.device or torch.device("cpu"), getattr(runner, "greedy_tokens", None))
         if kind == "step":
@@ -37,6 +38,7 @@ def _serve(tp) -> None:
                 cache.state[:, s].zero_()
                 cache.conv[:, s].zero_()
             runner.record_routing = bool(flags & control.RECORD_ROUTING)
+            step.kda_snapshots, snapshots = snapshots, None
             runner.forward(step)
             continue
         cmd, *args = msg
@@ -48,6 +50,10 @@ def _serve(tp) -> None:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             runner, cache = build_shard(tp, *args)
+        elif cmd == "kda_snapshots":
+            snapshots = args[0]
+        elif cmd == "cache_ops":
+            cache.apply(args[0])
         elif cmd == "replay":
             runner.graph_replay_time(*args)
         else:

@@ -38,10 +38,20 @@ class EngineCollector:
         g = GaugeMetricFamily("peregrine:num_requests_waiting", "Requests queued for a cache slot")
         g.add_metric([], e.num_waiting)
         yield g
-        blocks = e.cache.blocks
+        blocks, pc = e.cache.blocks, getattr(e, "prefix_cache", None)
+        free = pc.num_free if pc is not None else blocks.num_free  # cached blocks nobody reads are free to take
         g = GaugeMetricFamily("peregrine:cache_usage_perc", "Fraction of MLA cache blocks in use (0..1)")
-        g.add_metric([], 1.0 - blocks.num_free / max(1, blocks.num_blocks))
+        g.add_metric([], 1.0 - free / max(1, blocks.num_blocks))
         yield g
+        if pc is not None and pc.enabled:
+            st = _safe_copy(pc.stats)
+            for key, name, doc in (("query_tokens", "queries", "Prompt tokens looked up in the prefix cache"),
+                                   ("hit_tokens", "hits", "Prompt tokens reused from the prefix cache"),
+                                   ("evicted_blocks", "evicted_blocks", "Cached MLA blocks evicted for new ones"),
+                                   ("snapshots", "snapshots", "KDA state snapshots kept at block ends")):
+                c = CounterMetricFamily(f"peregrine:prefix_cache_{name}", doc)
+                c.add_metric([], st.get(key, 0))
+                yield c
         g = GaugeMetricFamily("peregrine:kda_slot_usage_perc", "Fraction of KDA state slots in use (0..1)")
         g.add_metric([], 1.0 - e.cache.num_free_slots / max(1, e.cache.num_slots))
         yield g

@@ -1,0 +1,233 @@
+"""Prefix caching for the hybrid cache: MLA latent blocks by content, KDA state snapshots at block ends.
+
+A full block of a sequence's cached tokens is registered under a chain hash of its parent's hash and
+its own tokens, so a later prompt that starts with the same tokens finds it. A registered block's MLA
+entries never change again, so sequences share it read-only (reference counted).
+
+KDA is recurrent: reusing p tokens also needs the state after token p - 1. Snapshots of a slot's
+recurrent state and conv window are taken at block ends (chosen prefill positions, and as a sequence
+decodes past a block end) and attached to the block they end. A prompt reuses its prefix up to the
+deepest matched block that carries a snapshot; that block's snapshot is copied into its own slot.
+
+Never a wrong reuse: a hash only nominates candidates. A block is reused only if its stored tokens
+equal the prompt's and its parent is the block just matched, named by a registration id that is never
+reused (an evicted and re-registered block id gets a new one, so stale children stop matching).
+
+Eviction: blocks nobody reads wait in an LRU (a finished sequence's tail first, so a chain shrinks from
+its end); allocation takes never-registered free blocks first, then evicts the least recently used.
+A snapshot goes with its block, or alone (LRU) when the snapshot pool is full.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from .cache import BlockAllocator, CacheFull
+
+ROOT_HASH = 0x9E3779B97F4A7C15  # chain hash "before" the first block (any fixed value)
+ROOT_UID = -1                   # parent of a sequence's first block
+
+
+def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
+    """Hash of a block given its parent's: Python's tuple hash (ints hash the same in every process)."""
+    return hash((parent, tokens))
+
+
+@dataclass
+class _Meta:
+    uid: int                 # registration id, unique for the life of the cache
+    parent_uid: int
+    hash: int
+    tokens: tuple[int, ...]
+
+
+@dataclass
+class Match:
+    """A prompt's reusable prefix: shared blocks, the snapshot at their end, the chain hashes."""
+    blocks: list[int] = field(default_factory=list)
+    snapshot: int | None = None
+    hashes: list[int] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+
+class PrefixCache:
+    """Owns the block allocator's policy (refcounts, registration, LRU eviction) and the snapshot pool.
+    enabled=False: plain allocate/free, no registration, matches are always empty."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int, num_snapshots: int, needs_state: bool,
+                 enabled: bool = True, hash_fn=chain_hash):
+        self.alloc, self.bs, self.enabled, self.hash_fn = allocator, block_size, enabled, hash_fn
+        self.needs_state = needs_state  # a KDA model: a prefix is usable only up to a snapshot
+        self.ref: dict[int, int] = {}
+        self.meta: dict[int, _Meta] = {}
+        self.by_hash: dict[int, list[int]] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self._uid = 0
+        self.snap_of: dict[int, int] = {}         # block -> snapshot slot at its end
+        self.block_of: dict[int, int] = {}        # snapshot slot -> block
+        self.snap_lru: OrderedDict[int, None] = OrderedDict()
+        self.free_snaps = list(range(num_snapshots - 1, -1, -1)) if enabled else []
+        self.stats = {"queries": 0, "query_tokens": 0, "hit_tokens": 0, "evicted_blocks": 0, "snapshots": 0,
+                      "evicted_snapshots": 0}
+
+    # ---- blocks ----
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can get now: free ones and evictable cached ones."""
+        return self.alloc.num_free + len(self.evictable)
+
+    def can_allocate(self, n: int, reuse: list[int]) -> bool:
+        """Whether n new blocks fit once the `reuse` blocks are referenced (they stop being evictable)."""
+        held = sum(1 for b in reuse if b in self.evictable)
+        return self.num_free - held >= n
+
+    def allocate(self, n: int) -> list[int]:
+        if n > self.num_free:
+            raise CacheFull(f"need {n} blocks, {self.num_free} free or evictable")
+        take = min(n, self.alloc.num_free)
+        out = self.alloc.allocate(take)
+        while len(out) < n:
+            b, _ = self.evictable.popitem(last=False)
+            self._unregister(b)
+            self.stats["evicted_blocks"] += 1
+            out.append(b)
+        for b in out:
+            self.ref[b] = 1
+        return out
+
+    def acquire(self, blocks: list[int]) -> None:
+        """Reference matched blocks (they leave the LRU while read)."""
+        for b in blocks:
+            self.ref[b] = self.ref.get(b, 0) + 1
+            self.evictable.pop(b, None)
+
+    def release(self, blocks: list[int]) -> None:
+        """A sequence is done with its blocks: registered ones become the most recently used evictable
+        ones, its tail ahead of its head (a chain loses its last blocks first); the rest are free."""
+        for b in reversed(blocks):
+            n = self.ref.get(b, 0) - 1
+            if n > 0:
+                self.ref[b] = n
+                continue
+            self.ref.pop(b, None)
+            if b in self.meta:
+                self.evictable[b] = None  # appended in reverse: the LRU's front (evicted first) gets the tail
+            else:
+                self.alloc.free([b])
+
+    def _unregister(self, b: int) -> None:
+        m = self.meta.pop(b, None)
+        if m is None:
+            return
+        cands = self.by_hash.get(m.hash, [])
+        if b in cands:
+            cands.remove(b)
+        if not cands:
+            self.by_hash.pop(m.hash, None)
+        s = self.snap_of.pop(b, None)
+        if s is not None:
+            self._free_snap(s)
+
+    # ---- registration and lookup ----
+    def register(self, blocks: list[int], hashes: list[int], token_ids: list[int], n_cached: int) -> None:
+        """Register every full block of a sequence's first n_cached tokens not yet registered.
+        hashes (the sequence's chain so far) is extended in place."""
+        if not self.enabled:
+            return
+        bs = self.bs
+        while (len(hashes) + 1) * bs <= n_cached:
+            i = len(hashes)
+            toks = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = self.hash_fn(hashes[-1] if hashes else ROOT_HASH, toks)
+            hashes.append(h)
+            b = blocks[i]
+            if b in self.meta:  # a block this sequence reused
+                continue
+            parent = self.meta.get(blocks[i - 1]) if i else None
+            if i and parent is None:
+                continue  # its parent is not registered (a duplicate of another chain): nobody can reach it
+            if self._find(h, toks, parent.uid if parent else ROOT_UID) is not None:
+                continue  # the same content is registered already (computed side by side): keep one
+            self._uid += 1
+            self.meta[b] = _Meta(self._uid, parent.uid if parent else ROOT_UID, h, toks)
+            self.by_hash.setdefault(h, []).append(b)
+
+    def _find(self, h: int, toks: tuple[int, ...], parent_uid: int) -> int | None:
+        for b in self.by_hash.get(h, ()):
+            m = self.meta[b]
+            if m.tokens == toks and m.parent_uid == parent_uid:
+                return b
+        return None
+
+    def match(self, token_ids: list[int], limit: int) -> Match:
+        """The longest reusable prefix of at most `limit` tokens (whole blocks; for a KDA model it ends
+        at a block with a snapshot). Pure lookup: nothing is referenced or moved."""
+        if not self.enabled:
+            return Match()
+        bs, h, parent_uid = self.bs, ROOT_HASH, ROOT_UID
+        blocks, hashes, best = [], [], (0, None)
+        for i in range(limit // bs):
+            toks = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = self.hash_fn(h, toks)
+            b = self._find(h, toks, parent_uid)
+            if b is None:
+                break
+            blocks.append(b)
+            hashes.append(h)
+            parent_uid = self.meta[b].uid
+            if not self.needs_state or b in self.snap_of:
+                best = (len(blocks), self.snap_of.get(b))
+        n = best[0]
+        return Match(blocks[:n], best[1], hashes[:n])
+
+    def note_query(self, prompt_len: int, hit: Match) -> None:
+        self.stats["queries"] += 1
+        self.stats["query_tokens"] += prompt_len
+        self.stats["hit_tokens"] += hit.num_blocks * self.bs
+        if hit.snapshot is not None:
+            self.snap_lru.move_to_end(hit.snapshot)
+
+    # ---- snapshots ----
+    def new_snapshot(self) -> int | None:
+        """A snapshot slot to write (evicting the least recently used one), or None without a pool."""
+        if not self.enabled:
+            return None
+        if not self.free_snaps:
+            if not self.snap_lru:
+                return None
+            s, _ = self.snap_lru.popitem(last=False)
+            self.snap_of.pop(self.block_of.pop(s), None)
+            self.stats["evicted_snapshots"] += 1
+            return s
+        return self.free_snaps.pop()
+
+    def attach(self, s: int, block: int) -> bool:
+        """The snapshot s holds the state at `block`'s end: keep it if the block is registered (else free it)."""
+        if block not in self.meta:
+            self.free_snaps.append(s)
+            return False
+        old = self.snap_of.get(block)
+        if old is not None and old != s:
+            self._free_snap(old)  # a newer copy of the same state
+        self.snap_of[block] = s
+        self.block_of[s] = block
+        self.snap_lru[s] = None
+        self.snap_lru.move_to_end(s)
+        self.stats["snapshots"] += 1
+        return True
+
+    def discard(self, s: int) -> None:
+        """Give back a snapshot slot whether or not it is attached."""
+        if s in self.block_of:
+            self.snap_of.pop(self.block_of.pop(s), None)
+            self.snap_lru.pop(s, None)
+        if s not in self.free_snaps:
+            self.free_snaps.append(s)
+
+    def _free_snap(self, s: int) -> None:
+        self.block_of.pop(s, None)
+        self.snap_lru.pop(s, None)
+        self.free_snaps.append(s)
