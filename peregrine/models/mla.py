@@ -3,9 +3,10 @@
 K3 adds a q-LoRA (q = W_qb RMSNorm(W_qa x)) and a sigmoid output gate
 (o ← o ⊙ σ(W_g x) before o_proj); W_qa and W_g read x, so they join the fused in_proj.
 
-Prefill expands the latents through kv_b (plain attention with a causal mask);
-decode uses the absorbed form over the cached latents (MODELS.md). Both read
-the entries back from the cache, so an FP8 cache affects both paths alike.
+Prefill expands the latents through kv_b (in the model's dtype) and attends causally: on the GPU
+through the flash-attention Triton kernel (kernels/mla_prefill.py; no T x L scores), elsewhere in
+plain PyTorch a block of queries at a time. Decode uses the absorbed form over the cached latents
+(MODELS.md). Both read the entries back from the cache, so an FP8 cache affects both paths alike.
 """
 from __future__ import annotations
 
@@ -16,6 +17,16 @@ from ..config import ModelConfig
 from ..parallel.group import SINGLE
 from ..parallel.shard import slicing
 from .layers import HFParam, param, rms_norm, split_rows
+
+PREFILL_KERNEL: bool | None = None  # None: the Triton flash kernel wherever it is available on a GPU; tests force it
+TORCH_QUERY_BLOCK = 256  # queries per block in the PyTorch prefill: scores [H, 256, L] FP32 stay small
+
+
+def use_prefill_kernel(q: torch.Tensor) -> bool:
+    from .. import kernels
+    if PREFILL_KERNEL is not None:
+        return PREFILL_KERNEL and kernels.available(q.device)
+    return q.is_cuda and kernels.available(q.device)
 
 
 class MLA(nn.Module):
@@ -98,13 +109,23 @@ class MLA(nn.Module):
 
     def prefill_attn(self, q: torch.Tensor, lat: torch.Tensor, start: int) -> torch.Tensor:
         """One sequence: q [T, H, nope+rope] at positions start.., lat [L, r+rope] -> [T, H, v] FP32."""
-        kv = (lat[:, : self.r] @ self.kv_b.float().T).view(-1, self.H, self.nope + self.vd)
-        k = torch.cat([kv[..., : self.nope], lat[:, None, self.r:].expand(-1, self.H, -1)], -1)
-        s = torch.einsum("thc,lhc->htl", q.float(), k) * self.sm_scale
+        dt = self.kv_b.dtype
+        kv = (lat[:, : self.r].to(dt) @ self.kv_b.T).view(-1, self.H, self.nope + self.vd)
+        if use_prefill_kernel(q):
+            from ..kernels.mla_prefill import mla_prefill
+            return mla_prefill(q.to(dt), kv[..., : self.nope], lat[:, self.r:].to(dt), kv[..., self.nope:],
+                               self.sm_scale, start).float()
+        kv = kv.float()
+        k = torch.cat([kv[..., : self.nope], lat[:, None, self.r:].float().expand(-1, self.H, -1)], -1)
         T, L = q.shape[0], lat.shape[0]
-        causal = torch.arange(L, device=q.device)[None, :] > (start + torch.arange(T, device=q.device))[:, None]
-        p = torch.softmax(s.masked_fill(causal, float("-inf")), -1)
-        return torch.einsum("htl,lhv->thv", p, kv[..., self.nope:])
+        out = torch.empty(T, self.H, self.vd, dtype=torch.float32, device=q.device)
+        for a in range(0, T, TORCH_QUERY_BLOCK):
+            b = min(T, a + TORCH_QUERY_BLOCK)
+            s = torch.einsum("thc,lhc->htl", q[a:b].float(), k) * self.sm_scale
+            causal = torch.arange(L, device=q.device)[None, :] > (start + torch.arange(a, b, device=q.device))[:, None]
+            p = torch.softmax(s.masked_fill(causal, float("-inf")), -1)
+            out[a:b] = torch.einsum("htl,lhv->thv", p, kv[..., self.nope:])
+        return out
 
     def forward(self, x: torch.Tensor, step, cache) -> torch.Tensor:
         q, entries, gate = self.project(x)
