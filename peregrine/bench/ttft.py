@@ -199,7 +199,44 @@ def run(model: str, lengths: list[int], runs: int = 3, dummy_weights: bool = Tru
         first_token_s(engine, random_prompt(breakdown_len, V, 77))  # warm-up at this length
         payload["breakdown"] = breakdown(engine, breakdown_len, copy["gbps"], 78)
         payload["user_turn"] = user_turn(engine, breakdown_len, payload["breakdown"]["total_ms"], decode_tokens, V)
+        log("a prefill chunk joining a decode step")
+        payload["mixed_step"] = mixed_step_cost(engine, V)
     return payload
+
+
+def mixed_step_cost(engine, vocab: int, reps: int = 3) -> dict:
+    """What a running decode pays when a prompt's chunk joins its step (the step falls back from the
+    specialized path to the standard one): a decode-only step, a prefill-only step of one chunk, and
+    the mixed step of both, host-timed as the engine runs them (medians of `reps`)."""
+    from ..engine import SamplingParams
+    chunk = engine.scheduler.decode_budget
+    dec, pre, mixed = [], [], []
+    for r in range(reps):
+        engine.add_request(random_prompt(chunk, vocab, 500 + r), SamplingParams(max_tokens=1, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+            if engine.last_step.num_prefill_tokens == chunk:
+                pre.append(engine.last_step.duration_s * 1e3)
+        rid = engine.add_request(random_prompt(1024, vocab, 600 + r), SamplingParams(max_tokens=10_000, ignore_eos=True))
+        for _ in range(24):  # into steady decode
+            engine.step()
+        for _ in range(8):
+            engine.step()
+            dec.append(engine.last_step.duration_s * 1e3)
+        engine.add_request(random_prompt(chunk, vocab, 700 + r), SamplingParams(max_tokens=1, ignore_eos=True))
+        for _ in range(4):
+            engine.step()
+            st = engine.last_step
+            if st.num_prefill_tokens == chunk and st.num_decode_seqs == 1:
+                mixed.append(st.duration_s * 1e3)
+                break
+        engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()
+    med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+    return {"chunk_tokens": chunk, "decode_ms": med(dec), "prefill_ms": med(pre), "mixed_ms": med(mixed),
+            "decode_samples_ms": dec, "prefill_samples_ms": pre, "mixed_samples_ms": mixed,
+            "fallback_cost_ms": med(mixed) - med(pre)}
 
 
 def user_turn(engine, length: int, ttft_ms: float, n: int, vocab: int) -> dict:
@@ -234,6 +271,11 @@ def markdown(p: dict) -> str:
             pct = "" if v["pct_of_floor"] is None else f"{v['pct_of_floor']:.0f}"
             out.append(f"| {k} | {v['ms']:.1f} | {v['tflop']:.1f} | {v['compute_floor_ms']:.1f} | "
                        f"{v['weight_read_floor_ms']:.1f} | {pct} |")
+    m = p.get("mixed_step")
+    if m:
+        out += ["", f"A {m['chunk_tokens']}-token prefill chunk joining one running decode (the step falls back to the "
+                    f"standard path): mixed step {m['mixed_ms']:.1f} ms vs prefill alone {m['prefill_ms']:.1f} ms and "
+                    f"decode alone {m['decode_ms']:.2f} ms (the decode waits {m['mixed_ms']:.1f} ms for that token)"]
     u = p.get("user_turn")
     if u:
         out += ["", f"A user's turn at {u['length']} tokens: TTFT {u['ttft_ms']:.0f} ms + 500 × ITL {u['itl_ms']:.2f} ms "

@@ -58,7 +58,8 @@ class LLMEngine:
         self.stats = {"steps_by_path": Counter(), "fallback_reasons": {}, "prompt_tokens": 0,
                       "generation_tokens": 0, "finished_requests": 0, "aborted_requests": 0,
                       "lookahead_steps": 0, "lookahead_discarded_tokens": 0,
-                      "prefix_cache": self.prefix_cache.stats}
+                      "prefix_cache": self.prefix_cache.stats,
+                      "step_kinds": {}}  # decode / prefill / mixed: steps, host seconds, prompt tokens
         # lookahead needs a runner whose argmax stays on the device and can feed the next step's ids
         self.lookahead = bool(getattr(engine_cfg, "decode_lookahead", True) and getattr(runner, "lookahead", False))
         self._ahead: Ahead | None = None  # the forward the last step launched for the next one
@@ -222,6 +223,11 @@ class LLMEngine:
                                       self.spec.stats["num_draft_tokens"] - d0[0] if spec else 0,
                                       self.spec.stats["num_accepted_tokens"] - d0[1] if spec else 0,
                                       lookahead=ahead is not None)
+            kind = "decode" if not n_prefill else ("prefill" if not n_decode else "mixed")
+            k = self.stats["step_kinds"].setdefault(kind, {"steps": 0, "seconds": 0.0, "prefill_tokens": 0})
+            k["steps"] += 1
+            k["seconds"] += self.last_step.duration_s
+            k["prefill_tokens"] += n_prefill
             return outputs
 
     def _forward(self, step: StepInput, rows: int):

@@ -64,6 +64,16 @@ class EngineCollector:
         for reason, n in _safe_copy(e.stats.get("fallback_reasons", {})).items():
             c.add_metric([reason], n)
         yield c
+        kinds = _safe_copy(e.stats.get("step_kinds", {}))
+        c = CounterMetricFamily("peregrine:step_seconds", "Engine step time by kind (decode only, prefill only, mixed)",
+                                labels=["kind"])
+        for kind, v in kinds.items():
+            c.add_metric([kind], v.get("seconds", 0.0))
+        yield c
+        c = CounterMetricFamily("peregrine:steps", "Engine steps by kind (decode only, prefill only, mixed)", labels=["kind"])
+        for kind, v in kinds.items():
+            c.add_metric([kind], v.get("steps", 0))
+        yield c
         c = CounterMetricFamily("peregrine:decode_lookahead_steps",
                                 "Decode steps launched before the previous step's tokens were read (decode lookahead)")
         c.add_metric([], e.stats.get("lookahead_steps", 0))
