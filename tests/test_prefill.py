@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from peregrine.cache import ModelCache
 from peregrine.config import EngineConfig
 from peregrine.decode.batch import StepInput
 from peregrine.engine import SamplingParams
@@ -84,3 +85,67 @@ def test_prefix_hit_equals_miss_on_the_model(budget):
         reused.append(hit.prefix_cache.stats["hit_tokens"] - before)
     assert reused == EXPECT[budget]
     assert miss.prefix_cache.stats["hit_tokens"] == 0
+
+
+# ---- on the GPU: the fast prefill kernels against the PyTorch forms ----
+cuda = pytest.mark.skipif(not torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1",
+                          reason="needs a CUDA GPU")
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 2e-2)])
+def test_fla_chunk_kda_equals_the_recurrence(dtype, tol):
+    """KDA.mix through fla's chunk_kda (Kimi-Linear head sizes, odd length, a non-zero start state)
+    against the token-by-token recurrence in FP32 (fla reads q/k/v in the model dtype: TF32/BF16 dots)."""
+    from peregrine.models import kda as K
+    if K.fla_chunk_kda() is None:
+        pytest.skip("fla-core is not installed")
+    cfg = tiny()[0]
+    raw_h, d, T = 32, 128, 333
+    g = torch.Generator(device="cuda").manual_seed(0)
+    layer = K.KDA(cfg, cfg.kda_layers[0], dtype).cuda()
+    layer.H, layer.d = raw_h, d
+    layer.A_log = torch.nn.Parameter(torch.rand(raw_h, device="cuda", generator=g) * 0.5, requires_grad=False)
+    layer.dt_bias = torch.nn.Parameter(torch.randn(raw_h * d, device="cuda", generator=g) * 0.5, requires_grad=False)
+    y = torch.randn(1, T, 3 * raw_h * d, device="cuda", generator=g)
+    f = torch.randn(1, T, raw_h * d, device="cuda", generator=g)
+    b = torch.randn(1, T, raw_h, device="cuda", generator=g)
+    S0 = torch.randn(1, raw_h, d, d, device="cuda", generator=g) * 0.05
+    Sf = S0.clone()
+    o = layer.mix(y, f, b, Sf)
+    Sr = S0.clone()
+    q, k, v = y.unflatten(-1, (3, raw_h, d)).unbind(2)
+    q, k = K.l2norm(q) * d ** -0.5, K.l2norm(k)
+    gg = K.kda_gate(f, layer.A_log, layer.dt_bias, raw_h, None)
+    beta = torch.sigmoid(b)
+    ref = torch.stack([K.delta_step(Sr, q[:, t], k[:, t], v[:, t], gg[:, t], beta[:, t]) for t in range(T)], 1)
+    assert rel_rmse(o, ref) < tol and rel_rmse(Sf, Sr) < tol
+
+
+@cuda
+@pytest.mark.gpu
+def test_gpu_prefill_kernels_equal_the_pytorch_forms():
+    """The standard path's chunked prefill on the GPU with the flash MLA kernel and fla (when present)
+    against the same model with both switched off: last-token logits and every KDA state (BF16)."""
+    from peregrine.models import kda as K, mla as M
+    cfg, m = tiny()
+    m = m.cuda().to(torch.bfloat16)
+    toks = torch.randint(0, cfg.vocab_size, (700,), generator=torch.Generator().manual_seed(3)).tolist()
+    table = list(range(700 // BS + 1))
+
+    def prefill(fast: bool):
+        c = ModelCache(cfg, num_blocks=len(table) + 1, block_size=BS, num_slots=2, dtype=torch.bfloat16, device="cuda")
+        M.PREFILL_KERNEL, K._FLA = (None, None) if fast else (False, False)
+        try:
+            slot, pos, out = c.allocate_slot(), 0, None
+            for n in (300, 257, 143):  # chunks with a prefix: the kernel's start > 0 case
+                with torch.inference_mode():
+                    out = m(StepInput.build([(toks[pos:pos + n], pos, slot, table)], BS, "cuda"), c)
+                pos += n
+            return out.float(), c.state.clone()
+        finally:
+            M.PREFILL_KERNEL, K._FLA = None, None
+
+    fast, slow = prefill(True), prefill(False)
+    assert rel_rmse(fast[0], slow[0]) < 3e-2 and rel_rmse(fast[1], slow[1]) < 3e-2

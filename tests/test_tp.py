@@ -163,6 +163,23 @@ def test_tp2_equals_one_rank_dummy_weights():
     check_tp_equals_one_rank_dummy_weights(2)
 
 
+def test_tp2_prefix_cache_hits_equal_one_rank_without_it():
+    """Prefix caching under TP: every rank takes the same KDA snapshots (in-chunk and after steps) and
+    loads them on a hit, so turn 2 and a repeat give one rank's no-cache tokens."""
+    g = torch.Generator().manual_seed(3)
+    p = torch.randint(0, 320, (45,), generator=g).tolist()
+    turns = [p, p + [7, 8, 9], p]
+    outs = {}
+    for tp, cache in ((1, False), (2, True)):
+        ecfg = EngineConfig(max_num_seqs=2, max_model_len=96, block_size=8, device="cpu", tensor_parallel_size=tp,
+                            max_num_batched_tokens=12, enable_prefix_caching=cache)
+        e, _ = build_engine("tiny-kimi-linear", ecfg, dummy_weights=True, log=lambda m: None)
+        outs[tp] = [e.generate([t], SamplingParams(max_tokens=6, ignore_eos=True))[0] for t in turns]
+        hit = e.prefix_cache.stats["hit_tokens"]
+    assert outs[1] == outs[2]
+    assert hit == 40 + 40  # turn 2 and the repeat reuse up to the snapshot at 40 (taken inside a 12-token chunk)
+
+
 def test_tp2_loads_slices_from_a_checkpoint_and_k3(tmp_path):
     """Weights read from safetensors (each rank reads only its slices), on a K3 shard (latent MoE,
     MXFP4 experts, q-LoRA MLA, AttnRes) and on the Kimi-Linear tiny model."""

@@ -178,8 +178,9 @@ class KDA(nn.Module):
             fla = fla_chunk_kda() if y.is_cuda else None
             if fla is not None:  # q, k, v in the model's dtype (fla's kernels read BF16), gates and state FP32
                 dt = self.in_proj.dtype
-                o, S_end = fla(q.to(dt), k.to(dt), v.to(dt), g, beta, scale=1.0, initial_state=S,
-                               output_final_state=True)
+                c = lambda t, d=dt: t.to(d).contiguous()  # noqa: E731
+                o, S_end = fla(c(q), c(k), c(v), c(g, torch.float32), c(beta, torch.float32), scale=1.0,
+                               initial_state=S.contiguous(), output_final_state=True)
                 o = o.float()
             else:
                 o, S_end = chunk_kda(q, k, v, g, beta, S0=S)

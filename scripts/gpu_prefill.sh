@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Prefill / prefix caching / chunked mixing on one H200 (issue: time to first token at agent-size contexts).
+#   STEPS: any of tests kernels ttft serve (default: all, in that order); MODEL (kimi-linear-48b-a3b);
+#   LENGTHS (1024,8192,32768,131072); RUNS (3); CONC (1,4,8)
+# Results go to results/, logs to $OUT/logs; both come back as $OUT/bundle.tgz (the device returns 8 files).
+source "$(dirname "$0")/device_env.sh"
+TOP=$OUT; OUT=$OUT/logs; mkdir -p "$OUT"
+STEPS=${STEPS:-"tests kernels ttft serve"}
+MODEL=${MODEL:-kimi-linear-48b-a3b}
+LENGTHS=${LENGTHS:-1024,8192,32768,131072}
+rc=0
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import fla, torch, triton; print('fla', fla.__version__, 'torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$OUT/gpu.txt"
+for step in $STEPS; do
+  t0=$(date +%s)
+  case $step in
+    tests)
+      python3 -m pytest -q -m gpu tests/test_kernels_mla_prefill.py tests/test_prefill.py 2>&1 | tee "$OUT/pytest-prefill.log" || rc=1 ;;
+    kernels)
+      python3 -m peregrine bench kernels --families mla_prefill 2>&1 | tee "$OUT/kernels-mla-prefill.log" || rc=1 ;;
+    ttft)
+      python3 -m peregrine bench ttft --model "$MODEL" --dummy-weights --lengths "$LENGTHS" --runs "${RUNS:-3}" \
+        2>&1 | tee "$OUT/ttft.log" || rc=1 ;;
+    serve)
+      BACKENDS=${BACKENDS:-latency_specialized} CONC=${CONC:-1,4,8} MODEL=$MODEL OUT=$OUT bash scripts/gpu_serve.sh 2>&1 \
+        | tee "$OUT/serve.log" || rc=1 ;;
+    *) echo "unknown step $step"; rc=2 ;;
+  esac
+  echo "== $step: $(( $(date +%s) - t0 ))s" | tee -a "$TOP/steps.txt"
+done
+tar czf "$TOP/bundle.tgz" -C "$TOP" logs -C "$PWD" results && rm -rf "$OUT"
+exit $rc
