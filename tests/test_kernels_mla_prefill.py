@@ -1,0 +1,204 @@
+"""MLA prefill attention (non-absorbed, causal) vs an independent FP64 reference (VERIFY.md §1)."""
+import pytest
+import torch
+
+from peregrine.kernels import available
+from peregrine.kernels.mla_prefill import PrefillConfig, mla_prefill, mla_prefill_reference
+from peregrine.testing import SENTINEL, assert_close, poisoned
+from tests.conftest import DEVICE, FULL_SHAPES, run_aot
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(DEVICE), reason="triton kernels unavailable")]
+
+TINY_A = (4, 64, 32, 64)     # tiny-kimi-linear: H, Dn, Dr, Dv
+TINY_B = (2, 32, 16, 32)     # the smaller tiny model
+ODD = (3, 24, 8, 40)         # no power-of-2 head dim: every tile padded and masked
+REAL = (32, 128, 64, 128)    # Kimi-Linear
+K3 = (96, 128, 64, 128)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+LAT_C = 40                   # latent columns before k_rope in the [L, LAT_C + Dr] storage (512 in the model)
+PAD_COLS = 5                 # NaN columns after [k_nope | v] in each head's row of the kv storage
+SPARE_ROWS = 3               # NaN rows past L in every key storage
+
+
+def reference(q, k_nope, k_rope, v, start):
+    """Written from the math, not from the kernel module: per head, explicit scores over the
+    concatenated [nope | rope] key, a boolean causal mask, exp / sum (FP64 on the inputs' device)."""
+    q, k_nope, k_rope, v = (x.double() for x in (q, k_nope, k_rope, v))
+    T, H, D = q.shape
+    L, Dn = k_nope.shape[0], k_nope.shape[2]
+    scale = D ** -0.5
+    visible = torch.arange(L, device=q.device)[None, :] <= (start + torch.arange(T, device=q.device))[:, None]
+    out = torch.empty(T, H, v.shape[2], dtype=torch.float64, device=q.device)
+    for h in range(H):
+        k = torch.cat([k_nope[:, h], k_rope], dim=1)             # [L, Dn + Dr]
+        s = (q[:, h] @ k.T) * scale
+        s = torch.where(visible, s, torch.full_like(s, -torch.inf))
+        w = torch.exp(s - s.max(dim=1, keepdim=True).values)
+        out[:, h] = (w / w.sum(dim=1, keepdim=True)) @ v[:, h]
+    return out
+
+
+def make_case(dims, T, L, dtype=torch.float32, seed=0, strided_q=False):
+    """Inputs as the model passes them: k_nope / v views of one [L, H, Dn + Dv] tensor (here with an
+    extra NaN head and NaN pad columns), k_rope a view of the [L, C + Dr] latent (NaN in the C
+    columns); every storage has NaN rows past L, so a wrong stride or row bound shows."""
+    H, Dn, Dr, Dv = dims
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.full((L + SPARE_ROWS, H + 1, Dn + Dv + PAD_COLS), float("nan"))
+    kv[:L, :H, :Dn + Dv] = torch.randn(L, H, Dn + Dv, generator=g)
+    lat = torch.full((L + SPARE_ROWS, LAT_C + Dr), float("nan"))
+    lat[:L, LAT_C:] = torch.randn(L, Dr, generator=g)
+    qs = torch.full((T, H, Dn + Dr + (PAD_COLS if strided_q else 0)), float("nan"))
+    qs[..., :Dn + Dr] = torch.randn(T, H, Dn + Dr, generator=g)
+    kv, lat, qs = (x.to(dtype).to(DEVICE) for x in (kv, lat, qs))
+    return qs[..., :Dn + Dr], kv[:L, :H, :Dn], lat[:L, LAT_C:], kv[:L, :H, Dn:Dn + Dv]
+
+
+def run_checked(q, k_nope, k_rope, v, start=None, config=None):
+    """Kernel into a NaN-poisoned slice of a SENTINEL buffer; checks the rows around the output
+    and every input are left bit-for-bit alone."""
+    T, H, _ = q.shape
+    Dv = v.shape[2]
+    big = torch.full((T + 2, H, Dv), SENTINEL, dtype=q.dtype, device=q.device)
+    out = big[1:T + 1]
+    out.copy_(poisoned(out.shape, q.dtype, q.device))
+    before = [x.clone() for x in (q, k_nope, k_rope, v)]
+    got = mla_prefill(q, k_nope, k_rope, v, q.shape[2] ** -0.5, start=start, out=out, config=config)
+    assert got.data_ptr() == out.data_ptr()
+    for edge in (big[0], big[-1]):
+        assert torch.equal(edge, torch.full_like(edge, SENTINEL))
+    for x, y in zip(before, (q, k_nope, k_rope, v)):
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), "kernel wrote into an input"
+    assert not torch.isnan(got).any(), "an output element was left unwritten (or read a NaN)"
+    return got
+
+
+CASES = [  # (dims, T, L, dtype); start = L - T
+    (TINY_B, 1, 1, torch.float32),
+    (TINY_B, 7, 7, torch.float32),
+    (TINY_B, 65, 65, torch.float32),
+    (TINY_B, 100, 257, torch.float32),   # later chunk: prefix of 157, a ragged diagonal
+    (TINY_A, 1, 257, torch.float32),     # one query over the whole prefix
+    (TINY_A, 63, 63, torch.float32),
+    (TINY_A, 3, 100, torch.float32),
+    (ODD, 33, 70, torch.float32),
+    (REAL, 65, 200, torch.float32),      # the real head dims, FP32 (a few seconds in the interpreter)
+    (REAL, 1, 300, torch.float32),
+]
+if FULL_SHAPES:
+    CASES += [
+        (TINY_A, 257, 257, torch.float32), (TINY_A, 100, 257, torch.bfloat16),
+        (REAL, 1, 1, torch.float32), (REAL, 100, 257, torch.float32), (REAL, 257, 257, torch.float32),
+        (REAL, 1, 1, torch.bfloat16), (REAL, 3, 100, torch.bfloat16), (REAL, 257, 257, torch.bfloat16),
+        (REAL, 65, 4097, torch.bfloat16), (REAL, 1, 8192, torch.bfloat16),
+        (REAL, 4096, 8192, torch.bfloat16), (REAL, 4096, 4096, torch.bfloat16), (REAL, 1000, 5000, torch.float32),
+        (REAL, 64, 32768, torch.bfloat16),  # turn-2 prefix hit
+        (K3, 100, 300, torch.bfloat16), (K3, 1024, 2048, torch.bfloat16),
+    ]
+
+
+@pytest.mark.parametrize("dims,T,L,dtype", CASES)
+def test_mla_prefill(dims, T, L, dtype):
+    q, kn, kr, v = make_case(dims, T, L, dtype)
+    got = run_checked(q, kn, kr, v)
+    assert got.dtype == dtype and got.shape == (T, dims[0], dims[3])
+    assert_close(got.float(), reference(q, kn, kr, v, L - T), TOL[dtype])
+
+
+# Tiles smaller and larger than each other and than T: the unmasked / diagonal split at every alignment.
+CONFIG_CASES = [PrefillConfig(16, 16, 4, 1), PrefillConfig(16, 64, 4, 2), PrefillConfig(64, 16, 4, 2),
+                PrefillConfig(32, 32, 4, 2)]
+
+
+@pytest.mark.parametrize("cfg", CONFIG_CASES)
+@pytest.mark.parametrize("T,L", [(37, 37), (50, 113)])
+def test_tile_configs(cfg, T, L):
+    q, kn, kr, v = make_case(TINY_B, T, L, seed=1)
+    assert_close(run_checked(q, kn, kr, v, config=cfg), reference(q, kn, kr, v, L - T), TOL[torch.float32])
+
+
+def test_explicit_start_and_unseen_keys_never_read():
+    """start + T < L: keys past start + T - 1 are visible to no query; NaN there must not leak in
+    (nor from a strided q's NaN pad columns)."""
+    T, L, start = 40, 120, 30
+    q, kn, kr, v = make_case(TINY_A, T, L, seed=2, strided_q=True)
+    for x in (kn, kr, v):
+        x[start + T:] = float("nan")
+    ref = reference(q[:, :, :], kn[:start + T], kr[:start + T], v[:start + T], start)
+    assert_close(run_checked(q, kn, kr, v, start=start), ref, TOL[torch.float32])
+    first = make_case(TINY_A, T, L, seed=2)[0]
+    got = run_checked(first, kn[:T], kr[:T], v[:T], start=0)  # first chunk of a chunked prefill
+    assert_close(got, reference(first, kn[:T], kr[:T], v[:T], 0), TOL[torch.float32])
+
+
+def test_causal_mask_is_exact():
+    """Changing the last key (visible only to the last query) leaves every other output bit-for-bit."""
+    T, L = 70, 90
+    q, kn, kr, v = make_case(TINY_B, T, L, seed=3)
+    a = run_checked(q, kn, kr, v)
+    kn[-1] += 3.0
+    kr[-1] -= 2.0
+    v[-1] *= -5.0
+    b = run_checked(q, kn, kr, v)
+    assert torch.equal(a[:-1], b[:-1])
+    assert not torch.equal(a[-1], b[-1])
+
+
+def test_module_reference_matches():
+    """The kernel module's own FP32 twin agrees with the independent one (it is what the bench checks against)."""
+    T, L = 45, 80
+    q, kn, kr, v = make_case(ODD, T, L, seed=4)
+    ref = reference(q, kn, kr, v, L - T)
+    assert_close(mla_prefill_reference(q, kn, kr, v, q.shape[2] ** -0.5), ref, 1e-6)
+    out = poisoned((T, ODD[0], ODD[3]), q.dtype, q.device)
+    assert mla_prefill_reference(q, kn, kr, v, q.shape[2] ** -0.5, out=out) is out
+    assert_close(out, ref, 1e-6)
+
+
+def test_empty_query_and_validation():
+    q, kn, kr, v = make_case(TINY_B, 4, 9)
+    assert mla_prefill(q[:0], kn, kr, v, 0.1).shape == (0, 2, 32)
+    bad = [
+        dict(start=6), dict(start=-1),                                   # start + T > L, start < 0
+        dict(q=q[..., :-1]),                                             # q dim != Dn + Dr
+        dict(k_rope=kr[:-1]), dict(v=v[:, :1]),                          # L / H mismatch
+        dict(v=v.to(torch.float16)),                                     # mixed dtypes
+        dict(k_nope=kn.transpose(1, 2).contiguous().transpose(1, 2)),    # last dim not contiguous
+        dict(sm_scale=0.0), dict(out=torch.empty(4, 2, 31, device=q.device)),
+    ]
+    for kw in bad:
+        args = dict(q=q, k_nope=kn, k_rope=kr, v=v, sm_scale=0.1) | kw
+        with pytest.raises(ValueError):
+            mla_prefill(**args)
+
+
+# ---- the GPU microbenchmark's CPU-side helpers, and the compiled code (no GPU needed) ----
+
+def test_bench_counting_and_shapes():
+    from peregrine.bench import kernels, kernels_mla_prefill as bench
+    assert "mla_prefill" in kernels.FAMILIES
+    assert bench.visible_pairs(4, 0) == 10 and bench.visible_pairs(2, 3) == 4 + 5
+    H, Dn, Dr, Dv = bench.DIMS
+    assert bench.flops(1024, 0) == 2 * H * (Dn + Dr + Dv) * 1024 * 1025 // 2
+    assert bench.io_bytes(64, 32704) == 2 * (64 * H * (Dn + Dr) + 32768 * (H * (Dn + Dv) + Dr) + 64 * H * Dv)
+    shapes = bench.shapes(full=True)
+    assert (32768, 0) in shapes and (64, 32704) in shapes and (2048, 30720) in shapes
+    assert set(bench.shapes(full=False)) <= set(shapes)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            bench.run(1000.0)
+
+
+def test_configs_compile_for_sm90_without_spills():
+    """Ahead-of-time sm_90a compile of every default and benchmark candidate at the Kimi-Linear dims:
+    the defaults must not spill; a spilling candidate must not be a default."""
+    from peregrine.kernels import mla_prefill as mp
+    rows = run_aot("import json; from peregrine.bench import kernels_mla_prefill as b; "
+                   "print(json.dumps(b.compile_check()))")
+    defaults = {str(c) for c in (*mp.CONFIGS.values(), mp.SMALL_T_CONFIG)}
+    assert defaults <= {r["config"] for r in rows}
+    for r in rows:
+        assert "error" not in r, r
+        assert r["wgmma"] > 0, f"{r['config']}: no wgmma on sm_90"
+        if r["config"] in defaults:
+            assert r["spill"] == 0 and r["regs"] <= 255, r
