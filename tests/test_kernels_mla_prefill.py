@@ -117,6 +117,31 @@ def test_tile_configs(cfg, T, L):
     assert_close(run_checked(q, kn, kr, v, config=cfg), reference(q, kn, kr, v, L - T), TOL[torch.float32])
 
 
+# KV splits (+ combine): splits that are empty for a whole query block, splits past some rows'
+# diagonal (a 64-row block over 16-key splits), a ragged last split, prefix and first chunk.
+SPLIT_CASES = [(PrefillConfig(16, 16, 4, 1, num_splits=7), 37, 37), (PrefillConfig(64, 16, 4, 2, num_splits=4), 64, 64),
+               (PrefillConfig(32, 16, 4, 2, num_splits=3), 20, 150), (PrefillConfig(64, 32, 4, 2, num_splits=16), 5, 300)]
+
+
+@pytest.mark.parametrize("cfg,T,L", SPLIT_CASES)
+def test_kv_splits(cfg, T, L):
+    q, kn, kr, v = make_case(TINY_B, T, L, seed=5)
+    assert_close(run_checked(q, kn, kr, v, config=cfg), reference(q, kn, kr, v, L - T), TOL[torch.float32])
+
+
+def test_auto_splits_fill_the_sms(monkeypatch):
+    """Few queries over a long prefix split the keys by themselves (MIN_SPLIT_KEYS lowered to fit the CPU)."""
+    from peregrine.kernels import mla_prefill as mp
+    monkeypatch.setattr(mp, "MIN_SPLIT_KEYS", 64)
+    cfg = PrefillConfig(32, 32, 4, 2)
+    T, L = 3, 400
+    S = mp.pick_splits(T, L, TINY_A[0], cfg, DEVICE)
+    assert 1 < S <= mp.MAX_SPLITS and S * TINY_A[0] <= mp._num_sms(torch.device(DEVICE))
+    assert mp.pick_splits(T, 100, TINY_A[0], cfg, DEVICE) == 1   # too few keys to split
+    q, kn, kr, v = make_case(TINY_A, T, L, seed=6)
+    assert_close(run_checked(q, kn, kr, v, config=cfg), reference(q, kn, kr, v, L - T), TOL[torch.float32])
+
+
 def test_explicit_start_and_unseen_keys_never_read():
     """start + T < L: keys past start + T - 1 are visible to no query; NaN there must not leak in
     (nor from a strided q's NaN pad columns)."""
@@ -189,16 +214,41 @@ def test_bench_counting_and_shapes():
             bench.run(1000.0)
 
 
+def test_bench_shape_smoke_on_cpu(monkeypatch):
+    """The bench's whole per-shape path (every candidate checked against the reference, splits, the
+    SDPA baseline with the lower-right causal mask) at tiny dims in the interpreter, fake clock."""
+    from peregrine.bench import kernels_mla_prefill as bench
+    from peregrine.kernels import mla_prefill as mp
+    if DEVICE != "cpu":
+        pytest.skip("the GPU pass runs the real benchmark")
+    H, Dn, Dr, Dv = TINY_B
+    for name, val in dict(DIMS=TINY_B, LAT=LAT_C + Dr, SM_SCALE=(Dn + Dr) ** -0.5, DTYPE=torch.float32,
+                          CHECK_ROWS=16).items():
+        monkeypatch.setattr(bench, name, val)
+    monkeypatch.setattr(mp, "CONFIG_CANDIDATES", (PrefillConfig(32, 16, 4, 2), PrefillConfig(16, 32, 4, 1)))
+    monkeypatch.setattr(mp, "MIN_SPLIT_KEYS", 32)
+    clock = iter(range(1, 1000))
+    row = bench.bench_shape(5, 120, 1000.0, device="cpu", timer=lambda fn: (fn(), [float(next(clock))])[1])
+    assert "error" not in row and [c.get("error") for c in row["configs"]] == [None] * len(row["configs"])
+    assert row["time_ms"] == 1.0 and row["config"] == vars(mp.FP32_CONFIG) and row["rel_err"] < 1e-5
+    assert {c["splits"] for c in row["configs"]} > {1}  # 5 queries over 125 keys: split candidates tried
+    assert row["tflops"] == pytest.approx(bench.flops(5, 120) / 1e9) and row["pct_of_copy"] > 0
+    ran = {k: b for k, b in row["torch_all"].items() if "time_ms" in b}
+    assert ran and all(b["vs_kernel"] < 1e-5 for b in ran.values()), row["torch_all"]
+    assert row["torch_ms"] == min(b["time_ms"] for b in ran.values())
+    assert "T" in bench.table([row]) and "FAILED" in bench.table([{"T": 1, "start": 0, "error": "x"}], head=False)
+
+
 def test_configs_compile_for_sm90_without_spills():
     """Ahead-of-time sm_90a compile of every default and benchmark candidate at the Kimi-Linear dims:
     the defaults must not spill; a spilling candidate must not be a default."""
     from peregrine.kernels import mla_prefill as mp
     rows = run_aot("import json; from peregrine.bench import kernels_mla_prefill as b; "
                    "print(json.dumps(b.compile_check()))")
-    defaults = {str(c) for c in (*mp.CONFIGS.values(), mp.SMALL_T_CONFIG)}
+    defaults = {str(c) for c in (*mp.CONFIGS.values(), mp.SMALL_T_CONFIG)} | {f"{mp.SMALL_T_CONFIG} split", "combine"}
     assert defaults <= {r["config"] for r in rows}
     for r in rows:
         assert "error" not in r, r
-        assert r["wgmma"] > 0, f"{r['config']}: no wgmma on sm_90"
+        assert r["config"] == "combine" or r["wgmma"] > 0, f"{r['config']}: no wgmma on sm_90"
         if r["config"] in defaults:
             assert r["spill"] == 0 and r["regs"] <= 255, r

@@ -14,6 +14,7 @@ backend that accepts it, the fastest reported as torch_ms with its name.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 
 import torch
@@ -32,6 +33,7 @@ SHAPES = ((1024, 0), (8192, 0), (32768, 0),            # first chunk, T = L
           (64, 32704))                                  # turn-2 prefix hit: few queries, long prefix
 QUICK_SHAPES = ((8192, 0), (8192, 24576), (64, 32704))
 ITERS, WARMUP = 10, 2        # a 32K causal call is ~10 TFLOP: tens of ms each
+SPLIT_CANDIDATES = (1, 2, 4, 8)  # KV splits tried with the default tiling where it would split
 
 
 def visible_pairs(T: int, start: int) -> int:
@@ -86,19 +88,22 @@ class Case:
             worst = max(worst, err)
         return worst
 
-    def time(self, config=None) -> tuple[float, list[float]]:
-        from peregrine.bench.gpu import time_fn
-        samples = time_fn(lambda: self.call(config), iters=ITERS, warmup=WARMUP)
+    def time(self, config=None, timer=None) -> tuple[float, list[float]]:
+        samples = (timer or _time)(lambda: self.call(config))
         return statistics.median(samples), samples
 
 
-def sdpa_baseline(case: Case) -> dict:
+def _time(fn) -> list[float]:
+    from peregrine.bench.gpu import time_fn
+    return time_fn(fn, iters=ITERS, warmup=WARMUP)
+
+
+def sdpa_baseline(case: Case, timer=None) -> dict:
     """torch SDPA over each backend that accepts the problem: {backend: ms or error}."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
     from torch.nn.functional import pad, scaled_dot_product_attention as sdpa
 
-    from peregrine.bench.gpu import time_fn
     H, Dn, Dr, Dv = DIMS
     q = case.q.transpose(0, 1).unsqueeze(0)                                     # [1, H, T, 192]
     k = torch.cat([case.kn, case.kr[:, None, :].expand(case.L, H, Dr)], -1).transpose(0, 1).unsqueeze(0)
@@ -116,7 +121,7 @@ def sdpa_baseline(case: Case) -> dict:
             o = fn()[0, :, :, :Dv].transpose(0, 1).float()
             ref = case.out.float()  # the kernel's output from the validation just before
             err = ((o - ref).norm() / ref.norm()).item()
-            res[name] = {"time_ms": statistics.median(time_fn(fn, iters=ITERS, warmup=WARMUP)), "vs_kernel": err}
+            res[name] = {"time_ms": statistics.median((timer or _time)(fn)), "vs_kernel": err}
         except Exception as e:  # noqa: BLE001 - a backend refusing the shape is a result, not a failure
             res[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
     del k, v192
@@ -130,21 +135,28 @@ def _stats(T, start, t_ms, copy_gbps) -> dict:
             "pct_of_peak": tflops / PEAK_TFLOPS}
 
 
-def bench_shape(T: int, start: int, copy_gbps: float, full: bool = True, baseline: bool = True) -> dict:
-    case = Case(T, start)
+def bench_shape(T: int, start: int, copy_gbps: float, full: bool = True, baseline: bool = True,
+                device="cuda", timer=None) -> dict:
+    """One shape: check and time the default (full: every candidate) config, then the SDPA baseline.
+    device / timer exist for the CPU smoke test (interpreter, fake clock)."""
+    case = Case(T, start, device)
     H, Dn, Dr, Dv = DIMS
     default = mp.pick_config(Dn, Dr, Dv, DTYPE, T)
-    cands = [default] + [c for c in mp.CONFIG_CANDIDATES if c != default] if full else [default]
+    cands = [default]
+    if full:
+        cands += [c for c in mp.CONFIG_CANDIDATES if c != default]
+        if mp.pick_splits(T, start + T, H, default, device) > 1:
+            cands += [dataclasses.replace(default, num_splits=s) for s in SPLIT_CANDIDATES]
     tried = []
     for cfg in cands:
-        rec = {"config": vars(cfg).copy()}
+        rec = {"config": vars(cfg).copy(), "splits": mp.pick_splits(T, start + T, H, cfg, device)}
         try:
             err = case.rel_err(cfg)
             rec["rel_err"] = err
             if not err <= TOL:
                 rec["error"] = f"wrong result: rel_err {err:.3e} > {TOL}"
             else:
-                rec["time_ms"], rec["samples_ms"] = case.time(cfg)
+                rec["time_ms"], rec["samples_ms"] = case.time(cfg, timer)
         except Exception as e:  # noqa: BLE001 - out of resources etc.: report, keep going
             rec["error"] = f"{type(e).__name__}: {e}"[:300]
         tried.append(rec)
@@ -154,12 +166,12 @@ def bench_shape(T: int, start: int, copy_gbps: float, full: bool = True, baselin
            "default_config": vars(default).copy(), "configs": tried}
     if ok:
         best = ok[0]
-        row |= _stats(T, start, best["time_ms"], copy_gbps) | {"config": best["config"], "rel_err": best["rel_err"],
-                                                               "samples_ms": best["samples_ms"]}
+        row |= _stats(T, start, best["time_ms"], copy_gbps) | {"config": best["config"], "splits": best["splits"],
+                                                               "rel_err": best["rel_err"], "samples_ms": best["samples_ms"]}
         row["default_ms"] = next((r.get("time_ms") for r in tried if r["config"] == vars(default)), None)
         if baseline:
             case.call(mp.PrefillConfig(**best["config"]))  # SDPA's output is compared with this
-            base = sdpa_baseline(case)
+            base = sdpa_baseline(case, timer)
             times = {k: b["time_ms"] for k, b in base.items() if "time_ms" in b}
             row["torch_all"] = base
             if times:
@@ -190,7 +202,7 @@ def run(copy_gbps: float, full: bool = True) -> list[dict]:
 
 def table(rows, head: bool = True) -> str:
     lines = [f"{'T':>6} {'start':>6} {'ms':>8} {'TFLOP/s':>8} {'%peak':>6} {'GB/s':>6} {'err':>8} "
-             f"{'torch ms':>9} {'backend':>9} {'default ms':>10} best config (m/n/warps/stages)"] if head else []
+             f"{'torch ms':>9} {'backend':>9} {'default ms':>10} best config (m/n/warps/stages/splits)"] if head else []
     for r in rows:
         if "time_ms" not in r:
             lines.append(f"{r['T']:>6} {r['start']:>6} FAILED {r.get('error', '')}")
@@ -200,32 +212,43 @@ def table(rows, head: bool = True) -> str:
         dm = f"{r['default_ms']:>10.3f}" if r.get("default_ms") is not None else f"{'-':>10}"
         lines.append(f"{r['T']:>6} {r['start']:>6} {r['time_ms']:>8.3f} {r['tflops']:>8.1f} {100 * r['pct_of_peak']:>5.1f}% "
                      f"{r['gbps']:>6.0f} {r['rel_err']:>8.1e} {tm} {r.get('torch_backend', '-'):>9} {dm} "
-                     f"{c['block_m']}/{c['block_n']}/{c['num_warps']}/{c['num_stages']}")
+                     f"{c['block_m']}/{c['block_n']}/{c['num_warps']}/{c['num_stages']}/{r['splits']}")
     return "\n".join(lines)
 
 
 def compile_check() -> list[dict]:
-    """Every candidate and default tiling compiled for sm_90a at the Kimi-Linear dims (no GPU needed):
-    registers, spills, shared memory, wgmma count from ptxas."""
+    """Every candidate and default tiling compiled for sm_90a at the Kimi-Linear dims (no GPU needed),
+    the small-T default also in its KV-split form, and the split combine: registers, spills, shared
+    memory, wgmma count from ptxas."""
     import triton.language as tl
 
-    from peregrine.bench.kernels_moe import compile_sm90
     H, Dn, Dr, Dv = DIMS
-    bf, n, c = "*bf16", (lambda v: ("i32", v)), (lambda v: ("constexpr", v))
-    cfgs = list(dict.fromkeys((*mp.CONFIGS.values(), mp.SMALL_T_CONFIG, *mp.CONFIG_CANDIDATES)))
+    bf, f32, n, c = "*bf16", "*fp32", (lambda v: ("i32", v)), (lambda v: ("constexpr", v))
+    jobs = [(cfg, False) for cfg in dict.fromkeys((*mp.CONFIGS.values(), mp.SMALL_T_CONFIG, *mp.CONFIG_CANDIDATES))]
+    jobs.append((mp.SMALL_T_CONFIG, True))
     out = []
-    for cfg in cfgs:
-        args = dict(q_ptr=(bf, 0), kn_ptr=(bf, 0), kr_ptr=(bf, 0), v_ptr=(bf, 0), o_ptr=(bf, 0), qk_scale=("fp32", 0.1),
-                    T=n(8192), start=n(0), s_qt=n(H * (Dn + Dr)), s_qh=n(Dn + Dr), s_knl=n(H * (Dn + Dv)),
+    for cfg, split in jobs:
+        args = dict(q_ptr=(bf, 0), kn_ptr=(bf, 0), kr_ptr=(bf, 0), v_ptr=(bf, 0), o_ptr=(bf, 0), part_ptr=(f32, 0),
+                    lse_ptr=(f32, 0), qk_scale=("fp32", 0.1), T=n(8192), H=n(H), start=n(0),
+                    s_qt=n(H * (Dn + Dr)), s_qh=n(Dn + Dr), s_knl=n(H * (Dn + Dv)),
                     s_knh=n(Dn + Dv), s_krl=n(LAT), s_vl=n(H * (Dn + Dv)), s_vh=n(Dn + Dv), s_ot=n(H * Dv), s_oh=n(Dv),
                     DN=c(Dn), DR=c(Dr), DV=c(Dv), BLOCK_DN=c(mp._pad(Dn)), BLOCK_DR=c(mp._pad(Dr)),
                     BLOCK_DV=c(mp._pad(Dv)), BLOCK_M=c(cfg.block_m), BLOCK_N=c(cfg.block_n), CDT=c(tl.bfloat16),
-                    PREC=c("tf32"))
-        try:
-            out.append({"config": str(cfg)} | compile_sm90(mp._mla_prefill_kernel, args, cfg.num_warps, cfg.num_stages))
-        except Exception as e:  # noqa: BLE001 - report every failure, not just the first
-            out.append({"config": str(cfg), "error": f"{type(e).__name__}: {str(e)[:500]}"})
+                    PREC=c("tf32"), SPLIT=c(split))
+        out.append(_compile(f"{cfg}{' split' if split else ''}", mp._mla_prefill_kernel, args, cfg.num_warps,
+                            cfg.num_stages))
+    args = dict(part_ptr=(f32, 0), lse_ptr=(f32, 0), o_ptr=(bf, 0), T=n(64), H=n(H), S=n(4), s_ot=n(H * Dv),
+                s_oh=n(Dv), DV=c(Dv), BLOCK_S=c(mp.MAX_SPLITS), BLOCK_DV=c(mp._pad(Dv)))
+    out.append(_compile("combine", mp._combine_kernel, args, mp.COMBINE_WARPS, 1))
     return out
+
+
+def _compile(name, fn, args, num_warps, num_stages) -> dict:
+    from peregrine.bench.kernels_moe import compile_sm90
+    try:
+        return {"config": name} | compile_sm90(fn, args, num_warps, num_stages)
+    except Exception as e:  # noqa: BLE001 - report every failure, not just the first
+        return {"config": name, "error": f"{type(e).__name__}: {str(e)[:500]}"}
 
 
 def main():
