@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from peregrine.kernels import available
-from peregrine.kernels.mla_prefill import PrefillConfig, mla_prefill, mla_prefill_reference
+from peregrine.kernels.mla_prefill import (PrefillConfig, mla_prefill, mla_prefill_reference, mla_prefill_varlen,
+                                           mla_prefill_varlen_reference)
 from peregrine.testing import SENTINEL, assert_close, poisoned
 from tests.conftest import DEVICE, FULL_SHAPES, run_aot
 
@@ -54,16 +55,19 @@ def make_case(dims, T, L, dtype=torch.float32, seed=0, strided_q=False):
     return qs[..., :Dn + Dr], kv[:L, :H, :Dn], lat[:L, LAT_C:], kv[:L, :H, Dn:Dn + Dv]
 
 
-def run_checked(q, k_nope, k_rope, v, start=None, config=None):
-    """Kernel into a NaN-poisoned slice of a SENTINEL buffer; checks the rows around the output
-    and every input are left bit-for-bit alone."""
+def run_checked(q, k_nope, k_rope, v, start=None, config=None, call=None):
+    """Kernel (mla_prefill, or `call(..., out=)`) into a NaN-poisoned slice of a SENTINEL buffer;
+    checks the rows around the output and every input are left bit-for-bit alone."""
     T, H, _ = q.shape
     Dv = v.shape[2]
     big = torch.full((T + 2, H, Dv), SENTINEL, dtype=q.dtype, device=q.device)
     out = big[1:T + 1]
     out.copy_(poisoned(out.shape, q.dtype, q.device))
     before = [x.clone() for x in (q, k_nope, k_rope, v)]
-    got = mla_prefill(q, k_nope, k_rope, v, q.shape[2] ** -0.5, start=start, out=out, config=config)
+    if call is None:
+        got = mla_prefill(q, k_nope, k_rope, v, q.shape[2] ** -0.5, start=start, out=out, config=config)
+    else:
+        got = call(q, k_nope, k_rope, v, out=out)
     assert got.data_ptr() == out.data_ptr()
     for edge in (big[0], big[-1]):
         assert torch.equal(edge, torch.full_like(edge, SENTINEL))
@@ -120,7 +124,8 @@ def test_tile_configs(cfg, T, L):
 # KV splits (+ combine): splits that are empty for a whole query block, splits past some rows'
 # diagonal (a 64-row block over 16-key splits), a ragged last split, prefix and first chunk.
 SPLIT_CASES = [(PrefillConfig(16, 16, 4, 1, num_splits=7), 37, 37), (PrefillConfig(64, 16, 4, 2, num_splits=4), 64, 64),
-               (PrefillConfig(32, 16, 4, 2, num_splits=3), 20, 150), (PrefillConfig(64, 32, 4, 2, num_splits=16), 5, 300)]
+               (PrefillConfig(32, 16, 4, 2, num_splits=3), 20, 150),
+               (PrefillConfig(64, 32, 4, 2, num_splits=16), 5, 300)]
 
 
 @pytest.mark.parametrize("cfg,T,L", SPLIT_CASES)
@@ -197,6 +202,67 @@ def test_empty_query_and_validation():
             mla_prefill(**args)
 
 
+# ---- varlen: several sequences in one launch ----
+
+VARLEN_SEQS = [(5, 5), (1, 40), (33, 100), (0, 7), (17, 17), (64, 64)]  # (T_b, L_b), one with no queries
+
+
+def varlen_case(dims, seqs, dtype=torch.float32, seed=7):
+    """Packed q / keys of the sequences in make_case's layout (NaN storage around), and their prefix sums."""
+    q, kn, kr, v = make_case(dims, sum(t for t, _ in seqs), sum(n for _, n in seqs), dtype, seed)
+    cu = lambda xs: [sum(xs[:i]) for i in range(len(xs) + 1)]  # noqa: E731
+    return q, kn, kr, v, cu([t for t, _ in seqs]), cu([n for _, n in seqs])
+
+
+def varlen_reference(q, kn, kr, v, cq, ck, starts):
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64, device=q.device)
+    for b, st in enumerate(starts):
+        a, e, ka = cq[b], cq[b + 1], ck[b]
+        ke = ka + st + e - a  # the keys its queries may see (NaN may follow)
+        if e > a:
+            out[a:e] = reference(q[a:e], kn[ka:ke], kr[ka:ke], v[ka:ke], st)
+    return out
+
+
+@pytest.mark.parametrize("cfg", [None, PrefillConfig(16, 16, 4, 1, num_splits=3), PrefillConfig(32, 64, 4, 2)])
+@pytest.mark.parametrize("explicit_starts", [False, True])
+def test_varlen(cfg, explicit_starts):
+    q, kn, kr, v, cq, ck = varlen_case(TINY_B, VARLEN_SEQS)
+    starts = [n - t - (min(3, n - t) if explicit_starts else 0) for t, n in VARLEN_SEQS]
+    if explicit_starts:  # keys past start + T of each sequence are seen by none of its queries: NaN them
+        for b, (t, n) in enumerate(VARLEN_SEQS):
+            for x in (kn, kr, v):
+                x[ck[b] + starts[b] + t:ck[b + 1]] = float("nan")
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32, device=DEVICE) for c in (cq, ck))
+    st = torch.tensor(starts, dtype=torch.int32, device=DEVICE) if explicit_starts else None
+    def call(*a, out):
+        return mla_prefill_varlen(*a, cu_q, cu_k, q.shape[2] ** -0.5, starts=st, out=out, config=cfg)
+    got = run_checked(q, kn, kr, v, call=call)
+    assert_close(got, varlen_reference(q, kn, kr, v, cq, ck, starts), TOL[torch.float32])
+
+
+def test_varlen_matches_single_sequence_calls_bitwise():
+    """A sequence's output does not depend on its batch mates (same tiles, same splits)."""
+    cfg = PrefillConfig(16, 32, 4, 2, num_splits=2)
+    q, kn, kr, v, cq, ck = varlen_case(TINY_A, VARLEN_SEQS, seed=8)
+    got = mla_prefill_varlen(q, kn, kr, v, cq, ck, q.shape[2] ** -0.5, config=cfg)  # host lists work too
+    for b in range(len(VARLEN_SEQS)):
+        a, e, ka, ke = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        one = mla_prefill(q[a:e], kn[ka:ke], kr[ka:ke], v[ka:ke], q.shape[2] ** -0.5, config=cfg)
+        assert torch.equal(one, got[a:e]), b
+    ref = mla_prefill_varlen_reference(q, kn, kr, v, cq, ck, q.shape[2] ** -0.5)
+    assert_close(ref, varlen_reference(q, kn, kr, v, cq, ck, [n - t for t, n in VARLEN_SEQS]), 1e-6)
+
+
+def test_varlen_validation():
+    q, kn, kr, v, cq, ck = varlen_case(TINY_B, [(3, 5), (2, 2)])
+    for bad in (dict(cu_seqlens_q=[0, 3]), dict(cu_seqlens_k=[0, 2, 7]), dict(cu_seqlens_k=[1, 5, 7]),
+                dict(cu_seqlens_q=[0, 3, 2, 5], cu_seqlens_k=[0, 5, 6, 7]), dict(starts=[3, 0]), dict(starts=[0])):
+        args = dict(cu_seqlens_q=cq, cu_seqlens_k=ck) | bad
+        with pytest.raises(ValueError):
+            mla_prefill_varlen(q, kn, kr, v, sm_scale=0.1, **args)
+
+
 # ---- the GPU microbenchmark's CPU-side helpers, and the compiled code (no GPU needed) ----
 
 def test_bench_counting_and_shapes():
@@ -245,10 +311,12 @@ def test_configs_compile_for_sm90_without_spills():
     from peregrine.kernels import mla_prefill as mp
     rows = run_aot("import json; from peregrine.bench import kernels_mla_prefill as b; "
                    "print(json.dumps(b.compile_check()))")
-    defaults = {str(c) for c in (*mp.CONFIGS.values(), mp.SMALL_T_CONFIG)} | {f"{mp.SMALL_T_CONFIG} split", "combine"}
+    defaults = {str(c) for c in (*mp.CONFIGS.values(), mp.SMALL_T_CONFIG)} | {
+        f"{mp.SMALL_T_CONFIG} split", f"{mp.PrefillConfig()} varlen", f"{mp.SMALL_T_CONFIG} split varlen",
+        f"{mp.FP32_CONFIG} fp32", "combine"}
     assert defaults <= {r["config"] for r in rows}
     for r in rows:
         assert "error" not in r, r
-        assert r["config"] == "combine" or r["wgmma"] > 0, f"{r['config']}: no wgmma on sm_90"
+        assert r["config"] in ("combine", f"{mp.FP32_CONFIG} fp32") or r["wgmma"] > 0, f"{r['config']}: no wgmma"
         if r["config"] in defaults:
             assert r["spill"] == 0 and r["regs"] <= 255, r

@@ -33,7 +33,7 @@ SHAPES = ((1024, 0), (8192, 0), (32768, 0),            # first chunk, T = L
           (64, 32704))                                  # turn-2 prefix hit: few queries, long prefix
 QUICK_SHAPES = ((8192, 0), (8192, 24576), (64, 32704))
 ITERS, WARMUP = 10, 2        # a 32K causal call is ~10 TFLOP: tens of ms each
-SPLIT_CANDIDATES = (1, 2, 4, 8)  # KV splits tried with the default tiling where it would split
+SPLIT_CANDIDATES = (1, 2, 4, 8, 16)  # KV splits tried with the default tiling where it would split
 
 
 def visible_pairs(T: int, start: int) -> int:
@@ -166,8 +166,8 @@ def bench_shape(T: int, start: int, copy_gbps: float, full: bool = True, baselin
            "default_config": vars(default).copy(), "configs": tried}
     if ok:
         best = ok[0]
-        row |= _stats(T, start, best["time_ms"], copy_gbps) | {"config": best["config"], "splits": best["splits"],
-                                                               "rel_err": best["rel_err"], "samples_ms": best["samples_ms"]}
+        row |= _stats(T, start, best["time_ms"], copy_gbps)
+        row |= {k: best[k] for k in ("config", "splits", "rel_err", "samples_ms")}
         row["default_ms"] = next((r.get("time_ms") for r in tried if r["config"] == vars(default)), None)
         if baseline:
             case.call(mp.PrefillConfig(**best["config"]))  # SDPA's output is compared with this
@@ -210,7 +210,8 @@ def table(rows, head: bool = True) -> str:
         c = r["config"]
         tm = f"{r['torch_ms']:>9.3f}" if r.get("torch_ms") is not None else f"{'-':>9}"
         dm = f"{r['default_ms']:>10.3f}" if r.get("default_ms") is not None else f"{'-':>10}"
-        lines.append(f"{r['T']:>6} {r['start']:>6} {r['time_ms']:>8.3f} {r['tflops']:>8.1f} {100 * r['pct_of_peak']:>5.1f}% "
+        lines.append(f"{r['T']:>6} {r['start']:>6} {r['time_ms']:>8.3f} {r['tflops']:>8.1f} "
+                     f"{100 * r['pct_of_peak']:>5.1f}% "
                      f"{r['gbps']:>6.0f} {r['rel_err']:>8.1e} {tm} {r.get('torch_backend', '-'):>9} {dm} "
                      f"{c['block_m']}/{c['block_n']}/{c['num_warps']}/{c['num_stages']}/{r['splits']}")
     return "\n".join(lines)
@@ -224,19 +225,24 @@ def compile_check() -> list[dict]:
 
     H, Dn, Dr, Dv = DIMS
     bf, f32, n, c = "*bf16", "*fp32", (lambda v: ("i32", v)), (lambda v: ("constexpr", v))
-    jobs = [(cfg, False) for cfg in dict.fromkeys((*mp.CONFIGS.values(), mp.SMALL_T_CONFIG, *mp.CONFIG_CANDIDATES))]
-    jobs.append((mp.SMALL_T_CONFIG, True))
+    jobs = [(cfg, False, False, False) for cfg in dict.fromkeys((*mp.CONFIGS.values(), mp.SMALL_T_CONFIG,
+                                                                *mp.CONFIG_CANDIDATES))]
+    jobs += [(mp.SMALL_T_CONFIG, True, False, False), (mp.PrefillConfig(), False, True, False),
+             (mp.SMALL_T_CONFIG, True, True, False), (mp.FP32_CONFIG, False, False, True)]
     out = []
-    for cfg, split in jobs:
-        args = dict(q_ptr=(bf, 0), kn_ptr=(bf, 0), kr_ptr=(bf, 0), v_ptr=(bf, 0), o_ptr=(bf, 0), part_ptr=(f32, 0),
-                    lse_ptr=(f32, 0), qk_scale=("fp32", 0.1), T=n(8192), H=n(H), start=n(0),
+    for cfg, split, varlen, fp32 in jobs:
+        io = f32 if fp32 else bf
+        args = dict(q_ptr=(io, 0), kn_ptr=(io, 0), kr_ptr=(io, 0), v_ptr=(io, 0), o_ptr=(io, 0), part_ptr=(f32, 0),
+                    lse_ptr=(f32, 0), cu_q_ptr=("*i32", 0), cu_k_ptr=("*i32", 0), st_ptr=("*i32", 0),
+                    qk_scale=("fp32", 0.1), T=n(8192), H=n(H), start=n(0), NS=n(4 if split else 1),
                     s_qt=n(H * (Dn + Dr)), s_qh=n(Dn + Dr), s_knl=n(H * (Dn + Dv)),
                     s_knh=n(Dn + Dv), s_krl=n(LAT), s_vl=n(H * (Dn + Dv)), s_vh=n(Dn + Dv), s_ot=n(H * Dv), s_oh=n(Dv),
                     DN=c(Dn), DR=c(Dr), DV=c(Dv), BLOCK_DN=c(mp._pad(Dn)), BLOCK_DR=c(mp._pad(Dr)),
-                    BLOCK_DV=c(mp._pad(Dv)), BLOCK_M=c(cfg.block_m), BLOCK_N=c(cfg.block_n), CDT=c(tl.bfloat16),
-                    PREC=c("tf32"), SPLIT=c(split))
-        out.append(_compile(f"{cfg}{' split' if split else ''}", mp._mla_prefill_kernel, args, cfg.num_warps,
-                            cfg.num_stages))
+                    BLOCK_DV=c(mp._pad(Dv)), BLOCK_M=c(cfg.block_m), BLOCK_N=c(cfg.block_n),
+                    CDT=c(tl.float32 if fp32 else tl.bfloat16), PREC=c("ieee" if fp32 else "tf32"), SPLIT=c(split),
+                    VARLEN=c(varlen), HAS_START=c(varlen))
+        name = f"{cfg}{' split' if split else ''}{' varlen' if varlen else ''}{' fp32' if fp32 else ''}"
+        out.append(_compile(name, mp._mla_prefill_kernel, args, cfg.num_warps, cfg.num_stages))
     args = dict(part_ptr=(f32, 0), lse_ptr=(f32, 0), o_ptr=(bf, 0), T=n(64), H=n(H), S=n(4), s_ot=n(H * Dv),
                 s_oh=n(Dv), DV=c(Dv), BLOCK_S=c(mp.MAX_SPLITS), BLOCK_DV=c(mp._pad(Dv)))
     out.append(_compile("combine", mp._combine_kernel, args, mp.COMBINE_WARPS, 1))
