@@ -46,6 +46,33 @@ def test_in_chunk_snapshots_equal_the_state_at_that_position(model):
         assert rel_rmse(a.snap_conv[:, j], r.conv[:, 0]) < 1e-5, f"conv snapshot after {c} tokens"
 
 
+@pytest.mark.gpu
+def test_mla_prefill_through_the_flash_kernel_equals_the_pytorch_form(model):
+    """The MLA layers' prefill through kernels/mla_prefill.py (the Triton interpreter on CPU), in chunks
+    with a cached prefix: the same logits, states and cache entries as the PyTorch attention."""
+    from peregrine import kernels
+    from peregrine.models import mla as M
+    if not kernels.available("cpu") and not torch.cuda.is_available():
+        pytest.skip("triton kernels unavailable")
+    cfg, m = model
+    toks = torch.randint(0, cfg.vocab_size, (90,), generator=torch.Generator().manual_seed(8)).tolist()
+    table = list(range(90 // BS + 1))
+    res = []
+    for on in (True, False):
+        M.PREFILL_KERNEL = on
+        try:
+            c = new_cache(cfg, blocks=len(table) + 1)
+            slot, pos, outs = c.allocate_slot(), 0, []
+            for n in (37, 41, 12):
+                outs.append(run(m, c, [(toks[pos:pos + n], pos, slot, table)]))
+                pos += n
+            res.append((torch.cat(outs), c.state.clone(), c.latent.clone()))
+        finally:
+            M.PREFILL_KERNEL = None
+    (a, sa, la), (b, sb, lb) = res
+    assert rel_rmse(a, b) < 1e-5 and rel_rmse(sa, sb) < 1e-5 and rel_rmse(la, lb) < 1e-5
+
+
 def engine(prefix_caching: bool, **kw):
     ecfg = EngineConfig(device="cpu", dtype="fp32", max_model_len=512, max_num_seqs=2, block_size=16,
                         enable_prefix_caching=prefix_caching, cuda_graphs=False, **kw)
