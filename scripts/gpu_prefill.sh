@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prefill / prefix caching / chunked mixing on one H200 (issue: time to first token at agent-size contexts).
 #   STEPS: any of tests kernels ttft serve (default: all, in that order); MODEL (kimi-linear-48b-a3b);
-#   LENGTHS (1024,8192,32768,131072); RUNS (3); CONC (1,4,8)
+#   LENGTHS (1024,8192,32768,131072); RUNS (3); CONC (1,4,8); T_<step> seconds per step (a killed step
+#   still leaves its log and the bundle); BACKEND for ttft (latency_specialized)
 # Results go to results/, logs to $OUT/logs; both come back as $OUT/bundle.tgz (the device returns 8 files).
 source "$(dirname "$0")/device_env.sh"
 TOP=$OUT; OUT=$OUT/logs; mkdir -p "$OUT"
@@ -13,16 +14,20 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 python3 -c "import fla, torch, triton; print('fla', fla.__version__, 'torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$OUT/gpu.txt"
 for step in $STEPS; do
   t0=$(date +%s)
+  lim=T_$step; lim=${!lim:-300}
   case $step in
     tests)
-      python3 -m pytest -q -m gpu tests/test_kernels_mla_prefill.py tests/test_prefill.py 2>&1 | tee "$OUT/pytest-prefill.log" || rc=1 ;;
+      timeout -k 5 "$lim" python3 -m pytest -q -m gpu tests/test_kernels_mla_prefill.py tests/test_prefill.py 2>&1 \
+        | tee "$OUT/pytest-prefill.log" || rc=1 ;;
     kernels)
-      python3 -m peregrine bench kernels --families mla_prefill 2>&1 | tee "$OUT/kernels-mla-prefill.log" || rc=1 ;;
+      timeout -k 5 "$lim" python3 -m peregrine bench kernels --families mla_prefill 2>&1 | tee "$OUT/kernels-mla-prefill.log" || rc=1 ;;
     ttft)
-      python3 -m peregrine bench ttft --model "$MODEL" --dummy-weights --lengths "$LENGTHS" --runs "${RUNS:-3}" \
+      timeout -k 5 "$lim" python3 -m peregrine bench ttft --model "$MODEL" --dummy-weights --lengths "$LENGTHS" \
+        --runs "${RUNS:-3}" --additional-config "{\"decode_backend\": \"${BACKEND:-latency_specialized}\"}" \
         2>&1 | tee "$OUT/ttft.log" || rc=1 ;;
     serve)
-      BACKENDS=${BACKENDS:-latency_specialized} CONC=${CONC:-1,4,8} MODEL=$MODEL OUT=$OUT bash scripts/gpu_serve.sh 2>&1 \
+      BACKENDS=${BACKENDS:-latency_specialized} CONC=${CONC:-1,4,8} MODEL=$MODEL OUT=$OUT timeout -k 5 "$lim" \
+        bash scripts/gpu_serve.sh 2>&1 \
         | tee "$OUT/serve.log" || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
