@@ -1,0 +1,78 @@
+"""Where a prefill step's time goes: per-kernel GPU time (torch.profiler) of one cold prefill chunk and
+of a turn-2 step (64 new tokens after a cached prefix), with the wall time of each.
+
+    python -m peregrine.bench.profile_prefill --model kimi-linear-48b-a3b --dummy-weights --chunk 8192 --context 32768
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+
+from .profile_step import _device_us
+from .ttft import TURN2_NEW_TOKENS, first_token_s, random_prompt
+
+TOP = 30  # kernels listed per profile
+
+
+def profile_call(fn, log) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+    per, calls = collections.Counter(), collections.Counter()
+    for ev in prof.key_averages():
+        us = _device_us(ev)
+        if us > 0 and ev.device_type is not None and "cuda" in str(ev.device_type).lower():
+            per[ev.key] += us
+            calls[ev.key] += ev.count
+    total = sum(per.values()) / 1e3
+    log(f"wall {wall:.1f} ms, GPU kernel time {total:.1f} ms over {sum(calls.values())} launches")
+    top = []
+    for k, us in per.most_common(TOP):
+        top.append({"kernel": k[:110], "ms": us / 1e3, "calls": calls[k]})
+        log(f"  {us / 1e3:8.2f} ms  {calls[k]:6d}x  {k[:110]}")
+    cpu = sorted(prof.key_averages(), key=lambda e: e.cpu_time_total, reverse=True)[:15]
+    log("  top CPU ops (self+children):")
+    for e in cpu:
+        log(f"    {e.cpu_time_total / 1e3:8.2f} ms  {e.count:6d}x  {e.key[:90]}")
+    return {"wall_ms": wall, "kernel_ms": total, "top": top}
+
+
+def main(argv=None) -> int:
+    from ..config import EngineConfig
+    from ..engine.build import build_engine
+    from .gpu import result_path, run_metadata, write_result
+    ap = argparse.ArgumentParser(prog="python -m peregrine.bench.profile_prefill", description=__doc__)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dummy-weights", action="store_true")
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--results-dir", default="results")
+    a = ap.parse_args(argv)
+    log = print
+    ecfg = EngineConfig(max_num_seqs=2, max_model_len=a.context + TURN2_NEW_TOKENS + 8, cuda_graphs=False,
+                        max_num_batched_tokens=a.chunk)
+    eng, _ = build_engine(a.model, ecfg, dummy_weights=a.dummy_weights, log=log)
+    V = eng.model_cfg.vocab_size
+    first_token_s(eng, random_prompt(a.chunk, V, 1))  # warm-up: compiles, autotuning
+    log(f"cold prefill of one {a.chunk}-token chunk")
+    cold = profile_call(lambda: first_token_s(eng, random_prompt(a.chunk, V, 2)), log)
+    p = random_prompt(a.context, V, 3)
+    first_token_s(eng, p)
+    first_token_s(eng, p + random_prompt(TURN2_NEW_TOKENS, V, 4))  # warm-up of the turn-2 shapes
+    log(f"turn 2: {TURN2_NEW_TOKENS} new tokens after a cached {a.context}-token prefix")
+    turn2 = profile_call(lambda: first_token_s(eng, p + random_prompt(TURN2_NEW_TOKENS, V, 5)), log)
+    path = write_result(result_path(a.model, "profile-prefill", a.results_dir),
+                        {"meta": run_metadata(), "chunk": a.chunk, "context": a.context, "cold": cold, "turn2": turn2})
+    log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
