@@ -20,15 +20,20 @@ CHUNKED_MIN_TOKENS = 64  # prefill chunks at least this long use the chunked for
 CONV1D_MIN_TOKENS = 64  # rows this long run the short conv as conv1d: unfold would materialise [T, C, W]
 
 
-def fla_chunk_kda():
-    """fla-core's chunk_kda (Triton, GPU), or None where it is not installed."""
+def fla_ops():
+    """fla-core's Triton ops for a KDA prefill on the GPU (chunk_kda with the gate, beta and q/k L2 norms
+    fused in, the short conv with SiLU, the gated RMSNorm), or None where fla is not installed."""
     global _FLA
     if _FLA is None:
         try:
-            from fla.ops.kda import chunk_kda as f
+            from types import SimpleNamespace
+
+            from fla.modules.causal_conv1d import causal_conv1d
+            from fla.modules.fused_norm_gate import rms_norm_gated
+            from fla.ops.kda import chunk_kda as ck
+            _FLA = SimpleNamespace(chunk_kda=ck, causal_conv1d=causal_conv1d, rms_norm_gated=rms_norm_gated)
         except Exception:  # not installed, or an incompatible build: the torch chunked form serves
-            f = False
-        _FLA = f
+            _FLA = False
     return _FLA or None
 
 
@@ -175,15 +180,7 @@ class KDA(nn.Module):
         g = kda_gate(f, self.A_log, self.dt_bias, H, self.cfg.kda_gate_lower_bound)
         beta = torch.sigmoid(b.float())
         if y.shape[1] >= CHUNKED_MIN_TOKENS and trace is None:  # long prefill: the chunked form, exact up to rounding
-            fla = fla_chunk_kda() if y.is_cuda else None
-            if fla is not None:  # q, k, v in the model's dtype (fla's kernels read BF16), gates and state FP32
-                dt = self.in_proj.dtype
-                c = lambda t, d=dt: t.to(d).contiguous()  # noqa: E731
-                o, S_end = fla(c(q), c(k), c(v), c(g, torch.float32), c(beta, torch.float32), scale=1.0,
-                               initial_state=S.contiguous(), output_final_state=True)
-                o = o.float()
-            else:
-                o, S_end = chunk_kda(q, k, v, g, beta, S0=S)
+            o, S_end = chunk_kda(q, k, v, g, beta, S0=S)
             S.copy_(S_end)
             return o
         outs = []
@@ -192,6 +189,35 @@ class KDA(nn.Module):
             if trace is not None:
                 trace[t] = S[0]
         return torch.stack(outs, 1)
+
+    def prefill_fla(self, ops, qkv: torch.Tensor, f, b, S, conv_state, cuts, cache, kl) -> torch.Tensor:
+        """One prefill row through fla on the GPU: qkv [T, 3Hd], f [T, Hd], b [T, H] raw projections (model
+        dtype), S [1, H, K, V] FP32 updated in place, conv_state [W-1, C] -> (o [T, H, d] model dtype, the
+        new conv window). The conv, gate, β and q/k L2 norms run inside fla's kernels (the same math as
+        causal_conv / kda_gate / l2norm here); cuts: (offset, snapshot) states taken on the way."""
+        T, H, d, W1 = qkv.shape[0], self.H, self.d, self.cfg.kda_conv_size - 1
+        init = qkv.new_zeros(1, qkv.shape[1], W1 + 1)  # fla's window [N, C, W]: slot j holds input j - W
+        init[0, :, 1:] = conv_state.T
+        y, _ = ops.causal_conv1d(qkv.unsqueeze(0), weight=self.conv_w, activation="silu", initial_state=init)
+        q, k, v = (t.contiguous() for t in y.view(1, T, 3, H, d).unbind(2))
+        fg, bb = f.view(1, T, H, d).contiguous(), b.reshape(1, T, H).contiguous()
+        lb = self.cfg.kda_gate_lower_bound
+        gate = dict(safe_gate=True, lower_bound=lb) if lb is not None else {}
+        window = lambda hi: torch.cat([conv_state, qkv[max(0, hi - W1):hi]])[-W1:]  # noqa: E731  inputs before hi
+        outs, lo = [], 0
+        for hi, snap in cuts:
+            o, S_end = ops.chunk_kda(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], fg[:, lo:hi], bb[:, lo:hi], scale=d ** -0.5,
+                                     initial_state=S, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                     use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, A_log=self.A_log,
+                                     dt_bias=self.dt_bias, **gate)
+            S.copy_(S_end)
+            outs.append(o)
+            if snap is not None:
+                cache.snap_state[kl, snap] = S[0]
+                cache.snap_conv[kl, snap] = window(hi)
+            lo = hi
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+        return o[0], window(T)
 
     def output(self, o: torch.Tensor, r: torch.Tensor, dtype) -> torch.Tensor:
         """o [..., H, d] FP32, r [..., Hd] -> W_o (RMSNorm(o)·w ⊙ σ(r))."""
@@ -221,11 +247,20 @@ class KDA(nn.Module):
             else:
                 out[tok] = o
         snaps = getattr(step, "kda_snapshots", None) or {}
+        ops = fla_ops() if x.is_cuda and getattr(step, "kda_ckpt", None) is None else None
+        fast = []  # (row start, row end, o) of rows fla served: [T, H, d] in the model dtype
         for i, q in enumerate(step.q_lens):
             if q == 1:
                 continue
             a, e = offs[i], offs[i + 1]
             s = step.kda_slots[i:i + 1]
+            if ops is not None:  # every prefill row: fla's few kernels beat a per-token loop at any length
+                S = state[s]
+                o, conv[s] = self.prefill_fla(ops, qkv[a:e].contiguous(), f[a:e], b[a:e], S, conv[s][0],
+                                              sorted(snaps.get(i, [])) + [(q, None)], cache, kl)
+                state[s] = S
+                fast.append((a, e, o))
+                continue
             x_ext = torch.cat([conv[s], qkv[a:e].unsqueeze(0).to(conv.dtype)], 1)
             conv[s] = x_ext[:, -W1:]
             S = state[s]
@@ -243,4 +278,12 @@ class KDA(nn.Module):
                 lo = hi
             state[s] = S
             out[a:e] = torch.cat(o, 1)[0].flatten(-2)
+        if fast and fast[0][0] == 0 and fast[-1][1] == x.shape[0] and len(fast) == len(step.q_lens):
+            # every row came from fla: the gated RMSNorm in one kernel, no FP32 round trip
+            o = fast[0][2] if len(fast) == 1 else torch.cat([t for *_, t in fast])
+            o = ops.rms_norm_gated(o.reshape(-1, self.d), r.reshape(-1, self.d).contiguous(), self.o_norm, None,
+                                   activation="sigmoid", eps=self.cfg.rms_norm_eps)
+            return o.view(x.shape[0], -1).to(x.dtype) @ self.o_proj.T
+        for a, e, o in fast:
+            out[a:e] = o.float().flatten(-2)
         return self.output(out.unflatten(-1, (self.H, self.d)), r, x.dtype)

@@ -44,8 +44,9 @@ def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None) -> tor
     """Σ_k w[n,k]·E_ids[n,k](x[n]) with each used expert's weights read once per step.
 
     Token-expert pairs are sorted by expert and run as one grouped GEMM (no host
-    sync, so a decode step can be graph-captured); the weighted sum over k runs
-    in a fixed order, so results are bitwise reproducible.
+    sync, so a decode step can be graph-captured). The routing weight scales each pair's
+    activation before the down projection (linear, so the same sum; no FP32 copy of the
+    [N, k, D] outputs), and the sum over k runs in FP32 in a fixed order: bitwise reproducible.
     """
     N, k = ids.shape
     E = w13.shape[0]
@@ -54,20 +55,22 @@ def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None) -> tor
     xs = x[order // k]
     if grouped is None:  # the grouped GEMM on CUDA/BF16; its CPU fallback is slower than looping over used experts
         grouped = hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+    w_sorted = w.flatten()[order].unsqueeze(-1)  # each pair's routing weight, applied before the down GEMM
     if grouped:
         counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         offs = torch.cumsum(counts, 0).to(torch.int32)  # bincount would sync on its size
-        h = act(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs))
+        h = (act(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)) * w_sorted).to(x.dtype)
         ys = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
     else:  # older torch / other dtypes: loop over the experts actually used
         ys = torch.empty(N * k, w2.shape[1], dtype=x.dtype, device=x.device)
         sf = flat[order]
         for e in torch.unique(sf).tolist():
             m = sf == e
-            ys[m] = act(xs[m] @ w13[e].T) @ w2[e].T
+            ys[m] = (act(xs[m] @ w13[e].T) * w_sorted[m]).to(x.dtype) @ w2[e].T
     y = torch.empty_like(ys)
     y[order] = ys
-    return (y.view(N, k, -1).float() * w.unsqueeze(-1)).sum(1).to(x.dtype)
+    # the sum over k in FP32 and a fixed order (bitwise reproducible), read straight from the model dtype
+    return y.view(N, k, -1).sum(1, dtype=torch.float32).to(x.dtype)
 
 
 MX_CHUNK = 8  # experts (or token-expert pairs) dequantized at a time: ~1 GB of BF16 temporaries at K3 widths
