@@ -243,3 +243,16 @@ def test_min_tokens_holds_off_end_and_stop_ids():
     assert last.output_token_ids == want and last.finish_reason == "stop"
     with pytest.raises(RequestError, match="min_tokens"):
         engine(ScriptRunner(eos_early, 3)).add_request(PROMPT, SamplingParams(max_tokens=3, min_tokens=4))
+
+
+def test_every_end_id_stops():
+    """generation_config.json's end ids (ModelConfig.extra_eos_token_ids) end a generation like eos_token_id."""
+    import dataclasses
+    cfg = dataclasses.replace(CFG, extra_eos_token_ids=(300,))
+    cache = ModelCache(cfg, num_blocks=16, block_size=4, num_slots=2, dtype=torch.float32, device="cpu")
+    eng = LLMEngine(ScriptRunner(script([104, 300, 105]), 3), cfg, EngineConfig(block_size=4, max_model_len=64), cache,
+                    tokenizer=ByteTokenizer(V))
+    _, last = run(eng, PROMPT, SamplingParams(max_tokens=5))
+    assert (last.output_token_ids, last.finish_reason, last.text) == ([104, 300], "stop", "h")
+    _, last = run(eng, PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert last.output_token_ids == [104, 300, 105] and last.text == "h<300>i"

@@ -80,7 +80,6 @@ def _reject_unsupported(body: dict, chat: bool) -> None:
     off("suffix", lambda v: v == "")
     off("repetition_penalty", lambda v: v == 1)
     off("logit_bias", lambda v: v == {})
-    off("min_tokens", lambda v: v == 0)
     for k in ("tools", "functions"):
         off(k, lambda v: v == [])
     off("tool_choice", lambda v: v == "none")
