@@ -110,6 +110,7 @@ def _pieces(text: str):
 
 class KimiTokenizer:
     kind = "tiktoken"
+    exact_bytes = True  # every token, special ones too, is a byte string
 
     def __init__(self, folder: str | Path, vocab_size: int):
         try:

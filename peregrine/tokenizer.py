@@ -8,8 +8,9 @@
   folder with a large vocabulary and no tokenizer is an error: byte-level text in and out of a
   163 840-token model would be garbage.
 
-Every tokenizer has encode, decode and token_bytes (one token's bytes: incremental detokenizing
-and logprobs' `bytes`), and `special_ids` (ids that are not text).
+Every tokenizer has encode, decode, token_bytes (one token's bytes, for logprobs; `exact_bytes`
+when decode is exactly their concatenation, which lets stops.py detokenize byte by byte) and
+`special_ids` (ids that are not text).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ TOKENIZER_JSON = "tokenizer.json"
 
 class ByteTokenizer:
     kind = "byte-level"
+    exact_bytes = True  # token_bytes are exactly what decode concatenates
 
     def __init__(self, vocab_size: int):
         if vocab_size < BYTE_VOCAB:
@@ -55,6 +57,7 @@ class ByteTokenizer:
 
 class HFTokenizer:
     kind = "tokenizer.json"
+    exact_bytes = False  # a token's text may depend on its neighbours (SentencePiece's leading space)
 
     def __init__(self, path: Path):
         from tokenizers import Tokenizer

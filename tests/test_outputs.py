@@ -256,3 +256,22 @@ def test_every_end_id_stops():
     assert (last.output_token_ids, last.finish_reason, last.text) == ([104, 300], "stop", "h")
     _, last = run(eng, PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))
     assert last.output_token_ids == [104, 300, 105] and last.text == "h<300>i"
+
+
+def test_text_of_a_tokenizer_json_model(tmp_path):
+    """tokenizer.json: a token's text can depend on its neighbour (SentencePiece drops the leading space
+    of a text's first token), so the stream decodes windows, never one token alone."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from peregrine.tokenizer import HFTokenizer
+    words = ["▁hello", "▁world", "▁peregrine", "[unk]"]
+    tk = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[unk]"))
+    tk.pre_tokenizer, tk.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tk.save(str(tmp_path / "tokenizer.json"))
+    tok = HFTokenizer(tmp_path / "tokenizer.json")
+    toks = [0, 1, 2, 1]
+    assert tok.decode(toks) == "hello world peregrine world" and tok.decode([1]) == "world"
+    for stop, want, n in (([], "hello world peregrine world", 4), (["d pe"], "hello worl", 3)):
+        outs, last = run(engine(ScriptRunner(script(toks), 3), tokenizer=tok), PROMPT,
+                         SamplingParams(max_tokens=4, stop=stop))
+        assert "".join(o.text_delta for o in outs) == last.text == want and len(last.output_token_ids) == n
