@@ -7,6 +7,9 @@ from typing import Callable
 
 import torch
 
+from .logprobs import MAX_LOGPROBS
+from .penalties import PENALTY_RANGE, needs_processing
+
 
 class RequestError(ValueError):
     """A user mistake in a request; the message names the problem."""
@@ -43,7 +46,6 @@ class SamplingParams:
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing to do with the logits: the runner's on-device argmax is the token."""
-        from .penalties import needs_processing
         return self.greedy and self.logprobs is None and not needs_processing(self)
 
     def validate(self, vocab_size: int) -> None:
@@ -64,12 +66,10 @@ class SamplingParams:
             raise RequestError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise RequestError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-        from .penalties import PENALTY_RANGE
         for k in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, k)
             if not _is_num(v) or not PENALTY_RANGE[0] <= v <= PENALTY_RANGE[1]:
                 raise RequestError(f"{k} must be a number in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}], got {v!r}")
-        from .logprobs import MAX_LOGPROBS
         for k in ("logprobs", "prompt_logprobs"):
             v = getattr(self, k)
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
