@@ -262,3 +262,19 @@ def test_serve_a_kimi_layout_folder(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_generation_config_sampling_defaults():
+    """generation_config.json's temperature / top_p / top_k apply to requests that set none; a request's own
+    values win; without the file OpenAI's defaults hold."""
+    from peregrine.generation_config import GenerationConfig
+    from peregrine.server.protocol import DEFAULT_TEMPERATURE, parse_common
+    gen = GenerationConfig(temperature=0.6, top_p=0.9, top_k=20)
+    parse = lambda body, d: parse_common({"model": NAME, "prompt": "a", **body}, NAME, 64, 320,  # noqa: E731
+                                         lambda b: [97], lambda n: 4, defaults=d).params
+    p = parse({}, gen)
+    assert (p.temperature, p.top_p, p.top_k) == (0.6, 0.9, 20)
+    p = parse({"temperature": 0, "top_p": 1.0, "top_k": -1}, gen)
+    assert (p.temperature, p.top_p, p.top_k) == (0.0, 1.0, 0)
+    p = parse({}, None)
+    assert (p.temperature, p.top_p, p.top_k) == (DEFAULT_TEMPERATURE, 1.0, 0)
