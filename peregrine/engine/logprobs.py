@@ -7,7 +7,10 @@ depend on how a token was chosen.
 Prompt logprobs (echo / lm-eval loglikelihood) need logits at every prompt position, where a
 prefill normally computes only the last: `prompt_rows` asks the forward for all positions of the
 sequences that want them (StepInput.logits_idx) and `split_prompt_rows` turns those rows into each
-prompt token's logprob, leaving one sampling row per sequence as usual.
+prompt token's logprob, leaving one sampling row per sequence as usual. Only positions the prefill
+computes get one: a prefix cache must compute the whole prompt of a request with prompt_logprobs
+(positions it skipped would stay None), and tensor parallel does not carry logits_idx to the other
+ranks yet (the engine refuses prompt_logprobs there).
 """
 from __future__ import annotations
 
