@@ -83,8 +83,16 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     name: str = "model"
+    # end ids besides eos_token_id: the rest of config.json's list, generation_config.json's
+    extra_eos_token_ids: tuple[int, ...] = ()
 
     # ---- derived ----
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generation, eos_token_id first."""
+        first = () if self.eos_token_id is None else (self.eos_token_id,)
+        return tuple(dict.fromkeys(first + self.extra_eos_token_ids))
+
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -175,6 +183,7 @@ class ModelConfig:
         if topk > num_experts:
             raise ConfigError(f"{where}: 'num_experts_per_token' ({topk}) exceeds 'num_experts' ({num_experts})")
         eos = top.get("eos_token_id", d.get("eos_token_id"))
+        eos_all = tuple(x for x in (eos if isinstance(eos, list) else [eos]) if isinstance(x, int) and not isinstance(x, bool))
         if isinstance(eos, list):
             eos = eos[0] if eos else None
         cfg = cls(
@@ -219,6 +228,7 @@ class ModelConfig:
             max_position_embeddings=int(d.get("model_max_length") or d.get("max_position_embeddings") or top.get("model_max_length") or 131072),
             tie_word_embeddings=bool(top.get("tie_word_embeddings", False)),
             name=name,
+            extra_eos_token_ids=eos_all[1:],
         )
         if cfg.num_shared_experts < 0:
             raise ConfigError(f"{where}: field 'num_shared_experts' must be >= 0")
@@ -236,6 +246,17 @@ class ModelConfig:
         return cls.from_dict(raw, name=name or p.parent.name, where=str(p))
 
 
+def with_generation_config(cfg: ModelConfig, folder: Path) -> ModelConfig:
+    """The config with generation_config.json's end ids added to its own (config.json's first)."""
+    import dataclasses
+    from .generation_config import GenerationConfig
+    extra = GenerationConfig.from_folder(folder).eos_token_ids
+    if not extra:
+        return cfg
+    ids = tuple(dict.fromkeys(cfg.eos_token_ids + extra))
+    return dataclasses.replace(cfg, eos_token_id=ids[0], extra_eos_token_ids=ids[1:])
+
+
 def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
 
@@ -247,7 +268,7 @@ def resolve_model(model: str) -> tuple[ModelConfig, Path | None]:
         cfgp = p / "config.json"
         if not cfgp.exists():
             raise ConfigError(f"model folder {p} has no config.json")
-        return ModelConfig.from_json(cfgp, name=p.name), p
+        return with_generation_config(ModelConfig.from_json(cfgp, name=p.name), p), p
     if (PRESET_DIR / f"{model}.json").exists():
         weights = PRESET_DIR / model
         return ModelConfig.from_json(PRESET_DIR / f"{model}.json", name=model), (weights if weights.is_dir() else None)

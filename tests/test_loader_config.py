@@ -169,3 +169,25 @@ def test_cli_prefill_budget_reaches_the_scheduler():
         e.step()
         prefill_tokens.append(e.last_step.num_prefill_tokens)
     assert prefill_tokens == [4, 4, 2], prefill_tokens
+
+
+def test_transformers_5_names_for_the_dense_mlp(tmp_path):
+    """transformers 5 saves the dense layer's MLP as block_sparse_moe.{gate,up,down}_proj: same tensors."""
+    from safetensors.torch import load_file
+    a, b = model(1), model(2)
+    save_weights(a, tmp_path)
+    d = load_file(str(tmp_path / "model.safetensors"))
+    for k in [k for k in d if k.startswith("model.layers.0.mlp.")]:
+        d[k.replace(".mlp.", ".block_sparse_moe.")] = d.pop(k)
+    save_file(d, str(tmp_path / "model.safetensors"))
+    load_weights(b, tmp_path)
+    assert same_params(a, b)
+    d["model.layers.0.mlp.up_proj.weight"] = d["model.layers.0.block_sparse_moe.up_proj.weight"].clone()  # both spellings
+    save_file(d, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WeightError, match="already holds"):
+        load_weights(model(2), tmp_path)
+    d.pop("model.layers.0.mlp.up_proj.weight")
+    d["model.layers.3.block_sparse_moe.gate_proj.weight"] = d["model.layers.0.block_sparse_moe.gate_proj.weight"].clone()
+    save_file(d, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WeightError, match=r"unexpected tensor 'model\.layers\.3\.block_sparse_moe\.gate_proj"):
+        load_weights(model(2), tmp_path)  # an MoE layer has no dense MLP under either name

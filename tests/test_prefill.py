@@ -185,3 +185,23 @@ def test_gpu_prefill_kernels_equal_the_pytorch_forms():
 
     fast, slow = prefill(True), prefill(False)
     assert rel_rmse(fast[0], slow[0]) < 3e-2 and rel_rmse(fast[1], slow[1]) < 3e-2
+
+
+def test_prompt_logprobs_compute_the_whole_prompt_even_when_cached():
+    """echo / loglikelihood requests need every prompt position's logits: a cached prefix is not
+    reused for them, so each prompt token gets its logprob, the same as without a cache."""
+    g = torch.Generator().manual_seed(12)
+    p = torch.randint(0, 320, (150,), generator=g).tolist()
+    outs = []
+    for cache_on in (True, False):
+        eng = engine(cache_on, max_num_batched_tokens=64)
+        greedy(eng, [p])  # leaves p's blocks and snapshots in the cache
+        got = []
+        eng.add_request(p, SamplingParams(max_tokens=1, prompt_logprobs=0, ignore_eos=True),
+                        on_token=lambda o: got.append(o.prompt_logprobs) if o.prompt_logprobs else None)
+        while eng.has_unfinished():
+            eng.step()
+        outs.append([None if t is None else t.logprob for t in got[0]])
+        assert eng.prefix_cache.stats["hit_tokens"] == 0
+    assert outs[0][0] is None and all(x is not None for x in outs[0][1:])
+    assert torch.allclose(torch.tensor(outs[0][1:]), torch.tensor(outs[1][1:]), atol=1e-4)

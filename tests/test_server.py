@@ -197,10 +197,18 @@ BAD = [
     ({"model": NAME, "prompt": "a", "temperature": "hot"}, "temperature"),
     ({"model": NAME, "prompt": "a", "top_p": 0}, "top_p"),
     ({"model": NAME, "prompt": "a", "stream": "yes"}, "stream"),
-    ({"model": NAME, "prompt": "a", "n": 2}, "'n'"),
-    ({"model": NAME, "prompt": "a", "logprobs": 2}, "logprobs"),
-    ({"model": NAME, "prompt": "a", "stop": ["\n"]}, "stop"),
-    ({"model": NAME, "prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": NAME, "prompt": "a", "n": 0}, "'n'"),
+    ({"model": NAME, "prompt": "a", "n": 2, "best_of": 3}, "best_of"),
+    ({"model": NAME, "prompt": "a", "logprobs": 21}, "logprobs"),
+    ({"model": NAME, "prompt": "a", "logprobs": True}, "logprobs"),
+    ({"model": NAME, "prompt": "a", "stop": ["\n", ""]}, "stop"),
+    ({"model": NAME, "prompt": "a", "stop": 5}, "stop"),
+    ({"model": NAME, "prompt": "a", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"model": NAME, "prompt": "a", "frequency_penalty": "x"}, "frequency_penalty"),
+    ({"model": NAME, "prompt": "a", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ({"model": NAME, "prompt": "a", "repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"model": NAME, "prompt": "a\ud800b"}, "lone surrogate"),
+    ({"model": NAME, "prompt": "a", "stop": ["\udfff"]}, "stop[0]"),
     ({"model": NAME, "prompt": "x" * MAX_LEN}, "limit"),
     ({"model": NAME, "prompt": "abc", "max_tokens": MAX_LEN}, "limit"),
     ({"model": NAME, "prompt": "a", "stop_token_ids": [1000]}, "stop_token_ids"),
@@ -209,14 +217,19 @@ BAD_CHAT = [
     ({"model": NAME}, "messages"),
     ({"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}, "role"),
     ({"model": NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text"),
-    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "x\ud83d"}]}, "messages[0].content"),
     ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
 ]
 
 
 def _post(srv, path, body):
-    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
-    return httpx.post(srv.url + path, timeout=T, headers={"content-type": "application/json"}, **kw)
+    # json.dumps escapes non-ASCII (as many clients do): a lone surrogate travels as "\\ud800", which
+    # httpx's own encoder (UTF-8) could not send at all
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(srv.url + path, timeout=T, headers={"content-type": "application/json"}, content=data)
 
 
 @pytest.mark.parametrize("body,needle", BAD)

@@ -203,6 +203,8 @@ class SpecializedRunner:
     def _mla(self, attn, h, step, T=1):
         q, kva, _ = _mm(h, attn.in_proj).split(attn.splits, dim=-1)
         q, kva = attn.gather_sliced(q, kva)  # TP slicing: this rank's kv_a columns -> all of them
+        if attn.q_b is not None:  # q-LoRA (a kimi_linear config may set q_lora_rank): q = W_qb RMSNorm(W_qa x)
+            q = _mm(rms_norm(q, attn.q_a_norm, self.cfg.mla_norm_eps), attn.q_b)
         o = self._mla_attend(attn, q, kva, step, T)
         return _mm(o, attn.o_proj, out=self._rbuf(h))
 

@@ -48,6 +48,9 @@ def build_engine(model: str, engine_cfg: EngineConfig | None = None, dummy_weigh
     started by torchrun) build their shards of the same engine and follow its steps."""
     ecfg = engine_cfg or EngineConfig()
     ecfg.validate()
+    cfg0, folder0 = resolve_model(model)
+    tok = load_tokenizer(cfg0.vocab_size, folder0, dummy_weights)  # a missing tokenizer fails before any weight loads
+    log(f"tokenizer: {tok.kind}")
     tp = SINGLE
     if ecfg.tensor_parallel_size > 1:
         from ..parallel.launch import ensure_group
@@ -69,10 +72,10 @@ def build_engine(model: str, engine_cfg: EngineConfig | None = None, dummy_weigh
     if tp.world > 1:
         from ..parallel.driver import TPDriver
         runner = TPDriver(runner, tp)
-    engine = LLMEngine(runner, cfg, ecfg, cache)
+    engine = LLMEngine(runner, cfg, ecfg, cache, tokenizer=tok)
     engine.model = m
     engine.tp_holdings = holdings if tp.world > 1 else None  # what every rank holds (parallel/shard.py)
-    return engine, load_tokenizer(cfg.vocab_size, folder)
+    return engine, tok
 
 
 def report_holdings(tp, model, error: str | None, log) -> list[dict]:

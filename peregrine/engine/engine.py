@@ -25,18 +25,22 @@ from ..cache import ModelCache
 from ..config import EngineConfig, ModelConfig
 from ..decode.batch import StepInput
 from ..prefix_cache import PrefixCache
+from . import logprobs, penalties
 from .lookahead import Ahead, Readback, next_decode_input
 from .request import RequestError, RequestOutput, SamplingParams, Sequence, StepInfo
 from .sampling import make_generator, sample
 from .scheduler import Scheduler
+from .stops import TextState
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 4096  # cap when the user sets none: keeps the block reservation per request modest
 
 
 class LLMEngine:
-    def __init__(self, runner, model_cfg: ModelConfig, engine_cfg: EngineConfig, cache: ModelCache):
+    def __init__(self, runner, model_cfg: ModelConfig, engine_cfg: EngineConfig, cache: ModelCache, tokenizer=None):
         self.runner, self.model_cfg, self.engine_cfg, self.cache = runner, model_cfg, engine_cfg, cache
+        self.tokenizer = tokenizer  # with one, outputs carry their text and stop strings work (stops.py)
+        self.eos_ids = frozenset(model_cfg.eos_token_ids)  # any of them ends a generation
         if engine_cfg.max_model_len is None:
             engine_cfg.max_model_len = min(model_cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         self.max_model_len = engine_cfg.max_model_len
@@ -105,6 +109,12 @@ class LLMEngine:
             if rid in self._live:
                 raise RequestError(f"duplicate request_id {rid!r}: a request with this id is still running")
             seq = Sequence(rid, prompt, params, on_token, seed)
+            if self.tokenizer is not None:
+                seq.text = TextState(self.tokenizer, params.stop)
+            elif params.stop:
+                raise RequestError("stop strings need the model's tokenizer, and this engine has none")
+            if params.prompt_logprobs is not None and self.engine_cfg.tensor_parallel_size > 1:
+                raise RequestError("prompt_logprobs (echo with logprobs) is not supported with tensor parallel yet")
             if not self.scheduler.can_ever_fit(seq):
                 raise RequestError(f"request needs {self.scheduler.blocks_needed(seq)} cache blocks but the cache has "
                                    f"{self.cache.num_blocks} in total: lower max_tokens or the prompt length")
@@ -172,10 +182,15 @@ class LLMEngine:
         return out
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        """min_tokens: an end or stop id can be token min_tokens + 1 at the earliest, a stop string's
+        last token token min_tokens."""
         p = seq.params
-        if (not p.ignore_eos and tok == self.model_cfg.eos_token_id) or tok in p.stop_token_ids:
+        n_out = len(seq.token_ids) - seq.prompt_len
+        if n_out > p.min_tokens and ((not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids):
             return "stop"
-        if len(seq.token_ids) - seq.prompt_len >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if seq.text is not None and seq.text.add(tok, may_stop=n_out >= p.min_tokens):
+            return "stop"
+        if n_out >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
 
@@ -195,7 +210,8 @@ class LLMEngine:
             live = [(s, n) for s, n in batch if not s.finished]
             n_prefill = sum(n for s, n in live if s.in_prefill)
             n_decode = sum(1 for s, _ in live if not s.in_prefill)
-            spec = self.spec.step(batch) if self.spec is not None and ahead is None else None
+            spec = (self.spec.step(batch) if self.spec is not None and ahead is None
+                    and not logprobs.wants_prompt_rows(batch) else None)  # prompt logprobs: every row's logits
             d0 = (self.spec.stats["num_draft_tokens"], self.spec.stats["num_accepted_tokens"]) if spec else (0, 0)
             if spec is None:
                 new, path = self._plain_step(batch, ahead)
@@ -247,8 +263,9 @@ class LLMEngine:
                 table = seq.blocks[: -(-(start + n) // bs)]  # only the blocks this step can touch
                 seqs.append((seq.token_ids[start:start + n], start, seq.kda_slot, table))
             step = StepInput.build(seqs, bs, self.device)
+            step.logits_idx, last = logprobs.prompt_rows(batch, self.device)  # None: each sequence's last token
             snaps = self._plan_snapshots(batch, step)
-            logits = self._forward(step, len(batch))
+            logits = logprobs.split_prompt_rows(batch, self._forward(step, last[-1] + 1), last)
             greedy = getattr(self.runner, "greedy_tokens", None)  # argmax already taken inside the step
             path = getattr(self.runner, "last_path", "standard")
         else:
@@ -263,7 +280,7 @@ class LLMEngine:
         if not ready:
             return [], path
         rs = [batch[i][0] for i in ready]
-        if greedy is not None and len(ready) == len(batch) and all(s.params.greedy for s in rs):
+        if greedy is not None and len(ready) == len(batch) and all(s.params.plain_greedy for s in rs):
             if self._can_look_ahead(rs):
                 pending = Readback(greedy)  # queued before the next launch reuses the graph's output buffer
                 self._ahead = self._launch_ahead(rs, greedy)
@@ -367,7 +384,10 @@ class LLMEngine:
         for s in seqs:
             if s.generator is None and not s.params.greedy:
                 s.generator = make_generator(s.seed, self.device)
-        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        toks = sample(penalties.process(logits, seqs, self.eos_ids), [s.params for s in seqs],
+                      [s.generator for s in seqs])
+        logprobs.record(seqs, logits, toks)  # raw logits: the model's distribution
+        return toks
 
     def _accept(self, seq: Sequence, toks: list[int]) -> RequestOutput:
         """Append the step's tokens up to the first stop; emit them (and finish the request if it stopped)."""

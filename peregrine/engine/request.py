@@ -7,6 +7,9 @@ from typing import Callable
 
 import torch
 
+from .logprobs import MAX_LOGPROBS
+from .penalties import PENALTY_RANGE, needs_processing
+
 
 class RequestError(ValueError):
     """A user mistake in a request; the message names the problem."""
@@ -29,10 +32,21 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)  # stop strings: the text is cut before the first one
+    min_tokens: int = 0             # end ids, stop ids and stop strings are held off until this many tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None     # logprob of each sampled token and this many alternatives (None: off)
+    prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing to do with the logits: the runner's on-device argmax is the token."""
+        return self.greedy and self.logprobs is None and not needs_processing(self)
 
     def validate(self, vocab_size: int) -> None:
         if not _is_num(self.temperature) or self.temperature < 0:
@@ -48,6 +62,18 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not _is_int(t) or not 0 <= t < vocab_size]
         if bad:
             raise RequestError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {bad[:5]}")
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) and x for x in self.stop):
+            raise RequestError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        for k in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, k)
+            if not _is_num(v) or not PENALTY_RANGE[0] <= v <= PENALTY_RANGE[1]:
+                raise RequestError(f"{k} must be a number in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}], got {v!r}")
+        for k in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, k)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise RequestError(f"{k} must be an int in [0, {MAX_LOGPROBS}] or None, got {v!r}")
 
 
 @dataclass
@@ -58,6 +84,11 @@ class RequestOutput:
     output_token_ids: list[int]     # all produced so far (a stop/eos token is included)
     finished: bool
     finish_reason: str | None       # "stop" | "length" | "abort"
+    text_delta: str | None = None   # output text made final by this step (None: the engine has no tokenizer)
+    text: str | None = None         # the whole output text, once finished (cut before a stop string)
+    stop_str: str | None = None     # the stop string that ended it
+    logprobs: list | None = None    # TokenLogprob of each of new_token_ids (when asked for)
+    prompt_logprobs: list | None = None  # TokenLogprob of each prompt token (None first), with the first output
 
 
 @dataclass
@@ -89,6 +120,9 @@ class Sequence:
         self.decode_snap: int | None = None  # this sequence's latest decode-time KDA snapshot
         self.generator: torch.Generator | None = None  # made on first sample, on the logits device
         self.finish_reason: str | None = None
+        self.text = None                  # stops.TextState when the engine detokenizes
+        self.pending_logprobs: list = []  # logprobs of sampled tokens not emitted yet
+        self.prompt_logprobs: list | None = [None] * len(prompt) if params.prompt_logprobs is not None else None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -103,5 +137,16 @@ class Sequence:
         return self.finish_reason is not None
 
     def output(self, new: list[int]) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt_len, list(new), self.output_token_ids,
-                             self.finished, self.finish_reason)
+        out = RequestOutput(self.request_id, self.prompt_len, list(new), self.output_token_ids,
+                            self.finished, self.finish_reason)
+        if self.text is not None:
+            if self.finished:
+                self.text.finish()
+            out.text_delta = self.text.take()
+            if self.finished:
+                out.text, out.stop_str = self.text.text, self.text.stop_str
+        if self.params.logprobs is not None:
+            out.logprobs, self.pending_logprobs = self.pending_logprobs[:len(new)], []
+        if self.prompt_logprobs is not None:
+            out.prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
+        return out

@@ -44,7 +44,10 @@ class Scheduler:
         """The prefix this request would reuse if admitted now, or None if it does not fit now."""
         if self.cache.num_free_slots == 0:
             return None
-        hit = self.pc.match(seq.token_ids, seq.prompt_len - 1)  # the last prompt token is always computed
+        if getattr(seq.params, "prompt_logprobs", None) is not None:
+            hit = Match()  # prompt logprobs need the logits of every prompt position: compute them all
+        else:
+            hit = self.pc.match(seq.token_ids, seq.prompt_len - 1)  # the last prompt token is always computed
         if not self.pc.can_allocate(self.blocks_needed(seq) - hit.num_blocks, hit.blocks):
             return None
         return hit

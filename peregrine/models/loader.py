@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -21,6 +22,9 @@ IGNORED_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.", 
 E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", None)
 RESHAPE_OK = ("A_log",)  # stored as [H] or [1,1,H,1] in different exports: any shape with the same squeezed form
 DEFAULT_SHARD_BYTES = 4 << 30  # HF-style 4 GiB shards when saving large models
+# other exporters' names for our tensors: transformers 5 saves every layer's MLP under
+# `block_sparse_moe.`, so the dense layers' `mlp.{gate,up,down}_proj` come back under that prefix
+NAME_ALIASES = ((re.compile(r"\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)$"), r".mlp.\1"),)
 
 
 class WeightError(ConfigError):
@@ -86,6 +90,8 @@ def load_weights(model, folder: str | Path, log=None) -> None:
                     continue
                 if key not in table:
                     raise WeightError(f"{f.name}: unexpected tensor '{ckpt_key}' (not part of this {model.cfg.model_type} model)")
+                if key in seen:
+                    raise WeightError(f"{f.name}: tensor '{ckpt_key}' is '{key}', which the checkpoint already holds")
                 view, shape = table[key]
                 if tpt is not None:  # a rank's shard: check the full shape, keep the slice
                     _load_slice(fh, ckpt_key, key, view, tpt[key], f.name)
@@ -130,13 +136,15 @@ def _load_slice(fh, ckpt_key: str, key: str, view, entry, fname: str) -> None:
 
 
 def _table_name(key: str, table: dict) -> str:
-    """A checkpoint name as the model's table spells it (adds or strips K3's `language_model.`)."""
-    if key in table:
-        return key
-    if key.startswith(K3_PREFIX) and key[len(K3_PREFIX):] in table:
-        return key[len(K3_PREFIX):]
-    if K3_PREFIX + key in table:
-        return K3_PREFIX + key
+    """A checkpoint name as the model's table spells it (adds or strips K3's `language_model.`;
+    another exporter's name for the tensor, NAME_ALIASES)."""
+    for k in (key, *(pat.sub(rep, key) for pat, rep in NAME_ALIASES if pat.search(key))):
+        if k in table:
+            return k
+        if k.startswith(K3_PREFIX) and k[len(K3_PREFIX):] in table:
+            return k[len(K3_PREFIX):]
+        if K3_PREFIX + k in table:
+            return K3_PREFIX + k
     return key
 
 

@@ -40,9 +40,10 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def add(self, request_id: str, prompt_ids: list[int], params) -> asyncio.Queue:
-        """Queue a request; its outputs arrive on the returned queue. Raises RequestError."""
-        loop, q = asyncio.get_running_loop(), asyncio.Queue()
+    def add(self, request_id: str, prompt_ids: list[int], params, queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Queue a request; its outputs arrive on the returned queue (`queue`: one shared by several
+        requests, e.g. the n choices of one API call; outputs carry their request_id). Raises RequestError."""
+        loop, q = asyncio.get_running_loop(), queue if queue is not None else asyncio.Queue()
         with self._lock:
             self._queues[request_id] = (loop, q)
 

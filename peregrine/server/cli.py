@@ -41,6 +41,7 @@ def cmd_serve(args) -> int:
     from ..cli import engine_config
     from ..config import ConfigError, resolve_model
     from ..engine.build import build_engine
+    from ..generation_config import GenerationConfig
     from .app import create_app
     from .chat import ChatTemplate
 
@@ -51,9 +52,13 @@ def cmd_serve(args) -> int:
     engine, tok = build_engine(args.model, engine_config(args), dummy_weights=args.dummy_weights, log=log)
     _, folder = resolve_model(args.model)
     tmpl = ChatTemplate(folder)
+    gen = GenerationConfig.from_folder(folder)
     name = args.served_model_name or args.model
-    log(f"serving '{name}' on http://{args.host}:{args.port} (chat template: {tmpl.kind}, max queue {args.max_queue})")
-    app = create_app(engine, tok, name, max_queue=args.max_queue, chat_template=tmpl)
+    log(f"serving '{name}' on http://{args.host}:{args.port} (tokenizer: {tok.kind}, chat template: {tmpl.kind}, "
+        f"end ids {list(engine.model_cfg.eos_token_ids)}, max queue {args.max_queue})")
+    if (gen.temperature, gen.top_p, gen.top_k) != (None, None, None):
+        log(f"sampling defaults from generation_config.json: temperature {gen.temperature}, top_p {gen.top_p}, top_k {gen.top_k}")
+    app = create_app(engine, tok, name, max_queue=args.max_queue, chat_template=tmpl, defaults=gen)
     # uvicorn turns SIGTERM into a graceful shutdown (stop accepting, finish in-flight requests), then
     # re-raises it to the handler that was there before: a no-op one makes a clean drain exit 0
     signal.signal(signal.SIGTERM, lambda *_: None)

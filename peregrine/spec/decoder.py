@@ -71,7 +71,7 @@ class SpecDecoder:
         if not self.enabled:
             return None
         dec = [i for i, (s, _) in enumerate(batch) if not s.in_prefill]
-        ask = [(i, self.room(batch[i][0])) for i in dec if batch[i][0].params.greedy]
+        ask = [(i, self.room(batch[i][0])) for i in dec if batch[i][0].params.plain_greedy]  # logprobs, penalties: sampled
         ask = [(i, k) for i, k in ask if k > 0]
         if not ask:
             return None
@@ -121,7 +121,7 @@ class SpecDecoder:
                 pos += 1
                 continue
             d = drafts.get(i, [])
-            if seq.params.greedy:
+            if seq.params.plain_greedy:
                 a = 0
                 while a < len(d) and d[a] == tgt[pos + a]:
                     a += 1
