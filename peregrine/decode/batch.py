@@ -36,6 +36,22 @@ class StepInput:
     # row, after its first `offset` new tokens (a chunk's own end is copied by the engine after the step)
     kda_snapshots: dict | None = None
 
+    def decode_rows(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """Rows of a mixed step that add one token: (rows, their token index in the flat list, the
+        same rows as an index), on the device, made once per step and shared by every layer. Copied
+        from pinned memory without blocking: a pageable host-to-device copy would make the host wait
+        for the layers already queued, so it could no longer run ahead of the GPU."""
+        if getattr(self, "_decode_rows", None) is None:
+            rows = [i for i, q in enumerate(self.q_lens) if q == 1]
+            offs = [0]
+            for q in self.q_lens:
+                offs.append(offs[-1] + q)
+            host = torch.tensor([offs[i] for i in rows] + rows, dtype=torch.long)
+            dev = self.input_ids.device
+            t = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host
+            self._decode_rows = (rows, t[:len(rows)], t[len(rows):])
+        return self._decode_rows
+
     @property
     def num_seqs(self) -> int:
         return len(self.q_lens)

@@ -233,9 +233,9 @@ class KDA(nn.Module):
         dec = [i for i, q in enumerate(step.q_lens) if q == 1]
         offs = torch.tensor([0] + step.q_lens, device="cpu").cumsum(0).tolist()
         if dec:  # decode sequences together: one token each
-            tok = torch.tensor([offs[i] for i in dec], device=x.device) if len(dec) < len(step.q_lens) else None
+            tok, rows = step.decode_rows()[1:] if len(dec) < len(step.q_lens) else (None, None)
             sel = (lambda t: t) if tok is None else (lambda t: t[tok])  # noqa: E731
-            slots = step.kda_slots if tok is None else step.kda_slots[torch.tensor(dec, device=x.device)]
+            slots = step.kda_slots if tok is None else step.kda_slots[rows]
             x_ext = torch.cat([conv[slots], sel(qkv).unsqueeze(1).to(conv.dtype)], 1)
             conv[slots] = x_ext[:, 1:]
             S = state[slots]

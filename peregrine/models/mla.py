@@ -137,8 +137,7 @@ class MLA(nn.Module):
             a = 0
             dec = [i for i, n in enumerate(step.q_lens) if n == 1]
             if dec:  # decode sequences of a mixed step still take the absorbed path
-                idx = torch.tensor(dec, device=x.device)
-                tok = torch.tensor([sum(step.q_lens[:i]) for i in dec], device=x.device)
+                _, tok, idx = step.decode_rows()
                 o[tok] = self.decode_attn(q[tok], cache, step.block_tables[idx], step.context_lens_t[idx],
                                           max(step.context_lens[i] for i in dec))
             for i, n in enumerate(step.q_lens):
