@@ -17,7 +17,7 @@ for step in $STEPS; do
   lim=T_$step; lim=${!lim:-300}
   case $step in
     tests)
-      timeout -k 5 "$lim" python3 -m pytest -q -m gpu ${TESTS:-tests/test_kernels_mla_prefill.py tests/test_prefill.py} 2>&1 \
+      timeout -k 5 "$lim" python3 -m pytest -v --durations=15 -m gpu ${TESTS:-tests/test_kernels_mla_prefill.py tests/test_prefill.py} 2>&1 \
         | tee "$OUT/pytest-prefill.log" || rc=1 ;;
     kernels)
       timeout -k 5 "$lim" python3 -m peregrine bench kernels --families mla_prefill 2>&1 | tee "$OUT/kernels-mla-prefill.log" || rc=1 ;;
