@@ -54,7 +54,9 @@ class PrefillConfig:
 
 # Per (Dn, Dr, Dv) defaults for BF16/FP16; `python -m peregrine.bench.kernels_mla_prefill` times the
 # candidates in CONFIG_CANDIDATES and reports the best per shape (write winners back here).
-CONFIGS = {(128, 64, 128): PrefillConfig()}
+# H200 (results/2026-12-01-prefill/…-kernels-mla_prefill.json): 3 stages beat 2 at every T >= 2048
+# (8192 tokens: 1.50 vs 1.86 ms; 32768: 22.0 vs 26.1 ms)
+CONFIGS = {(128, 64, 128): PrefillConfig(128, 64, 8, 3)}
 FP32_CONFIG = PrefillConfig(64, 16, 8, 2)     # GPU tests, interpreter: FP32 FMA dots; 32 keys spill at 192 + 128 dims
 SMALL_T = 64                                  # at most this many queries: one 64-row block per head
 SMALL_T_CONFIG = PrefillConfig(64, 64, 4, 3)  # no 128-row block mostly padding; one warpgroup
