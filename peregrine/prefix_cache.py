@@ -162,26 +162,35 @@ class PrefixCache:
                 return b
         return None
 
-    def match(self, token_ids: list[int], limit: int) -> Match:
+    def chain(self, token_ids: list[int], limit: int) -> list[int]:
+        """Chain hashes of the full blocks of the first `limit` tokens (a waiting prompt keeps its own:
+        its admission is checked every step)."""
+        out, h, bs = [], ROOT_HASH, self.bs
+        for i in range(limit // bs):
+            h = self.hash_fn(h, tuple(token_ids[i * bs:(i + 1) * bs]))
+            out.append(h)
+        return out
+
+    def match(self, token_ids: list[int], limit: int, hashes: list[int] | None = None) -> Match:
         """The longest reusable prefix of at most `limit` tokens (whole blocks; for a KDA model it ends
-        at a block with a snapshot). Pure lookup: nothing is referenced or moved."""
+        at a block with a snapshot). hashes: chain(token_ids, limit), if known. Pure lookup: nothing
+        is referenced or moved."""
         if not self.enabled:
             return Match()
-        bs, h, parent_uid = self.bs, ROOT_HASH, ROOT_UID
-        blocks, hashes, best = [], [], (0, None)
-        for i in range(limit // bs):
+        bs, parent_uid = self.bs, ROOT_UID
+        hs = hashes if hashes is not None else self.chain(token_ids, limit)
+        blocks, best = [], (0, None)
+        for i, h in enumerate(hs[:limit // bs]):
             toks = tuple(token_ids[i * bs:(i + 1) * bs])
-            h = self.hash_fn(h, toks)
             b = self._find(h, toks, parent_uid)
             if b is None:
                 break
             blocks.append(b)
-            hashes.append(h)
             parent_uid = self.meta[b].uid
             if not self.needs_state or b in self.snap_of:
                 best = (len(blocks), self.snap_of.get(b))
         n = best[0]
-        return Match(blocks[:n], best[1], hashes[:n])
+        return Match(blocks[:n], best[1], list(hs[:n]))
 
     def note_query(self, prompt_len: int, hit: Match) -> None:
         self.stats["queries"] += 1

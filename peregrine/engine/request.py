@@ -116,6 +116,7 @@ class Sequence:
         self.kda_slot: int | None = None
         self.blocks: list[int] = []       # reserved for the whole life of the request (a reused prefix first)
         self.block_hashes: list[int] = []  # prefix-cache chain hash of each full cached block, in order
+        self.prompt_hashes: list[int] | None = None  # the prompt's chain hashes, made once while it waits
         self.num_reused = 0               # prompt tokens taken from the prefix cache, not computed
         self.decode_snap: int | None = None  # this sequence's latest decode-time KDA snapshot
         self.generator: torch.Generator | None = None  # made on first sample, on the logits device

@@ -47,7 +47,10 @@ class Scheduler:
         if getattr(seq.params, "prompt_logprobs", None) is not None:
             hit = Match()  # prompt logprobs need the logits of every prompt position: compute them all
         else:
-            hit = self.pc.match(seq.token_ids, seq.prompt_len - 1)  # the last prompt token is always computed
+            limit = seq.prompt_len - 1  # the last prompt token is always computed
+            if seq.prompt_hashes is None and self.pc.enabled:
+                seq.prompt_hashes = self.pc.chain(seq.token_ids, limit)
+            hit = self.pc.match(seq.token_ids, limit, seq.prompt_hashes)
         if not self.pc.can_allocate(self.blocks_needed(seq) - hit.num_blocks, hit.blocks):
             return None
         return hit
