@@ -73,11 +73,11 @@ def test_mla_prefill_through_the_flash_kernel_equals_the_pytorch_form(model):
     assert rel_rmse(a, b) < 1e-5 and rel_rmse(sa, sb) < 1e-5 and rel_rmse(la, lb) < 1e-5
 
 
-def engine(prefix_caching: bool, **kw):
+def engine(prefix_caching: bool, preset="tiny-kimi-linear", **kw):
     ecfg = EngineConfig(device="cpu", dtype="fp32", max_model_len=512, max_num_seqs=2, block_size=16,
                         enable_prefix_caching=prefix_caching, cuda_graphs=False, **kw)
     ecfg.extra["lm_head_scale"] = LM_HEAD_SCALE
-    eng, _ = build_engine("tiny-kimi-linear", ecfg, dummy_weights=True, log=lambda m: None)
+    eng, _ = build_engine(preset, ecfg, dummy_weights=True, log=lambda m: None)
     return eng
 
 
@@ -205,3 +205,22 @@ def test_prompt_logprobs_compute_the_whole_prompt_even_when_cached():
         assert eng.prefix_cache.stats["hit_tokens"] == 0
     assert outs[0][0] is None and all(x is not None for x in outs[0][1:])
     assert torch.allclose(torch.tensor(outs[0][1:]), torch.tensor(outs[1][1:]), atol=1e-4)
+
+
+@pytest.mark.parametrize("preset,kw", [("tiny-k3", {}), ("tiny-kimi-linear", {"kv_cache_dtype": "fp8"}),
+                                       ("tiny-kimi-linear", {"speculative_config": {"method": "ngram",
+                                                                                    "num_speculative_tokens": 3}})])
+def test_prefix_hit_equals_miss_k3_fp8_and_speculative(preset, kw):
+    """K3 layers (bounded gate, q-LoRA MLA, AttnRes), an FP8 latent cache (the shared blocks hold FP8
+    entries) and speculative decoding on top of prefix hits: the same greedy tokens as without reuse."""
+    from peregrine.spec.config import SpeculativeConfig
+    if "speculative_config" in kw:
+        kw = {**kw, "speculative_config": SpeculativeConfig.parse(kw["speculative_config"])}
+    g = torch.Generator().manual_seed(13)
+    p = torch.randint(0, 320, (150,), generator=g).tolist()
+    prompts = [p, p + torch.randint(0, 320, (20,), generator=g).tolist(), p]
+    hit = engine(True, preset, max_num_batched_tokens=64, **kw)
+    miss = engine(False, preset, max_num_batched_tokens=64, **kw)
+    for q in prompts:
+        assert greedy(hit, [q]) == greedy(miss, [q])
+    assert hit.prefix_cache.stats["hit_tokens"] == 2 * 144
