@@ -19,25 +19,7 @@ def param(*shape, dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-FUSED_NORM_MIN_TOKENS = 17  # decode steps (≤ 16 tokens) keep the plain ops; longer steps take one kernel
-FUSED_NORM: bool | None = None  # None: the Triton kernel on a GPU where it runs; tests force it either way
-
-
-def _fused_norm(x: torch.Tensor) -> bool:
-    """A prefill step's norm as one Triton kernel (kernels/norm.py, the same math in FP32): eight
-    eager ops per norm were ~430 launches and several FP32 passes per step."""
-    if FUSED_NORM is False or x.dim() == 0 or x.shape[0] < FUSED_NORM_MIN_TOKENS or x.stride(-1) != 1:
-        return False
-    if x.dim() != 2 and not x.is_contiguous():
-        return False
-    from .. import kernels
-    return (FUSED_NORM or x.is_cuda) and kernels.available(x.device)
-
-
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    if _fused_norm(x):
-        from ..kernels.norm import rms_norm as fused
-        return fused(x, w.contiguous(), eps)
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * w.float()).to(x.dtype)
