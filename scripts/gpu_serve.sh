@@ -3,7 +3,7 @@
 # `peregrine serve`, wait for /health, drive it with `peregrine bench serve`, save /metrics,
 # SIGTERM (drains), next backend; then one plot of both. Server logs and metrics go to $OUT.
 #   MODEL (kimi-linear-48b-a3b, dummy weights), BACKENDS, CONC (1,2,4,8), ISL (1024), OSL (128),
-#   NP (requests per level; default 5 x concurrency), PORT, READY_TIMEOUT (s)
+#   NP (requests per level; default 5 x concurrency), RATE (Poisson arrivals/s), PORT, READY_TIMEOUT (s)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ -f .commit ] && export PEREGRINE_COMMIT=${PEREGRINE_COMMIT:-$(cat .commit)}  # the device copy's git HEAD can be stale
@@ -12,6 +12,7 @@ PY=${PY:-python3}
 MODEL=${MODEL:-kimi-linear-48b-a3b}; BACKENDS=${BACKENDS:-"standard latency_specialized"}
 CONC=${CONC:-1,2,4,8}; ISL=${ISL:-1024}; OSL=${OSL:-128}; PORT=${PORT:-8011}
 NP_ARG=${NP:+--num-prompts $NP}
+RATE_ARG=${RATE:+--request-rate $RATE}  # RATE: Poisson arrivals per second (default: all at once)
 URL=http://127.0.0.1:$PORT
 get() { $PY -c "import sys, urllib.request as u; sys.stdout.write(u.urlopen(sys.argv[1], timeout=5).read().decode())" "$1" 2>/dev/null; }
 runs=(); rc=0
@@ -28,7 +29,7 @@ for be in $BACKENDS; do
     echo "server ($be) did not become healthy; log tail:"; tail -20 "$OUT/serve-$be.log"; kill -9 $pid 2>/dev/null; rc=1; continue
   fi
   $PY -m peregrine bench serve --base-url "$URL" --max-concurrency "$CONC" --input-len "$ISL" --output-len "$OSL" \
-      $NP_ARG --label "$be" --results-dir results 2>&1 | tee "$OUT/bench-serve-$be.log" || rc=1
+      $NP_ARG $RATE_ARG --label "$be" --results-dir results 2>&1 | tee "$OUT/bench-serve-$be.log" || rc=1
   get "$URL/metrics" > "$OUT/metrics-$be.txt"
   kill -TERM $pid; wait $pid; echo "server ($be) exit $?"
   runs+=("$(ls -t results/*-"$MODEL"-serve-"$be".json | head -1)")

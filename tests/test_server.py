@@ -366,6 +366,24 @@ def test_bench_serve_against_server(srv, tmp_path):
     wait_idle(srv)
 
 
+def test_bench_serve_poisson_arrivals(srv, tmp_path):
+    """--request-rate: requests are sent no earlier than their seeded Poisson arrival times."""
+    from peregrine.bench.serve import arrivals, run_cli
+    from peregrine.server.cli import add_bench_serve_parser
+    p = argparse.ArgumentParser()
+    add_bench_serve_parser(p.add_subparsers())
+    args = p.parse_args(["serve", "--base-url", srv.url, "--max-concurrency", "4", "--num-prompts", "4",
+                         "--input-len", "5", "--output-len", "2", "--warmup", "0", "--timeout", str(T),
+                         "--request-rate", "20", "--results-dir", str(tmp_path), "--no-plot"])
+    assert run_cli(args) == 0
+    (lv,) = json.loads(next(tmp_path.glob("*-serve.json")).read_text())["levels"]
+    sched = arrivals(4, 20.0, 0)
+    assert lv["arrivals_s"] == sched and sched[0] == 0 and all(b > a for a, b in zip(sched, sched[1:]))
+    assert all(s >= a - 1e-3 for s, a in zip(lv["sent_s"], sched)) and lv["completed"] == 4
+    assert arrivals(3, None, 0) == [0.0, 0.0, 0.0]
+    wait_idle(srv)
+
+
 def test_serve_parser_options():
     from peregrine.server.cli import add_serve_parser
     p = argparse.ArgumentParser()

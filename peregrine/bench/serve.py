@@ -2,7 +2,8 @@
 
 Per --max-concurrency level: --num-prompts streaming /v1/completions requests
 (random token-id prompts, ignore_eos so every request makes its --output-len
-tokens), at most `concurrency` in flight. Per request: TTFT (send → first
+tokens), at most `concurrency` in flight; with --request-rate R they also arrive
+as a Poisson process of R requests/s (seeded), so prefills land among running decodes. Per request: TTFT (send → first
 token), ITL (gaps between token chunks), TPOT ((e2e - TTFT) / (tokens - 1)).
 Per level: P50/P90/P99 of each, tok/s/user (1000 / median TPOT ms),
 throughput per GPU (output tokens / level wall time / --num-gpus), errors.
@@ -73,16 +74,32 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
             "tpot": (e2e - ttft) / (n_out - 1) if n_out > 1 else None}
 
 
-async def run_level(base_url: str, model: str, concurrency: int, reqs: list[tuple], timeout: float) -> dict:
+def arrivals(n: int, rate: float | None, seed: int) -> list[float]:
+    """Send times (s from the level's start): all at 0 without a rate, else a Poisson process."""
+    if not rate or rate == float("inf"):
+        return [0.0] * n
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+async def run_level(base_url: str, model: str, concurrency: int, reqs: list[tuple], timeout: float,
+                    rate: float | None = None, seed: int = 0) -> dict:
     url = base_url.rstrip("/") + "/v1/completions"
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    sched = arrivals(len(reqs), rate, seed)
+    sent: list[float] = []
     async with httpx.AsyncClient(limits=limits) as client:
-        async def go(p, m):
+        async def go(at, p, m):
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
             async with sem:
+                sent.append(time.perf_counter() - t0)
                 return await one_request(client, url, model, p, m, timeout)
         t0 = time.perf_counter()
-        res = await asyncio.gather(*(go(p, m) for p, m in reqs))
+        res = await asyncio.gather(*(go(at, p, m) for at, (p, m) in zip(sched, reqs)))
         wall = time.perf_counter() - t0
     ok = [r for r in res if "error" not in r]
     errors = [r["error"] for r in res if "error" in r]
@@ -90,7 +107,8 @@ async def run_level(base_url: str, model: str, concurrency: int, reqs: list[tupl
     tpot = ms([r["tpot"] for r in ok if r["tpot"] is not None])
     out_tokens = sum(r["n_out"] for r in ok)
     med_tpot = percentile(tpot, 50)
-    return {"concurrency": concurrency, "num_prompts": len(reqs), "completed": len(ok), "errors": len(errors),
+    return {"concurrency": concurrency, "request_rate": rate, "arrivals_s": sched, "sent_s": sorted(sent),
+            "num_prompts": len(reqs), "completed": len(ok), "errors": len(errors),
             "error_samples": errors[:5], "wall_s": wall, "output_tokens": out_tokens,
             "ttft_ms": summary(ms([r["ttft"] for r in ok])), "tpot_ms": summary(tpot),
             "itl_ms": summary(ms([x for r in ok for x in r["itl"]])), "e2e_ms": summary(ms([r["e2e"] for r in ok])),
@@ -106,7 +124,7 @@ def server_model(base_url: str) -> str:
 
 def run(base_url: str, concurrencies: list[int], input_len: int, output_len: int, num_prompts: int | None = None,
         model: str | None = None, num_gpus: int = 1, range_ratio: float = 0.0, token_range=(32, 127),
-        warmup: int = 2, timeout: float = 600.0, seed: int = 0, log=print) -> dict:
+        warmup: int = 2, timeout: float = 600.0, seed: int = 0, log=print, request_rate: float | None = None) -> dict:
     model = model or server_model(base_url)
     if warmup:
         asyncio.run(run_level(base_url, model, warmup, make_requests(warmup, input_len, min(output_len, 8), 0, *token_range,
@@ -115,14 +133,14 @@ def run(base_url: str, concurrencies: list[int], input_len: int, output_len: int
     for i, c in enumerate(concurrencies):
         n = num_prompts or 5 * c
         reqs = make_requests(n, input_len, output_len, range_ratio, *token_range, seed + i)
-        lv = asyncio.run(run_level(base_url, model, c, reqs, timeout))
+        lv = asyncio.run(run_level(base_url, model, c, reqs, timeout, request_rate, seed + i))
         lv["throughput_per_gpu"] = lv["output_tok_s"] / num_gpus
         levels.append(lv)
         log(f"concurrency {c:3d}: {lv['completed']}/{n} ok, {lv['errors']} errors; TTFT p50 {lv['ttft_ms']['p50']:.1f} ms, "
             f"TPOT p50 {lv['tpot_ms']['p50']:.2f} ms, ITL p99 {lv['itl_ms']['p99']:.2f} ms; "
             f"{lv['tok_s_user']:.1f} tok/s/user, {lv['throughput_per_gpu']:.1f} tok/s/GPU")
     return {"model": model, "base_url": base_url, "input_len": input_len, "output_len": output_len,
-            "range_ratio": range_ratio, "num_gpus": num_gpus, "levels": levels}
+            "range_ratio": range_ratio, "num_gpus": num_gpus, "request_rate": request_rate, "levels": levels}
 
 
 def plot(payload: dict | list[dict], path) -> None:
@@ -152,6 +170,9 @@ def plot(payload: dict | list[dict], path) -> None:
 def run_cli(args) -> int:
     from ..config import ConfigError
     from .gpu import result_path, run_metadata, write_result
+    rate = getattr(args, "request_rate", None)
+    if rate is not None and not rate > 0:
+        raise ConfigError(f"--request-rate must be > 0 requests/s, got {rate}")
     for name in ("input_len", "output_len", "num_gpus", "warmup"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             raise ConfigError(f"--{name.replace('_', '-')} must be >= {0 if name == 'warmup' else 1}")
@@ -166,7 +187,7 @@ def run_cli(args) -> int:
     log = lambda m: print(f"[bench serve] {m}", file=sys.stderr, flush=True)  # noqa: E731
     try:
         payload = run(args.base_url, args.max_concurrency, args.input_len, args.output_len, args.num_prompts, args.model,
-                      args.num_gpus, args.range_ratio, (lo, hi), args.warmup, args.timeout, args.seed, log)
+                      args.num_gpus, args.range_ratio, (lo, hi), args.warmup, args.timeout, args.seed, log, rate)
     except httpx.HTTPError as e:
         raise ConfigError(f"cannot reach the server at {args.base_url}: {e}") from None
     payload["label"] = args.label

@@ -78,6 +78,9 @@ def add_bench_serve_parser(bench_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--range-ratio", type=float, default=0.0,
                    help="lengths drawn uniformly in [len*(1-r), len*(1+r)] (default 0: fixed)")
     p.add_argument("--token-range", default="32,127", help="prompt token ids drawn from [LO,HI) (default 32,127)")
+    p.add_argument("--request-rate", type=float, default=None, metavar="R",
+                   help="requests arrive as a Poisson process of R per second (default: all at once, "
+                        "--max-concurrency in flight)")
     p.add_argument("--num-gpus", type=int, default=1, help="GPUs the server uses, for throughput per GPU")
     p.add_argument("--warmup", type=int, default=2, help="untimed requests before the levels (default 2)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
