@@ -228,13 +228,16 @@ class PrefixCache:
         self.stats["snapshots"] += 1
         return True
 
-    def discard(self, s: int) -> None:
-        """Give back a snapshot slot whether or not it is attached."""
-        if s in self.block_of:
-            self.snap_of.pop(self.block_of.pop(s), None)
-            self.snap_lru.pop(s, None)
-        if s not in self.free_snaps:
-            self.free_snaps.append(s)
+    def unplan(self, s: int) -> None:
+        """Give back a snapshot slot this step planned and will not attach."""
+        self.free_snaps.append(s)
+
+    def drop(self, s: int, block: int) -> None:
+        """Drop the snapshot s at `block`'s end, if it is still there: the LRU may have evicted it and
+        handed the slot to another prefix since, and then the slot is no longer the caller's."""
+        if self.block_of.get(s) == block:
+            del self.snap_of[block]
+            self._free_snap(s)
 
     def _free_snap(self, s: int) -> None:
         self.block_of.pop(s, None)

@@ -180,3 +180,21 @@ def test_decode_never_starved_while_a_long_prompt_prefills():
     assert sum(p for p, _ in during) == 2000
     assert runner.mismatches == 0
     check_clean(eng, runner, cache)
+
+
+def test_a_stale_decode_snapshot_never_frees_a_slot_someone_else_holds():
+    """A sequence's decode-time snapshot can be evicted by the LRU and handed to another prefix; when
+    that sequence later replaces "its" snapshot, the slot (now someone else's) must stay theirs."""
+    from peregrine.cache import BlockAllocator
+    pc = PrefixCache(BlockAllocator(8), 2, num_snapshots=1, needs_state=True)
+    blocks = pc.allocate(4)
+    toks = list(range(8))
+    pc.register(blocks, [], toks, 8)
+    s = pc.new_snapshot()
+    assert pc.attach(s, blocks[0])           # sequence A's decode snapshot, at block 0's end
+    mine = (s, blocks[0])
+    other = pc.new_snapshot()                # the pool is full: A's snapshot is evicted and reused
+    assert other == s and pc.match(toks, 7).num_blocks == 0
+    pc.drop(*mine)                           # A replaces its (stale) decode snapshot
+    assert pc.attach(other, blocks[2])       # the new owner keeps the slot
+    assert pc.snap_of[blocks[2]] == other and other not in pc.free_snaps

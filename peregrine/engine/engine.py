@@ -327,7 +327,7 @@ class LLMEngine:
         for i, (seq, n) in enumerate(batch):
             if seq.finished or not seq.blocks:
                 for _, snap in plan.get(i, []):
-                    pc.discard(snap)
+                    pc.unplan(snap)
                 continue
             pc.register(seq.blocks, seq.block_hashes, seq.token_ids, seq.num_cached)
             if not pc.needs_state:
@@ -342,9 +342,10 @@ class LLMEngine:
                 if snap is None:
                     continue
                 if seq.decode_snap is not None:
-                    pc.discard(seq.decode_snap)
+                    pc.drop(*seq.decode_snap)
                 saves.append(("save", seq.kda_slot, snap))
-                seq.decode_snap = snap if pc.attach(snap, seq.blocks[p // bs - 1]) else None
+                block = seq.blocks[p // bs - 1]
+                seq.decode_snap = (snap, block) if pc.attach(snap, block) else None
         self._cache_ops(saves)
 
     def _cache_ops(self, ops) -> None:

@@ -118,7 +118,7 @@ class Sequence:
         self.block_hashes: list[int] = []  # prefix-cache chain hash of each full cached block, in order
         self.prompt_hashes: list[int] | None = None  # the prompt's chain hashes, made once while it waits
         self.num_reused = 0               # prompt tokens taken from the prefix cache, not computed
-        self.decode_snap: int | None = None  # this sequence's latest decode-time KDA snapshot
+        self.decode_snap: tuple[int, int] | None = None  # (snapshot, block) of its latest decode-time snapshot
         self.generator: torch.Generator | None = None  # made on first sample, on the logits device
         self.finish_reason: str | None = None
         self.text = None                  # stops.TextState when the engine detokenizes
