@@ -117,7 +117,6 @@ class Sequence:
         self.blocks: list[int] = []       # reserved for the whole life of the request (a reused prefix first)
         self.block_hashes: list[int] = []  # prefix-cache chain hash of each full cached block, in order
         self.prompt_hashes: list[int] | None = None  # the prompt's chain hashes, made once while it waits
-        self.num_reused = 0               # prompt tokens taken from the prefix cache, not computed
         self.decode_snap: tuple[int, int] | None = None  # (snapshot, block) of its latest decode-time snapshot
         self.generator: torch.Generator | None = None  # made on first sample, on the logits device
         self.finish_reason: str | None = None

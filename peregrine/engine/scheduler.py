@@ -44,7 +44,7 @@ class Scheduler:
         """The prefix this request would reuse if admitted now, or None if it does not fit now."""
         if self.cache.num_free_slots == 0:
             return None
-        if getattr(seq.params, "prompt_logprobs", None) is not None:
+        if seq.params.prompt_logprobs is not None:
             hit = Match()  # prompt logprobs need the logits of every prompt position: compute them all
         else:
             limit = seq.prompt_len - 1  # the last prompt token is always computed
@@ -67,7 +67,7 @@ class Scheduler:
         seq.blocks = hit.blocks + self.pc.allocate(self.blocks_needed(seq) - hit.num_blocks)
         seq.kda_slot = self.cache.allocate_slot()
         seq.block_hashes = list(hit.hashes)
-        seq.num_cached = seq.num_reused = hit.num_blocks * self.cache.block_size
+        seq.num_cached = hit.num_blocks * self.cache.block_size
         if hit.snapshot is not None:
             self.loads.append((hit.snapshot, seq.kda_slot))
         self.pc.note_query(seq.prompt_len, hit)
@@ -75,7 +75,7 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """(sequence, number of new tokens) for this step: decodes first, prefill chunks within budget."""
-        decoding = [s for s in self.running if not s.in_prefill]
+        decoding = any(not s.in_prefill for s in self.running)
         budget = self.decode_budget if decoding else self.max_num_batched_tokens
         out: list[tuple[Sequence, int]] = []
         for seq in self.running:

@@ -190,7 +190,7 @@ class KDA(nn.Module):
                 trace[t] = S[0]
         return torch.stack(outs, 1)
 
-    def prefill_fla(self, ops, qkv: torch.Tensor, f, b, S, conv_state, cuts, cache, kl) -> torch.Tensor:
+    def prefill_fla(self, ops, qkv: torch.Tensor, f, b, S, conv_state, cuts, cache, kl) -> tuple[torch.Tensor, torch.Tensor]:
         """One prefill row through fla on the GPU: qkv [T, 3Hd], f [T, Hd], b [T, H] raw projections (model
         dtype), S [1, H, K, V] FP32 updated in place, conv_state [W-1, C] -> (o [T, H, d] model dtype, the
         new conv window). The conv, gate, β and q/k L2 norms run inside fla's kernels (the same math as
@@ -254,10 +254,10 @@ class KDA(nn.Module):
                 continue
             a, e = offs[i], offs[i + 1]
             s = step.kda_slots[i:i + 1]
+            cuts = sorted(snaps.get(i, [])) + [(q, None)]  # prefix caching: states taken on the way
             if ops is not None:  # every prefill row: fla's few kernels beat a per-token loop at any length
                 S = state[s]
-                o, conv[s] = self.prefill_fla(ops, qkv[a:e].contiguous(), f[a:e], b[a:e], S, conv[s][0],
-                                              sorted(snaps.get(i, [])) + [(q, None)], cache, kl)
+                o, conv[s] = self.prefill_fla(ops, qkv[a:e].contiguous(), f[a:e], b[a:e], S, conv[s][0], cuts, cache, kl)
                 state[s] = S
                 fast.append((a, e, o))
                 continue
@@ -268,8 +268,8 @@ class KDA(nn.Module):
             if ck is not None:  # verify rows: conv window after each position, for rollback
                 ck[1][kl, i, :q] = x_ext[0].unfold(0, W1, 1)[1:].transpose(1, 2)
             y = causal_conv(x_ext, self.conv_w)
-            cuts, o, lo = sorted(snaps.get(i, [])) + [(q, None)], [], 0
-            for hi, snap in cuts:  # prefix caching: the state after `hi` tokens goes to a snapshot on the way
+            o, lo = [], 0
+            for hi, snap in cuts:
                 o.append(self.mix(y[:, lo:hi], f[a + lo:a + hi].unsqueeze(0), b[a + lo:a + hi].unsqueeze(0), S,
                                   trace=None if ck is None else ck[0][kl, i, :q]))
                 if snap is not None:
@@ -278,7 +278,7 @@ class KDA(nn.Module):
                 lo = hi
             state[s] = S
             out[a:e] = torch.cat(o, 1)[0].flatten(-2)
-        if fast and fast[0][0] == 0 and fast[-1][1] == x.shape[0] and len(fast) == len(step.q_lens):
+        if fast and len(fast) == len(step.q_lens):
             # every row came from fla: the gated RMSNorm in one kernel, no FP32 round trip
             o = fast[0][2] if len(fast) == 1 else torch.cat([t for *_, t in fast])
             o = ops.rms_norm_gated(o.reshape(-1, self.d), r.reshape(-1, self.d).contiguous(), self.o_norm, None,
