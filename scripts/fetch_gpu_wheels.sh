@@ -11,6 +11,11 @@ PKGS=(
   openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0 sniffio==1.3.1
   Jinja2==3.1.6 MarkupSafe==3.0.4   # model chat templates
   fla-core==0.6.0 einops==0.8.2     # KDA decode baseline in peregrine.bench.kernels_kda (pure Python + Triton)
+  tiktoken==0.14.0 regex==2026.11.19 safetensors==0.8.0 tokenizers==0.23.3  # Kimi tokenizer, checkpoints
+  # test-only: transformers' KimiLinearForCausalLM, the reference of tests/test_hf_conformance.py
+  transformers==5.24.0 huggingface-hub==2.4.0 hf-xet==1.8.0 pyyaml==6.0.4 tqdm==4.70.1 typer==0.29.2
+  shellingham==1.5.4 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0
+  requests==2.34.2 urllib3==2.8.0 charset-normalizer==3.5.3
 )
 mkdir -p .whl
 for p in "${PKGS[@]}"; do
