@@ -27,7 +27,24 @@ from peregrine.engine.build import build_engine
 from peregrine.testing import rel_rmse
 
 import transformers  # noqa: E402  test-only dependency, pinned in requirements-cpu.txt (>= 5.17 ships the model)
-from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
+
+
+def _transformers_torch_path():
+    """transformers' model on its own torch path: it binds fla's kernels at import where fla is installed
+    (the GPU machine), which would make the reference share code with peregrine's prefill (and fail on CPU
+    tensors). Hide fla while its modeling module is imported."""
+    import sys
+    saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "fla" or k.startswith("fla.")}
+    sys.modules["fla"] = None  # an import of fla now raises ImportError: transformers keeps its torch functions
+    try:
+        from transformers.models.kimi_linear import modeling_kimi_linear as mk
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(saved)
+    return transformers.KimiLinearConfig, mk.KimiLinearForCausalLM
+
+
+KimiLinearConfig, KimiLinearForCausalLM = _transformers_torch_path()
 
 TOL = 1e-4          # relative RMSE of FP32 logits
 NEW_TOKENS = 16
@@ -115,7 +132,7 @@ def _peregrine(folder, backend: str, prompt, extra: dict | None = None):
 
     def record(step):
         out = fwd(step)
-        rows.append(out.float().clone())
+        rows.append(out.float().cpu())  # the GPU pass: compared on the CPU
         return out
     e.runner.forward = record
     toks = e.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=0))[0]
