@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prefill / prefix caching / chunked mixing on one H200 (issue: time to first token at agent-size contexts).
-#   STEPS: any of tests kernels ttft serve (default: all, in that order); TESTS (test files); MODEL (kimi-linear-48b-a3b);
+#   STEPS: any of tests hf kernels kdarows ttft serve (default: tests kernels ttft serve, in that order); TESTS (test
+#   files) and K (a pytest -k filter) for tests; hf: the transformers conformance test; MODEL (kimi-linear-48b-a3b);
 #   LENGTHS (1024,8192,32768,131072); RUNS (3); CONC (1,4,8); T_<step> seconds per step (a killed step
 #   still leaves its log and the bundle); BACKEND for ttft (latency_specialized)
 # Results go to results/, logs to $OUT/logs; both come back as $OUT/bundle.tgz (the device returns 8 files).
@@ -17,8 +18,13 @@ for step in $STEPS; do
   lim=T_$step; lim=${!lim:-300}
   case $step in
     tests)
-      timeout -k 5 "$lim" python3 -m pytest -v --durations=15 -m gpu ${TESTS:-tests/test_kernels_mla_prefill.py tests/test_prefill.py} 2>&1 \
-        | tee "$OUT/pytest-prefill.log" || rc=1 ;;
+      timeout -k 5 "$lim" python3 -m pytest -v --durations=15 -m gpu ${TESTS:-tests/test_kernels_mla_prefill.py tests/test_prefill.py} \
+        ${K:+-k "$K"} 2>&1 | tee "$OUT/pytest-prefill.log" || rc=1 ;;
+    hf)
+      timeout -k 5 "$lim" python3 -m pytest -v --durations=10 tests/test_hf_conformance.py 2>&1 | tee "$OUT/pytest-hf.log" || rc=1 ;;
+    kdarows)
+      timeout -k 5 "$lim" python3 -m peregrine.bench.kda_rows --model "$MODEL" ${KDA_LENGTHS:+--lengths "$KDA_LENGTHS"} 2>&1 \
+        | tee "$OUT/kda-rows.log" || rc=1 ;;
     kernels)
       timeout -k 5 "$lim" python3 -m peregrine bench kernels --families mla_prefill 2>&1 | tee "$OUT/kernels-mla-prefill.log" || rc=1 ;;
     ttft)

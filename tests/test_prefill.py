@@ -73,6 +73,47 @@ def test_mla_prefill_through_the_flash_kernel_equals_the_pytorch_form(model):
     assert rel_rmse(a, b) < 1e-5 and rel_rmse(sa, sb) < 1e-5 and rel_rmse(la, lb) < 1e-5
 
 
+def test_short_prefill_rows_through_the_recurrence_kernel_equal_the_pytorch_form(model, monkeypatch):
+    """A mixed step (a decode row, a 37-token row that snapshots after 16 and 32 tokens, a 5-token row, all
+    after cached prefixes) with the short prefill rows through kernels/kda.py's one-kernel recurrence (the
+    interpreter; the GPU pass checks it at real widths, test_gpu_kda_prefill_paths_equal_the_pytorch_form):
+    the same logits, states, conv windows and snapshots as the PyTorch forms."""
+    from peregrine import kernels
+    from peregrine.kernels import kda as KK
+    from peregrine.models import kda as K
+    if not kernels.available("cpu"):
+        pytest.skip("runs under the Triton interpreter")
+    cfg, m = model
+    calls, real = [], KK.kda_decode
+    monkeypatch.setattr(KK, "kda_decode", lambda qkv, *a, **k: calls.append(qkv.shape[1]) or real(qkv, *a, **k))
+    g = torch.Generator().manual_seed(21)
+    toks = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (21, 50, 14)]
+    pre = (20, 13, 9)  # tokens of each sequence prefilled before the mixed step
+    tables = [list(range(j * 16, j * 16 + 16)) for j in range(3)]
+    res = []
+    for on in (True, False):
+        K.SHORT_ROWS_KERNEL = on
+        try:
+            c = new_cache(cfg, blocks=49)
+            c.snap_state = torch.full((len(cfg.kda_layers), 2, *c.state.shape[2:]), float("nan"))
+            c.snap_conv = torch.full((len(cfg.kda_layers), 2, *c.conv.shape[2:]), float("nan"))
+            slots = [c.allocate_slot() for _ in range(3)]
+            K.SHORT_ROWS_KERNEL = False  # the prefixes the same way in both runs
+            run(m, c, [(t[:n], 0, s, tb) for t, n, s, tb in zip(toks, pre, slots, tables)])
+            K.SHORT_ROWS_KERNEL = on
+            step = StepInput.build([(t[n:], n, s, tb) for t, n, s, tb in zip(toks, pre, slots, tables)], BS, "cpu")
+            step.kda_snapshots = {1: [(16, 0), (32, 1)]}
+            with torch.inference_mode():
+                out = m(step, c)
+            res.append((out, c.state.clone(), c.conv.clone(), c.snap_state.clone(), c.snap_conv.clone(), c.latent.clone()))
+        finally:
+            K.SHORT_ROWS_KERNEL = None
+    assert calls == [16, 16, 5, 5] * len(cfg.kda_layers)  # one launch per segment between cuts, then the 5-token row
+    for name, a, b in zip(("logits", "state", "conv", "snapshot state", "snapshot conv", "latent"), *res):
+        assert not a.isnan().any(), name
+        assert rel_rmse(a, b) < 1e-5, name
+
+
 def engine(prefix_caching: bool, preset="tiny-kimi-linear", **kw):
     ecfg = EngineConfig(device="cpu", dtype="fp32", max_model_len=512, max_num_seqs=2, block_size=16,
                         enable_prefix_caching=prefix_caching, cuda_graphs=False, **kw)
@@ -121,13 +162,18 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available() or __import__("os").envi
 
 @cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("T,cuts", [(333, (100, 257)), (100, (40, 64))])
 @pytest.mark.parametrize("preset", ["kimi-linear-48b-a3b", "k3-slice"])
-def test_fla_kda_prefill_equals_the_pytorch_form(preset):
+def test_gpu_kda_prefill_paths_equal_the_pytorch_form(preset, T, cuts, monkeypatch):
     """A KDA layer at real widths (softplus gate and low-rank output gate; K3: bounded gate, full-rank
-    output gate) prefilling 333 tokens after a non-zero state, with snapshots after 100 and 257 tokens:
-    fla's kernels (conv, fused gates and norms, chunk_kda, gated RMSNorm) against the PyTorch forms."""
+    output gate) prefilling after a non-zero state, with two snapshots on the way, against the PyTorch
+    forms: 333 tokens through fla's kernels (conv, fused gates and norms, chunk_kda, gated RMSNorm),
+    100 (<= SHORT_ROW_MAX_TOKENS) through the one-kernel recurrence, one launch per segment."""
     from peregrine.config import resolve_model
+    from peregrine.kernels import kda as KK
     from peregrine.models import kda as K
+    calls, real = [], KK.kda_decode
+    monkeypatch.setattr(KK, "kda_decode", lambda qkv, *a, **k: calls.append(qkv.shape[1]) or real(qkv, *a, **k))
     if K.fla_ops() is None:
         pytest.skip("fla-core is not installed")
     cfg, _ = resolve_model(preset)
@@ -137,23 +183,24 @@ def test_fla_kda_prefill_equals_the_pytorch_form(preset):
     for name, p in layer.named_parameters():
         p.data = (torch.randn_like(p.float()) * (0.5 if name in ("A_log", "dt_bias", "o_norm", "conv_w") else 0.02)).to(p.dtype)
     layer.o_norm.data += 1
-    T = 333
     x = torch.randn(T, cfg.hidden_size, device="cuda").to(torch.bfloat16)
     res = []
     for fast in (True, False):
-        K._FLA = None if fast else False
+        K._FLA, K.SHORT_ROWS_KERNEL = (None, None) if fast else (False, False)
         c = ModelCache(cfg, num_blocks=2, block_size=64, num_slots=2, dtype=torch.bfloat16, device="cuda", num_snapshots=2)
         kl = c.kda_index[layer.layer]
         g = torch.Generator(device="cuda").manual_seed(1)
         c.state[kl, 0] = torch.randn(c.state.shape[2:], device="cuda", generator=g) * 0.05
         c.conv[kl, 0] = torch.randn(c.conv.shape[2:], device="cuda", generator=g).to(c.conv.dtype)
         step = StepInput.build([(list(range(T)), 64, 0, [0] * 7)], 64, "cuda")
-        step.kda_snapshots = {0: [(100, 0), (257, 1)]}
+        step.kda_snapshots = {0: [(cuts[0], 0), (cuts[1], 1)]}
         with torch.inference_mode():
             out = layer(x, step, c)
         res.append((out.float(), c.state[kl, 0].clone(), c.conv[kl, 0].clone(), c.snap_state[kl].clone(),
                      c.snap_conv[kl].clone()))
-    K._FLA = None
+    K._FLA, K.SHORT_ROWS_KERNEL = None, None
+    short = T <= K.SHORT_ROW_MAX_TOKENS
+    assert calls == ([cuts[0], cuts[1] - cuts[0], T - cuts[1]] if short else [])
     (o1, s1, c1, ss1, sc1), (o2, s2, c2, ss2, sc2) = res
     assert rel_rmse(o1, o2) < 2e-2 and rel_rmse(s1, s2) < 2e-2 and rel_rmse(ss1, ss2) < 2e-2
     assert torch.equal(c1, c2) and torch.equal(sc1, sc2)  # conv windows are copies of inputs
@@ -172,7 +219,7 @@ def test_gpu_prefill_kernels_equal_the_pytorch_forms():
 
     def prefill(fast: bool):
         c = ModelCache(cfg, num_blocks=len(table) + 1, block_size=BS, num_slots=2, dtype=torch.bfloat16, device="cuda")
-        M.PREFILL_KERNEL, K._FLA = (None, None) if fast else (False, False)
+        M.PREFILL_KERNEL, K._FLA, K.SHORT_ROWS_KERNEL = (None, None, None) if fast else (False, False, False)
         try:
             slot, pos, out = c.allocate_slot(), 0, None
             for n in (300, 257, 143):  # chunks with a prefix: the kernel's start > 0 case
@@ -181,7 +228,7 @@ def test_gpu_prefill_kernels_equal_the_pytorch_forms():
                 pos += n
             return out.float(), c.state.clone()
         finally:
-            M.PREFILL_KERNEL, K._FLA = None, None
+            M.PREFILL_KERNEL, K._FLA, K.SHORT_ROWS_KERNEL = None, None, None
 
     fast, slow = prefill(True), prefill(False)
     assert rel_rmse(fast[0], slow[0]) < 3e-2 and rel_rmse(fast[1], slow[1]) < 3e-2

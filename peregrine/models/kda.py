@@ -18,6 +18,10 @@ QK_NORM_EPS = 1e-6  # eps of the q/k L2 norms (MODELS.md)
 CHUNK = 32  # KDA chunk: the intra-chunk [C, C, K] decay tensor grows with C, the chunk count shrinks
 CHUNKED_MIN_TOKENS = 64  # prefill chunks at least this long use the chunked form (no per-token loop)
 CONV1D_MIN_TOKENS = 64  # rows this long run the short conv as conv1d: unfold would materialise [T, C, W]
+SHORT_ROW_MAX_TOKENS = 128  # GPU prefill rows up to this long take the one-kernel recurrence (serial in T, but one
+#                             launch against fla's ~1 ms of per-call host work); longer ones fla's chunked kernels
+SHORT_ROWS_KERNEL: bool | None = None  # None: on the GPU outside FP32 runs (as fla); True: also on the CPU
+#                                         under the interpreter (tests); False: never
 
 
 def fla_ops():
@@ -219,20 +223,42 @@ class KDA(nn.Module):
         o = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
         return o[0], window(T)
 
+    def gate_norm(self, o: torch.Tensor, r: torch.Tensor, dtype) -> torch.Tensor:
+        """o [..., H, d] FP32, r [..., Hd] -> RMSNorm(o)·w ⊙ σ(r) [..., Hd] in dtype (W_o's input)."""
+        o = rms_norm(o, self.o_norm, self.cfg.rms_norm_eps).float() * torch.sigmoid(r.float()).unflatten(-1, (self.H, self.d))
+        return o.flatten(-2).to(dtype)
+
     def output(self, o: torch.Tensor, r: torch.Tensor, dtype) -> torch.Tensor:
         """o [..., H, d] FP32, r [..., Hd] -> W_o (RMSNorm(o)·w ⊙ σ(r))."""
-        o = rms_norm(o, self.o_norm, self.cfg.rms_norm_eps).float() * torch.sigmoid(r.float()).unflatten(-1, (self.H, self.d))
-        return o.flatten(-2).to(dtype) @ self.o_proj.T
+        return self.gate_norm(o, r, dtype) @ self.o_proj.T
+
+    def prefill_short(self, qkv, f, b, r, state, conv, slot, cuts, cache, kl, out) -> None:
+        """One short prefill row through the one-kernel recurrence (kernels/kda.py, the decode kernel, which
+        takes any T): conv, gates, L2 norms, the delta rule and the gated norm in one launch per segment
+        between snapshot cuts. Rows [T, ·] in the model dtype; `out` [T, Hd] receives W_o's input."""
+        from ..kernels.kda import kda_decode
+        lb = self.cfg.kda_gate_lower_bound
+        lo = 0
+        for hi, snap in cuts:
+            kda_decode(qkv[None, lo:hi], f[None, lo:hi], b[None, lo:hi], r[None, lo:hi], self.conv_w, self.A_log,
+                       self.dt_bias, self.o_norm, state, conv, slot, gate="softplus" if lb is None else "bounded",
+                       lower_bound=lb if lb is not None else -5.0, eps_qk=QK_NORM_EPS, eps_o=self.cfg.rms_norm_eps,
+                       out=out[None, lo:hi])
+            if snap is not None:  # the kernel left the state and the conv window (W-1 inputs before hi) in place
+                cache.snap_state[kl, snap] = state[slot][0]  # slot: a [1] device tensor (no host sync)
+                cache.snap_conv[kl, snap] = conv[slot][0]
+            lo = hi
 
     def forward(self, x: torch.Tensor, step, cache) -> torch.Tensor:
         kl = cache.kda_index[self.layer]
         state, conv = cache.state[kl], cache.conv[kl]
         qkv, f, b, r = self.project(x)
         W1 = self.cfg.kda_conv_size - 1
-        out = torch.empty(x.shape[0], self.H * self.d, dtype=torch.float32, device=x.device)
+        N, Hd = x.shape[0], self.H * self.d
+        out = torch.empty(N, Hd, dtype=x.dtype, device=x.device)  # W_o's input, row by row
         dec = [i for i, q in enumerate(step.q_lens) if q == 1]
         offs = torch.tensor([0] + step.q_lens, device="cpu").cumsum(0).tolist()
-        if dec:  # decode sequences together: one token each
+        if dec:  # decode sequences together: one token each, the PyTorch form (the oracle of the decode kernels)
             tok, rows = step.decode_rows()[1:] if len(dec) < len(step.q_lens) else (None, None)
             sel = (lambda t: t) if tok is None else (lambda t: t[tok])  # noqa: E731
             slots = step.kda_slots if tok is None else step.kda_slots[rows]
@@ -241,25 +267,33 @@ class KDA(nn.Module):
             S = state[slots]
             o = self.mix(causal_conv(x_ext, self.conv_w), sel(f).unsqueeze(1), sel(b).unsqueeze(1), S)
             state[slots] = S
-            o = o[:, 0].flatten(-2)
+            o = self.gate_norm(o[:, 0], sel(r), x.dtype)
             if tok is None:
                 out = o
             else:
                 out[tok] = o
         snaps = getattr(step, "kda_snapshots", None) or {}
-        ops = fla_ops() if x.is_cuda and getattr(step, "kda_ckpt", None) is None else None
-        fast = []  # (row start, row end, o) of rows fla served: [T, H, d] in the model dtype
+        # FP32 runs are the oracle: fla's dots take FP32 inputs at TF32 (~1e-3), so they use the torch forms;
+        # verify rows (kda_ckpt) need the state after every position, which only the torch form records
+        plain = getattr(step, "kda_ckpt", None) is None
+        fast_ok = x.is_cuda and x.dtype != torch.float32 and plain
+        ops = fla_ops() if fast_ok else None
+        short = plain and (fast_ok if SHORT_ROWS_KERNEL is None else SHORT_ROWS_KERNEL) and _kernel_ok(x.device)
         for i, q in enumerate(step.q_lens):
             if q == 1:
                 continue
             a, e = offs[i], offs[i + 1]
             s = step.kda_slots[i:i + 1]
             cuts = sorted(snaps.get(i, [])) + [(q, None)]  # prefix caching: states taken on the way
-            if ops is not None:  # every prefill row: fla's few kernels beat a per-token loop at any length
+            if short and q <= SHORT_ROW_MAX_TOKENS:
+                self.prefill_short(qkv[a:e], f[a:e], b[a:e], r[a:e], state, conv, s, cuts, cache, kl, out[a:e])
+                continue
+            if ops is not None:  # long rows: fla's few kernels (chunked) beat a per-token loop at any length
                 S = state[s]
                 o, conv[s] = self.prefill_fla(ops, qkv[a:e].contiguous(), f[a:e], b[a:e], S, conv[s][0], cuts, cache, kl)
                 state[s] = S
-                fast.append((a, e, o))
+                out[a:e] = ops.rms_norm_gated(o.reshape(-1, self.d), r[a:e].reshape(-1, self.d).contiguous(), self.o_norm,
+                                              None, activation="sigmoid", eps=self.cfg.rms_norm_eps).view(q, -1).to(x.dtype)
                 continue
             x_ext = torch.cat([conv[s], qkv[a:e].unsqueeze(0).to(conv.dtype)], 1)
             conv[s] = x_ext[:, -W1:]
@@ -277,13 +311,10 @@ class KDA(nn.Module):
                     cache.snap_conv[kl, snap] = x_ext[0, hi:hi + W1]  # the W-1 inputs before that position
                 lo = hi
             state[s] = S
-            out[a:e] = torch.cat(o, 1)[0].flatten(-2)
-        if fast and len(fast) == len(step.q_lens):
-            # every row came from fla: the gated RMSNorm in one kernel, no FP32 round trip
-            o = fast[0][2] if len(fast) == 1 else torch.cat([t for *_, t in fast])
-            o = ops.rms_norm_gated(o.reshape(-1, self.d), r.reshape(-1, self.d).contiguous(), self.o_norm, None,
-                                   activation="sigmoid", eps=self.cfg.rms_norm_eps)
-            return o.view(x.shape[0], -1).to(x.dtype) @ self.o_proj.T
-        for a, e, o in fast:
-            out[a:e] = o.float().flatten(-2)
-        return self.output(out.unflatten(-1, (self.H, self.d)), r, x.dtype)
+            out[a:e] = self.gate_norm(torch.cat(o, 1)[0], r[a:e], x.dtype)
+        return out @ self.o_proj.T
+
+
+def _kernel_ok(device) -> bool:
+    from .. import kernels
+    return kernels.available(device)
