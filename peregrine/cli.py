@@ -26,6 +26,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    metavar="N", help=f"prompt tokens in a step that also decodes running requests (default "
                                      f"{EngineConfig.max_prefill_tokens_while_decoding}): bounds their inter-token latency "
                                      "while another prompt prefills")
+    g.add_argument("--prefill-piece-layers", type=int, default=None, metavar="N",
+                   help="run such a step's prefill rows in pieces of N layers with a decode step of the running "
+                        "requests between two pieces: they wait about one piece per token, not the whole chunk "
+                        "(default 6; 0: off)")
     g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
                    help="reuse the cached MLA blocks and KDA state snapshots of earlier prompts (default on)")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -48,6 +52,7 @@ def engine_config(args) -> EngineConfig:
     ecfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
+                        prefill_piece_layers=args.prefill_piece_layers,
                         enable_prefix_caching=args.enable_prefix_caching,
                         kv_cache_dtype=args.kv_cache_dtype, device=args.device, dtype=args.dtype, seed=args.seed,
                         tensor_parallel_size=args.tensor_parallel_size)

@@ -293,6 +293,10 @@ class EngineConfig:
     # prompt tokens in a step that also carries decodes: bounds how long a running request waits
     # for a token while another prompt prefills (the inter-token latency tail)
     max_prefill_tokens_while_decoding: int = 2048
+    # such a chunk runs in pieces of this many layers, a decode step of the running requests between two
+    # pieces, so they wait ~one piece per token instead of the whole chunk (None: the engine's default,
+    # 6; 0: off, the chunk and the decodes share one step; tensor parallel: off)
+    prefill_piece_layers: int | None = None
     enable_prefix_caching: bool = True        # reuse cached MLA blocks + KDA snapshots of earlier prompts
     prefix_cache_snapshots: int | None = None  # KDA state snapshots kept (default: sized from memory)
     block_size: int = 64                      # tokens per MLA cache block
@@ -324,6 +328,7 @@ class EngineConfig:
         "pdl": "bool",
         "tp_slice_replicated": "bool",
         "prefix_cache_snapshots": "int >= 0",
+        "prefill_piece_layers": "int >= 0 (0: off)",
     }
 
     def apply_additional_config(self, text_or_dict) -> None:
@@ -344,8 +349,8 @@ class EngineConfig:
                 raise ConfigError(f"--additional-config: max_decode_batch must be an int in 1..16, got {v!r}")
             if k == "tp_allreduce" and v not in TP_ALLREDUCE:
                 raise ConfigError(f"--additional-config: tp_allreduce must be one of {', '.join(TP_ALLREDUCE)}, got {v!r}")
-            if k == "prefix_cache_snapshots" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                raise ConfigError(f"--additional-config: prefix_cache_snapshots must be an int >= 0, got {v!r}")
+            if k in ("prefix_cache_snapshots", "prefill_piece_layers") and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ConfigError(f"--additional-config: {k} must be an int >= 0, got {v!r}")
             if k in ("cuda_graphs", "pdl", "decode_lookahead", "tp_slice_replicated") and not isinstance(v, bool):
                 raise ConfigError(f"--additional-config: {k} must be true or false, got {v!r}")
             setattr(self, k, v)
@@ -366,5 +371,7 @@ class EngineConfig:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_prefill_tokens_while_decoding < 1:
             raise ConfigError(f"max_prefill_tokens_while_decoding must be >= 1, got {self.max_prefill_tokens_while_decoding}")
+        if self.prefill_piece_layers is not None and self.prefill_piece_layers < 0:
+            raise ConfigError(f"prefill_piece_layers must be >= 0 (0: off), got {self.prefill_piece_layers}")
         if self.prefix_cache_snapshots is not None and self.prefix_cache_snapshots < 0:
             raise ConfigError(f"prefix_cache_snapshots must be >= 0, got {self.prefix_cache_snapshots}")

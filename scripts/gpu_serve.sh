@@ -3,7 +3,8 @@
 # `peregrine serve`, wait for /health, drive it with `peregrine bench serve`, save /metrics,
 # SIGTERM (drains), next backend; then one plot of both. Server logs and metrics go to $OUT.
 #   MODEL (kimi-linear-48b-a3b, dummy weights), BACKENDS, CONC (1,2,4,8), ISL (1024), OSL (128),
-#   NP (requests per level; default 5 x concurrency), RATE (Poisson arrivals/s), PORT, READY_TIMEOUT (s)
+#   NP (requests per level; default 5 x concurrency), RATE (Poisson arrivals/s), PORT, READY_TIMEOUT (s).
+#   A BACKENDS entry "backend@N" also sets prefill_piece_layers N (label backend-piecesN): same-run A/B
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ -f .commit ] && export PEREGRINE_COMMIT=${PEREGRINE_COMMIT:-$(cat .commit)}  # the device copy's git HEAD can be stale
@@ -16,9 +17,11 @@ RATE_ARG=${RATE:+--request-rate $RATE}  # RATE: Poisson arrivals per second (def
 URL=http://127.0.0.1:$PORT
 get() { $PY -c "import sys, urllib.request as u; sys.stdout.write(u.urlopen(sys.argv[1], timeout=5).read().decode())" "$1" 2>/dev/null; }
 runs=(); rc=0
-for be in $BACKENDS; do
+for spec in $BACKENDS; do
+  be=${spec%@*}; extra=""
+  if [[ $spec == *@* ]]; then extra=", \"prefill_piece_layers\": ${spec#*@}"; label="$be-pieces${spec#*@}"; else label=$be; fi
   $PY -m peregrine serve --model "$MODEL" --dummy-weights --port "$PORT" --max-num-seqs 8 \
-      --additional-config "{\"decode_backend\": \"$be\"}" > "$OUT/serve-$be.log" 2>&1 &
+      --additional-config "{\"decode_backend\": \"$be\"$extra}" > "$OUT/serve-$label.log" 2>&1 &
   pid=$!
   for _ in $(seq 1 "${READY_TIMEOUT:-300}"); do
     get "$URL/health" > /dev/null && break
@@ -26,13 +29,13 @@ for be in $BACKENDS; do
     sleep 1
   done
   if ! get "$URL/health" > /dev/null; then
-    echo "server ($be) did not become healthy; log tail:"; tail -20 "$OUT/serve-$be.log"; kill -9 $pid 2>/dev/null; rc=1; continue
+    echo "server ($label) did not become healthy; log tail:"; tail -20 "$OUT/serve-$label.log"; kill -9 $pid 2>/dev/null; rc=1; continue
   fi
   $PY -m peregrine bench serve --base-url "$URL" --max-concurrency "$CONC" --input-len "$ISL" --output-len "$OSL" \
-      $NP_ARG $RATE_ARG --label "$be" --results-dir results 2>&1 | tee "$OUT/bench-serve-$be.log" || rc=1
-  get "$URL/metrics" > "$OUT/metrics-$be.txt"
-  kill -TERM $pid; wait $pid; echo "server ($be) exit $?"
-  runs+=("$(ls -t results/*-"$MODEL"-serve-"$be".json | head -1)")
+      $NP_ARG $RATE_ARG --label "$label" --results-dir results 2>&1 | tee "$OUT/bench-serve-$label.log" || rc=1
+  get "$URL/metrics" > "$OUT/metrics-$label.txt"
+  kill -TERM $pid; wait $pid; echo "server ($label) exit $?"
+  runs+=("$(ls -t results/*-"$MODEL"-serve-"$label".json | head -1)")
 done
 [ ${#runs[@]} -gt 0 ] && $PY -m peregrine.bench.serve "results/$(basename "${runs[0]%-serve-*}")-serve.png" "${runs[@]}"
 exit $rc

@@ -115,7 +115,8 @@ def test_short_prefill_rows_through_the_recurrence_kernel_equal_the_pytorch_form
 
 
 def engine(prefix_caching: bool, preset="tiny-kimi-linear", **kw):
-    ecfg = EngineConfig(device="cpu", dtype="fp32", max_model_len=512, max_num_seqs=2, block_size=16,
+    kw = {"max_model_len": 512, **kw}
+    ecfg = EngineConfig(device="cpu", dtype="fp32", max_num_seqs=2, block_size=16,
                         enable_prefix_caching=prefix_caching, cuda_graphs=False, **kw)
     ecfg.extra["lm_head_scale"] = LM_HEAD_SCALE
     eng, _ = build_engine(preset, ecfg, dummy_weights=True, log=lambda m: None)

@@ -205,12 +205,13 @@ def run(model: str, lengths: list[int], runs: int = 3, dummy_weights: bool = Tru
 
 
 def mixed_step_cost(engine, vocab: int, reps: int = 3) -> dict:
-    """What a running decode pays when a prompt's chunk joins its step (the step falls back from the
-    specialized path to the standard one): a decode-only step, a prefill-only step of one chunk, and
-    the mixed step of both, host-timed as the engine runs them (medians of `reps`)."""
+    """What a running decode pays when a prompt's chunk is scheduled beside it: a decode-only step, a
+    prefill-only step of one chunk, and the steps that carry the chunk with the decode (one mixed step
+    on the standard path, or with prefill pieces one decode step per piece): the decode's longest wait
+    for a token among them, their count and total, host-timed as the engine runs them (medians of `reps`)."""
     from ..engine import SamplingParams
     chunk = engine.scheduler.decode_budget
-    dec, pre, mixed = [], [], []
+    dec, pre, mixed, nsteps, total = [], [], [], [], []
     for r in range(reps):
         engine.add_request(random_prompt(chunk, vocab, 500 + r), SamplingParams(max_tokens=1, ignore_eos=True))
         while engine.has_unfinished():
@@ -223,20 +224,26 @@ def mixed_step_cost(engine, vocab: int, reps: int = 3) -> dict:
         for _ in range(8):
             engine.step()
             dec.append(engine.last_step.duration_s * 1e3)
-        engine.add_request(random_prompt(chunk, vocab, 700 + r), SamplingParams(max_tokens=1, ignore_eos=True))
-        for _ in range(4):
+        done = []
+        engine.add_request(random_prompt(chunk, vocab, 700 + r), SamplingParams(max_tokens=1, ignore_eos=True),
+                           on_token=lambda o: done.append(o.finished))
+        waits = []
+        while not any(done) and len(waits) < 64:
             engine.step()
-            st = engine.last_step
-            if st.num_prefill_tokens == chunk and st.num_decode_seqs == 1:
-                mixed.append(st.duration_s * 1e3)
-                break
+            if engine.last_step.num_decode_seqs == 1:
+                waits.append(engine.last_step.duration_s * 1e3)
+        mixed.append(max(waits))
+        nsteps.append(len(waits))
+        total.append(sum(waits))
         engine.abort(rid)
         while engine.has_unfinished():
             engine.step()
     med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
-    return {"chunk_tokens": chunk, "decode_ms": med(dec), "prefill_ms": med(pre), "mixed_ms": med(mixed),
+    return {"chunk_tokens": chunk, "piece_layers": engine.piece_layers, "decode_ms": med(dec), "prefill_ms": med(pre),
+            "mixed_ms": med(mixed), "steps_with_chunk": med(nsteps), "chunk_total_ms": med(total),
             "decode_samples_ms": dec, "prefill_samples_ms": pre, "mixed_samples_ms": mixed,
-            "fallback_cost_ms": med(mixed) - med(pre)}
+            "steps_with_chunk_samples": nsteps, "chunk_total_samples_ms": total,
+            "fallback_cost_ms": med(total) - med(pre)}
 
 
 def user_turn(engine, length: int, ttft_ms: float, n: int, vocab: int) -> dict:
@@ -273,9 +280,12 @@ def markdown(p: dict) -> str:
                        f"{v['weight_read_floor_ms']:.1f} | {pct} |")
     m = p.get("mixed_step")
     if m:
-        out += ["", f"A {m['chunk_tokens']}-token prefill chunk joining one running decode (the step falls back to the "
-                    f"standard path): mixed step {m['mixed_ms']:.1f} ms vs prefill alone {m['prefill_ms']:.1f} ms and "
-                    f"decode alone {m['decode_ms']:.2f} ms (the decode waits {m['mixed_ms']:.1f} ms for that token)"]
+        how = (f"in prefill pieces of {m['piece_layers']} layers, a decode step between two"
+               if m.get("piece_layers") else "in one mixed step on the standard path")
+        out += ["", f"A {m['chunk_tokens']}-token prefill chunk scheduled beside one running decode, {how}: "
+                    f"{m.get('steps_with_chunk', 1):.0f} steps, {m.get('chunk_total_ms', m['mixed_ms']):.1f} ms in all; "
+                    f"the decode's longest wait for a token {m['mixed_ms']:.1f} ms (prefill alone {m['prefill_ms']:.1f} ms, "
+                    f"decode alone {m['decode_ms']:.2f} ms)"]
     u = p.get("user_turn")
     if u:
         out += ["", f"A user's turn at {u['length']} tokens: TTFT {u['ttft_ms']:.0f} ms + 500 × ITL {u['itl_ms']:.2f} ms "

@@ -93,12 +93,20 @@ class SpecializedRunner:
             return "unsupported feature: speculative verify on K3 layers"
         return None
 
+    def _fall_back(self, reason: str) -> None:
+        if reason not in self.fallback_reasons:
+            self.log(f"latency_specialized: falling back to standard ({reason}); counted from now on")
+        self.fallback_reasons[reason] += 1
+
+    def forward_pieces(self, step, layers_per_piece: int):
+        """A prefill chunk run in pieces beside decode steps: the standard path's, counted as a fallback."""
+        self._fall_back(self.why_not(step) or "prefill pieces")
+        return self.standard.forward_pieces(step, layers_per_piece)
+
     def forward(self, step) -> torch.Tensor:
         reason = self.why_not(step)
         if reason is not None:
-            if reason not in self.fallback_reasons:
-                self.log(f"latency_specialized: falling back to standard ({reason}); counted from now on")
-            self.fallback_reasons[reason] += 1
+            self._fall_back(reason)
             self.last_path, self.greedy_tokens = "standard", None
             return self.standard.forward(step)
         self.last_path = self.name

@@ -171,6 +171,16 @@ class StandardRunner:
             self.record_step_routing()
         return logits
 
+    def forward_pieces(self, step: StepInput, layers_per_piece: int):
+        """An eager forward in pieces of layers: -> advance(), which launches the next piece and returns
+        None, or the logits after the last (engine: prefill pieces beside running decodes)."""
+        gen = self.model.forward_pieces(step, self.cache, layers_per_piece)
+
+        def advance():
+            with torch.inference_mode():  # per piece: the caller's code between pieces runs outside it
+                return next(gen)
+        return advance
+
     def record_step_routing(self) -> None:
         """Distinct experts each MoE layer used in the step just run (host sync: untimed passes only)."""
         self._routing.append([int(torch.unique(l.mlp.last_ids).numel()) for l in self.model.layers if l.is_moe])

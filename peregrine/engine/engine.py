@@ -3,6 +3,11 @@
 With speculative decoding on (peregrine/spec), a step whose decoding sequences got drafts is a
 verify step instead: several tokens per sequence may be accepted, each checked for stops in order.
 
+With prefill pieces (prefill_piece_layers), a prefill chunk scheduled beside running decodes does not
+hold them for its whole forward: the chunk's rows run as their own forward, a few layers per engine
+step, and every step between two pieces is a decode step of the running requests (their cache
+entries are disjoint from the chunk's; the chunk's sequences are "in flight" until its last piece).
+
 With decode lookahead (engine/lookahead.py), a greedy pure-decode step whose next step is certain
 launches that next forward before reading its own tokens; the next step() then takes that forward's
 results instead of scheduling one.
@@ -34,6 +39,17 @@ from .stops import TextState
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 4096  # cap when the user sets none: keeps the block reservation per request modest
+DEFAULT_PIECE_LAYERS = 6  # layers per prefill piece: the 48B's 27 layers in 5 pieces (its whole mixed step measured 132 ms)
+
+
+class Inflight:
+    """A prefill forward run in pieces: its rows, step input, planned snapshots, logits rows, and the
+    runner's advance() (None until the last piece returns the logits)."""
+
+    def __init__(self, batch, step, last, snaps, advance):
+        self.batch, self.step, self.last, self.snaps, self.advance = batch, step, last, snaps, advance
+        self.seqs = {id(s) for s, _ in batch}
+        self.pieces = 0
 
 
 class LLMEngine:
@@ -67,6 +83,10 @@ class LLMEngine:
         # lookahead needs a runner whose argmax stays on the device and can feed the next step's ids
         self.lookahead = bool(getattr(engine_cfg, "decode_lookahead", True) and getattr(runner, "lookahead", False))
         self._ahead: Ahead | None = None  # the forward the last step launched for the next one
+        pl = getattr(engine_cfg, "prefill_piece_layers", None)
+        can = hasattr(runner, "forward_pieces") and getattr(engine_cfg, "tensor_parallel_size", 1) == 1
+        self.piece_layers = (DEFAULT_PIECE_LAYERS if pl is None else pl) if can else 0
+        self._inflight: Inflight | None = None  # the prefill forward being run in pieces
         self.spec = None
         if getattr(engine_cfg, "speculative_config", None):
             self.enable_speculation(engine_cfg.speculative_config)
@@ -145,7 +165,7 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self._live)
+            return bool(self._live) or self._inflight is not None  # an aborted in-flight chunk still holds its cache
 
     # ---- engine thread ----
     def _drain(self) -> list[RequestOutput]:
@@ -161,11 +181,17 @@ class LLMEngine:
                 continue
             seq.finish_reason = "abort"
             self.stats["aborted_requests"] += 1
-            outs.append(self._finish(seq, []))
+            # a chunk in flight still has pieces to launch that write its blocks and slot: they are
+            # given back when its last piece has run
+            outs.append(self._finish(seq, [], release=not self._in_flight(seq)))
         return outs
 
-    def _finish(self, seq: Sequence, new: list[int]) -> RequestOutput:
-        self.scheduler.remove(seq)
+    def _in_flight(self, seq: Sequence) -> bool:
+        return self._inflight is not None and id(seq) in self._inflight.seqs
+
+    def _finish(self, seq: Sequence, new: list[int], release: bool = True) -> RequestOutput:
+        if release:
+            self.scheduler.remove(seq)
         if self.spec is not None:
             self.spec.release(seq)
         with self._lock:
@@ -203,24 +229,35 @@ class LLMEngine:
             if ahead is not None and all(s.finished for s, _ in ahead.batch):  # all stopped or aborted since
                 self.stats["lookahead_discarded_tokens"] += len(ahead.batch)
                 ahead = None
-            batch = ahead.batch if ahead is not None else self.scheduler.schedule()
-            if not batch:
-                return outputs
+            # while a chunk is in flight only the running decodes are scheduled (its rows are mid-forward)
+            batch = ahead.batch if ahead is not None else self.scheduler.schedule(prefill=self._inflight is None)
             self._cache_ops([("load", snap, slot) for snap, slot in self.scheduler.take_loads()])
+            n_prefill = 0
+            if ahead is None and self._pieces_wanted(batch):
+                pre = [(s, n) for s, n in batch if s.in_prefill]
+                batch = [(s, n) for s, n in batch if not s.in_prefill]
+                self._inflight = self._start_pieces(pre)
+                n_prefill = sum(n for _, n in pre)
+            if not batch and self._inflight is None:
+                return outputs
             live = [(s, n) for s, n in batch if not s.finished]
-            n_prefill = sum(n for s, n in live if s.in_prefill)
+            n_prefill += sum(n for s, n in live if s.in_prefill)
             n_decode = sum(1 for s, _ in live if not s.in_prefill)
-            spec = (self.spec.step(batch) if self.spec is not None and ahead is None
+            spec = (self.spec.step(batch) if self.spec is not None and ahead is None and batch
                     and not logprobs.wants_prompt_rows(batch) else None)  # prompt logprobs: every row's logits
             d0 = (self.spec.stats["num_draft_tokens"], self.spec.stats["num_accepted_tokens"]) if spec else (0, 0)
-            if spec is None:
-                new, path = self._plain_step(batch, ahead)
-            else:
+            path, new = "standard", []
+            if spec is not None:
                 step, drafts, T = spec
                 logits = self._forward(step, len(step.logits_idx))
                 path = getattr(self.runner, "last_path", "standard")
                 new = self.spec.finish(batch, step, drafts, T, logits)
                 self._after_forward(batch, {})
+            elif batch:
+                new, path = self._plain_step(batch, ahead)
+            piece = self._inflight is not None
+            if piece:
+                new += self._advance_pieces()
             n_new = 0
             for seq, toks in new:
                 if seq.finished:  # stopped or aborted after this forward was launched ahead
@@ -240,11 +277,47 @@ class LLMEngine:
                                       self.spec.stats["num_accepted_tokens"] - d0[1] if spec else 0,
                                       lookahead=ahead is not None)
             kind = "decode" if not n_prefill else ("prefill" if not n_decode else "mixed")
+            if piece:
+                kind = "decode + prefill piece" if n_decode else "prefill pieces"
             k = self.stats["step_kinds"].setdefault(kind, {"steps": 0, "seconds": 0.0, "prefill_tokens": 0})
             k["steps"] += 1
             k["seconds"] += self.last_step.duration_s
             k["prefill_tokens"] += n_prefill
             return outputs
+
+    # ---- prefill pieces: a chunk beside running decodes, a few layers per step ----
+    def _pieces_wanted(self, batch) -> bool:
+        """Whether this step's prefill rows should run in pieces: somebody decodes, and the rows'
+        forward may be split (not a speculative step, a runner that can)."""
+        if not self.piece_layers or self._inflight is not None or self.spec is not None:
+            return False
+        return any(s.in_prefill for s, _ in batch) and any(not s.in_prefill for s, _ in batch)
+
+    def _start_pieces(self, pre) -> Inflight:
+        step, last, snaps = self._build_step(pre)
+        return Inflight(pre, step, last, snaps, self.runner.forward_pieces(step, self.piece_layers))
+
+    def _advance_pieces(self) -> list[tuple[Sequence, list[int]]]:
+        """Launch the next piece (all the rest when nobody decodes any more); after the last one, the
+        chunk's sequences are sampled like any step's, and aborted ones give their cache back."""
+        fl = self._inflight
+        decoding = any(not s.in_prefill and not s.finished for s in self.scheduler.running)
+        out = fl.advance()
+        fl.pieces += 1
+        while out is None and not decoding:
+            out = fl.advance()
+            fl.pieces += 1
+        if out is None:
+            return []
+        self._inflight = None
+        if out.shape[0] != fl.last[-1] + 1:
+            raise RuntimeError(f"runner returned logits for {out.shape[0]} rows, expected {fl.last[-1] + 1}")
+        logits = logprobs.split_prompt_rows(fl.batch, out, fl.last)
+        new, _ = self._complete(fl.batch, logits, None, "standard", fl.snaps)
+        for s, _ in fl.batch:
+            if s.finished:  # aborted while in flight
+                self.scheduler.remove(s)
+        return new
 
     def _forward(self, step: StepInput, rows: int):
         logits = self.runner.forward(step)
@@ -252,25 +325,35 @@ class LLMEngine:
             raise RuntimeError(f"runner returned logits for {logits.shape[0]} rows, expected {rows}")
         return logits
 
+    def _build_step(self, batch) -> tuple[StepInput, list[int], dict]:
+        """The forward's input for these rows: each sequence's scheduled tokens; the logits rows (None:
+        each sequence's last token) and the planned KDA snapshots."""
+        bs = self.cache.block_size
+        seqs = []
+        for seq, n in batch:
+            start = seq.num_cached
+            table = seq.blocks[: -(-(start + n) // bs)]  # only the blocks this step can touch
+            seqs.append((seq.token_ids[start:start + n], start, seq.kda_slot, table))
+        step = StepInput.build(seqs, bs, self.device)
+        step.logits_idx, last = logprobs.prompt_rows(batch, self.device)
+        return step, last, self._plan_snapshots(batch, step)
+
     def _plain_step(self, batch, ahead: Ahead | None = None) -> tuple[list[tuple[Sequence, list[int]]], str]:
         """One forward with each sequence's scheduled tokens (or the one the last step launched
         ahead); sample the sequences now fully cached. -> (sequence, tokens) rows and the path."""
         if ahead is None:
-            bs = self.cache.block_size
-            seqs = []
-            for seq, n in batch:
-                start = seq.num_cached
-                table = seq.blocks[: -(-(start + n) // bs)]  # only the blocks this step can touch
-                seqs.append((seq.token_ids[start:start + n], start, seq.kda_slot, table))
-            step = StepInput.build(seqs, bs, self.device)
-            step.logits_idx, last = logprobs.prompt_rows(batch, self.device)  # None: each sequence's last token
-            snaps = self._plan_snapshots(batch, step)
+            step, last, snaps = self._build_step(batch)
             logits = logprobs.split_prompt_rows(batch, self._forward(step, last[-1] + 1), last)
             greedy = getattr(self.runner, "greedy_tokens", None)  # argmax already taken inside the step
             path = getattr(self.runner, "last_path", "standard")
         else:
             logits, greedy, path = ahead.logits, ahead.greedy, ahead.path
             snaps = {}
+        return self._complete(batch, logits, greedy, path, snaps)
+
+    def _complete(self, batch, logits, greedy, path: str, snaps: dict) -> tuple[list[tuple[Sequence, list[int]]], str]:
+        """After a forward of `batch`: advance each sequence's cached count, keep the step's cache
+        blocks and snapshots, and sample the sequences now fully cached."""
         ready = []  # rows whose sequence has every token in the cache: sample those
         for i, (seq, n) in enumerate(batch):
             seq.num_cached += n

@@ -73,10 +73,13 @@ class Scheduler:
         self.pc.note_query(seq.prompt_len, hit)
         self.running.append(seq)
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        """(sequence, number of new tokens) for this step: decodes first, prefill chunks within budget."""
+    def schedule(self, prefill: bool = True) -> list[tuple[Sequence, int]]:
+        """(sequence, number of new tokens) for this step: decodes first, prefill chunks within budget
+        (none with prefill=False: the engine has a chunk in flight)."""
         decoding = any(not s.in_prefill for s in self.running)
         budget = self.decode_budget if decoding else self.max_num_batched_tokens
+        if not prefill:
+            budget = 0
         out: list[tuple[Sequence, int]] = []
         for seq in self.running:
             n = len(seq.token_ids) - seq.num_cached

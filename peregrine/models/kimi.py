@@ -137,7 +137,21 @@ class KimiModel(nn.Module):
 
     def forward(self, step, cache, record: list | None = None) -> torch.Tensor:
         """Logits [S, V] FP32 of each sequence's last new token."""
-        h = self.hidden_states(step, cache, record)
+        return self._logits(self.hidden_states(step, cache, record), step)
+
+    def _logits(self, h: torch.Tensor, step) -> torch.Tensor:
         if step.is_decode:
             return self.compute_logits(h)
         return self.compute_logits(h[step.logits_indices], step.logits_indices)
+
+    def forward_pieces(self, step, cache, layers_per_piece: int):
+        """forward() as a generator over groups of layers: yields None after each group but the last,
+        then the logits. Between two pieces other steps may run, on other sequences' cache entries."""
+        x = self.embed(step.input_ids)
+        blocks: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_res(x, blocks, step, cache) if layer.res else layer(x, step, cache)
+            if (i + 1) % layers_per_piece == 0 and i + 1 < len(self.layers):
+                yield None
+        self._blocks = blocks  # (set here: a step run between two pieces has its own)
+        yield self._logits(x, step)

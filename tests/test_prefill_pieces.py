@@ -1,0 +1,101 @@
+"""Prefill pieces: a chunk scheduled beside running decodes runs a few layers per engine step, with a
+decode step of the running requests between two pieces. Tokens must be exactly those of the shared
+(mixed) step, the decodes must get a token at every piece, and an abort while the chunk is in flight
+must not hand its blocks or slot to anybody before its last piece has run."""
+from __future__ import annotations
+
+import torch
+
+from peregrine.engine import SamplingParams
+from test_prefill import engine
+
+PIECE = 2        # layers per piece: tiny-kimi-linear's 5 layers in 3 pieces
+CHUNK = 64       # prompt tokens per step while somebody decodes
+G = torch.Generator().manual_seed(31)
+A = torch.randint(0, 320, (40,), generator=G).tolist()
+B = A + torch.randint(0, 320, (150,), generator=G).tolist()  # shares A's prompt: its 2 full blocks (32 tokens) hit
+
+
+def run(pieces: int, abort_b_after: int | None = None, prefix_caching: bool = True):
+    """A decodes; B arrives after A's 4th token. -> (tokens per request, per step the requests that got
+    a token, the engine)."""
+    e = engine(prefix_caching, max_num_batched_tokens=256, max_prefill_tokens_while_decoding=CHUNK,
+               prefill_piece_layers=pieces)
+    toks, steps = {"a": [], "b": []}, []
+    e.add_request(A, SamplingParams(max_tokens=30, ignore_eos=True), request_id="a")
+    while len(toks["a"]) < 4:
+        for o in e.step():
+            toks[o.request_id] += o.new_token_ids
+    e.add_request(B, SamplingParams(max_tokens=8, ignore_eos=True), request_id="b")
+    n = 0
+    while e.has_unfinished():
+        outs = e.step()
+        n += 1
+        if abort_b_after is not None and n == abort_b_after:
+            assert e._inflight is not None, "B's chunk should be in flight"
+            e.abort("b")
+        steps.append({o.request_id for o in outs if o.new_token_ids})
+        for o in outs:
+            toks[o.request_id] += o.new_token_ids
+    return toks, steps, e
+
+
+def test_pieces_give_the_mixed_steps_tokens_and_a_decode_per_piece():
+    on, steps_on, e_on = run(PIECE)
+    off, steps_off, _ = run(0)
+    assert on == off and len(on["a"]) == 30 and len(on["b"]) == 8
+    # B's 158 new tokens after its 32 reused: chunks of 64, 64, 30, then B's first token.
+    # Shared steps: one per chunk, A's token in each; pieces: 3 per chunk, A's token in each
+    before_b = lambda steps: next(i for i, s in enumerate(steps) if "b" in s)  # noqa: E731
+    assert all("a" in s for s in steps_on[:before_b(steps_on) + 1])
+    assert before_b(steps_off) == 2 and before_b(steps_on) == 3 * 3 - 1
+    kinds = e_on.stats["step_kinds"]
+    assert kinds["decode + prefill piece"]["steps"] == 9 and kinds["decode + prefill piece"]["prefill_tokens"] == 158
+    assert "mixed" not in kinds
+    assert e_on.prefix_cache.stats["hit_tokens"] == 32  # B reused A's full prompt blocks (and a KDA snapshot)
+
+
+def test_pieces_with_prefix_caching_equal_no_caching():
+    assert run(PIECE)[0] == run(PIECE, prefix_caching=False)[0]
+
+
+def test_abort_in_flight_keeps_the_chunks_cache_until_its_last_piece():
+    alone, _, _ = run(0, abort_b_after=None)
+    e = engine(True, prefill_piece_layers=PIECE)
+    free_slots = e.cache.num_free_slots
+    toks, steps, e = run(PIECE, abort_b_after=1)
+    assert toks["a"] == alone["a"] and toks["b"] == []
+    assert e._inflight is None and e.cache.num_free_slots == free_slots
+    assert not e.scheduler.running and not e.scheduler.waiting
+    # the freed blocks and slot serve a new request exactly
+    out = e.generate([B], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert out == alone["b"]
+
+
+def test_abort_in_flight_defers_the_release():
+    """While the aborted chunk still has pieces to launch, its sequence keeps its slot and blocks."""
+    e = engine(True, max_num_batched_tokens=256, max_prefill_tokens_while_decoding=CHUNK, prefill_piece_layers=PIECE)
+    e.add_request(A, SamplingParams(max_tokens=30, ignore_eos=True), request_id="a")
+    for _ in range(5):
+        e.step()
+    e.add_request(B, SamplingParams(max_tokens=8, ignore_eos=True), request_id="b")
+    e.step()
+    assert e._inflight is not None
+    seq = next(s for s, _ in e._inflight.batch)
+    slot, blocks = seq.kda_slot, list(seq.blocks)
+    e.abort("b")
+    assert seq.finished and seq.kda_slot == slot and seq.blocks == blocks  # not given back yet
+    assert e.has_unfinished()
+    while e._inflight is not None:
+        e.step()
+    assert seq.kda_slot is None and seq.blocks == []
+
+
+def test_ttft_bench_counts_the_steps_that_carry_a_chunk():
+    """bench ttft's mixed-step figure: one shared step without pieces, one decode step per piece with."""
+    from peregrine.bench.ttft import mixed_step_cost
+    for pieces, steps in ((0, 1), (PIECE, 3)):
+        e = engine(True, max_model_len=1200, max_prefill_tokens_while_decoding=CHUNK, prefill_piece_layers=pieces)
+        m = mixed_step_cost(e, 320, reps=1)
+        assert m["steps_with_chunk_samples"] == [steps] and m["piece_layers"] == pieces
+        assert m["mixed_ms"] <= m["chunk_total_ms"] and not e.has_unfinished()
