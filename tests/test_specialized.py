@@ -52,6 +52,12 @@ def engine(model_dir, backend, routing=None, **kw):
             routing.append(torch.stack([m.last_ids.sort(-1).values.cpu() for m in moes]) if step.is_decode else None)
         return out
     e.runner.forward = recording
+    fwd_pieces = e.runner.forward_pieces
+
+    def pieces(step, n):  # a prefill chunk run in pieces beside decodes: always the standard path's
+        e.piece_steps.append(step.num_seqs)
+        return fwd_pieces(step, n)
+    e.piece_steps, e.runner.forward_pieces = [], pieces
     return e, logits
 
 
@@ -120,14 +126,16 @@ def test_graph_replay_equals_eager(model_dir):
         assert ((x - y).norm() / y.norm()) < 1e-3
 
 
-def test_path_switch_mid_generation(model_dir):
-    """A decodes on the specialized path, B's prefill joins (standard step), then both decode specialized.
+@pytest.mark.parametrize("pieces", [0, None])
+def test_path_switch_mid_generation(model_dir, pieces):
+    """A decodes on the specialized path, B's prefill joins (a mixed standard step; with prefill pieces,
+    B's own standard forward in pieces while A's steps stay specialized), then both decode specialized.
     A's tokens equal a run that never switched (standard only)."""
     pa, pb = [5, 17, 99, 3], [42, 7, 7, 1, 250, 12]
     ref, _ = engine(model_dir, "standard")
     want_a = ref.generate([pa], greedy(12))[0]
     want_b = ref.generate([pb], greedy(6))[0]
-    spec, log = engine(model_dir, "latency_specialized")
+    spec, log = engine(model_dir, "latency_specialized", prefill_piece_layers=pieces)
     got = {}
     ra = spec.add_request(pa, greedy(12), on_token=lambda o: o.finished and got.__setitem__("a", o.output_token_ids))
     for _ in range(4):
@@ -137,8 +145,12 @@ def test_path_switch_mid_generation(model_dir):
         spec.step()
     assert got["a"] == want_a and got["b"] == want_b
     paths = [p for p, _ in log]
-    assert "standard" in paths[1:] and paths.count("latency_specialized") >= 8, paths
-    assert spec.stats["fallback_reasons"].get("prefill in batch", 0) >= 2
+    if pieces == 0:
+        assert "standard" in paths[1:] and paths.count("latency_specialized") >= 8, paths
+        assert spec.stats["fallback_reasons"].get("prefill in batch", 0) >= 2
+    else:  # B's prompt (6 tokens) in one chunk, in pieces; every step's forward() is A's or A's and B's decode
+        assert spec.piece_steps == [1] and paths[0] == "standard" and set(paths[1:]) == {"latency_specialized"}, paths
+        assert spec.stats["fallback_reasons"].get("prefill in batch", 0) == 2
     assert ra
 
 
