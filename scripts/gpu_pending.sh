@@ -5,14 +5,12 @@
 #   the FP32 TP = 2 check with --graphs must now finish and write its JSON well inside its limit
 # - k3-slice at all 6 layers, FP32, TP = 2 vs TP = 1 (its first 4 layers passed at 1571ff5)
 # On the eight-GPU kind (#11): TP=8 STEPS='check decode k3' bash scripts/tp_gpu_run.sh
-# On one H200, for #18 and #19 (~9 min): the GPU pass of the decode-path tests the session-6 changes
-# touch (test_specialized.py was cut by time limits; the transformers conformance test never ran there),
-# then the TTFT and serving runs with the 3-stage MLA prefill tile (session 6 measured the 2-stage one),
-# serving with Poisson arrivals:
-#   STEPS="tests ttft serve" TESTS="tests/test_specialized.py tests/test_hf_conformance.py tests/test_prefill.py" \
-#     T_tests=300 T_ttft=150 T_serve=150 RATE=4 LENGTHS=1024,8192,32768 bash scripts/gpu_prefill.sh
-# and the decode step itself: peregrine bench decode --model kimi-linear-48b-a3b --dummy-weights
-#     --batch-sizes 1,8 --prompt-sets 1 --runs 1 --output-len 128
+# On one H200 (~6 min): the fla prefill GPU tests since 473fbfc changed how fla rows are normed and
+# stored (each row's gated RMSNorm by fla, the layer's output buffer in the model dtype): twice cut by a
+# 100-150 s limit inside fla's first autotune, so give them ~300 s:
+#   STEPS=tests TESTS=tests/test_prefill.py K="kda_prefill_paths or gpu_prefill_kernels" T_tests=330 bash scripts/gpu_prefill.sh
+# then serving with Poisson arrivals (never run on the GPU), pieces off and on:
+#   STEPS=serve CONC=8 RATE=4 BACKENDS="latency_specialized@0 latency_specialized" T_serve=250 bash scripts/gpu_prefill.sh
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \

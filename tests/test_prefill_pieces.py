@@ -99,3 +99,30 @@ def test_ttft_bench_counts_the_steps_that_carry_a_chunk():
         m = mixed_step_cost(e, 320, reps=1)
         assert m["steps_with_chunk_samples"] == [steps] and m["piece_layers"] == pieces
         assert m["mixed_ms"] <= m["chunk_total_ms"] and not e.has_unfinished()
+
+
+def test_prompt_logprobs_and_sampling_through_pieces():
+    """A request that wants prompt logprobs (every position's logits) and one that samples, both joining
+    a running decode: the same logprobs and tokens with and without pieces."""
+    def go(pieces):
+        e = engine(True, max_prefill_tokens_while_decoding=CHUNK, prefill_piece_layers=pieces)
+        got = {}
+        e.add_request(A, SamplingParams(max_tokens=20, ignore_eos=True), request_id="a")
+        for _ in range(3):
+            e.step()
+        e.add_request(B[:100], SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=2), request_id="b",
+                      on_token=lambda o: o.prompt_logprobs and got.setdefault("plp", o.prompt_logprobs))
+        e.add_request(B[50:90], SamplingParams(max_tokens=6, temperature=0.8, seed=3), request_id="c")
+        outs = {}
+        while e.has_unfinished():
+            for o in e.step():
+                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return outs, got["plp"], e.stats["step_kinds"]
+    (on, plp_on, kinds), (off, plp_off, _) = go(PIECE), go(0)
+    assert on == off and len(plp_on) == 100 and "decode + prefill piece" in kinds
+    for x, y in zip(plp_on, plp_off):  # the same FP32 forward of B's rows, in pieces or not
+        if x is None or y is None:
+            assert x is y  # the first prompt token has no logprob
+            continue
+        assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-5
+        assert [t for t, _ in x.top] == [t for t, _ in y.top]
