@@ -43,13 +43,12 @@ DEFAULT_PIECE_LAYERS = 6  # layers per prefill piece: the 48B's 27 layers in 5 p
 
 
 class Inflight:
-    """A prefill forward run in pieces: its rows, step input, planned snapshots, logits rows, and the
-    runner's advance() (None until the last piece returns the logits)."""
+    """A prefill forward run in pieces: its rows, logits rows, planned snapshots, and the runner's
+    advance() (None until the last piece returns the logits)."""
 
-    def __init__(self, batch, step, last, snaps, advance):
-        self.batch, self.step, self.last, self.snaps, self.advance = batch, step, last, snaps, advance
+    def __init__(self, batch, last, snaps, advance):
+        self.batch, self.last, self.snaps, self.advance = batch, last, snaps, advance
         self.seqs = {id(s) for s, _ in batch}
-        self.pieces = 0
 
 
 class LLMEngine:
@@ -295,18 +294,20 @@ class LLMEngine:
 
     def _start_pieces(self, pre) -> Inflight:
         step, last, snaps = self._build_step(pre)
-        return Inflight(pre, step, last, snaps, self.runner.forward_pieces(step, self.piece_layers))
+        return Inflight(pre, last, snaps, self.runner.forward_pieces(step, self.piece_layers))
 
     def _advance_pieces(self) -> list[tuple[Sequence, list[int]]]:
         """Launch the next piece (all the rest when nobody decodes any more); after the last one, the
         chunk's sequences are sampled like any step's, and aborted ones give their cache back."""
         fl = self._inflight
         decoding = any(not s.in_prefill and not s.finished for s in self.scheduler.running)
-        out = fl.advance()
-        fl.pieces += 1
-        while out is None and not decoding:
+        try:
             out = fl.advance()
-            fl.pieces += 1
+            while out is None and not decoding:
+                out = fl.advance()
+        except BaseException:
+            self._inflight = None  # as a failed forward of a plain step: nothing of it is kept
+            raise
         if out is None:
             return []
         self._inflight = None

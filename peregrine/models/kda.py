@@ -3,7 +3,8 @@
 The recurrent form here is the reference for both prefill and decode
 (MODELS.md "KDA layer"); decode sequences of a step are processed together,
 prefill sequences one at a time over their tokens: long ones in the chunked form, on the GPU
-through flash-linear-attention's chunk_kda (fla-core) when it is installed.
+through flash-linear-attention's chunk_kda (fla-core) when it is installed, and short ones on the GPU
+through the one-kernel recurrence of kernels/kda.py (the decode kernel, which takes any T).
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ QK_NORM_EPS = 1e-6  # eps of the q/k L2 norms (MODELS.md)
 CHUNK = 32  # KDA chunk: the intra-chunk [C, C, K] decay tensor grows with C, the chunk count shrinks
 CHUNKED_MIN_TOKENS = 64  # prefill chunks at least this long use the chunked form (no per-token loop)
 CONV1D_MIN_TOKENS = 64  # rows this long run the short conv as conv1d: unfold would materialise [T, C, W]
-SHORT_ROW_MAX_TOKENS = 128  # GPU prefill rows up to this long take the one-kernel recurrence (serial in T, but one
-#                             launch against fla's ~1 ms of per-call host work); longer ones fla's chunked kernels
+SHORT_ROW_MAX_TOKENS = 128  # GPU prefill rows up to this long take the one-kernel recurrence: serial in T, but one
+#   launch against fla's ~1.8 ms of host work per call (bench kda_rows, H200: a 48B layer 0.61 vs 1.82 ms at 128
+#   tokens, even at 512; the margin kept for steps whose other layers keep the GPU busy); longer rows take fla
 SHORT_ROWS_KERNEL: bool | None = None  # None: on the GPU outside FP32 runs (as fla); True: also on the CPU
 #                                         under the interpreter (tests); False: never
 
