@@ -9,7 +9,9 @@
 # stored (each row's gated RMSNorm by fla, the layer's output buffer in the model dtype): twice cut by a
 # 100-150 s limit inside fla's first autotune, so give them ~300 s:
 #   STEPS=tests TESTS=tests/test_prefill.py K="kda_prefill_paths or gpu_prefill_kernels" T_tests=330 bash scripts/gpu_prefill.sh
-# then serving with Poisson arrivals (never run on the GPU), pieces off and on:
+# then serving at c = 8 with smaller pieces (904e73a's /metrics: 142 piece steps averaged 49 ms, which
+# sets its ITL p99 of 68.5 ms; 3 layers should halve a piece), and with Poisson arrivals (never run on the GPU):
+#   STEPS=serve CONC=8 BACKENDS="latency_specialized@3 latency_specialized@6" T_serve=250 bash scripts/gpu_prefill.sh
 #   STEPS=serve CONC=8 RATE=4 BACKENDS="latency_specialized@0 latency_specialized" T_serve=250 bash scripts/gpu_prefill.sh
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"

@@ -65,12 +65,12 @@ class EngineCollector:
             c.add_metric([reason], n)
         yield c
         kinds = _safe_copy(e.stats.get("step_kinds", {}))
-        c = CounterMetricFamily("peregrine:step_seconds", "Engine step time by kind (decode only, prefill only, mixed)",
+        c = CounterMetricFamily("peregrine:step_seconds", "Engine step time by kind (decode, prefill, mixed; decode + prefill piece, prefill pieces)",
                                 labels=["kind"])
         for kind, v in kinds.items():
             c.add_metric([kind], v.get("seconds", 0.0))
         yield c
-        c = CounterMetricFamily("peregrine:steps", "Engine steps by kind (decode only, prefill only, mixed)", labels=["kind"])
+        c = CounterMetricFamily("peregrine:steps", "Engine steps by kind (decode, prefill, mixed; decode + prefill piece, prefill pieces)", labels=["kind"])
         for kind, v in kinds.items():
             c.add_metric([kind], v.get("steps", 0))
         yield c
