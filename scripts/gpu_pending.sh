@@ -13,6 +13,9 @@
 # sets its ITL p99 of 68.5 ms; 3 layers should halve a piece), and with Poisson arrivals (never run on the GPU):
 #   STEPS=serve CONC=8 BACKENDS="latency_specialized@3 latency_specialized@6" T_serve=250 bash scripts/gpu_prefill.sh
 #   STEPS=serve CONC=8 RATE=4 BACKENDS="latency_specialized@0 latency_specialized" T_serve=250 bash scripts/gpu_prefill.sh
+# #20's first measurement (~1 min): the persistent MoE block against the chain, same ops, B = 1, 2, 4, 8
+# (python -m peregrine.bench.persistent_moe), and its interpreter tests compiled for real
+# (pytest tests/test_kernels_persistent_moe.py); on the GPU a bad table must also end, not hang.
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \
