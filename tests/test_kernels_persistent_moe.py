@@ -98,3 +98,10 @@ def test_random_orders_respect_the_declared_dependencies():
             for d in deps:
                 if pos[k] and pos[d]:
                     assert min(pos[k]) > max(pos[d])
+
+
+def test_compiles_for_sm90_at_kimi_linear_widths():
+    """Ahead of time for sm_90a (no GPU needed): the whole task loop compiles; its resources are recorded."""
+    from conftest import run_aot
+    r = run_aot("import json; from peregrine.bench import persistent_moe as b; print(json.dumps(b.compile_check()))")
+    assert "error" not in r and r["regs"] > 0, r

@@ -20,6 +20,30 @@ from .gpu import copy_bandwidth, graph_time, result_path, run_metadata, write_re
 REPS = 10  # blocks per graph replay: amortises the replay launch
 
 
+def compile_check(model: str = "kimi-linear-48b-a3b") -> dict:
+    """The persistent kernel compiled ahead of time for sm_90a at the model's widths (no GPU needed):
+    registers, spills, shared memory from ptxas."""
+    import triton
+    from ..config import resolve_model
+    from ..kernels import persistent_moe as P
+    from .kernels_moe import compile_sm90
+    cfg, _ = resolve_model(model)
+    E, D, I, k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_token
+    IS = I * cfg.num_shared_experts
+    bf, f32, i32 = "*bf16", "*fp32", "*i32"
+    n, c = (lambda v: ("i32", v)), (lambda v: ("constexpr", v))
+    args = dict(task_ptr=(i32, 0), n_tasks=n(2000), queue_ptr=(i32, 0), cnt_ptr=(i32, 0), err_ptr=(i32, 0),
+                epoch_ptr=(i32, 0), x_ptr=(bf, 0), wr_ptr=(bf, 0), bias_ptr=(f32, 0), w13_ptr=(bf, 0), w2_ptr=(bf, 0),
+                ws13_ptr=(bf, 0), ws2_ptr=(bf, 0), logits_ptr=(f32, 0), ids_ptr=(i32, 0), tw_ptr=(f32, 0),
+                h_ptr=(f32, 0), hs_ptr=(f32, 0), part_ptr=(f32, 0), out_ptr=(bf, 0), B=n(1), D=n(D), E=n(E), I=n(I),
+                IS=n(IS), scaling=("fp32", 1.0), n_router=n(16), n_sup=n(64), n_up=n(512), n_down=n(1296),
+                TOP_K=c(k), NJ=c(k + 1), RENORM=c(True), HAS_SHARED=c(True), BLOCK_B=c(P.BLOCK_B),
+                BLOCK_N=c(P.BLOCK_N), BLOCK_K=c(P.BLOCK_K), BLOCK_E=c(triton.next_power_of_2(E)),
+                BLOCK_I=c(triton.next_power_of_2(I)), BLOCK_IS=c(triton.next_power_of_2(IS)), BLOCK_M=c(P.BLOCK_M),
+                MAX_SPINS=c(P.MAX_SPINS))
+    return {"model": model} | compile_sm90(P._moe_block_kernel, args, P.NUM_WARPS, 1)
+
+
 def main(argv=None) -> int:
     from ..config import resolve_model
     from ..kernels import moe as M

@@ -45,6 +45,7 @@ BLOCK_K = 64         # reduction chunk
 BLOCK_M = 256        # columns per combine task
 MAX_SPINS = 1 << 20  # polls before a wait gives up and flags the error word
 CPU_PROGRAMS = 4     # programs off-GPU (the interpreter runs them one after another)
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -292,7 +293,7 @@ def moe_block(x, gate_w, bias, w13, w2, shared_w13, shared_w2, ws: Workspace, *,
         B, D, s.E, s.I, s.IS, float(scaling), ws.expect["router"], ws.expect["sup"], ws.expect["up"], ws.expect["down"],
         TOP_K=s.top_k, NJ=s.top_k + (1 if has_shared else 0), RENORM=renormalize, HAS_SHARED=has_shared, BLOCK_B=BLOCK_B, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         BLOCK_E=triton.next_power_of_2(s.E), BLOCK_I=triton.next_power_of_2(s.I),
-        BLOCK_IS=triton.next_power_of_2(max(s.IS, 1)), BLOCK_M=BLOCK_M, MAX_SPINS=max_spins, num_warps=4)
+        BLOCK_IS=triton.next_power_of_2(max(s.IS, 1)), BLOCK_M=BLOCK_M, MAX_SPINS=max_spins, num_warps=NUM_WARPS)
     return out
 
 
