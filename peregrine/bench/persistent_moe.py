@@ -48,6 +48,7 @@ def main(argv=None) -> int:
     from ..config import resolve_model
     from ..kernels import moe as M
     from ..kernels import persistent_moe as P
+    from ..models.layers import swiglu
     from ..testing import rel_rmse
     ap = argparse.ArgumentParser(prog="python -m peregrine.bench.persistent_moe", description=__doc__)
     ap.add_argument("--model", default="kimi-linear-48b-a3b")
@@ -81,8 +82,7 @@ def main(argv=None) -> int:
 
         def chain():
             ids, tw = M.moe_route(x, gate_w, bias, k, cfg.moe_renormalize, cfg.routed_scaling_factor)
-            gu = x @ ws13.T
-            sh = (torch.nn.functional.silu(gu[:, :IS].float()) * gu[:, IS:].float()).to(torch.bfloat16) @ ws2.T
+            sh = swiglu(x @ ws13.T) @ ws2.T
             M.moe_experts(x, w13, w2, ids, tw, out=out_c, add=sh)
 
         p_ms, p_samples = graph_time([persistent] * REPS)

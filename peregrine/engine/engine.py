@@ -311,9 +311,7 @@ class LLMEngine:
         if out is None:
             return []
         self._inflight = None
-        if out.shape[0] != fl.last[-1] + 1:
-            raise RuntimeError(f"runner returned logits for {out.shape[0]} rows, expected {fl.last[-1] + 1}")
-        logits = logprobs.split_prompt_rows(fl.batch, out, fl.last)
+        logits = logprobs.split_prompt_rows(fl.batch, _rows(out, fl.last[-1] + 1), fl.last)
         new, _ = self._complete(fl.batch, logits, None, "standard", fl.snaps)
         for s, _ in fl.batch:
             if s.finished:  # aborted while in flight
@@ -321,10 +319,7 @@ class LLMEngine:
         return new
 
     def _forward(self, step: StepInput, rows: int):
-        logits = self.runner.forward(step)
-        if logits.shape[0] != rows:
-            raise RuntimeError(f"runner returned logits for {logits.shape[0]} rows, expected {rows}")
-        return logits
+        return _rows(self.runner.forward(step), rows)
 
     def _build_step(self, batch) -> tuple[StepInput, list[int], dict]:
         """The forward's input for these rows: each sequence's scheduled tokens; the logits rows (None:
@@ -510,3 +505,9 @@ class LLMEngine:
                 raise RuntimeError("engine has no unfinished requests but some outputs are missing")
             self.step()
         return [results[i] for i in ids]
+
+
+def _rows(logits, rows: int):
+    if logits.shape[0] != rows:
+        raise RuntimeError(f"runner returned logits for {logits.shape[0]} rows, expected {rows}")
+    return logits

@@ -298,20 +298,12 @@ def moe_block(x, gate_w, bias, w13, w2, shared_w13, shared_w2, ws: Workspace, *,
 
 
 def moe_block_ref(x, gate_w, bias, w13, w2, shared_w13, shared_w2, top_k, renormalize=True, scaling=1.0):
-    """FP32 PyTorch, from MODELS.md "MoE layer": sigmoid router + bias for the choice, top-k, SwiGLU
-    experts, shared expert."""
-    from ..models.moe import select
+    """FP32 PyTorch: the standard path's own MoE functions (models/moe.py), experts looped one by one."""
+    from ..models.layers import swiglu
+    from ..models.moe import grouped_experts, select
     xf = x.float()
     ids, w = select(xf @ gate_w.float().T, bias.float(), top_k, renormalize, scaling)
-    I = w2.shape[-1]
-    y = torch.zeros_like(xf)
-    for b in range(x.shape[0]):
-        for j in range(top_k):
-            e = int(ids[b, j])
-            gu = w13[e].float() @ xf[b]
-            y[b] += w[b, j] * (w2[e].float() @ (torch.nn.functional.silu(gu[:I]) * gu[I:]))
+    y = grouped_experts(xf, w13.float(), w2.float(), ids, w, swiglu, grouped=False).float()
     if shared_w13 is not None:
-        Is = shared_w2.shape[-1]
-        gu = xf @ shared_w13.float().T
-        y += (torch.nn.functional.silu(gu[:, :Is]) * gu[:, Is:]) @ shared_w2.float().T
+        y += swiglu(xf @ shared_w13.float().T) @ shared_w2.float().T
     return y.to(x.dtype), ids

@@ -278,9 +278,10 @@ class KDA(nn.Module):
         # FP32 runs are the oracle: fla's dots take FP32 inputs at TF32 (~1e-3), so they use the torch forms;
         # verify rows (kda_ckpt) need the state after every position, which only the torch form records
         plain = getattr(step, "kda_ckpt", None) is None
-        fast_ok = x.is_cuda and x.dtype != torch.float32 and plain
+        fast_ok = x.is_cuda and x.dtype != torch.float32 and plain and len(dec) < len(step.q_lens)  # prefill rows
         ops = fla_ops() if fast_ok else None
-        short = plain and (fast_ok if SHORT_ROWS_KERNEL is None else SHORT_ROWS_KERNEL) and _kernel_ok(x.device)
+        short = (plain and len(dec) < len(step.q_lens) and (fast_ok if SHORT_ROWS_KERNEL is None else SHORT_ROWS_KERNEL)
+                 and _kernel_ok(x.device))
         for i, q in enumerate(step.q_lens):
             if q == 1:
                 continue
