@@ -1,7 +1,7 @@
 """Where a prefill step's time goes: per-kernel GPU time (torch.profiler) of one cold prefill chunk and
 of a turn-2 step (64 new tokens after a cached prefix), with the wall time of each.
 
-    python -m peregrine.bench.profile_prefill --model kimi-linear-48b-a3b --dummy-weights --chunk 8192 --context 32768
+    python -m peregrine.bench.profile_prefill --model kimi-linear-48b-a3b --dummy-weights --chunks 1024,8192 --context 32768
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from .profile_step import _device_us
 from .ttft import TURN2_NEW_TOKENS, first_token_s, random_prompt
 
-TOP = 30  # kernels listed per profile
+TOP = 40  # kernels listed per profile
 
 
 def profile_call(fn, log) -> dict:
@@ -51,25 +51,28 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m peregrine.bench.profile_prefill", description=__doc__)
     ap.add_argument("--model", required=True)
     ap.add_argument("--dummy-weights", action="store_true")
-    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--chunks", default="8192", help="comma-separated cold chunk lengths, each profiled (default 8192)")
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--results-dir", default="results")
     a = ap.parse_args(argv)
+    chunks = [int(c) for c in a.chunks.split(",")]
     log = print
     ecfg = EngineConfig(max_num_seqs=2, max_model_len=a.context + TURN2_NEW_TOKENS + 8, cuda_graphs=False,
-                        max_num_batched_tokens=a.chunk)
+                        max_num_batched_tokens=max(chunks))
     eng, _ = build_engine(a.model, ecfg, dummy_weights=a.dummy_weights, log=log)
     V = eng.model_cfg.vocab_size
-    first_token_s(eng, random_prompt(a.chunk, V, 1))  # warm-up: compiles, autotuning
-    log(f"cold prefill of one {a.chunk}-token chunk")
-    cold = profile_call(lambda: first_token_s(eng, random_prompt(a.chunk, V, 2)), log)
+    cold = {}
+    for n in chunks:
+        first_token_s(eng, random_prompt(n, V, 1))  # warm-up: compiles, autotuning
+        log(f"cold prefill of one {n}-token chunk")
+        cold[n] = profile_call(lambda: first_token_s(eng, random_prompt(n, V, 2)), log)
     p = random_prompt(a.context, V, 3)
     first_token_s(eng, p)
     first_token_s(eng, p + random_prompt(TURN2_NEW_TOKENS, V, 4))  # warm-up of the turn-2 shapes
     log(f"turn 2: {TURN2_NEW_TOKENS} new tokens after a cached {a.context}-token prefix")
     turn2 = profile_call(lambda: first_token_s(eng, p + random_prompt(TURN2_NEW_TOKENS, V, 5)), log)
     path = write_result(result_path(a.model, "profile-prefill", a.results_dir),
-                        {"meta": run_metadata(), "chunk": a.chunk, "context": a.context, "cold": cold, "turn2": turn2})
+                        {"meta": run_metadata(), "chunks": chunks, "context": a.context, "cold": cold, "turn2": turn2})
     log(f"wrote {path}")
     return 0
 
