@@ -305,6 +305,9 @@ class EngineConfig:
     decode_backend: str = "standard"
     max_decode_batch: int = 8                 # largest B served by the specialized path
     cuda_graphs: bool = True
+    # prefill steps' token-parallel work (everything but the attention cores) replayed from CUDA graphs
+    # per token bucket: an eager 1-2K-token step is host-bound (needs cuda_graphs; BF16, one GPU, no AttnRes)
+    prefill_graphs: bool = True
     decode_lookahead: bool = True             # launch the next greedy decode step before reading this one's tokens
     device: str | None = None                 # default: cuda if available
     dtype: str | None = None                  # default: bf16 on cuda, fp32 on cpu
@@ -323,6 +326,7 @@ class EngineConfig:
         "decode_backend": DECODE_BACKENDS,
         "max_decode_batch": "int in 1..16",
         "cuda_graphs": "bool",
+        "prefill_graphs": "bool",
         "decode_lookahead": "bool",
         "tp_allreduce": TP_ALLREDUCE,
         "pdl": "bool",
@@ -351,7 +355,7 @@ class EngineConfig:
                 raise ConfigError(f"--additional-config: tp_allreduce must be one of {', '.join(TP_ALLREDUCE)}, got {v!r}")
             if k in ("prefix_cache_snapshots", "prefill_piece_layers") and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ConfigError(f"--additional-config: {k} must be an int >= 0, got {v!r}")
-            if k in ("cuda_graphs", "pdl", "decode_lookahead", "tp_slice_replicated") and not isinstance(v, bool):
+            if k in ("cuda_graphs", "prefill_graphs", "pdl", "decode_lookahead", "tp_slice_replicated") and not isinstance(v, bool):
                 raise ConfigError(f"--additional-config: {k} must be true or false, got {v!r}")
             setattr(self, k, v)
 

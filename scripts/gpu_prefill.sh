@@ -3,7 +3,7 @@
 #   STEPS: any of tests hf kernels kdarows profile pmoe ttft serve (default: tests kernels ttft serve, in that order); TESTS (test
 #   files) and K (a pytest -k filter) for tests; hf: the transformers conformance test; MODEL (kimi-linear-48b-a3b);
 #   LENGTHS (1024,8192,32768,131072); CHUNKS/CONTEXT for profile; pmoe: #20's persistent MoE tests and bench; RUNS (3); CONC (1,4,8); T_<step> seconds per step (a killed step
-#   still leaves its log and the bundle); BACKEND for ttft (latency_specialized)
+#   still leaves its log and the bundle); BACKEND, PG (true: prefill graphs; e.g. "false true"), BREAKDOWN (32768; 0: none) for ttft
 # Results go to results/, logs to $OUT/logs; both come back as $OUT/bundle.tgz (the device returns 8 files).
 source "$(dirname "$0")/device_env.sh"
 TOP=$OUT; OUT=$OUT/logs; mkdir -p "$OUT"
@@ -33,10 +33,13 @@ for step in $STEPS; do
       timeout -k 5 "$lim" python3 -m peregrine.bench.persistent_moe --model "$MODEL" 2>&1 | tee "$OUT/persistent-moe.log" || rc=1 ;;
     kernels)
       timeout -k 5 "$lim" python3 -m peregrine bench kernels --families mla_prefill 2>&1 | tee "$OUT/kernels-mla-prefill.log" || rc=1 ;;
-    ttft)
-      timeout -k 5 "$lim" python3 -m peregrine bench ttft --model "$MODEL" --dummy-weights --lengths "$LENGTHS" \
-        --runs "${RUNS:-3}" --additional-config "{\"decode_backend\": \"${BACKEND:-latency_specialized}\"}" \
-        2>&1 | tee "$OUT/ttft.log" || rc=1 ;;
+    ttft)  # once per PG value (prefill graphs true/false), each in results/pg-<value>/
+      for pg in ${PG:-true}; do
+        timeout -k 5 "$lim" python3 -m peregrine bench ttft --model "$MODEL" --dummy-weights --lengths "$LENGTHS" \
+          --runs "${RUNS:-3}" --breakdown-len "${BREAKDOWN:-32768}" --results-dir "results/pg-$pg" --additional-config \
+          "{\"decode_backend\": \"${BACKEND:-latency_specialized}\", \"prefill_graphs\": $pg}" \
+          2>&1 | tee "$OUT/ttft-pg-$pg.log" || rc=1
+      done ;;
     serve)
       BACKENDS=${BACKENDS:-latency_specialized} CONC=${CONC:-1,4,8} MODEL=$MODEL OUT=$OUT timeout -k 5 "$lim" \
         bash scripts/gpu_serve.sh 2>&1 \

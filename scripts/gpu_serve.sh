@@ -4,7 +4,8 @@
 # SIGTERM (drains), next backend; then one plot of both. Server logs and metrics go to $OUT.
 #   MODEL (kimi-linear-48b-a3b, dummy weights), BACKENDS, CONC (1,2,4,8), ISL (1024), OSL (128),
 #   NP (requests per level; default 5 x concurrency), RATE (Poisson arrivals/s), PORT, READY_TIMEOUT (s).
-#   A BACKENDS entry "backend@N" also sets prefill_piece_layers N (label backend-piecesN): same-run A/B
+#   A BACKENDS entry "backend@N" also sets prefill_piece_layers N (label backend-piecesN): same-run A/B;
+#   a ":nographs" suffix turns prefill graphs off (label ...-nographs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ -f .commit ] && export PEREGRINE_COMMIT=${PEREGRINE_COMMIT:-$(cat .commit)}  # the device copy's git HEAD can be stale
@@ -18,8 +19,10 @@ URL=http://127.0.0.1:$PORT
 get() { $PY -c "import sys, urllib.request as u; sys.stdout.write(u.urlopen(sys.argv[1], timeout=5).read().decode())" "$1" 2>/dev/null; }
 runs=(); rc=0
 for spec in $BACKENDS; do
-  be=${spec%@*}; extra=""
-  if [[ $spec == *@* ]]; then extra=", \"prefill_piece_layers\": ${spec#*@}"; label="$be-pieces${spec#*@}"; else label=$be; fi
+  extra=""; label=""
+  if [[ $spec == *:nographs ]]; then spec=${spec%:nographs}; extra=", \"prefill_graphs\": false"; label="-nographs"; fi
+  be=${spec%@*}
+  if [[ $spec == *@* ]]; then extra="$extra, \"prefill_piece_layers\": ${spec#*@}"; label="$be-pieces${spec#*@}$label"; else label=$be$label; fi
   $PY -m peregrine serve --model "$MODEL" --dummy-weights --port "$PORT" --max-num-seqs 8 \
       --additional-config "{\"decode_backend\": \"$be\"$extra}" > "$OUT/serve-$label.log" 2>&1 &
   pid=$!

@@ -146,12 +146,23 @@ class GraphCache:
 class StandardRunner:
     name = "standard"
 
-    def __init__(self, model, cache, *, cuda_graphs: bool = True, max_graph_batch: int = 16, log=None):
+    def __init__(self, model, cache, *, cuda_graphs: bool = True, max_graph_batch: int = 16, log=None,
+                 prefill_graph_tokens: int = 0):
+        """prefill_graph_tokens: prefill steps of up to this many tokens replay piecewise CUDA graphs
+        (decode/prefill_graphs.py; 0: eager)."""
         self.model, self.cache = model, cache
         self.last_path = "standard"
         self.fallback_reasons: dict[str, int] = {}
-        self.graphs = GraphCache(self._forward, cache, max_graph_batch, log) if (
-            cuda_graphs and cache.latent.is_cuda) else None
+        on_gpu = cuda_graphs and cache.latent.is_cuda
+        self.graphs = GraphCache(self._forward, cache, max_graph_batch, log) if on_gpu else None
+        self.prefill = None
+        if on_gpu and prefill_graph_tokens:
+            from .prefill_graphs import PrefillGraphs, unsupported
+            why = unsupported(model)
+            if why is None:
+                self.prefill = PrefillGraphs(model, cache, prefill_graph_tokens, log=log)
+            elif log:
+                log(f"prefill graphs off: {why}")
         self.record_routing = False
         self._routing: list[list[int]] = []
 
@@ -165,6 +176,9 @@ class StandardRunner:
         # routing is recorded eagerly: a replayed graph's ids live in that graph's own buffers
         if self.graphs is not None and step.is_decode and step.num_seqs <= self.graphs.max_batch and not self.record_routing:
             logits = self.graphs.run(step)
+        if logits is None and self._prefill_graphed(step):
+            for logits in self.prefill.run(step):
+                pass
         if logits is None:
             logits = self._forward(step)
         if self.record_routing:
@@ -174,12 +188,19 @@ class StandardRunner:
     def forward_pieces(self, step: StepInput, layers_per_piece: int):
         """An eager forward in pieces of layers: -> advance(), which launches the next piece and returns
         None, or the logits after the last (engine: prefill pieces beside running decodes)."""
-        gen = self.model.forward_pieces(step, self.cache, layers_per_piece)
+        if self._prefill_graphed(step):
+            gen = self.prefill.run(step, layers_per_piece)
+        else:
+            gen = self.model.forward_pieces(step, self.cache, layers_per_piece)
 
         def advance():
             with torch.inference_mode():  # per piece: the caller's code between pieces runs outside it
                 return next(gen)
         return advance
+
+    def _prefill_graphed(self, step) -> bool:
+        # routing is recorded eagerly (a graph's expert ids include its padded rows)
+        return self.prefill is not None and not self.record_routing and self.prefill.serves(step)
 
     def record_step_routing(self) -> None:
         """Distinct experts each MoE layer used in the step just run (host sync: untimed passes only)."""

@@ -164,7 +164,8 @@ def build_parts(model: str, ecfg: EngineConfig, dummy_weights: bool, log, tp=SIN
 
 def make_runner(model, cache, ecfg: EngineConfig, log):
     from ..decode.standard import StandardRunner
-    standard = StandardRunner(model, cache, cuda_graphs=ecfg.cuda_graphs, max_graph_batch=ecfg.max_decode_batch, log=log)
+    standard = StandardRunner(model, cache, cuda_graphs=ecfg.cuda_graphs, max_graph_batch=ecfg.max_decode_batch, log=log,
+                              prefill_graph_tokens=ecfg.max_num_batched_tokens if ecfg.prefill_graphs else 0)
     if ecfg.decode_backend == "standard":
         return standard
     from ..decode.specialized import SpecializedRunner

@@ -252,12 +252,25 @@ class KDA(nn.Module):
             lo = hi
 
     def forward(self, x: torch.Tensor, step, cache) -> torch.Tensor:
+        return self.post(self.core(self.project(x), step, cache))
+
+    pre = project  # the token-parallel work before the recurrence (prefill graphs capture it)
+
+    def post(self, out: torch.Tensor, pre=None) -> torch.Tensor:
+        """W_o over the core's rows (token-parallel: prefill graphs capture it)."""
+        return out @ self.o_proj.T
+
+    def core(self, pre, step, cache) -> torch.Tensor:
+        """The recurrence over the step's rows: pre = project(x) (rows past the step's tokens, a prefill
+        graph's padding, are ignored) -> W_o's input [N, Hd] in the model dtype, row by row."""
         kl = cache.kda_index[self.layer]
         state, conv = cache.state[kl], cache.conv[kl]
-        qkv, f, b, r = self.project(x)
+        N = step.input_ids.shape[0]
+        qkv, f, b, r = (t[:N] for t in pre)
+        x = qkv  # (its dtype and device are x's)
         W1 = self.cfg.kda_conv_size - 1
-        N, Hd = x.shape[0], self.H * self.d
-        out = torch.empty(N, Hd, dtype=x.dtype, device=x.device)  # W_o's input, row by row
+        Hd = self.H * self.d
+        out = torch.empty(N, Hd, dtype=x.dtype, device=x.device)
         dec = [i for i, q in enumerate(step.q_lens) if q == 1]
         offs = torch.tensor([0] + step.q_lens, device="cpu").cumsum(0).tolist()
         if dec:  # decode sequences together: one token each, the PyTorch form (the oracle of the decode kernels)
@@ -315,7 +328,7 @@ class KDA(nn.Module):
                 lo = hi
             state[s] = S
             out[a:e] = self.gate_norm(torch.cat(o, 1)[0], r[a:e], x.dtype)
-        return out @ self.o_proj.T
+        return out
 
 
 def _kernel_ok(device) -> bool:

@@ -65,7 +65,12 @@ class DecoderLayer(nn.Module):
                 + self.mlp.hf_params(prefix + ("block_sparse_moe." if self.is_moe else "mlp.")))
 
     def forward(self, x, step, cache):
-        h = x + self.tp.all_reduce(self.attn(self.input_layernorm(x), step, cache))
+        pre = self.attn.pre(self.input_layernorm(x))
+        return self.finish(x, self.attn.core(pre, step, cache), pre)
+
+    def finish(self, x, o, pre):
+        """The token-parallel rest of the layer after its attention core: W_o, residual, MLP, residual."""
+        h = x + self.tp.all_reduce(self.attn.post(o, pre))
         return h + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(h)))
 
     def forward_res(self, p, blocks: list, step, cache):
@@ -143,6 +148,19 @@ class KimiModel(nn.Module):
         if step.is_decode:
             return self.compute_logits(h)
         return self.compute_logits(h[step.logits_indices], step.logits_indices)
+
+    def segment(self, j: int, x, o=None, pre=None):
+        """Token-parallel segment j of a forward (no AttnRes): j = 0 embeds the ids `x`; j > 0 finishes layer
+        j-1 from its core's output o and its pre; then layer j's pre. -> (x, pre of layer j or None).
+        A forward is segment 0, then core i and segment i+1 per layer (the prefill graphs' unit)."""
+        if j == 0:
+            x = self.embed(x)
+        else:
+            x = self.layers[j - 1].finish(x, o, pre)
+        if j == len(self.layers):
+            return x, None
+        layer = self.layers[j]
+        return x, layer.attn.pre(layer.input_layernorm(x))
 
     def forward_pieces(self, step, cache, layers_per_piece: int):
         """forward() as a generator over groups of layers: yields None after each group but the last,

@@ -128,12 +128,28 @@ class MLA(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor, step, cache) -> torch.Tensor:
-        q, entries, gate = self.project(x)
+        pre = self.project(x)
+        return self.post(self.core(pre, step, cache), pre)
+
+    pre = project  # the token-parallel work before attention (prefill graphs capture it)
+
+    def post(self, o: torch.Tensor, pre) -> torch.Tensor:
+        """o [N, H·v] FP32 -> the output gate (K3) and W_o (token-parallel: prefill graphs capture it)."""
+        gate = pre[2]
+        if gate is not None:
+            o = o * torch.sigmoid(gate.float())
+        return o.to(self.o_proj.dtype) @ self.o_proj.T
+
+    def core(self, pre, step, cache) -> torch.Tensor:
+        """Cache writes and attention over the step's rows: pre = project(x) (rows past the step's tokens,
+        a prefill graph's padding, are ignored) -> o [N, H·v] FP32."""
+        N = step.input_ids.shape[0]
+        q, entries = pre[0][:N], pre[1][:N]
         cache.write_latent(self.layer, step.slot_mapping, entries)
         if step.is_decode:
             o = self.decode_attn(q, cache, step.block_tables, step.context_lens_t, step.max_context)
         else:
-            o = torch.empty(x.shape[0], self.H, self.vd, dtype=torch.float32, device=x.device)
+            o = torch.empty(N, self.H, self.vd, dtype=torch.float32, device=q.device)
             a = 0
             dec = [i for i, n in enumerate(step.q_lens) if n == 1]
             if dec:  # decode sequences of a mixed step still take the absorbed path
@@ -146,7 +162,4 @@ class MLA(nn.Module):
                     lat = cache.gather_latent(self.layer, step.block_tables[i], ctx)
                     o[a:a + n] = self.prefill_attn(q[a:a + n], lat, ctx - n)
                 a += n
-        o = o.flatten(1)
-        if gate is not None:
-            o = o * torch.sigmoid(gate.float())
-        return o.to(x.dtype) @ self.o_proj.T
+        return o.flatten(1)
