@@ -54,25 +54,50 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", default="8192", help="comma-separated cold chunk lengths, each profiled (default 8192)")
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--results-dir", default="results")
+    ap.add_argument("--ab-runs", type=int, default=0,
+                    help="per chunk, this many cold first tokens timed eagerly and with prefill graphs, interleaved "
+                         "in one process (same machine, same moment), then a profile of each (default 0: eager only)")
     a = ap.parse_args(argv)
     chunks = [int(c) for c in a.chunks.split(",")]
     log = print
-    ecfg = EngineConfig(max_num_seqs=2, max_model_len=a.context + TURN2_NEW_TOKENS + 8, cuda_graphs=False,
-                        max_num_batched_tokens=max(chunks))
+    ecfg = EngineConfig(max_num_seqs=2, max_model_len=max(a.context + TURN2_NEW_TOKENS, max(chunks)) + 8,
+                        cuda_graphs=bool(a.ab_runs), max_num_batched_tokens=max(chunks))
     eng, _ = build_engine(a.model, ecfg, dummy_weights=a.dummy_weights, log=log)
     V = eng.model_cfg.vocab_size
-    cold = {}
+    graphs = getattr(eng.runner, "prefill", None)
+    modes = {"eager": None, "prefill graphs": graphs} if graphs is not None else {"eager": None}
+    cold, ab = {}, {}
     for n in chunks:
-        first_token_s(eng, random_prompt(n, V, 1))  # warm-up: compiles, autotuning
-        log(f"cold prefill of one {n}-token chunk")
-        cold[n] = profile_call(lambda: first_token_s(eng, random_prompt(n, V, 2)), log)
+        for mode, pg in modes.items():
+            eng.runner.prefill = pg
+            first_token_s(eng, random_prompt(n, V, 1))  # warm-up: compiles, autotuning, the bucket's capture
+        if graphs is not None:
+            ms = {mode: [] for mode in modes}
+            for r in range(a.ab_runs):
+                for mode, pg in modes.items():
+                    eng.runner.prefill = pg
+                    ms[mode].append(first_token_s(eng, random_prompt(n, V, 100 + r)) * 1e3)
+            ab[n] = ms
+            log(f"{n} tokens cold, interleaved: " + "; ".join(
+                f"{mode} median {sorted(v)[len(v) // 2]:.1f} ms {[round(x, 1) for x in v]}" for mode, v in ms.items()))
+        for mode, pg in modes.items():
+            eng.runner.prefill = pg
+            log(f"cold prefill of one {n}-token chunk ({mode})")
+            cold[f"{n} {mode}"] = profile_call(lambda: first_token_s(eng, random_prompt(n, V, 2)), log)
+    eng.runner.prefill = graphs
+    if not a.context:
+        path = write_result(result_path(a.model, "profile-prefill", a.results_dir),
+                            {"meta": run_metadata(), "chunks": chunks, "cold": cold, "ab_ms": ab})
+        log(f"wrote {path}")
+        return 0
     p = random_prompt(a.context, V, 3)
     first_token_s(eng, p)
     first_token_s(eng, p + random_prompt(TURN2_NEW_TOKENS, V, 4))  # warm-up of the turn-2 shapes
     log(f"turn 2: {TURN2_NEW_TOKENS} new tokens after a cached {a.context}-token prefix")
     turn2 = profile_call(lambda: first_token_s(eng, p + random_prompt(TURN2_NEW_TOKENS, V, 5)), log)
     path = write_result(result_path(a.model, "profile-prefill", a.results_dir),
-                        {"meta": run_metadata(), "chunks": chunks, "context": a.context, "cold": cold, "turn2": turn2})
+                        {"meta": run_metadata(), "chunks": chunks, "context": a.context, "cold": cold, "ab_ms": ab,
+                         "turn2": turn2})
     log(f"wrote {path}")
     return 0
 
