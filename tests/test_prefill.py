@@ -73,11 +73,14 @@ def test_mla_prefill_through_the_flash_kernel_equals_the_pytorch_form(model):
     assert rel_rmse(a, b) < 1e-5 and rel_rmse(sa, sb) < 1e-5 and rel_rmse(la, lb) < 1e-5
 
 
-def test_short_prefill_rows_through_the_recurrence_kernel_equal_the_pytorch_form(model, monkeypatch):
+@pytest.mark.parametrize("short_max,launches", [(128, [16, 16, 5, 5]), (20, [5, 5])])
+def test_short_prefill_rows_through_the_recurrence_kernel_equal_the_pytorch_form(model, monkeypatch, short_max, launches):
     """A mixed step (a decode row, a 37-token row that snapshots after 16 and 32 tokens, a 5-token row, all
     after cached prefixes) with the short prefill rows through kernels/kda.py's one-kernel recurrence (the
     interpreter; the GPU pass checks it at real widths, test_gpu_kda_prefill_paths_equal_the_pytorch_form):
-    the same logits, states, conv windows and snapshots as the PyTorch forms."""
+    the same logits, states, conv windows and snapshots as the PyTorch forms. With rows of at most 20
+    tokens short, the 37-token row is long: its head to the cut at 32 takes the chunked form and its
+    5-token tail the kernel, from the state and conv window the head left."""
     from peregrine import kernels
     from peregrine.kernels import kda as KK
     from peregrine.models import kda as K
@@ -86,6 +89,7 @@ def test_short_prefill_rows_through_the_recurrence_kernel_equal_the_pytorch_form
     cfg, m = model
     calls, real = [], KK.kda_decode
     monkeypatch.setattr(KK, "kda_decode", lambda qkv, *a, **k: calls.append(qkv.shape[1]) or real(qkv, *a, **k))
+    monkeypatch.setattr(K, "SHORT_ROW_MAX_TOKENS", short_max)
     g = torch.Generator().manual_seed(21)
     toks = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (21, 50, 14)]
     pre = (20, 13, 9)  # tokens of each sequence prefilled before the mixed step
@@ -108,7 +112,7 @@ def test_short_prefill_rows_through_the_recurrence_kernel_equal_the_pytorch_form
             res.append((out, c.state.clone(), c.conv.clone(), c.snap_state.clone(), c.snap_conv.clone(), c.latent.clone()))
         finally:
             K.SHORT_ROWS_KERNEL = None
-    assert calls == [16, 16, 5, 5] * len(cfg.kda_layers)  # one launch per segment between cuts, then the 5-token row
+    assert calls == launches * len(cfg.kda_layers)  # one launch per segment between cuts, then the 5-token row
     for name, a, b in zip(("logits", "state", "conv", "snapshot state", "snapshot conv", "latent"), *res):
         assert not a.isnan().any(), name
         assert rel_rmse(a, b) < 1e-5, name
@@ -168,8 +172,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available() or __import__("os").envi
 def test_gpu_kda_prefill_paths_equal_the_pytorch_form(preset, T, cuts, monkeypatch):
     """A KDA layer at real widths (softplus gate and low-rank output gate; K3: bounded gate, full-rank
     output gate) prefilling after a non-zero state, with two snapshots on the way, against the PyTorch
-    forms: 333 tokens through fla's kernels (conv, fused gates and norms, chunk_kda, gated RMSNorm),
-    100 (<= SHORT_ROW_MAX_TOKENS) through the one-kernel recurrence, one launch per segment."""
+    forms: 333 tokens through fla's kernels (conv, fused gates and norms, chunk_kda, gated RMSNorm) to the
+    last cut and the one-kernel recurrence after it, 100 (<= SHORT_ROW_MAX_TOKENS) through the one-kernel
+    recurrence, one launch per segment."""
     from peregrine.config import resolve_model
     from peregrine.kernels import kda as KK
     from peregrine.models import kda as K
@@ -201,7 +206,8 @@ def test_gpu_kda_prefill_paths_equal_the_pytorch_form(preset, T, cuts, monkeypat
                      c.snap_conv[kl].clone()))
     K._FLA, K.SHORT_ROWS_KERNEL = None, None
     short = T <= K.SHORT_ROW_MAX_TOKENS
-    assert calls == ([cuts[0], cuts[1] - cuts[0], T - cuts[1]] if short else [])
+    # a long row's tail after its last cut (76 tokens) takes the kernel too
+    assert calls == ([cuts[0], cuts[1] - cuts[0], T - cuts[1]] if short else [T - cuts[1]])
     (o1, s1, c1, ss1, sc1), (o2, s2, c2, ss2, sc2) = res
     assert rel_rmse(o1, o2) < 2e-2 and rel_rmse(s1, s2) < 2e-2 and rel_rmse(ss1, ss2) < 2e-2
     assert torch.equal(c1, c2) and torch.equal(sc1, sc2)  # conv windows are copies of inputs

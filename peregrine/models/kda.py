@@ -301,33 +301,42 @@ class KDA(nn.Module):
             a, e = offs[i], offs[i + 1]
             s = step.kda_slots[i:i + 1]
             cuts = sorted(snaps.get(i, [])) + [(q, None)]  # prefix caching: states taken on the way
-            if short and q <= SHORT_ROW_MAX_TOKENS:
+            # the row's tail from its first cut with <= SHORT_ROW_MAX_TOKENS after it takes the one-kernel
+            # recurrence (a whole short row; a long one's tail after its last snapshot: one launch, not fla's
+            # ~1 ms of host work per call); the head before it the chunked form
+            h = next((lo for lo in [0] + [c for c, _ in cuts[:-1]] if q - lo <= SHORT_ROW_MAX_TOKENS), q) if short else q
+            if h == 0:  # a short row, all of it
                 self.prefill_short(qkv[a:e], f[a:e], b[a:e], r[a:e], state, conv, s, cuts, cache, kl, out[a:e])
                 continue
+            e, head = a + h, [(c, sn) for c, sn in cuts if c <= h]
             if ops is not None:  # long rows: fla's few kernels (chunked) beat a per-token loop at any length
                 S = state[s]
-                o, conv[s] = self.prefill_fla(ops, qkv[a:e].contiguous(), f[a:e], b[a:e], S, conv[s][0], cuts, cache, kl)
+                o, conv[s] = self.prefill_fla(ops, qkv[a:e].contiguous(), f[a:e], b[a:e], S, conv[s][0], head, cache, kl)
                 state[s] = S
                 out[a:e] = ops.rms_norm_gated(o.reshape(-1, self.d), r[a:e].reshape(-1, self.d).contiguous(), self.o_norm,
-                                              None, activation="sigmoid", eps=self.cfg.rms_norm_eps).view(q, -1).to(x.dtype)
-                continue
-            x_ext = torch.cat([conv[s], qkv[a:e].unsqueeze(0).to(conv.dtype)], 1)
-            conv[s] = x_ext[:, -W1:]
-            S = state[s]
-            ck = step.kda_ckpt if q <= (step.kda_ckpt[0].shape[2] if getattr(step, "kda_ckpt", None) else 0) else None
-            if ck is not None:  # verify rows: conv window after each position, for rollback
-                ck[1][kl, i, :q] = x_ext[0].unfold(0, W1, 1)[1:].transpose(1, 2)
-            y = causal_conv(x_ext, self.conv_w)
-            o, lo = [], 0
-            for hi, snap in cuts:
-                o.append(self.mix(y[:, lo:hi], f[a + lo:a + hi].unsqueeze(0), b[a + lo:a + hi].unsqueeze(0), S,
-                                  trace=None if ck is None else ck[0][kl, i, :q]))
-                if snap is not None:
-                    cache.snap_state[kl, snap] = S[0]
-                    cache.snap_conv[kl, snap] = x_ext[0, hi:hi + W1]  # the W-1 inputs before that position
-                lo = hi
-            state[s] = S
-            out[a:e] = self.gate_norm(torch.cat(o, 1)[0], r[a:e], x.dtype)
+                                              None, activation="sigmoid", eps=self.cfg.rms_norm_eps).view(h, -1).to(x.dtype)
+            else:
+                x_ext = torch.cat([conv[s], qkv[a:e].unsqueeze(0).to(conv.dtype)], 1)
+                conv[s] = x_ext[:, -W1:]
+                S = state[s]
+                ck = step.kda_ckpt if h <= (step.kda_ckpt[0].shape[2] if getattr(step, "kda_ckpt", None) else 0) else None
+                if ck is not None:  # verify rows: conv window after each position, for rollback
+                    ck[1][kl, i, :h] = x_ext[0].unfold(0, W1, 1)[1:].transpose(1, 2)
+                y = causal_conv(x_ext, self.conv_w)
+                o, lo = [], 0
+                for hi, snap in head:
+                    o.append(self.mix(y[:, lo:hi], f[a + lo:a + hi].unsqueeze(0), b[a + lo:a + hi].unsqueeze(0), S,
+                                      trace=None if ck is None else ck[0][kl, i, :h]))
+                    if snap is not None:
+                        cache.snap_state[kl, snap] = S[0]
+                        cache.snap_conv[kl, snap] = x_ext[0, hi:hi + W1]  # the W-1 inputs before that position
+                    lo = hi
+                state[s] = S
+                out[a:e] = self.gate_norm(torch.cat(o, 1)[0], r[a:e], x.dtype)
+            if h < q:  # the tail, from the state and conv window the head left in the cache
+                t = offs[i + 1]
+                self.prefill_short(qkv[e:t], f[e:t], b[e:t], r[e:t], state, conv, s,
+                                   [(c - h, sn) for c, sn in cuts if c > h], cache, kl, out[e:t])
         return out
 
 
