@@ -130,16 +130,22 @@ class PrefillGraphs:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Capture every bucket's graphs now (a server's start-up; otherwise each is captured at its first
-        step), with a dummy prefill over the cache's scratch slot and block; then clear the buffers."""
+        step), with dummy prefills over the cache's scratch slot and block; then clear the buffers. Each
+        bucket runs Tb and Tb - 1 tokens: the cores' Triton kernels (fla's, the KDA row kernel, the MLA
+        prefill kernel) are compiled for lengths that are and are not multiples of 16 (Triton specializes
+        on that) and autotuned here, not at a request's first step (a fresh machine: minutes)."""
         c, t0 = self.cache, time.time()
         for n, Tb in enumerate(self.buckets):
             if self.broken:
                 return
             if self.log:
                 self.log(f"capturing prefill graphs: {Tb} tokens ({n + 1}/{len(self.buckets)})")
-            table = [c.scratch_block] * ((Tb + c.block_size - 1) // c.block_size)
-            for _ in self.run(StepInput.build([([0] * Tb, 0, c.scratch_slot, table)], c.block_size, c.latent.device)):
-                pass
+            for T in sorted({Tb, max(1, Tb - 1)}, reverse=True):
+                if self.bucket(T) != Tb:
+                    continue
+                table = [c.scratch_block] * ((T + c.block_size - 1) // c.block_size)
+                for _ in self.run(StepInput.build([([0] * T, 0, c.scratch_slot, table)], c.block_size, c.latent.device)):
+                    pass
         for t in [*self.buf["x"], *self.buf["o"].values(), *(u for v in self.buf["pre"].values() for p in v for u in p)]:
             if t is not None:
                 t.zero_()
