@@ -5,17 +5,15 @@
 #   the FP32 TP = 2 check with --graphs must now finish and write its JSON well inside its limit
 # - k3-slice at all 6 layers, FP32, TP = 2 vs TP = 1 (its first 4 layers passed at 1571ff5)
 # On the eight-GPU kind (#11): TP=8 STEPS='check decode k3' bash scripts/tp_gpu_run.sh
-# On one H200 (~6 min): the fla prefill GPU tests since 473fbfc changed how fla rows are normed and
-# stored (each row's gated RMSNorm by fla, the layer's output buffer in the model dtype): twice cut by a
-# 100-150 s limit inside fla's first autotune, so give them ~300 s:
-#   STEPS=tests TESTS=tests/test_prefill.py K="kda_prefill_paths or gpu_prefill_kernels" T_tests=330 bash scripts/gpu_prefill.sh
-# then serving at c = 8 with smaller pieces (904e73a's /metrics: 142 piece steps averaged 49 ms, which
-# sets its ITL p99 of 68.5 ms; 3 layers should halve a piece), and with Poisson arrivals (never run on the GPU):
-#   STEPS=serve CONC=8 BACKENDS="latency_specialized@3 latency_specialized@6" T_serve=250 bash scripts/gpu_prefill.sh
-#   STEPS=serve CONC=8 RATE=4 BACKENDS="latency_specialized@0 latency_specialized" T_serve=250 bash scripts/gpu_prefill.sh
-# #20's first measurement (~1 min): the persistent MoE block against the chain, same ops, B = 1, 2, 4, 8
-# (python -m peregrine.bench.persistent_moe), and its interpreter tests compiled for real
-# (pytest tests/test_kernels_persistent_moe.py); on the GPU a bad table must also end, not hang.
+# On one H200 (export TRITON_CACHE_AUTOTUNING=1 first: fla's first autotune is ~2 min on a fresh machine):
+# - the GPU tests session 8 did not reach at fbf257f (the KDA tail kernel after fla, prefill graphs):
+#   STEPS=tests TESTS="tests/test_prefill.py tests/test_prefill_graphs.py" K="gpu_prefill_kernels or captured_prefill" T_tests=240 bash scripts/gpu_prefill.sh
+# - 32K cold and turn 2 with prefill graphs (the 8192-token bucket; 32K last measured before them, bc02d61):
+#   STEPS=ttft LENGTHS=32768 RUNS=3 T_ttft=240 bash scripts/gpu_prefill.sh
+# - serving with Poisson arrivals (never run on the GPU), and c = 4 with graphs:
+#   STEPS=serve CONC=8 RATE=4 BACKENDS="latency_specialized@6 latency_specialized@3" T_serve=300 bash scripts/gpu_prefill.sh
+# - whether the start-up capture's Tb - 1 lengths removed the ~2.3 s first-use stalls of a fresh machine
+#   (fbf257f's first server: TTFT p90 2 330 ms): the serve step on a fresh machine, TTFT p90/p99
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \
