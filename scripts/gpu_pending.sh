@@ -12,6 +12,11 @@
 #   STEPS=ttft LENGTHS=32768 RUNS=3 T_ttft=240 bash scripts/gpu_prefill.sh
 # - serving with Poisson arrivals (never run on the GPU), and c = 4 with graphs:
 #   STEPS=serve CONC=8 RATE=4 BACKENDS="latency_specialized@6 latency_specialized@3" T_serve=300 bash scripts/gpu_prefill.sh
+# - the MoE prefill glue kernels (kernels/moe_prefill.py, on by default for prefill-sized BF16 steps since
+#   the session-8 commit after 3e2…; never run on a GPU): their GPU tests, their microbenchmark against the
+#   torch forms, then 8K / 32K cold TTFT with the per-layer-type breakdown (MoE was 525.8 ms of 1 037 at 32K):
+#   python3 -m pytest -v tests/test_kernels_moe_prefill.py; python3 -m peregrine.bench.kernels_moe_prefill
+#   STEPS=ttft LENGTHS=8192,32768 RUNS=3 T_ttft=300 bash scripts/gpu_prefill.sh
 # - whether the start-up capture's Tb - 1 lengths removed the ~2.3 s first-use stalls of a fresh machine
 #   (fbf257f's first server: TTFT p90 2 330 ms): the serve step on a fresh machine, TTFT p90/p99
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels

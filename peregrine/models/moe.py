@@ -40,6 +40,21 @@ def select(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bo
     return ids, w * scaling
 
 
+FUSED_GLUE: bool | None = None  # the SwiGLU-weight and combine kernels (kernels/moe_prefill.py) around the grouped
+#   GEMMs. None: on the GPU for prefill-sized steps outside FP32 runs (the oracle keeps the torch forms);
+#   True: for any step, also under the interpreter (tests); False: never
+GLUE_MIN_TOKENS = 64  # fewer tokens: the passes are launch-bound, and decode steps keep the exact torch form
+#                       the specialized path is checked against
+
+
+def fused_glue(x: torch.Tensor, act) -> bool:
+    from .. import kernels
+    if act is not swiglu or FUSED_GLUE is False:
+        return False
+    on = FUSED_GLUE or (x.is_cuda and x.dtype != torch.float32 and x.shape[0] >= GLUE_MIN_TOKENS)
+    return bool(on) and kernels.available(x.device)
+
+
 def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None) -> torch.Tensor:
     """Σ_k w[n,k]·E_ids[n,k](x[n]) with each used expert's weights read once per step.
 
@@ -55,18 +70,28 @@ def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None) -> tor
     xs = x[order // k]
     if grouped is None:  # the grouped GEMM on CUDA/BF16; its CPU fallback is slower than looping over used experts
         grouped = hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
-    w_sorted = w.flatten()[order].unsqueeze(-1)  # each pair's routing weight, applied before the down GEMM
+    w_flat = w.flatten()[order]  # each pair's routing weight, applied before the down GEMM
+    fused = fused_glue(x, act)
+    if fused:
+        from ..kernels.moe_prefill import combine, swiglu_weighted
+        weighted = swiglu_weighted
+    else:
+        weighted = lambda gu, wp: (act(gu) * wp.unsqueeze(-1)).to(x.dtype)  # noqa: E731
     if grouped:
         counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         offs = torch.cumsum(counts, 0).to(torch.int32)  # bincount would sync on its size
-        h = (act(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)) * w_sorted).to(x.dtype)
+        h = weighted(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs), w_flat)
         ys = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
     else:  # older torch / other dtypes: loop over the experts actually used
         ys = torch.empty(N * k, w2.shape[1], dtype=x.dtype, device=x.device)
         sf = flat[order]
         for e in torch.unique(sf).tolist():
             m = sf == e
-            ys[m] = (act(xs[m] @ w13[e].T) * w_sorted[m]).to(x.dtype) @ w2[e].T
+            ys[m] = weighted(xs[m] @ w13[e].T, w_flat[m]) @ w2[e].T
+    if fused:  # each pair's row among the sorted ones, then the sum over k straight from them
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=order.device)
+        return combine(ys, inv, k)
     y = torch.empty_like(ys)
     y[order] = ys
     # the sum over k in FP32 and a fixed order (bitwise reproducible), read straight from the model dtype

@@ -1,0 +1,104 @@
+"""MoE prefill glue microbenchmark (BENCHMARKS.md §2): kernels/moe_prefill.py's swiglu_weighted and
+combine against the torch forms they replace in models/moe.py grouped_experts, at a 1K and an 8K
+prompt's token-expert pairs (Kimi-Linear: top-8, I = 1024, D = 2304), timed as CUDA graphs rotating
+over enough input copies to leave the 60 MB L2.
+    python -m peregrine.bench.kernels_moe_prefill
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from peregrine.bench.gpu import graph_time
+from peregrine.bench.kernels_gemm import ROTATE_BYTES
+from peregrine.kernels.moe_prefill import combine, swiglu_weighted
+from peregrine.models.layers import swiglu
+
+TOKENS = (1024, 8192)  # prompt tokens per step
+TOP_K, I, D = 8, 1024, 2304
+DTYPE = torch.bfloat16
+DEVICE = "cuda"  # a module constant so the bench logic can be smoke-tested on CPU
+MAX_COPIES = 16
+
+
+def _copies(per: int) -> int:
+    return max(1, min(MAX_COPIES, -(-ROTATE_BYTES // per)))
+
+
+def _swiglu_case(P: int):
+    per = P * 2 * I * 2 + P * 4 + P * I * 2  # gu read, w read, h written
+    n = _copies(per)
+    gus = [torch.randn(P, 2 * I, device=DEVICE).to(DTYPE) for _ in range(n)]
+    ws = [torch.rand(P, device=DEVICE) for _ in range(n)]
+    hs = [torch.empty(P, I, device=DEVICE, dtype=DTYPE) for _ in range(n)]
+    fused = [lambda g=g, w=w, h=h: swiglu_weighted(g, w, out=h) for g, w, h in zip(gus, ws, hs)]
+    torch_form = [lambda g=g, w=w: (swiglu(g) * w.unsqueeze(-1)).to(DTYPE) for g, w in zip(gus, ws)]
+    return fused, torch_form, per
+
+
+def _combine_case(P: int):
+    N = P // TOP_K
+    per = P * D * 2 + P * 8 + N * D * 2  # ys read, inv read, out written
+    n = _copies(per)
+    yss = [torch.randn(P, D, device=DEVICE).to(DTYPE) for _ in range(n)]
+    order = torch.randperm(P, device=DEVICE)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(P, device=DEVICE)
+    outs = [torch.empty(N, D, device=DEVICE, dtype=DTYPE) for _ in range(n)]
+    fused = [lambda ys=ys, o=o: combine(ys, inv, TOP_K, out=o) for ys, o in zip(yss, outs)]
+
+    def torch_form(ys):
+        y = torch.empty_like(ys)
+        y[order] = ys
+        return y.view(N, TOP_K, -1).sum(1, dtype=torch.float32).to(DTYPE)
+    return fused, [lambda ys=ys: torch_form(ys) for ys in yss], per
+
+
+def run(copy_gbps: float, full: bool = True, iters: int = 20) -> list[dict]:
+    rows = []
+    for tokens in TOKENS if full else TOKENS[:1]:
+        P = tokens * TOP_K
+        for kernel, case in (("swiglu_weighted", _swiglu_case), ("combine", _combine_case)):
+            fused, torch_form, nbytes = case(P)
+            t, samples = graph_time(fused, iters)
+            tt, _ = graph_time(torch_form, iters)
+            gbps = nbytes / t / 1e6
+            rows.append({"kernel": kernel, "shape": f"{tokens} tokens x top-{TOP_K}", "time_ms": t, "torch_ms": tt,
+                         "bytes": nbytes, "gbps": gbps, "pct_of_copy": gbps / copy_gbps, "samples_ms": samples})
+            del fused, torch_form
+            torch.cuda.empty_cache()
+    return rows
+
+
+def compile_check() -> list[dict]:
+    """Both kernels compiled ahead of time for sm_90a in BF16 (no GPU needed): ptxas's registers and spills."""
+    from peregrine.bench.kernels_moe import compile_sm90
+    from peregrine.kernels import moe_prefill as K
+    bf, n, c = "*bf16", (lambda v: ("i32", v)), (lambda v: ("constexpr", v))
+    sw = compile_sm90(K._swiglu_weighted_kernel, dict(gu_ptr=(bf, 0), w_ptr=("*fp32", 0), h_ptr=(bf, 0), I=n(I),
+                                                      stride_gu=n(2 * I), stride_h=n(I), BLOCK=c(K.BLOCK_I), BF16=c(True)), 4, 1)
+    cb = compile_sm90(K._combine_kernel, dict(ys_ptr=(bf, 0), inv_ptr=("*i64", 0), out_ptr=(bf, 0), D=n(D), stride_ys=n(D),
+                                              stride_out=n(D), K=c(TOP_K), BLOCK=c(K.BLOCK_D), BF16=c(True)), 4, 1)
+    return [{"kernel": "swiglu_weighted"} | sw, {"kernel": "combine"} | cb]
+
+
+def main():
+    from peregrine.bench.gpu import copy_bandwidth, result_path, run_metadata, write_result
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--results-dir", default="results")
+    a = ap.parse_args()
+    copy = copy_bandwidth()
+    rows = run(copy["gbps"], full=not a.quick)
+    meta = run_metadata() | {"copy_gbps": copy["gbps"], "copy_samples_ms": copy["samples_ms"]}
+    path = write_result(result_path("kernels", "moe-prefill", a.results_dir), {"meta": meta, "rows": rows})
+    print(f"copy bandwidth {copy['gbps']:.0f} GB/s")
+    for r in rows:
+        print(f"{r['kernel']:>16} {r['shape']:>22} {1e3 * r['time_ms']:>9.1f} us (torch form {1e3 * r['torch_ms']:>9.1f} us) "
+              f"{r['gbps']:>7.0f} GB/s {100 * r['pct_of_copy']:>5.1f}%")
+    print(f"-> {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The elementwise glue of the MoE prefill around its two grouped GEMMs (models/moe.py grouped_experts).
+
+swiglu_weighted(gu, w): h[p] = round(round(silu(g_p) · u_p) · w_p) from the up GEMM's [P, 2I] output
+  (g | u halves), w the pair's routing weight: the torch form's two roundings to the model dtype in
+  one pass, where the torch form makes six (an FP32 copy, silu, the product, a cast, the weight, a cast).
+combine(ys, inv, k): out[n] = Σ_j ys[inv[n·k + j]] in FP32, j ascending, rounded once, over the down
+  GEMM's expert-sorted rows (inv: a pair's row among them), where the torch form scatters ys back to
+  pair order, sums in FP32 and casts.
+At 8K prompt tokens these passes were ~40 ms of a 174 ms prefill step (H200, kimi-linear-48b-a3b,
+torch.profiler, results/2026-12-01-session8/…-profile-prefill-b7914a0.log). FP32 references below.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_I = 1024  # activation columns per program: Kimi-Linear's I in one program
+BLOCK_D = 1024  # output columns per combine program (hidden 2304: 3 programs per token)
+
+
+@triton.jit
+def _rounded(x, BF16: tl.constexpr):
+    """FP32 x rounded to the nearest BF16 (ties to even), kept in FP32: torch's cast, done in integer
+    ops so the interpreter (whose FP32 -> BF16 cast truncates) rounds as the GPU does."""
+    if BF16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        x = b.to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit
+def _swiglu_weighted_kernel(gu_ptr, w_ptr, h_ptr, I, stride_gu, stride_h, BLOCK: tl.constexpr, BF16: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < I
+    g = tl.load(gu_ptr + p * stride_gu + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + p * stride_gu + I + cols, mask=ok, other=0.0).to(tl.float32)
+    a = _rounded(g * tl.sigmoid(g) * u, BF16).to(h_ptr.dtype.element_ty)  # the activation's rounding (torch: swiglu's cast)
+    w = tl.load(w_ptr + p)
+    tl.store(h_ptr + p * stride_h + cols, _rounded(a.to(tl.float32) * w, BF16).to(h_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _combine_kernel(ys_ptr, inv_ptr, out_ptr, D, stride_ys, stride_out, K: tl.constexpr, BLOCK: tl.constexpr,
+                    BF16: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < D
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(K):  # a fixed order: bitwise reproducible
+        row = tl.load(inv_ptr + n * K + j).to(tl.int64)
+        acc += tl.load(ys_ptr + row * stride_ys + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n * stride_out + cols, _rounded(acc, BF16).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def swiglu_weighted(gu: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gu [P, 2I] (rows contiguous), w [P] FP32 -> [P, I] in gu's dtype."""
+    P, I2 = gu.shape
+    assert I2 % 2 == 0 and gu.stride(1) == 1 and w.shape == (P,), (gu.shape, w.shape)
+    I = I2 // 2
+    h = torch.empty(P, I, dtype=gu.dtype, device=gu.device) if out is None else out
+    assert h.shape == (P, I) and h.stride(1) == 1
+    if P:
+        _swiglu_weighted_kernel[(P, triton.cdiv(I, BLOCK_I))](gu, w.float().contiguous(), h, I, gu.stride(0), h.stride(0),
+                                                               BLOCK=min(BLOCK_I, triton.next_power_of_2(I)),
+                                                               BF16=h.dtype == torch.bfloat16)
+    return h
+
+
+def combine(ys: torch.Tensor, inv: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """ys [N·k, D] (rows in any order), inv [N·k] (pair n·k + j's row in ys) -> [N, D] in ys's dtype."""
+    P, D = ys.shape
+    assert ys.stride(1) == 1 and inv.shape == (P,) and P % k == 0, (ys.shape, inv.shape, k)
+    N = P // k
+    y = torch.empty(N, D, dtype=ys.dtype, device=ys.device) if out is None else out
+    assert y.shape == (N, D) and y.stride(1) == 1
+    if N:
+        _combine_kernel[(N, triton.cdiv(D, BLOCK_D))](ys, inv.contiguous(), y, D, ys.stride(0), y.stride(0),
+                                                       K=k, BLOCK=min(BLOCK_D, triton.next_power_of_2(D)),
+                                                       BF16=y.dtype == torch.bfloat16)
+    return y
+
+
+def swiglu_weighted_ref(gu: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """FP32 math, rounded where the kernel (and the torch form) rounds."""
+    g, u = gu.float().chunk(2, dim=-1)
+    a = (g * torch.sigmoid(g) * u).to(gu.dtype)
+    return (a.float() * w.float()[:, None]).to(gu.dtype)
+
+
+def combine_ref(ys: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
+    rows = ys.float()[inv].view(-1, k, ys.shape[1])
+    acc = rows[:, 0].clone()
+    for j in range(1, k):
+        acc += rows[:, j]
+    return acc.to(ys.dtype)
