@@ -13,7 +13,7 @@
 # - serving with Poisson arrivals (never run on the GPU), and c = 4 with graphs:
 #   STEPS=serve CONC=8 RATE=4 BACKENDS="latency_specialized@6 latency_specialized@3" T_serve=300 bash scripts/gpu_prefill.sh
 # - the MoE prefill glue kernels (kernels/moe_prefill.py, on by default for prefill-sized BF16 steps since
-#   the session-8 commit after 3e2…; never run on a GPU): their GPU tests, their microbenchmark against the
+#   19dc936; never run on a GPU): their GPU tests, their microbenchmark against the
 #   torch forms, then 8K / 32K cold TTFT with the per-layer-type breakdown (MoE was 525.8 ms of 1 037 at 32K):
 #   python3 -m pytest -v tests/test_kernels_moe_prefill.py; python3 -m peregrine.bench.kernels_moe_prefill
 #   STEPS=ttft LENGTHS=8192,32768 RUNS=3 T_ttft=300 bash scripts/gpu_prefill.sh
