@@ -17,6 +17,8 @@
 #   torch forms, then 8K / 32K cold TTFT with the per-layer-type breakdown (MoE was 525.8 ms of 1 037 at 32K):
 #   python3 -m pytest -v tests/test_kernels_moe_prefill.py; python3 -m peregrine.bench.kernels_moe_prefill
 #   STEPS=ttft LENGTHS=8192,32768 RUNS=3 T_ttft=300 bash scripts/gpu_prefill.sh
+# - #20: the persistent MoE block's second version (narrow dependencies, wider up tiles) against the chain:
+#   python3 -m pytest -v tests/test_kernels_persistent_moe.py; python3 -m peregrine.bench.persistent_moe
 # - whether the start-up capture's Tb - 1 lengths removed the ~2.3 s first-use stalls of a fresh machine
 #   (fbf257f's first server: TTFT p90 2 330 ms): the serve step on a fresh machine, TTFT p90/p99
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(not kernels.available("cpu") and not torch.cuda.
                                 reason="triton kernels unavailable")
 DEV = "cuda" if torch.cuda.is_available() and not kernels.interpreting() else "cpu"
 # odd widths: D and I not multiples of the tiles, E not a power of two
-CASES = [P.Shapes(B=1, D=72, E=12, I=40, IS=24, top_k=3), P.Shapes(B=3, D=40, E=16, I=20, IS=0, top_k=4)]
+CASES = [P.Shapes(B=1, D=72, E=12, I=40, IS=24, top_k=3), P.Shapes(B=3, D=40, E=16, I=20, IS=0, top_k=4),
+         P.Shapes(B=2, D=300, E=8, I=72, IS=16, top_k=2)]  # two combine tiles, three up tiles per assignment
 
 
 def weights(s: P.Shapes, seed: int, dtype=torch.float32):
@@ -48,7 +49,7 @@ def test_table_order_equals_reference_and_random_orders_are_bitwise_equal(s):
     assert torch.equal(ws.ids.long().sort(-1).values, ids.sort(-1).values)
     table, _ = P.task_table(s)
     for seed in range(3):
-        order = P.random_order(table, seed)
+        order = P.random_order(table, s, seed)
         assert order != table
         wr = P.Workspace(s, DEV, tasks=order)
         wr.poison()
@@ -69,8 +70,9 @@ def test_repeated_launches_reuse_counters_without_zeroing():
         ws.poison()
         assert rel_rmse(run(s, w, ws), ref) < 1e-5, f"launch {i + 1}"
     assert ws.epoch.item() == 4 and ws.queue.item() == 3 * (n + ws.programs)
-    e = ws.expect
-    assert ws.counters[:5].tolist() == [3 * e["router"], 3 * e["sup"], 3, 3 * e["up"], 3 * e["down"]]
+    assert ws.counters.tolist() == P.expected_counts(s, launches=3)
+    # per token, per assignment, per combine tile: as narrow as the data
+    assert len(ws.counters) == 2 + s.B + s.B * s.top_k + -(-s.D // P.BLOCK_M)
     assert ws.err.item() == 0
 
 
@@ -88,16 +90,25 @@ def test_a_task_before_its_dependency_trips_the_error_word():
 
 
 def test_random_orders_respect_the_declared_dependencies():
-    s = CASES[0]
+    """Orders that only the kernel's narrow dependencies allow: a token's experts before another token's
+    top-k, an assignment's down tiles before another's up tiles, a combine tile before unrelated down tiles."""
+    s = CASES[2]
     table, _ = P.task_table(s)
+    seen_early = set()
     for seed in range(5):
-        order = P.random_order(table, seed)
+        order = P.random_order(table, s, seed)
         assert sorted(order) == sorted(table)
-        pos = {k: [i for i, t in enumerate(order) if t[0] == k] for k in range(7)}
-        for k, deps in P.DEPENDS.items():
-            for d in deps:
-                if pos[k] and pos[d]:
-                    assert min(pos[k]) > max(pos[d])
+        pos = {t: i for i, t in enumerate(order)}
+        for t in order:
+            assert all(pos[u] < pos[t] for u in table if P.waits_on(t, u, s))
+        kinds = [t[0] for t in order]
+        first_down = kinds.index(P.DOWN)
+        if P.UP in kinds[first_down:]:
+            seen_early.add("down before the last up")
+        first_comb = kinds.index(P.COMBINE)
+        if P.DOWN in kinds[first_comb:]:
+            seen_early.add("combine before the last down")
+    assert seen_early == {"down before the last up", "combine before the last down"}
 
 
 def test_compiles_for_sm90_at_kimi_linear_widths():

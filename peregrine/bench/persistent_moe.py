@@ -36,9 +36,10 @@ def compile_check(model: str = "kimi-linear-48b-a3b") -> dict:
                 epoch_ptr=(i32, 0), x_ptr=(bf, 0), wr_ptr=(bf, 0), bias_ptr=(f32, 0), w13_ptr=(bf, 0), w2_ptr=(bf, 0),
                 ws13_ptr=(bf, 0), ws2_ptr=(bf, 0), logits_ptr=(f32, 0), ids_ptr=(i32, 0), tw_ptr=(f32, 0),
                 h_ptr=(f32, 0), hs_ptr=(f32, 0), part_ptr=(f32, 0), out_ptr=(bf, 0), B=n(1), D=n(D), E=n(E), I=n(I),
-                IS=n(IS), scaling=("fp32", 1.0), n_router=n(16), n_sup=n(64), n_up=n(512), n_down=n(1296),
-                TOP_K=c(k), NJ=c(k + 1), RENORM=c(True), HAS_SHARED=c(True), BLOCK_B=c(P.BLOCK_B),
-                BLOCK_N=c(P.BLOCK_N), BLOCK_K=c(P.BLOCK_K), BLOCK_E=c(triton.next_power_of_2(E)),
+                IS=n(IS), scaling=("fp32", 1.0), n_router=n(16), n_sup=n(64), n_up=n(32), c_topk=n(2), c_up=n(3),
+                c_down=n(11), TOP_K=c(k), NJ=c(k + 1), RENORM=c(True), HAS_SHARED=c(True), BLOCK_B=c(P.BLOCK_B),
+                BLOCK_N=c(P.BLOCK_N), BLOCK_K=c(P.BLOCK_K), BLOCK_NU=c(P.BLOCK_NU), BLOCK_KU=c(P.BLOCK_KU),
+                BLOCK_E=c(triton.next_power_of_2(E)),
                 BLOCK_I=c(triton.next_power_of_2(I)), BLOCK_IS=c(triton.next_power_of_2(IS)), BLOCK_M=c(P.BLOCK_M),
                 MAX_SPINS=c(P.MAX_SPINS))
     return {"model": model} | compile_sm90(P._moe_block_kernel, args, P.NUM_WARPS, 1)
