@@ -5,7 +5,9 @@
 #   the FP32 TP = 2 check with --graphs must now finish and write its JSON well inside its limit
 # - k3-slice at all 6 layers, FP32, TP = 2 vs TP = 1 (its first 4 layers passed at 1571ff5)
 # On the eight-GPU kind (#11): TP=8 STEPS='check decode k3' bash scripts/tp_gpu_run.sh
-# On one H200 (export TRITON_CACHE_AUTOTUNING=1 first: fla's first autotune is ~2 min on a fresh machine):
+# On one H200 (export TRITON_CACHE_AUTOTUNING=1 first: fla's first autotune is ~2 min on a fresh machine).
+# First, since they are on by default and have never run on a GPU: the glue kernels (below) and the
+# prefill-graph / KDA-tail GPU tests, in one call: STEPS="glue tests pmoe" with the K filter below.
 # - the GPU tests session 8 did not reach at fbf257f (the KDA tail kernel after fla, prefill graphs):
 #   STEPS=tests TESTS="tests/test_prefill.py tests/test_prefill_graphs.py" K="gpu_prefill_kernels or captured_prefill" T_tests=240 bash scripts/gpu_prefill.sh
 # - 32K cold and turn 2 with prefill graphs (the 8192-token bucket; 32K last measured before them, bc02d61):
@@ -15,10 +17,9 @@
 # - the MoE prefill glue kernels (kernels/moe_prefill.py, on by default for prefill-sized BF16 steps since
 #   19dc936; never run on a GPU): their GPU tests, their microbenchmark against the
 #   torch forms, then 8K / 32K cold TTFT with the per-layer-type breakdown (MoE was 525.8 ms of 1 037 at 32K):
-#   python3 -m pytest -v tests/test_kernels_moe_prefill.py; python3 -m peregrine.bench.kernels_moe_prefill
-#   STEPS=ttft LENGTHS=8192,32768 RUNS=3 T_ttft=300 bash scripts/gpu_prefill.sh
+#   STEPS="glue ttft" LENGTHS=8192,32768 RUNS=3 T_glue=120 T_ttft=300 bash scripts/gpu_prefill.sh
 # - #20: the persistent MoE block's second version (narrow dependencies, wider up tiles) against the chain:
-#   python3 -m pytest -v tests/test_kernels_persistent_moe.py; python3 -m peregrine.bench.persistent_moe
+#   STEPS=pmoe T_pmoe=120 bash scripts/gpu_prefill.sh
 # - whether the start-up capture's Tb - 1 lengths removed the ~2.3 s first-use stalls of a fresh machine
 #   (fbf257f's first server: TTFT p90 2 330 ms): the serve step on a fresh machine, TTFT p90/p99
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prefill / prefix caching / chunked mixing on one H200 (issue: time to first token at agent-size contexts).
-#   STEPS: any of tests hf kernels kdarows profile pmoe ttft serve (default: tests kernels ttft serve, in that order); TESTS (test
+#   STEPS: any of tests hf kernels kdarows profile pmoe glue ttft serve (default: tests kernels ttft serve, in that order); TESTS (test
 #   files) and K (a pytest -k filter) for tests; hf: the transformers conformance test; MODEL (kimi-linear-48b-a3b);
 #   LENGTHS (1024,8192,32768,131072); CHUNKS/CONTEXT/AB (interleaved eager vs prefill-graph runs) for profile; pmoe: #20's persistent MoE tests and bench; RUNS (3); CONC (1,4,8); T_<step> seconds per step (a killed step
 #   still leaves its log and the bundle); BACKEND, PG (true: prefill graphs; e.g. "false true"), BREAKDOWN (32768; 0: none) for ttft
@@ -31,6 +31,9 @@ for step in $STEPS; do
     pmoe)
       timeout -k 5 "$lim" python3 -m pytest -v tests/test_kernels_persistent_moe.py 2>&1 | tee "$OUT/pytest-pmoe.log" || rc=1
       timeout -k 5 "$lim" python3 -m peregrine.bench.persistent_moe --model "$MODEL" 2>&1 | tee "$OUT/persistent-moe.log" || rc=1 ;;
+    glue)  # the MoE prefill glue kernels: GPU tests, then their microbenchmark against the torch forms
+      timeout -k 5 "$lim" python3 -m pytest -v tests/test_kernels_moe_prefill.py 2>&1 | tee "$OUT/pytest-glue.log" || rc=1
+      timeout -k 5 "$lim" python3 -m peregrine.bench.kernels_moe_prefill 2>&1 | tee "$OUT/kernels-moe-prefill.log" || rc=1 ;;
     kernels)
       timeout -k 5 "$lim" python3 -m peregrine bench kernels --families mla_prefill 2>&1 | tee "$OUT/kernels-mla-prefill.log" || rc=1 ;;
     ttft)  # once per PG value (prefill graphs true/false), each in results/pg-<value>/
