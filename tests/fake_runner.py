@@ -15,6 +15,7 @@ from peregrine.decode.batch import StepInput
 
 HASH_MOD = 65521       # prime < 2**16: the running hash stays exact in the FP32 KDA state
 LOGIT_SCALE = 4.0      # peaky enough that greedy is a clear choice, flat enough to sample
+FAKE_PIECES = 3        # advances per prefill chunk run in pieces
 
 
 def fold(h: int, tokens) -> int:
@@ -47,6 +48,24 @@ class FakeRunner:
         self.steps: list[list[int]] = []   # q_lens of every step
         self.mismatches = 0                # state hash disagreed with the cache read-back
         self.prompts: list[tuple[int, ...]] = []  # rows of unfinished prompts come back NaN
+        self.events: list[str] = []        # "piece" per prefill-piece advance (tests add their own)
+
+    def forward_pieces(self, step: StepInput, layers_per_piece: int):
+        """A prefill chunk in FAKE_PIECES advances (the engine's protocol: None until the last, then the
+        logits); each advance is recorded in `events`, and the chunk's forward leaves the decode's
+        argmax buffer alone, as the standard path's pieces do the specialized path's."""
+        n = [0]
+
+        def advance():
+            n[0] += 1
+            self.events.append("piece")
+            if n[0] < FAKE_PIECES:
+                return None
+            greedy, path = self.greedy_tokens, self.last_path
+            out = self.forward(step)
+            self.greedy_tokens, self.last_path = greedy, path
+            return out
+        return advance
 
     def forward(self, step: StepInput) -> torch.Tensor:
         c = self.cache

@@ -126,3 +126,37 @@ def test_prompt_logprobs_and_sampling_through_pieces():
             continue
         assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-5
         assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+def test_a_piece_is_launched_before_the_decodes_tokens_are_read(monkeypatch):
+    """With the runner's on-device argmax (the specialized path), each piece step launches its piece
+    after copying the decode's tokens out and before waiting for them, so the piece's GPU work queues
+    behind the decode while the host goes on. Tokens are those of the reference model either way."""
+    from peregrine.engine import lookahead
+    from test_engine import make_engine, prompts, ref_generate
+    read = lookahead.Readback.tolist
+    outs = {}
+    for pieces in (0, 2):
+        eng, runner, _ = make_engine(greedy=True, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=16,
+                                     prefill_piece_layers=pieces)
+        monkeypatch.setattr(lookahead.Readback, "tolist", lambda self: runner.events.append("read") or read(self))
+        a, b = prompts([9, 40], seed=3)
+        eng.add_request(a, SamplingParams(max_tokens=20, ignore_eos=True), request_id="a")
+        toks = {"a": [], "b": []}
+        for _ in range(3):
+            for o in eng.step():
+                toks[o.request_id] += o.new_token_ids
+        eng.add_request(b, SamplingParams(max_tokens=6, ignore_eos=True), request_id="b")
+        runner.events.clear()
+        while eng.has_unfinished():
+            for o in eng.step():
+                toks[o.request_id] += o.new_token_ids
+        outs[pieces] = toks
+        if pieces:
+            ev = runner.events
+            n = ev.count("piece")
+            assert n == 3 * 3  # b's 40 prompt tokens: chunks of 16, 16, 8, three advances each
+            # every piece precedes the read of its step's decode tokens
+            assert all(ev[i + 1] == "read" for i, e in enumerate(ev) if e == "piece"), ev
+    assert outs[0] == outs[2]
+    assert outs[2]["a"] == ref_generate(a, 20, ignore_eos=True)[0] and outs[2]["b"] == ref_generate(b, 6, ignore_eos=True)[0]

@@ -252,10 +252,12 @@ class LLMEngine:
                 path = getattr(self.runner, "last_path", "standard")
                 new = self.spec.finish(batch, step, drafts, T, logits)
                 self._after_forward(batch, {})
-            elif batch:
-                new, path = self._plain_step(batch, ahead)
             piece = self._inflight is not None
-            if piece:
+            if batch and spec is None:
+                # with a chunk in flight its next piece is launched while the decode runs, before the
+                # decode's tokens are read back (greedy decodes: the runner's argmax, copied out first)
+                new, path = self._plain_step(batch, ahead, during=self._advance_pieces if piece else None)
+            elif piece:
                 new += self._advance_pieces()
             n_new = 0
             for seq, toks in new:
@@ -334,9 +336,10 @@ class LLMEngine:
         step.logits_idx, last = logprobs.prompt_rows(batch, self.device)
         return step, last, self._plan_snapshots(batch, step)
 
-    def _plain_step(self, batch, ahead: Ahead | None = None) -> tuple[list[tuple[Sequence, list[int]]], str]:
+    def _plain_step(self, batch, ahead: Ahead | None = None, during=None) -> tuple[list[tuple[Sequence, list[int]]], str]:
         """One forward with each sequence's scheduled tokens (or the one the last step launched
-        ahead); sample the sequences now fully cached. -> (sequence, tokens) rows and the path."""
+        ahead); sample the sequences now fully cached. -> (sequence, tokens) rows and the path.
+        during: called once, as early as the tokens allow (see _complete); its rows are added."""
         if ahead is None:
             step, last, snaps = self._build_step(batch)
             logits = logprobs.split_prompt_rows(batch, self._forward(step, last[-1] + 1), last)
@@ -345,30 +348,39 @@ class LLMEngine:
         else:
             logits, greedy, path = ahead.logits, ahead.greedy, ahead.path
             snaps = {}
-        return self._complete(batch, logits, greedy, path, snaps)
+        return self._complete(batch, logits, greedy, path, snaps, during)
 
-    def _complete(self, batch, logits, greedy, path: str, snaps: dict) -> tuple[list[tuple[Sequence, list[int]]], str]:
+    def _complete(self, batch, logits, greedy, path: str, snaps: dict, during=None) -> tuple[list[tuple[Sequence, list[int]]], str]:
         """After a forward of `batch`: advance each sequence's cached count, keep the step's cache
-        blocks and snapshots, and sample the sequences now fully cached."""
+        blocks and snapshots, and sample the sequences now fully cached. during (a prefill piece's
+        launch): called once, after the on-device argmax's copy is queued and before it is waited for,
+        so its GPU work queues behind this forward's while the host goes on; else after the tokens."""
         ready = []  # rows whose sequence has every token in the cache: sample those
         for i, (seq, n) in enumerate(batch):
             seq.num_cached += n
             if seq.num_cached == len(seq.token_ids):
                 ready.append(i)
         self._after_forward(batch, snaps)  # before a lookahead launch: its copies must run first
+        extra = []
         if not ready:
-            return [], path
+            return (during() if during else []), path
         rs = [batch[i][0] for i in ready]
         if greedy is not None and len(ready) == len(batch) and all(s.params.plain_greedy for s in rs):
             if self._can_look_ahead(rs):
                 pending = Readback(greedy)  # queued before the next launch reuses the graph's output buffer
                 self._ahead = self._launch_ahead(rs, greedy)
                 toks = pending.tolist()     # waits for this step only; the next one is queued behind it
+            elif during is not None:
+                pending = Readback(greedy)  # in stream order, ahead of the piece
+                extra, during = during(), None
+                toks = pending.tolist()     # waits for the decode only
             else:
                 toks = greedy.tolist()
         else:
             toks = self._sample(rs, logits if len(ready) == len(batch) else logits[ready])
-        return [(s, [t]) for s, t in zip(rs, toks)], path
+        if during is not None:
+            extra = during()
+        return [(s, [t]) for s, t in zip(rs, toks)] + extra, path
 
     # ---- prefix caching: which block ends get a KDA snapshot, and the bookkeeping after a step ----
     def _plan_snapshots(self, batch, step: StepInput) -> dict:
