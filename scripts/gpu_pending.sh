@@ -12,7 +12,8 @@
 #   STEPS=tests TESTS="tests/test_prefill.py tests/test_prefill_graphs.py" K="gpu_prefill_kernels or captured_prefill" T_tests=240 bash scripts/gpu_prefill.sh
 # - 32K cold and turn 2 with prefill graphs (the 8192-token bucket; 32K last measured before them, bc02d61):
 #   STEPS=ttft LENGTHS=32768 RUNS=3 T_ttft=240 bash scripts/gpu_prefill.sh
-# - serving with Poisson arrivals (never run on the GPU), and c = 4 with graphs:
+# - serving at c = 8 again: pieces now launch before the decode's tokens are read (fc0e719's engine change),
+#   with Poisson arrivals too (never run on the GPU), and c = 4 with graphs:
 #   STEPS=serve CONC=8 RATE=4 BACKENDS="latency_specialized@6 latency_specialized@3" T_serve=300 bash scripts/gpu_prefill.sh
 # - the MoE prefill glue kernels (kernels/moe_prefill.py, on by default for prefill-sized BF16 steps since
 #   19dc936; never run on a GPU): their GPU tests, their microbenchmark against the
