@@ -50,23 +50,6 @@ class FakeRunner:
         self.prompts: list[tuple[int, ...]] = []  # rows of unfinished prompts come back NaN
         self.events: list[str] = []        # "piece" per prefill-piece advance (tests add their own)
 
-    def forward_pieces(self, step: StepInput, layers_per_piece: int):
-        """A prefill chunk in FAKE_PIECES advances (the engine's protocol: None until the last, then the
-        logits); each advance is recorded in `events`, and the chunk's forward leaves the decode's
-        argmax buffer alone, as the standard path's pieces do the specialized path's."""
-        n = [0]
-
-        def advance():
-            n[0] += 1
-            self.events.append("piece")
-            if n[0] < FAKE_PIECES:
-                return None
-            greedy, path = self.greedy_tokens, self.last_path
-            out = self.forward(step)
-            self.greedy_tokens, self.last_path = greedy, path
-            return out
-        return advance
-
     def forward(self, step: StepInput) -> torch.Tensor:
         c = self.cache
         self.steps.append(list(step.q_lens))
@@ -102,3 +85,24 @@ class FakeRunner:
         if not decode:
             self.fallback_reasons["prefill in batch"] = self.fallback_reasons.get("prefill in batch", 0) + 1
         return out
+
+
+class PiecedFakeRunner(FakeRunner):
+    """A FakeRunner that can also run a prefill chunk in pieces (the engine then uses prefill pieces)."""
+
+    def forward_pieces(self, step: StepInput, layers_per_piece: int):
+        """A prefill chunk in FAKE_PIECES advances (the engine's protocol: None until the last, then the
+        logits); each advance is recorded in `events`, and the chunk's forward leaves the decode's
+        argmax buffer alone, as the standard path's pieces do the specialized path's."""
+        n = [0]
+
+        def advance():
+            n[0] += 1
+            self.events.append("piece")
+            if n[0] < FAKE_PIECES:
+                return None
+            greedy, path = self.greedy_tokens, self.last_path
+            out = self.forward(step)
+            self.greedy_tokens, self.last_path = greedy, path
+            return out
+        return advance

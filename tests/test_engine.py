@@ -27,11 +27,11 @@ V = CFG.vocab_size
 EOS = CFG.eos_token_id
 
 
-def make_engine(num_blocks=64, block_size=4, num_slots=8, model_cfg=CFG, greedy=False, **ecfg):
+def make_engine(num_blocks=64, block_size=4, num_slots=8, model_cfg=CFG, greedy=False, runner_cls=FakeRunner, **ecfg):
     """greedy: the runner returns decode steps' argmax, so the engine's decode lookahead engages."""
     cache = ModelCache(model_cfg, num_blocks=num_blocks, block_size=block_size, num_slots=num_slots,
                        dtype=torch.float32, device="cpu")
-    runner = FakeRunner(cache, V, greedy=greedy)
+    runner = runner_cls(cache, V, greedy=greedy)
     ecfg.setdefault("max_model_len", 256)
     eng = LLMEngine(runner, model_cfg, EngineConfig(block_size=block_size, **ecfg), cache)
     return eng, runner, cache

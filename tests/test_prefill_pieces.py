@@ -132,13 +132,14 @@ def test_a_piece_is_launched_before_the_decodes_tokens_are_read(monkeypatch):
     """With the runner's on-device argmax (the specialized path), each piece step launches its piece
     after copying the decode's tokens out and before waiting for them, so the piece's GPU work queues
     behind the decode while the host goes on. Tokens are those of the reference model either way."""
+    from fake_runner import PiecedFakeRunner
     from peregrine.engine import lookahead
     from test_engine import make_engine, prompts, ref_generate
     read = lookahead.Readback.tolist
     outs = {}
     for pieces in (0, 2):
-        eng, runner, _ = make_engine(greedy=True, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=16,
-                                     prefill_piece_layers=pieces)
+        eng, runner, _ = make_engine(greedy=True, runner_cls=PiecedFakeRunner, max_num_batched_tokens=64,
+                                     max_prefill_tokens_while_decoding=16, prefill_piece_layers=pieces)
         monkeypatch.setattr(lookahead.Readback, "tolist", lambda self: runner.events.append("read") or read(self))
         a, b = prompts([9, 40], seed=3)
         eng.add_request(a, SamplingParams(max_tokens=20, ignore_eos=True), request_id="a")
