@@ -113,3 +113,24 @@ def write_result(path: Path, payload: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
     return path
+
+
+def family_main(family: str, run, line, header: str | None = None, doc: str | None = None) -> None:
+    """A kernel family's own command (`python -m peregrine.bench.kernels_<family> [--quick]`): its rows
+    from run(copy_gbps, full) against the copy bandwidth measured in the same run, written under
+    results/, and `line(row)` printed per row."""
+    import argparse
+    ap = argparse.ArgumentParser(description=doc)
+    ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--results-dir", default="results")
+    a = ap.parse_args()
+    copy = copy_bandwidth()
+    rows = run(copy["gbps"], full=not a.quick)
+    meta = run_metadata() | {"copy_gbps": copy["gbps"], "copy_samples_ms": copy["samples_ms"]}
+    path = write_result(result_path("kernels", family, a.results_dir), {"meta": meta, "rows": rows})
+    print(f"copy bandwidth {copy['gbps']:.0f} GB/s")
+    if header:
+        print(header)
+    for r in rows:
+        print(line(r))
+    print(f"-> {path}")

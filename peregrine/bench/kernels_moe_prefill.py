@@ -6,8 +6,6 @@ over enough input copies to leave the 60 MB L2.
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from peregrine.bench.gpu import graph_time
@@ -84,20 +82,10 @@ def compile_check() -> list[dict]:
 
 
 def main():
-    from peregrine.bench.gpu import copy_bandwidth, result_path, run_metadata, write_result
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--results-dir", default="results")
-    a = ap.parse_args()
-    copy = copy_bandwidth()
-    rows = run(copy["gbps"], full=not a.quick)
-    meta = run_metadata() | {"copy_gbps": copy["gbps"], "copy_samples_ms": copy["samples_ms"]}
-    path = write_result(result_path("kernels", "moe-prefill", a.results_dir), {"meta": meta, "rows": rows})
-    print(f"copy bandwidth {copy['gbps']:.0f} GB/s")
-    for r in rows:
-        print(f"{r['kernel']:>16} {r['shape']:>22} {1e3 * r['time_ms']:>9.1f} us (torch form {1e3 * r['torch_ms']:>9.1f} us) "
-              f"{r['gbps']:>7.0f} GB/s {100 * r['pct_of_copy']:>5.1f}%")
-    print(f"-> {path}")
+    from peregrine.bench.gpu import family_main
+    family_main("moe-prefill", run, lambda r: f"{r['kernel']:>16} {r['shape']:>22} {1e3 * r['time_ms']:>9.1f} us "
+                f"(torch form {1e3 * r['torch_ms']:>9.1f} us) {r['gbps']:>7.0f} GB/s {100 * r['pct_of_copy']:>5.1f}%",
+                doc=__doc__)
 
 
 if __name__ == "__main__":

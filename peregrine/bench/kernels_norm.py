@@ -5,7 +5,6 @@ Timed as CUDA graphs rotating over enough input copies to exceed the 60 MB L2.
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 
 import torch
@@ -51,21 +50,10 @@ def run(copy_gbps: float, full: bool = True, iters: int = 30) -> list[dict]:
 
 
 def main():
-    from peregrine.bench.gpu import copy_bandwidth, result_path, run_metadata, write_result
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--results-dir", default="results")
-    a = ap.parse_args()
-    copy = copy_bandwidth()
-    rows = run(copy["gbps"], full=not a.quick)
-    meta = run_metadata() | {"copy_gbps": copy["gbps"], "copy_samples_ms": copy["samples_ms"]}
-    path = write_result(result_path("kernels", "norm", a.results_dir), {"meta": meta, "rows": rows})
-    print(f"copy bandwidth {copy['gbps']:.0f} GB/s")
-    print(f"{'kernel':>13} {'D':>5} {'M':>3} {'us':>7} {'GB/s':>7} {'%copy':>6}")
-    for r in rows:
-        print(f"{r['kernel']:>13} {r['D']:>5} {r['M']:>3} {1e3 * r['time_ms']:>7.2f} {r['gbps']:>7.0f} "
-              f"{100 * r['pct_of_copy']:>5.1f}%")
-    print(f"-> {path}")
+    from peregrine.bench.gpu import family_main
+    family_main("norm", run, lambda r: f"{r['kernel']:>13} {r['D']:>5} {r['M']:>3} {1e3 * r['time_ms']:>7.2f} "
+                f"{r['gbps']:>7.0f} {100 * r['pct_of_copy']:>5.1f}%",
+                header=f"{'kernel':>13} {'D':>5} {'M':>3} {'us':>7} {'GB/s':>7} {'%copy':>6}", doc=__doc__)
 
 
 if __name__ == "__main__":
