@@ -308,15 +308,15 @@ class KDA(nn.Module):
             if h == 0:  # a short row, all of it
                 self.prefill_short(qkv[a:e], f[a:e], b[a:e], r[a:e], state, conv, s, cuts, cache, kl, out[a:e])
                 continue
-            e, head = a + h, [(c, sn) for c, sn in cuts if c <= h]
+            m, head = a + h, [(c, sn) for c, sn in cuts if c <= h]  # the head: rows a..m
             if ops is not None:  # long rows: fla's few kernels (chunked) beat a per-token loop at any length
                 S = state[s]
-                o, conv[s] = self.prefill_fla(ops, qkv[a:e].contiguous(), f[a:e], b[a:e], S, conv[s][0], head, cache, kl)
+                o, conv[s] = self.prefill_fla(ops, qkv[a:m].contiguous(), f[a:m], b[a:m], S, conv[s][0], head, cache, kl)
                 state[s] = S
-                out[a:e] = ops.rms_norm_gated(o.reshape(-1, self.d), r[a:e].reshape(-1, self.d).contiguous(), self.o_norm,
+                out[a:m] = ops.rms_norm_gated(o.reshape(-1, self.d), r[a:m].reshape(-1, self.d).contiguous(), self.o_norm,
                                               None, activation="sigmoid", eps=self.cfg.rms_norm_eps).view(h, -1).to(x.dtype)
             else:
-                x_ext = torch.cat([conv[s], qkv[a:e].unsqueeze(0).to(conv.dtype)], 1)
+                x_ext = torch.cat([conv[s], qkv[a:m].unsqueeze(0).to(conv.dtype)], 1)
                 conv[s] = x_ext[:, -W1:]
                 S = state[s]
                 ck = step.kda_ckpt if h <= (step.kda_ckpt[0].shape[2] if getattr(step, "kda_ckpt", None) else 0) else None
@@ -332,11 +332,10 @@ class KDA(nn.Module):
                         cache.snap_conv[kl, snap] = x_ext[0, hi:hi + W1]  # the W-1 inputs before that position
                     lo = hi
                 state[s] = S
-                out[a:e] = self.gate_norm(torch.cat(o, 1)[0], r[a:e], x.dtype)
+                out[a:m] = self.gate_norm(torch.cat(o, 1)[0], r[a:m], x.dtype)
             if h < q:  # the tail, from the state and conv window the head left in the cache
-                t = offs[i + 1]
-                self.prefill_short(qkv[e:t], f[e:t], b[e:t], r[e:t], state, conv, s,
-                                   [(c - h, sn) for c, sn in cuts if c > h], cache, kl, out[e:t])
+                self.prefill_short(qkv[m:e], f[m:e], b[m:e], r[m:e], state, conv, s,
+                                   [(c - h, sn) for c, sn in cuts if c > h], cache, kl, out[m:e])
         return out
 
 
