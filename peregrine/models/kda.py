@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..config import ModelConfig
 from .layers import HFParam, param, rms_norm, split_rows
 
@@ -267,10 +268,10 @@ class KDA(nn.Module):
         state, conv = cache.state[kl], cache.conv[kl]
         N = step.input_ids.shape[0]
         qkv, f, b, r = (t[:N] for t in pre)
-        x = qkv  # (its dtype and device are x's)
+        dt = qkv.dtype  # the model dtype
         W1 = self.cfg.kda_conv_size - 1
         Hd = self.H * self.d
-        out = torch.empty(N, Hd, dtype=x.dtype, device=x.device)
+        out = torch.empty(N, Hd, dtype=dt, device=qkv.device)
         dec = [i for i, q in enumerate(step.q_lens) if q == 1]
         offs = torch.tensor([0] + step.q_lens, device="cpu").cumsum(0).tolist()
         if dec:  # decode sequences together: one token each, the PyTorch form (the oracle of the decode kernels)
@@ -282,7 +283,7 @@ class KDA(nn.Module):
             S = state[slots]
             o = self.mix(causal_conv(x_ext, self.conv_w), sel(f).unsqueeze(1), sel(b).unsqueeze(1), S)
             state[slots] = S
-            o = self.gate_norm(o[:, 0], sel(r), x.dtype)
+            o = self.gate_norm(o[:, 0], sel(r), dt)
             if tok is None:
                 out = o
             else:
@@ -291,10 +292,10 @@ class KDA(nn.Module):
         # FP32 runs are the oracle: fla's dots take FP32 inputs at TF32 (~1e-3), so they use the torch forms;
         # verify rows (kda_ckpt) need the state after every position, which only the torch form records
         plain = getattr(step, "kda_ckpt", None) is None
-        fast_ok = x.is_cuda and x.dtype != torch.float32 and plain and len(dec) < len(step.q_lens)  # prefill rows
+        fast_ok = qkv.is_cuda and dt != torch.float32 and plain and len(dec) < len(step.q_lens)  # prefill rows
         ops = fla_ops() if fast_ok else None
         short = (plain and len(dec) < len(step.q_lens) and (fast_ok if SHORT_ROWS_KERNEL is None else SHORT_ROWS_KERNEL)
-                 and _kernel_ok(x.device))
+                 and kernels.available(qkv.device))
         for i, q in enumerate(step.q_lens):
             if q == 1:
                 continue
@@ -314,7 +315,7 @@ class KDA(nn.Module):
                 o, conv[s] = self.prefill_fla(ops, qkv[a:m].contiguous(), f[a:m], b[a:m], S, conv[s][0], head, cache, kl)
                 state[s] = S
                 out[a:m] = ops.rms_norm_gated(o.reshape(-1, self.d), r[a:m].reshape(-1, self.d).contiguous(), self.o_norm,
-                                              None, activation="sigmoid", eps=self.cfg.rms_norm_eps).view(h, -1).to(x.dtype)
+                                              None, activation="sigmoid", eps=self.cfg.rms_norm_eps).view(h, -1).to(dt)
             else:
                 x_ext = torch.cat([conv[s], qkv[a:m].unsqueeze(0).to(conv.dtype)], 1)
                 conv[s] = x_ext[:, -W1:]
@@ -332,13 +333,8 @@ class KDA(nn.Module):
                         cache.snap_conv[kl, snap] = x_ext[0, hi:hi + W1]  # the W-1 inputs before that position
                     lo = hi
                 state[s] = S
-                out[a:m] = self.gate_norm(torch.cat(o, 1)[0], r[a:m], x.dtype)
+                out[a:m] = self.gate_norm(torch.cat(o, 1)[0], r[a:m], dt)
             if h < q:  # the tail, from the state and conv window the head left in the cache
                 self.prefill_short(qkv[m:e], f[m:e], b[m:e], r[m:e], state, conv, s,
                                    [(c - h, sn) for c, sn in cuts if c > h], cache, kl, out[m:e])
         return out
-
-
-def _kernel_ok(device) -> bool:
-    from .. import kernels
-    return kernels.available(device)
