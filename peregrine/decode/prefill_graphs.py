@@ -20,6 +20,7 @@ import time
 import torch
 
 from .batch import StepInput
+from .standard import capture
 
 # padded token counts a graph is captured for: powers of two to 2K (the MoE reads every expert from ~1K
 # tokens on, so padding there costs little), then steps of 1.5x (padding a long step costs compute)
@@ -102,17 +103,10 @@ class PrefillGraphs:
     def _try_capture(self, j: int, Tb: int):
         t0 = time.time()
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):  # warm-up (the same result twice): allocator, cuBLAS workspaces, buffers
-                    self._segment(j, Tb)
-            torch.cuda.current_stream().wait_stream(s)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                self._segment(j, Tb)
+            # the warm-ups also make the buffers; run twice, a segment gives the same result
+            g, _ = capture(lambda: self._segment(j, Tb), self.pool)
         except Exception as e:  # keep serving, loudly: eager prefill is slower but correct
             self.broken = f"{type(e).__name__}: {e}"
             if self.log:

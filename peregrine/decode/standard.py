@@ -17,6 +17,21 @@ def context_bucket(blocks: int) -> int:
     return 1 << max(0, blocks - 1).bit_length()
 
 
+def capture(fn, pool, warmups: int = 2):
+    """fn() run `warmups` times on a side stream (allocator, cuBLAS workspaces, Triton compiles), then
+    captured into a CUDA graph on `pool` -> (graph, what fn returned while captured)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        out = fn()
+    return g, out
+
+
 class GraphCache:
     """CUDA graphs of a decode step per (B, block bucket), over static input buffers.
 
@@ -57,15 +72,7 @@ class GraphCache:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         st = self._static(B, nb)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):  # warm-up: allocator, cuBLAS workspaces, Triton compiles
-                self.fn(st)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            out = self.fn(st)
+        g, out = capture(lambda: self.fn(st), self.pool)
         torch.cuda.synchronize()
         self.graphs[key] = (g, st, out)
         dt = time.time() - t0
