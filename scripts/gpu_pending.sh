@@ -8,7 +8,7 @@
 # On one H200 (export TRITON_CACHE_AUTOTUNING=1 first: fla's first autotune is ~2 min on a fresh machine).
 # First, since they are on by default and have never run on a GPU: the glue kernels (below) and the
 # prefill-graph / KDA-tail GPU tests, in one call: STEPS="glue tests pmoe" with the K filter below; and since
-# the decode graphs' capture moved into standard.capture (the review commit after 252f3a8, mechanical, not run on a GPU):
+# the decode graphs' capture moved into standard.capture (8476a21, mechanical, not run on a GPU):
 #   STEPS=tests TESTS="tests/test_specialized.py tests/test_prefill_graphs.py" T_tests=240 bash scripts/gpu_prefill.sh
 # - the GPU tests session 8 did not reach at fbf257f (the KDA tail kernel after fla, prefill graphs):
 #   STEPS=tests TESTS="tests/test_prefill.py tests/test_prefill_graphs.py" K="gpu_prefill_kernels or captured_prefill" T_tests=240 bash scripts/gpu_prefill.sh
