@@ -169,3 +169,23 @@ def test_gpu_captured_prefill_equals_eager(pieces):
             assert pg.replays > 0 and pg.broken is None and pg.graphs
         outs.append(toks)
     assert outs[0] == outs[1]
+
+
+@cuda
+@pytest.mark.gpu
+def test_gpu_ttft_breakdown_sees_every_layer_type_with_prefill_graphs_on():
+    """bench ttft's per-layer-type breakdown runs its timed prefill eagerly (a replayed graph calls no
+    module hook): with prefill graphs on, each layer type still gets its time, the graphs are back on
+    afterwards, and the graphed time of the same length is reported beside it."""
+    from peregrine.bench.gpu import copy_bandwidth
+    from peregrine.bench.ttft import breakdown
+    from peregrine.config import EngineConfig
+    from peregrine.engine.build import build_engine
+    ecfg = EngineConfig(device="cuda", dtype="bf16", max_num_seqs=2, max_model_len=512, block_size=16,
+                        max_num_batched_tokens=256)
+    e, _ = build_engine("tiny-kimi-linear", ecfg, dummy_weights=True, log=lambda m: None)
+    pg = e.runner.prefill
+    assert pg is not None
+    b = breakdown(e, 300, copy_bandwidth()["gbps"], seed=3)
+    assert all(b["types"][k]["ms"] > 0 for k in ("kda", "mla", "moe")), b["types"]
+    assert b["graphed_ms"] > 0 and e.runner.prefill is pg and pg.replays > 0

@@ -53,6 +53,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dummy-weights", action="store_true")
     ap.add_argument("--chunks", default="8192", help="comma-separated cold chunk lengths, each profiled (default 8192)")
     ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--budget", type=int, default=0,
+                    help="tokens per prefill step (default: the longest chunk, one step each); e.g. --chunks 32768 "
+                         "--budget 8192 profiles a whole cold 32K prompt as bench ttft runs it, in 4 steps")
     ap.add_argument("--results-dir", default="results")
     ap.add_argument("--ab-runs", type=int, default=0,
                     help="per chunk, this many cold first tokens timed eagerly and with prefill graphs, interleaved "
@@ -61,7 +64,7 @@ def main(argv=None) -> int:
     chunks = [int(c) for c in a.chunks.split(",")]
     log = print
     ecfg = EngineConfig(max_num_seqs=2, max_model_len=max(a.context + TURN2_NEW_TOKENS, max(chunks)) + 8,
-                        cuda_graphs=bool(a.ab_runs), max_num_batched_tokens=max(chunks))
+                        cuda_graphs=bool(a.ab_runs), max_num_batched_tokens=a.budget or max(chunks))
     eng, _ = build_engine(a.model, ecfg, dummy_weights=a.dummy_weights, log=log)
     V = eng.model_cfg.vocab_size
     graphs = getattr(eng.runner, "prefill", None)
@@ -82,12 +85,13 @@ def main(argv=None) -> int:
                 f"{mode} median {sorted(v)[len(v) // 2]:.1f} ms {[round(x, 1) for x in v]}" for mode, v in ms.items()))
         for mode, pg in modes.items():
             eng.runner.prefill = pg
-            log(f"cold prefill of one {n}-token chunk ({mode})")
+            log(f"cold prefill of one {n}-token prompt in steps of ≤ {eng.scheduler.max_num_batched_tokens} tokens ({mode})")
             cold[f"{n} {mode}"] = profile_call(lambda: first_token_s(eng, random_prompt(n, V, 2)), log)
     eng.runner.prefill = graphs
     if not a.context:
         path = write_result(result_path(a.model, "profile-prefill", a.results_dir),
-                            {"meta": run_metadata(), "chunks": chunks, "cold": cold, "ab_ms": ab})
+                            {"meta": run_metadata(), "chunks": chunks, "budget": eng.scheduler.max_num_batched_tokens,
+                         "cold": cold, "ab_ms": ab})
         log(f"wrote {path}")
         return 0
     p = random_prompt(a.context, V, 3)
