@@ -5,7 +5,8 @@
 #   MODEL (kimi-linear-48b-a3b, dummy weights), BACKENDS, CONC (1,2,4,8), ISL (1024), OSL (128),
 #   NP (requests per level; default 5 x concurrency), RATE (Poisson arrivals/s), PORT, READY_TIMEOUT (s).
 #   A BACKENDS entry "backend@N" also sets prefill_piece_layers N (label backend-piecesN): same-run A/B;
-#   a ":nographs" suffix turns prefill graphs off (label ...-nographs)
+#   a ":nographs" suffix turns prefill graphs off (label ...-nographs), ":novarlen" one fla call per KDA row
+#   (PEREGRINE_KDA_VARLEN=0, label ...-novarlen)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ -f .commit ] && export PEREGRINE_COMMIT=${PEREGRINE_COMMIT:-$(cat .commit)}  # the device copy's git HEAD can be stale
@@ -19,11 +20,12 @@ URL=http://127.0.0.1:$PORT
 get() { $PY -c "import sys, urllib.request as u; sys.stdout.write(u.urlopen(sys.argv[1], timeout=5).read().decode())" "$1" 2>/dev/null; }
 runs=(); rc=0
 for spec in $BACKENDS; do
-  extra=""; label=""
-  if [[ $spec == *:nographs ]]; then spec=${spec%:nographs}; extra=", \"prefill_graphs\": false"; label="-nographs"; fi
+  extra=""; label=""; varlen=1
+  if [[ $spec == *:novarlen ]]; then spec=${spec%:novarlen}; varlen=0; label="-novarlen"; fi
+  if [[ $spec == *:nographs ]]; then spec=${spec%:nographs}; extra=", \"prefill_graphs\": false"; label="-nographs$label"; fi
   be=${spec%@*}
   if [[ $spec == *@* ]]; then extra="$extra, \"prefill_piece_layers\": ${spec#*@}"; label="$be-pieces${spec#*@}$label"; else label=$be$label; fi
-  $PY -m peregrine serve --model "$MODEL" --dummy-weights --port "$PORT" --max-num-seqs 8 \
+  PEREGRINE_KDA_VARLEN=$varlen $PY -m peregrine serve --model "$MODEL" --dummy-weights --port "$PORT" --max-num-seqs 8 \
       --additional-config "{\"decode_backend\": \"$be\"$extra}" > "$OUT/serve-$label.log" 2>&1 &
   pid=$!
   for _ in $(seq 1 "${READY_TIMEOUT:-300}"); do

@@ -121,3 +121,27 @@ def test_compiles_for_sm90():
     rows = run_aot("import json; from peregrine.bench import kernels_moe_prefill as b; print(json.dumps(b.compile_check()))")
     for r in rows:
         assert "error" not in r and r["regs"] > 0 and r["spill"] == 0, r
+
+
+ROUTER_IDS_SAME = 0.99  # rows whose top-8 experts match the FP32 form's (a near-tie may flip the 8th)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs a CUDA GPU (mm with an FP32 out_dtype is CUDA-only)")
+def test_gpu_bf16_router_gemm_equals_the_fp32_form():
+    """The prefill router's BF16 GEMM with FP32 accumulation and output against the FP32 form written here
+    (both BF16 operands up-cast): 48B shapes, logits within FP32 summation-order error, the same top-8
+    experts on nearly every row, and the fast form taken (not its fallback)."""
+    from peregrine.models import moe as M
+    N, D, E = 8192, 2304, 256
+    x = _rand((N, D), torch.bfloat16, "cuda", 11)
+    w = (_rand((E, D), torch.float32, "cuda", 12) / D ** 0.5).to(torch.bfloat16)
+    ref = x.double() @ w.double().T
+    got = M.router_gemm(x, w)
+    assert M.BF16_ROUTER is not False and got.dtype == torch.float32
+    assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    bias = torch.zeros(E, device="cuda")
+    same = (M.select(got, bias, 8, True, 1.0)[0] == M.select(ref.float(), bias, 8, True, 1.0)[0]).all(-1)
+    assert same.float().mean() >= ROUTER_IDS_SAME
+    small = M.router_gemm(x[:M.GLUE_MIN_TOKENS - 1], w)  # a decode-sized step: the FP32 form, bitwise
+    assert torch.equal(small, x[:M.GLUE_MIN_TOKENS - 1].float() @ w.float().T)

@@ -101,3 +101,42 @@ def test_references_agree(device):
     assert_close(norm.rms_norm_ref(x, w, EPS), ref_norm(x, w), 1e-6)
     y, r = norm.add_rms_norm_ref(x, res, w, EPS)
     assert r.dtype == torch.bfloat16 and torch.equal(r, (res.float() + x).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_models_norm_and_shared_swiglu_take_the_kernels_for_prefill_sized_steps(dtype, device, monkeypatch):
+    """models/layers.py: rms_norm (2-D rows, a strided column slice as MLA's latent norm reads, 3-D) and the
+    dense / shared-expert MLP through the kernels (layers.FUSED on) against their torch forms (off), and
+    the switch itself: on by default only for a prefill-sized step on the GPU outside FP32."""
+    from peregrine import kernels
+    from peregrine.models import layers as L
+    if not kernels.available(device):
+        pytest.skip("triton kernels unavailable")
+    wide = _rand((70, 300), dtype, device, 5, 3.0)
+    w = _rand((200,), dtype, device, 6)
+    mlp = L.DenseMLP(200, 48, dtype).to(device)
+    with torch.no_grad():
+        mlp.gate_up.copy_(_rand((96, 200), dtype, device, 7) / 200 ** 0.5)
+        mlp.down.copy_(_rand((200, 48), dtype, device, 8) / 48 ** 0.5)
+    cases = {"rows": lambda: L.rms_norm(wide[:, :200].contiguous(), w, EPS),
+             "strided": lambda: L.rms_norm(wide[:, 50:250], w, EPS),
+             "3-D": lambda: L.rms_norm(wide[:, :200].contiguous().view(7, 10, 200), w, EPS),
+             "mlp": lambda: mlp(wide[:, :200])}
+    from peregrine.kernels import moe_prefill
+    calls = []
+    for mod, name in ((norm, "rms_norm"), (moe_prefill, "swiglu_weighted")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _f=real, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    out = {}
+    for on in (True, False):
+        monkeypatch.setattr(L, "FUSED", on)
+        out[on] = {k: f() for k, f in cases.items()}
+    assert calls == ["rms_norm"] * 3 + ["swiglu_weighted"]  # the kernels ran when on, and only then
+    for k in cases:
+        assert out[True][k].dtype == dtype and not out[True][k].isnan().any(), k
+        assert_close(out[True][k], out[False][k], TOL[dtype]), k
+    monkeypatch.setattr(L, "FUSED", None)
+    assert not L.fused(wide)  # the CPU (or the interpreter): the torch forms
+    if torch.cuda.is_available():
+        g = wide.cuda()
+        assert L.fused(g) == (dtype != torch.float32) and not L.fused(g[:L.FUSED_MIN_ROWS - 1])

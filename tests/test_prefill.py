@@ -215,6 +215,56 @@ def test_gpu_kda_prefill_paths_equal_the_pytorch_form(preset, T, cuts, monkeypat
 
 @cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["kimi-linear-48b-a3b", "k3-slice"])
+def test_gpu_kda_rows_of_one_step_share_a_varlen_fla_call(preset, monkeypatch):
+    """Five rows in one step at real widths, each after its own non-zero state: two long rows whose fla
+    heads end at one cut (a snapshot before a tail, and a whole row) share one varlen chunk_kda call; a row
+    with two cuts in its head and a short row keep their own paths; a decode row rides along. Outputs,
+    states, conv windows and snapshots equal the PyTorch forms, and the rows' fla calls are counted."""
+    from peregrine.config import resolve_model
+    from peregrine.models import kda as K
+    if K.fla_ops() is None:
+        pytest.skip("fla-core is not installed")
+    ops = K.fla_ops()
+    calls, real = [], ops.chunk_kda
+    monkeypatch.setattr(ops, "chunk_kda", lambda q, *a, **k: calls.append(
+        (q.shape[1], None if k.get("cu_seqlens") is None else k["cu_seqlens"].tolist())) or real(q, *a, **k))
+    cfg, _ = resolve_model(preset)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        layer = K.KDA(cfg, cfg.kda_layers[0], torch.bfloat16)
+    for name, p in layer.named_parameters():
+        p.data = (torch.randn_like(p.float()) * (0.5 if name in ("A_log", "dt_bias", "o_norm", "conv_w") else 0.02)).to(p.dtype)
+    layer.o_norm.data += 1
+    lens, starts = [333, 1, 500, 300, 90], [0, 40, 64, 0, 128]  # row 2 and 4 after a cached prefix
+    snaps = {0: [(257, 0)], 3: [(100, 1), (200, 2)]}
+    x = torch.randn(sum(lens), cfg.hidden_size, device="cuda").to(torch.bfloat16)
+    res = []
+    for fast in (True, False):
+        K._FLA, K.SHORT_ROWS_KERNEL = (ops, None) if fast else (False, False)  # ops: the counted namespace
+        c = ModelCache(cfg, num_blocks=64, block_size=64, num_slots=5, dtype=torch.bfloat16, device="cuda", num_snapshots=3)
+        kl = c.kda_index[layer.layer]
+        g = torch.Generator(device="cuda").manual_seed(1)
+        c.state[kl] = torch.randn(c.state.shape[1:], device="cuda", generator=g) * 0.05
+        c.conv[kl] = torch.randn(c.conv.shape[1:], device="cuda", generator=g).to(c.conv.dtype)
+        seqs = [(list(range(n)), st, j, list(range(12 * j, 12 * j + 12))) for j, (n, st) in enumerate(zip(lens, starts))]
+        step = StepInput.build(seqs, 64, "cuda")
+        step.kda_snapshots = snaps
+        with torch.inference_mode():
+            out = layer(x, step, c)
+        res.append((out.float(), c.state[kl].clone(), c.conv[kl].clone(), c.snap_state[kl].clone(), c.snap_conv[kl].clone()))
+    K._FLA, K.SHORT_ROWS_KERNEL = None, None
+    # one varlen call for rows 0 (head 257) and 2 (500), then row 3's two segments on its own
+    assert calls == [(757, [0, 257, 757]), (100, None), (100, None)], calls
+    (o1, s1, c1, ss1, sc1), (o2, s2, c2, ss2, sc2) = res
+    assert rel_rmse(o1, o2) < 2e-2 and rel_rmse(s1, s2) < 2e-2 and rel_rmse(ss1, ss2) < 2e-2
+    for j in range(5):  # every row's own state
+        assert rel_rmse(s1[j], s2[j]) < 2e-2, j
+    assert torch.equal(c1, c2) and torch.equal(sc1, sc2)  # conv windows are copies of inputs
+
+
+@cuda
+@pytest.mark.gpu
 def test_gpu_prefill_kernels_equal_the_pytorch_forms():
     """The standard path's chunked prefill on the GPU with the flash MLA kernel and fla (when present)
     against the same model with both switched off: last-token logits and every KDA state (BF16)."""

@@ -175,8 +175,8 @@ def test_gpu_captured_prefill_equals_eager(pieces):
 @pytest.mark.gpu
 def test_gpu_ttft_breakdown_sees_every_layer_type_with_prefill_graphs_on():
     """bench ttft's per-layer-type breakdown runs its timed prefill eagerly (a replayed graph calls no
-    module hook): with prefill graphs on, each layer type still gets its time, the graphs are back on
-    afterwards, and the graphed time of the same length is reported beside it."""
+    module hook): with prefill graphs on, each layer type still gets its time, no more than the prefill's
+    own, the graphs are back on afterwards, and the graphed time of the same length is reported beside it."""
     from peregrine.bench.gpu import copy_bandwidth
     from peregrine.bench.ttft import breakdown
     from peregrine.config import EngineConfig
@@ -188,4 +188,6 @@ def test_gpu_ttft_breakdown_sees_every_layer_type_with_prefill_graphs_on():
     assert pg is not None
     b = breakdown(e, 300, copy_bandwidth()["gbps"], seed=3)
     assert all(b["types"][k]["ms"] > 0 for k in ("kda", "mla", "moe")), b["types"]
+    timed = sum(v["ms"] for k, v in b["types"].items() if k != "other")
+    assert timed <= b["total_ms"], (timed, b["total_ms"])  # one timed prefill, counted once (no warm-up in it)
     assert b["graphed_ms"] > 0 and e.runner.prefill is pg and pg.replays > 0

@@ -5,7 +5,7 @@ token (max_tokens 1, the engine's own clock), then "turn 2": the same prompt + 6
 right after, which prefix caching serves from the cached blocks and KDA snapshots. Medians and raw
 samples. Every length is warmed up first with a prompt of its own (compiles, autotuning).
 
-Then one cold prefill (default 32K), eager, with CUDA events around every attention and MLP module: time per
+Then one cold prefill (default 32K), eager, with CUDA events around every layer and MLP module: time per
 layer type against its floors, the compute floor (its FLOPs at PEAK_TFLOPS) and the weight-read floor
 (its weights once per step at the copy bandwidth measured in the same run). A user's turn at that
 length = TTFT + output tokens x ITL is quoted with the decode step measured here too.
@@ -89,35 +89,44 @@ def weight_bytes(model) -> dict[str, float]:
 
 
 class LayerTimer:
-    """CUDA events around each attention / MLP module call, summed per layer type after a sync."""
+    """CUDA events around each decoder layer and its MLP module, summed per layer type after a sync: the
+    MLP's span counts for its type (moe / dense), the rest of the layer's (its attention with the two norms
+    and residual adds) for its attention type (kda / mla). Layers call attention as pre / core / post, not
+    as a module, so the layer's span minus its MLP's is the attention's."""
 
     def __init__(self, model):
-        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.spans: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event]] = []  # (attention, mlp type, ...)
         self.handles = []
         for layer in model.layers:
-            for mod, kind in ((layer.attn, "kda" if layer.is_kda else "mla"), (layer.mlp, "moe" if layer.is_moe else "dense")):
-                self.handles.append(mod.register_forward_pre_hook(self._pre(kind)))
+            attn, mlp = ("kda" if layer.is_kda else "mla"), ("moe" if layer.is_moe else "dense")
+            for mod, kinds in ((layer, (attn, None)), (layer.mlp, (None, mlp))):
+                self.handles.append(mod.register_forward_pre_hook(self._pre(kinds)))
                 self.handles.append(mod.register_forward_hook(self._post))
-        self._open = []
+        self._open = []  # a layer's span is open around its MLP's
 
-    def _pre(self, kind):
+    def _pre(self, kinds):
         def hook(mod, args):
             e = torch.cuda.Event(enable_timing=True)
             e.record()
-            self._open.append((kind, e))
+            self._open.append((kinds, e))
         return hook
 
     def _post(self, mod, args, out):
-        kind, a = self._open.pop()
+        kinds, a = self._open.pop()
         b = torch.cuda.Event(enable_timing=True)
         b.record()
-        self.events.append((kind, a, b))
+        self.spans.append((*kinds, a, b))
 
     def totals_ms(self) -> dict[str, float]:
         torch.cuda.synchronize()
         out = dict.fromkeys(TYPES, 0.0)
-        for kind, a, b in self.events:
-            out[kind] += a.elapsed_time(b)
+        for attn, mlp, a, b in self.spans:  # an MLP's span comes before its layer's
+            ms = a.elapsed_time(b)
+            if mlp is not None:
+                out[mlp] += ms
+                mlp_ms = ms
+            else:
+                out[attn] += ms - mlp_ms
         return out
 
     def remove(self) -> None:
@@ -133,15 +142,17 @@ def breakdown(engine, length: int, copy_gbps: float, seed: int) -> dict:
     V = engine.model_cfg.vocab_size
     std = getattr(engine.runner, "standard", engine.runner)  # the specialized runner's prefill is the standard's
     graphs = getattr(std, "prefill", None)
-    timer = LayerTimer(model)
     std.prefill = None
+    timer = None
     try:
-        first_token_s(engine, random_prompt(length, V, seed + 1000))  # eager warm-up at this length
+        first_token_s(engine, random_prompt(length, V, seed + 1000))  # eager warm-up at this length (untimed)
+        timer = LayerTimer(model)
         torch.cuda.synchronize()
         total = first_token_s(engine, random_prompt(length, V, seed)) * 1e3
         per = timer.totals_ms()
     finally:
-        timer.remove()
+        if timer is not None:
+            timer.remove()
         std.prefill = graphs
     graphed = first_token_s(engine, random_prompt(length, V, seed + 1)) * 1e3 if graphs is not None else None
     per["other"] = max(0.0, total - sum(v for k, v in per.items() if k != "other"))
@@ -282,7 +293,7 @@ def markdown(p: dict) -> str:
     if b:
         graphed = f"; {b['graphed_ms']:.1f} ms with prefill graphs" if b.get("graphed_ms") else ""
         out += ["", f"Cold {b['length']}-token prefill ({b['steps']} steps of ≤ {b['chunk_tokens']} tokens), eager with "
-                    f"CUDA events around every attention and MLP module: {b['total_ms']:.1f} ms{graphed}", "",
+                    f"CUDA events around every layer and its MLP: {b['total_ms']:.1f} ms{graphed}", "",
                 "| layer type | ms | TFLOP | compute floor ms | weight-read floor ms | % of floor |",
                 "|---|---:|---:|---:|---:|---:|"]
         for k, v in b["types"].items():

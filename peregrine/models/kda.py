@@ -25,6 +25,9 @@ SHORT_ROW_MAX_TOKENS = 128  # GPU prefill rows up to this long take the one-kern
 #   tokens, even at 512; the margin kept for steps whose other layers keep the GPU busy); longer rows take fla
 SHORT_ROWS_KERNEL: bool | None = None  # None: on the GPU outside FP32 runs (as fla); True: also on the CPU
 #                                         under the interpreter (tests); False: never
+FLA_VARLEN = __import__("os").environ.get("PEREGRINE_KDA_VARLEN", "1") != "0"  # long rows of one step whose
+#   fla part ends at one cut share one varlen chunk_kda call (fla's ~1 ms of host work per call: once per
+#   layer, not per row); the environment variable (0) turns it off for A/B runs
 
 
 def fla_ops():
@@ -226,6 +229,43 @@ class KDA(nn.Module):
         o = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
         return o[0], window(T)
 
+    def prefill_fla_rows(self, ops, rows, qkv, f, b, r, state, conv, cache, kl, out) -> None:
+        """Several rows' heads through one varlen chunk_kda call (the conv per row; the gated norm once):
+        rows = [(a, m, slot, snapshot or None)], each head qkv[a:m] ending at its one cut. The same math as
+        prefill_fla row by row; each head's final state is its snapshot and the state its tail reads."""
+        H, d, W1 = self.H, self.d, self.cfg.kda_conv_size - 1
+        ys, fs, bs, rs, wins = [], [], [], [], []
+        for a, m, s, _ in rows:
+            c = conv[s][0]
+            init = qkv.new_zeros(1, qkv.shape[1], W1 + 1)  # fla's window [N, C, W]: slot j holds input j - W
+            init[0, :, 1:] = c.T
+            ys.append(ops.causal_conv1d(qkv[a:m].contiguous().unsqueeze(0), weight=self.conv_w, activation="silu",
+                                        initial_state=init)[0][0])
+            fs.append(f[a:m]), bs.append(b[a:m]), rs.append(r[a:m])
+            wins.append(torch.cat([c, qkv[max(a, m - W1):m]])[-W1:])  # the W-1 inputs before the head's end
+        T = sum(m - a for a, m, _, _ in rows)
+        q, k, v = (t.contiguous() for t in torch.cat(ys).view(1, T, 3, H, d).unbind(2))
+        fg, bb = torch.cat(fs).view(1, T, H, d), torch.cat(bs).view(1, T, H)
+        lens = torch.tensor([0] + [m - a for a, m, _, _ in rows]).cumsum(0)
+        cu = lens.pin_memory().to(qkv.device, non_blocking=True)  # no host wait (fla builds its indices on device)
+        slots = torch.cat([s for _, _, s, _ in rows])
+        lb = self.cfg.kda_gate_lower_bound
+        gate = dict(safe_gate=True, lower_bound=lb) if lb is not None else {}
+        o, S_end = ops.chunk_kda(q, k, v, fg, bb, scale=d ** -0.5, initial_state=state[slots], output_final_state=True,
+                                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                 A_log=self.A_log, dt_bias=self.dt_bias, cu_seqlens=cu, use_graph=True, **gate)
+        state[slots] = S_end
+        o = ops.rms_norm_gated(o[0].reshape(-1, d), torch.cat(rs).reshape(-1, d), self.o_norm, None,
+                               activation="sigmoid", eps=self.cfg.rms_norm_eps).view(T, -1).to(out.dtype)
+        at = 0
+        for j, (a, m, s, snap) in enumerate(rows):
+            conv[s] = wins[j].unsqueeze(0)
+            if snap is not None:
+                cache.snap_state[kl, snap] = S_end[j]
+                cache.snap_conv[kl, snap] = wins[j]
+            out[a:m] = o[at:at + m - a]
+            at += m - a
+
     def gate_norm(self, o: torch.Tensor, r: torch.Tensor, dtype) -> torch.Tensor:
         """o [..., H, d] FP32, r [..., Hd] -> RMSNorm(o)·w ⊙ σ(r) [..., Hd] in dtype (W_o's input)."""
         o = rms_norm(o, self.o_norm, self.cfg.rms_norm_eps).float() * torch.sigmoid(r.float()).unflatten(-1, (self.H, self.d))
@@ -296,21 +336,31 @@ class KDA(nn.Module):
         ops = fla_ops() if fast_ok else None
         short = (plain and len(dec) < len(step.q_lens) and (fast_ok if SHORT_ROWS_KERNEL is None else SHORT_ROWS_KERNEL)
                  and kernels.available(qkv.device))
+        rows = []
         for i, q in enumerate(step.q_lens):
             if q == 1:
                 continue
-            a, e = offs[i], offs[i + 1]
-            s = step.kda_slots[i:i + 1]
             cuts = sorted(snaps.get(i, [])) + [(q, None)]  # prefix caching: states taken on the way
             # the row's tail from its first cut with <= SHORT_ROW_MAX_TOKENS after it takes the one-kernel
             # recurrence (a whole short row; a long one's tail after its last snapshot: one launch, not fla's
             # ~1 ms of host work per call); the head before it the chunked form
             h = next((lo for lo in [0] + [c for c, _ in cuts[:-1]] if q - lo <= SHORT_ROW_MAX_TOKENS), q) if short else q
+            rows.append((i, q, cuts, h, [(c, sn) for c, sn in cuts if c <= h]))  # head: cuts up to h
+        together = [row for row in rows if row[3] and len(row[4]) == 1] if ops is not None and FLA_VARLEN else []
+        if len(together) > 1:  # heads ending at their one cut: one varlen fla call for all of them
+            self.prefill_fla_rows(ops, [(offs[i], offs[i] + h, step.kda_slots[i:i + 1], head[0][1])
+                                        for i, _, _, h, head in together], qkv, f, b, r, state, conv, cache, kl, out)
+        done = {row[0] for row in together} if len(together) > 1 else set()
+        for i, q, cuts, h, head in rows:
+            a, e = offs[i], offs[i + 1]
+            s = step.kda_slots[i:i + 1]
             if h == 0:  # a short row, all of it
                 self.prefill_short(qkv[a:e], f[a:e], b[a:e], r[a:e], state, conv, s, cuts, cache, kl, out[a:e])
                 continue
-            m, head = a + h, [(c, sn) for c, sn in cuts if c <= h]  # the head: rows a..m
-            if ops is not None:  # long rows: fla's few kernels (chunked) beat a per-token loop at any length
+            m = a + h  # the head: rows a..m
+            if i in done:
+                pass  # its head ran above
+            elif ops is not None:  # long rows: fla's few kernels (chunked) beat a per-token loop at any length
                 S = state[s]
                 o, conv[s] = self.prefill_fla(ops, qkv[a:m].contiguous(), f[a:m], b[a:m], S, conv[s][0], head, cache, kl)
                 state[s] = S
