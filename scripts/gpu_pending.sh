@@ -5,26 +5,16 @@
 #   the FP32 TP = 2 check with --graphs must now finish and write its JSON well inside its limit
 # - k3-slice at all 6 layers, FP32, TP = 2 vs TP = 1 (its first 4 layers passed at 1571ff5)
 # On the eight-GPU kind (#11): TP=8 STEPS='check decode k3' bash scripts/tp_gpu_run.sh
-# On one H200 (export TRITON_CACHE_AUTOTUNING=1 first: fla's first autotune is ~2 min on a fresh machine).
-# First, since they are on by default and have never run on a GPU: the glue kernels (below) and the
-# prefill-graph / KDA-tail GPU tests, in one call: STEPS="glue tests pmoe" with the K filter below; and since
-# the decode graphs' capture moved into standard.capture (8476a21, mechanical, not run on a GPU):
-#   STEPS=tests TESTS="tests/test_specialized.py tests/test_prefill_graphs.py" T_tests=240 bash scripts/gpu_prefill.sh
-# - the GPU tests session 8 did not reach at fbf257f (the KDA tail kernel after fla, prefill graphs):
-#   STEPS=tests TESTS="tests/test_prefill.py tests/test_prefill_graphs.py" K="gpu_prefill_kernels or captured_prefill" T_tests=240 bash scripts/gpu_prefill.sh
-# - 32K cold and turn 2 with prefill graphs (the 8192-token bucket; 32K last measured before them, bc02d61):
-#   STEPS=ttft LENGTHS=32768 RUNS=3 T_ttft=240 bash scripts/gpu_prefill.sh
-# - serving at c = 8 again: pieces now launch before the decode's tokens are read (fc0e719's engine change),
-#   with Poisson arrivals too (never run on the GPU), and c = 4 with graphs:
-#   STEPS=serve CONC=8 RATE=4 BACKENDS="latency_specialized@6 latency_specialized@3" T_serve=300 bash scripts/gpu_prefill.sh
-# - the MoE prefill glue kernels (kernels/moe_prefill.py, on by default for prefill-sized BF16 steps since
-#   19dc936; never run on a GPU): their GPU tests, their microbenchmark against the
-#   torch forms, then 8K / 32K cold TTFT with the per-layer-type breakdown (MoE was 525.8 ms of 1 037 at 32K):
-#   STEPS="glue ttft" LENGTHS=8192,32768 RUNS=3 T_glue=120 T_ttft=300 bash scripts/gpu_prefill.sh
-# - #20: the persistent MoE block's second version (narrow dependencies, wider up tiles) against the chain:
-#   STEPS=pmoe T_pmoe=120 bash scripts/gpu_prefill.sh
-# - whether the start-up capture's Tb - 1 lengths removed the ~2.3 s first-use stalls of a fresh machine
-#   (fbf257f's first server: TTFT p90 2 330 ms): the serve step on a fresh machine, TTFT p90/p99
+# On one H200 (export TRITON_CACHE_AUTOTUNING=1 first: fla's first autotune is minutes on a fresh machine).
+# First, on by default and not yet run on a GPU (session 9 ran out of device time):
+# - the GPU tests cut at 2831cec (the varlen KDA test passed at 48B widths; its K3 case, the router GEMM,
+#   the one-pass norm / shared SwiGLU, the eager breakdown and the captured prefill with the norm kernels
+#   did not run), then the K3 varlen case decides whether the bounded gate may share calls too:
+#   STEPS=tests TESTS="tests/test_prefill.py tests/test_prefill_graphs.py tests/test_kernels_moe_prefill.py tests/test_kernels_norm.py" K="varlen or breakdown or router or prefill_sized or captured_prefill" T_tests=300 bash scripts/gpu_prefill.sh
+# - serving c = 8 all at once: the varlen A/B and 3-layer pieces, and on a fresh machine whether the
+#   start-up warm-up's two-row steps removed the first multi-prompt step's 84 s compile (2831cec):
+#   STEPS=serve CONC=8 BACKENDS="latency_specialized@6 latency_specialized@6:novarlen latency_specialized@3" T_serve=400 bash scripts/gpu_prefill.sh
+# - the same with Poisson arrivals (RATE=4) once the above is settled.
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \

@@ -254,8 +254,12 @@ def test_gpu_kda_rows_of_one_step_share_a_varlen_fla_call(preset, monkeypatch):
             out = layer(x, step, c)
         res.append((out.float(), c.state[kl].clone(), c.conv[kl].clone(), c.snap_state[kl].clone(), c.snap_conv[kl].clone()))
     K._FLA, K.SHORT_ROWS_KERNEL = None, None
-    # one varlen call for rows 0 (head 257) and 2 (500), then row 3's two segments on its own
-    assert calls == [(757, [0, 257, 757]), (100, None), (100, None)], calls
+    # one varlen call for rows 0 (head 257) and 2 (500), then row 3's two segments on its own (K3's bounded
+    # gate: one call per row until this test has passed for it on the GPU)
+    if cfg.kda_gate_lower_bound is None:
+        assert calls == [(757, [0, 257, 757]), (100, None), (100, None)], calls
+    else:
+        assert calls == [(257, None), (500, None), (100, None), (100, None)], calls
     (o1, s1, c1, ss1, sc1), (o2, s2, c2, ss2, sc2) = res
     assert rel_rmse(o1, o2) < 2e-2 and rel_rmse(s1, s2) < 2e-2 and rel_rmse(ss1, ss2) < 2e-2
     for j in range(5):  # every row's own state

@@ -128,6 +128,23 @@ def test_warm_up_runs_every_bucket_on_scratch_and_leaves_live_state_alone():
     assert rel_rmse(got, want) < 1e-5
 
 
+def test_warm_up_runs_two_long_rows_in_one_step(monkeypatch):
+    """warm_up also runs steps of two rows longer than the KDA row kernel takes (of 2·n and 2·n - 1
+    tokens), so fla's varlen kernels, which such rows share on the GPU, are compiled at start-up; budgets
+    too small to hold two such rows skip them."""
+    from peregrine.models.kda import SHORT_ROW_MAX_TOKENS
+    cfg, m = tiny()
+    seen = []
+    for budget, buckets in ((600, BUCKETS + (256, 512, 1024)), (64, BUCKETS)):
+        pg = PrefillGraphs(m, new_cache(cfg, blocks=40), budget, capture=False, buckets=buckets)
+        real = pg.run
+        monkeypatch.setattr(pg, "run", lambda step, *a: seen.append(list(step.q_lens)) or real(step, *a))
+        pg.warm_up()
+        long = [q for q in seen if len(q) == 2 and min(q) > SHORT_ROW_MAX_TOKENS]
+        assert len(long) == (2 if budget == 600 else 0) and len({sum(q) % 2 for q in long}) == len(long), seen
+        seen.clear()
+
+
 def test_steps_past_the_largest_bucket_and_decode_steps_are_not_served():
     cfg, m = tiny()
     pg = PrefillGraphs(m, new_cache(cfg, blocks=40), 100, capture=False, buckets=BUCKETS)

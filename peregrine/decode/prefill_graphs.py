@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from ..models.kda import SHORT_ROW_MAX_TOKENS
 from .batch import StepInput
 from .standard import capture
 
@@ -139,6 +140,15 @@ class PrefillGraphs:
                     continue
                 table = [c.scratch_block] * ((T + c.block_size - 1) // c.block_size)
                 for _ in self.run(StepInput.build([([0] * T, 0, c.scratch_slot, table)], c.block_size, c.latent.device)):
+                    pass
+        # two long rows in one step (two prompts arriving together): fla's varlen kernels, which such KDA rows
+        # share, compile and autotune here, not at that step (a fresh machine's first server: 84 s, session 9)
+        n = SHORT_ROW_MAX_TOKENS + 2
+        for rows in ((n, n), (n, n - 1)):
+            if sum(rows) <= self.buckets[-1] and not self.broken:
+                table = [c.scratch_block] * ((n + c.block_size - 1) // c.block_size)
+                step = StepInput.build([([0] * r, 0, c.scratch_slot, table) for r in rows], c.block_size, c.latent.device)
+                for _ in self.run(step):
                     pass
         for t in [*self.buf["x"], *self.buf["o"].values(), *(u for v in self.buf["pre"].values() for p in v for u in p)]:
             if t is not None:

@@ -346,7 +346,9 @@ class KDA(nn.Module):
             # ~1 ms of host work per call); the head before it the chunked form
             h = next((lo for lo in [0] + [c for c, _ in cuts[:-1]] if q - lo <= SHORT_ROW_MAX_TOKENS), q) if short else q
             rows.append((i, q, cuts, h, [(c, sn) for c, sn in cuts if c <= h]))  # head: cuts up to h
-        together = [row for row in rows if row[3] and len(row[4]) == 1] if ops is not None and FLA_VARLEN else []
+        # (the bounded gate, K3's, keeps one call per row: its varlen GPU test has not run yet)
+        varlen = ops is not None and FLA_VARLEN and self.cfg.kda_gate_lower_bound is None
+        together = [row for row in rows if row[3] and len(row[4]) == 1] if varlen else []
         if len(together) > 1:  # heads ending at their one cut: one varlen fla call for all of them
             self.prefill_fla_rows(ops, [(offs[i], offs[i] + h, step.kda_slots[i:i + 1], head[0][1])
                                         for i, _, _, h, head in together], qkv, f, b, r, state, conv, cache, kl, out)
