@@ -165,6 +165,20 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available() or __import__("os").envi
                           reason="needs a CUDA GPU")
 
 
+def kda_layer(preset: str):
+    """(config, the preset's first KDA layer on the GPU in BF16 with random weights at useful scales)."""
+    from peregrine.config import resolve_model
+    from peregrine.models import kda as K
+    cfg, _ = resolve_model(preset)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        layer = K.KDA(cfg, cfg.kda_layers[0], torch.bfloat16)
+    for name, p in layer.named_parameters():
+        p.data = (torch.randn_like(p.float()) * (0.5 if name in ("A_log", "dt_bias", "o_norm", "conv_w") else 0.02)).to(p.dtype)
+    layer.o_norm.data += 1
+    return cfg, layer
+
+
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,cuts", [(333, (100, 257)), (100, (40, 64))])
@@ -175,20 +189,13 @@ def test_gpu_kda_prefill_paths_equal_the_pytorch_form(preset, T, cuts, monkeypat
     forms: 333 tokens through fla's kernels (conv, fused gates and norms, chunk_kda, gated RMSNorm) to the
     last cut and the one-kernel recurrence after it, 100 (<= SHORT_ROW_MAX_TOKENS) through the one-kernel
     recurrence, one launch per segment."""
-    from peregrine.config import resolve_model
     from peregrine.kernels import kda as KK
     from peregrine.models import kda as K
     calls, real = [], KK.kda_decode
     monkeypatch.setattr(KK, "kda_decode", lambda qkv, *a, **k: calls.append(qkv.shape[1]) or real(qkv, *a, **k))
     if K.fla_ops() is None:
         pytest.skip("fla-core is not installed")
-    cfg, _ = resolve_model(preset)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        layer = K.KDA(cfg, cfg.kda_layers[0], torch.bfloat16)
-    for name, p in layer.named_parameters():
-        p.data = (torch.randn_like(p.float()) * (0.5 if name in ("A_log", "dt_bias", "o_norm", "conv_w") else 0.02)).to(p.dtype)
-    layer.o_norm.data += 1
+    cfg, layer = kda_layer(preset)
     x = torch.randn(T, cfg.hidden_size, device="cuda").to(torch.bfloat16)
     res = []
     for fast in (True, False):
@@ -221,7 +228,6 @@ def test_gpu_kda_rows_of_one_step_share_a_varlen_fla_call(preset, monkeypatch):
     heads end at one cut (a snapshot before a tail, and a whole row) share one varlen chunk_kda call; a row
     with two cuts in its head and a short row keep their own paths; a decode row rides along. Outputs,
     states, conv windows and snapshots equal the PyTorch forms, and the rows' fla calls are counted."""
-    from peregrine.config import resolve_model
     from peregrine.models import kda as K
     if K.fla_ops() is None:
         pytest.skip("fla-core is not installed")
@@ -229,13 +235,7 @@ def test_gpu_kda_rows_of_one_step_share_a_varlen_fla_call(preset, monkeypatch):
     calls, real = [], ops.chunk_kda
     monkeypatch.setattr(ops, "chunk_kda", lambda q, *a, **k: calls.append(
         (q.shape[1], None if k.get("cu_seqlens") is None else k["cu_seqlens"].tolist())) or real(q, *a, **k))
-    cfg, _ = resolve_model(preset)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        layer = K.KDA(cfg, cfg.kda_layers[0], torch.bfloat16)
-    for name, p in layer.named_parameters():
-        p.data = (torch.randn_like(p.float()) * (0.5 if name in ("A_log", "dt_bias", "o_norm", "conv_w") else 0.02)).to(p.dtype)
-    layer.o_norm.data += 1
+    cfg, layer = kda_layer(preset)
     lens, starts = [333, 1, 500, 300, 90], [0, 40, 64, 0, 128]  # row 2 and 4 after a cached prefix
     snaps = {0: [(257, 0)], 3: [(100, 1), (200, 2)]}
     x = torch.randn(sum(lens), cfg.hidden_size, device="cuda").to(torch.bfloat16)

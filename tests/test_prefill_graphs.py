@@ -141,7 +141,8 @@ def test_warm_up_runs_two_long_rows_in_one_step(monkeypatch):
         monkeypatch.setattr(pg, "run", lambda step, *a: seen.append(list(step.q_lens)) or real(step, *a))
         pg.warm_up()
         long = [q for q in seen if len(q) == 2 and min(q) > SHORT_ROW_MAX_TOKENS]
-        assert len(long) == (2 if budget == 600 else 0) and len({sum(q) % 2 for q in long}) == len(long), seen
+        assert len(long) == (2 if budget == 600 else 0), seen
+        assert sorted(sum(q) % 16 == 0 for q in long) == ([False, True] if long else []), seen  # Triton specializes
         seen.clear()
 
 

@@ -142,8 +142,9 @@ class PrefillGraphs:
                 for _ in self.run(StepInput.build([([0] * T, 0, c.scratch_slot, table)], c.block_size, c.latent.device)):
                     pass
         # two long rows in one step (two prompts arriving together): fla's varlen kernels, which such KDA rows
-        # share, compile and autotune here, not at that step (a fresh machine's first server: 84 s, session 9)
-        n = SHORT_ROW_MAX_TOKENS + 2
+        # share, compile and autotune here, not at that step (a fresh machine's first server: 84 s, session 9);
+        # 2n a multiple of 16 and 2n - 1 not, as above
+        n = (SHORT_ROW_MAX_TOKENS // 8 + 1) * 8
         for rows in ((n, n), (n, n - 1)):
             if sum(rows) <= self.buckets[-1] and not self.broken:
                 table = [c.scratch_block] * ((n + c.block_size - 1) // c.block_size)

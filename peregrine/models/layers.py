@@ -25,13 +25,15 @@ FUSED: bool | None = None  # kernels for prefill-sized steps: the one-pass RMSNo
 FUSED_MIN_ROWS = 64  # fewer rows: decode steps keep the torch form the specialized path is checked against
 
 
-def fused(x: torch.Tensor) -> bool:
-    """Whether this step's token-parallel elementwise work takes the kernels (see FUSED)."""
+def fused(x: torch.Tensor, switch: bool | None = None) -> bool:
+    """Whether this step's token-parallel elementwise work takes the kernels: `switch` (default FUSED)
+    True / False, or None: a prefill-sized step on the GPU outside FP32."""
     from .. import kernels
-    if FUSED is False:
+    switch = FUSED if switch is None else switch
+    if switch is False:
         return False
     rows = x.numel() // max(1, x.shape[-1])
-    on = FUSED or (x.is_cuda and x.dtype != torch.float32 and rows >= FUSED_MIN_ROWS)
+    on = switch or (x.is_cuda and x.dtype != torch.float32 and rows >= FUSED_MIN_ROWS)
     return bool(on) and kernels.available(x.device)
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError, ModelConfig
-from . import mxfp4
+from . import layers, mxfp4
 from .layers import DenseMLP, HFParam, param, rms_norm, situ, swiglu
 from ..parallel.group import SINGLE
 from ..parallel.shard import slicing
@@ -41,18 +41,14 @@ def select(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bo
 
 
 FUSED_GLUE: bool | None = None  # the SwiGLU-weight and combine kernels (kernels/moe_prefill.py) around the grouped
-#   GEMMs. None: on the GPU for prefill-sized steps outside FP32 runs (the oracle keeps the torch forms);
-#   True: for any step, also under the interpreter (tests); False: never
-GLUE_MIN_TOKENS = 64  # fewer tokens: the passes are launch-bound, and decode steps keep the exact torch form
-#                       the specialized path is checked against
+#   GEMMs. None: on the GPU for prefill-sized steps outside FP32 runs (the oracle keeps the torch forms;
+#   decode steps keep the exact torch form the specialized path is checked against); True: for any step,
+#   also under the interpreter (tests); False: never
+GLUE_MIN_TOKENS = layers.FUSED_MIN_ROWS  # fewer tokens: the passes are launch-bound
 
 
 def fused_glue(x: torch.Tensor, act) -> bool:
-    from .. import kernels
-    if act is not swiglu or FUSED_GLUE is False:
-        return False
-    on = FUSED_GLUE or (x.is_cuda and x.dtype != torch.float32 and x.shape[0] >= GLUE_MIN_TOKENS)
-    return bool(on) and kernels.available(x.device)
+    return act is swiglu and layers.fused(x, FUSED_GLUE)
 
 
 BF16_ROUTER: bool | None = None  # None: prefill-sized BF16 steps on the GPU; False: always the FP32 form
@@ -63,12 +59,13 @@ def router_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     one BF16 tensor-core GEMM accumulating and writing FP32 (only the summation order differs) instead of
     up-casting both to an FP32 SIMT GEMM (H200, 8K tokens x 256 experts: ~0.2 ms a layer, 21 ms of a 32K
     prefill); decode steps keep the FP32 form the specialized router kernel is checked against."""
+    global BF16_ROUTER
     if (BF16_ROUTER is not False and x.is_cuda and x.dtype == w.dtype == torch.bfloat16
             and x.shape[0] >= GLUE_MIN_TOKENS):
         try:
             return torch.mm(x, w.T, out_dtype=torch.float32)
         except (TypeError, RuntimeError, NotImplementedError):  # a torch without mm's out_dtype on this GPU
-            globals()["BF16_ROUTER"] = False
+            BF16_ROUTER = False
     return x.float() @ w.float().T
 
 
