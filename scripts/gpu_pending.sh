@@ -15,6 +15,9 @@
 #   start-up warm-up's two-row steps removed the first multi-prompt step's 84 s compile (2831cec):
 #   STEPS=serve CONC=8 BACKENDS="latency_specialized@6 latency_specialized@6:novarlen latency_specialized@3" T_serve=400 bash scripts/gpu_prefill.sh
 # - the same with Poisson arrivals (RATE=4) once the above is settled.
+# - TPOT at c = 8 (9.38 ms against <= 9): a 2 048-token chunk beside the decodes reads nearly every expert, so a
+#   larger budget per step may amortise that over more prompts at the price of longer pieces (ITL p99 32.6):
+#   STEPS=serve CONC=8 BACKENDS="latency_specialized@6+3072 latency_specialized@6+4096 latency_specialized@4+4096" T_serve=400 bash scripts/gpu_prefill.sh
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \
