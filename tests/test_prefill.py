@@ -160,6 +160,101 @@ def test_prefix_hit_equals_miss_on_the_model(budget):
     assert miss.prefix_cache.stats["hit_tokens"] == 0
 
 
+def torch_fla_ops(K):
+    """fla's three prefill ops (the call signatures models/kda.py uses) written with the torch forms of
+    models/kda.py: so the fla paths' bookkeeping (windows, states, snapshots, varlen rows) runs on the CPU."""
+    from types import SimpleNamespace
+
+    def causal_conv1d(x, weight, activation, initial_state):
+        ext = torch.cat([initial_state[0, :, 1:].T, x[0]])[None]  # window slot j holds input j - W
+        return K.causal_conv(ext, weight).to(x.dtype), None
+
+    def chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                  use_gate_in_kernel, use_beta_sigmoid_in_kernel, A_log, dt_bias, cu_seqlens=None, use_graph=False,
+                  safe_gate=False, lower_bound=None):
+        H = q.shape[2]
+        cu = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
+        outs, ends = [], []
+        for j, (a, e) in enumerate(zip(cu, cu[1:])):
+            gg = K.kda_gate(g[:, a:e].flatten(-2), A_log, dt_bias, H, lower_bound)
+            o, S = K.chunk_kda(K.l2norm(q[:, a:e].float()) * scale, K.l2norm(k[:, a:e].float()), v[:, a:e], gg,
+                               torch.sigmoid(beta[:, a:e].float()), S0=initial_state[j:j + 1])
+            outs.append(o.to(q.dtype)), ends.append(S[0])
+        return torch.cat(outs, 1), torch.stack(ends)
+
+    def rms_norm_gated(x, g, weight, bias, activation, eps):
+        from peregrine.models.layers import rms_norm
+        return (rms_norm(x, weight, eps).float() * torch.sigmoid(g.float())).to(x.dtype)
+
+    return SimpleNamespace(causal_conv1d=causal_conv1d, chunk_kda=chunk_kda, rms_norm_gated=rms_norm_gated)
+
+
+def test_kda_rows_sharing_one_fla_call_keep_each_rows_state_window_and_snapshot():
+    """KDA.prefill_fla_rows (the GPU's varlen call for several rows' heads) through torch_fla_ops: each
+    row's output, state, conv window and snapshot equal the recurrent form's run row by row written here,
+    and rows of the step it does not own (between and after them) are untouched."""
+    from peregrine.models import kda as K
+    cfg, m = tiny()
+    layer = m.layers[cfg.kda_layers[0]].attn
+    c = new_cache(cfg, slots=4)
+    c.snap_state = torch.zeros(c.state.shape[0], 2, *c.state.shape[2:])
+    c.snap_conv = torch.zeros(c.conv.shape[0], 2, *c.conv.shape[2:])
+    kl = c.kda_index[layer.layer]
+    g = torch.Generator().manual_seed(9)
+    c.state[kl].normal_(generator=g).mul_(0.1)
+    c.conv[kl].normal_(generator=g)
+    N, W1 = 60, cfg.kda_conv_size - 1
+    qkv, f, b, r = layer.project(torch.randn(N, cfg.hidden_size, generator=g))
+    heads = [(0, 23, 2, 1), (30, 57, 0, 0)]  # (a, m, slot, snapshot): rows 23..29 and 57.. not theirs
+    want_state, want_conv = c.state[kl].clone(), c.conv[kl].clone()
+    want_out = torch.full((N, r.shape[1]), float("nan"))
+    want_snap = {}
+    for a, e, s, snap in heads:
+        ext = torch.cat([c.conv[kl, s:s + 1], qkv[None, a:e]], 1)
+        S = c.state[kl, s:s + 1].clone()
+        o = layer.mix(K.causal_conv(ext, layer.conv_w), f[None, a:e], b[None, a:e], S)
+        want_out[a:e] = layer.gate_norm(o[0], r[a:e], qkv.dtype)
+        want_state[s], want_conv[s] = S[0], ext[0, -W1:]
+        if snap is not None:
+            want_snap[snap] = (S[0], ext[0, -W1:])
+    out = torch.full((N, r.shape[1]), float("nan"))
+    with torch.inference_mode():
+        layer.prefill_fla_rows(torch_fla_ops(K), [(a, e, torch.tensor([s]), sn) for a, e, s, sn in heads],
+                               qkv, f, b, r, c.state[kl], c.conv[kl], c, kl, out)
+    assert out[23:30].isnan().all() and out[57:].isnan().all()
+    assert rel_rmse(out[:23], want_out[:23]) < 1e-5 and rel_rmse(out[30:57], want_out[30:57]) < 1e-5
+    assert rel_rmse(c.state[kl], want_state) < 1e-5 and torch.equal(c.conv[kl], want_conv)  # slots 1, 3 too
+    for snap, (S, w) in want_snap.items():
+        assert rel_rmse(c.snap_state[kl, snap], S) < 1e-5 and torch.equal(c.snap_conv[kl, snap], w)
+
+
+def test_one_kda_row_through_fla_with_cuts_keeps_its_state_window_and_snapshots():
+    """KDA.prefill_fla (one row, an fla call per segment between snapshot cuts) through torch_fla_ops:
+    its output, final state, conv window and each cut's snapshot equal the recurrent form's."""
+    from peregrine.models import kda as K
+    cfg, m = tiny()
+    layer = m.layers[cfg.kda_layers[0]].attn
+    c = new_cache(cfg, slots=2)
+    c.snap_state = torch.zeros(c.state.shape[0], 2, *c.state.shape[2:])
+    c.snap_conv = torch.zeros(c.conv.shape[0], 2, *c.conv.shape[2:])
+    kl, W1 = c.kda_index[layer.layer], cfg.kda_conv_size - 1
+    g = torch.Generator().manual_seed(10)
+    S0, w0 = torch.randn(c.state.shape[2:], generator=g) * 0.1, torch.randn(c.conv.shape[2:], generator=g)
+    qkv, f, b, _ = layer.project(torch.randn(41, cfg.hidden_size, generator=g))
+    ext = torch.cat([w0[None], qkv[None]], 1)
+    y, S, want, snaps = K.causal_conv(ext, layer.conv_w), S0[None].clone(), [], {}
+    for lo, hi, snap in ((0, 9, 0), (9, 30, 1), (30, 41, None)):
+        want.append(layer.mix(y[:, lo:hi], f[None, lo:hi], b[None, lo:hi], S))
+        if snap is not None:
+            snaps[snap] = (S[0].clone(), ext[0, hi:hi + W1])
+    with torch.inference_mode():
+        S1 = S0[None].clone()
+        o, win = layer.prefill_fla(torch_fla_ops(K), qkv, f, b, S1, w0, [(9, 0), (30, 1), (41, None)], c, kl)
+    assert rel_rmse(o, torch.cat(want, 1)[0]) < 1e-5 and rel_rmse(S1, S) < 1e-5 and torch.equal(win, ext[0, -W1:])
+    for snap, (Ss, w) in snaps.items():
+        assert rel_rmse(c.snap_state[kl, snap], Ss) < 1e-5 and torch.equal(c.snap_conv[kl, snap], w)
+
+
 # ---- on the GPU: the fast prefill kernels against the PyTorch forms ----
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1",
                           reason="needs a CUDA GPU")

@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     if not a.context:
         path = write_result(result_path(a.model, "profile-prefill", a.results_dir),
                             {"meta": run_metadata(), "chunks": chunks, "budget": eng.scheduler.max_num_batched_tokens,
-                         "cold": cold, "ab_ms": ab})
+                             "cold": cold, "ab_ms": ab})
         log(f"wrote {path}")
         return 0
     p = random_prompt(a.context, V, 3)

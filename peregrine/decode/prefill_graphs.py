@@ -129,28 +129,22 @@ class PrefillGraphs:
         bucket runs Tb and Tb - 1 tokens: the cores' Triton kernels (fla's, the KDA row kernel, the MLA
         prefill kernel) are compiled for lengths that are and are not multiples of 16 (Triton specializes
         on that) and autotuned here, not at a request's first step (a fresh machine: minutes)."""
-        c, t0 = self.cache, time.time()
+        t0 = time.time()
         for n, Tb in enumerate(self.buckets):
             if self.broken:
                 return
             if self.log:
                 self.log(f"capturing prefill graphs: {Tb} tokens ({n + 1}/{len(self.buckets)})")
             for T in sorted({Tb, max(1, Tb - 1)}, reverse=True):
-                if self.bucket(T) != Tb:
-                    continue
-                table = [c.scratch_block] * ((T + c.block_size - 1) // c.block_size)
-                for _ in self.run(StepInput.build([([0] * T, 0, c.scratch_slot, table)], c.block_size, c.latent.device)):
-                    pass
+                if self.bucket(T) == Tb:
+                    self._dummy_prefill([T])
         # two long rows in one step (two prompts arriving together): fla's varlen kernels, which such KDA rows
         # share, compile and autotune here, not at that step (a fresh machine's first server: 84 s, session 9);
         # 2n a multiple of 16 and 2n - 1 not, as above
         n = (SHORT_ROW_MAX_TOKENS // 8 + 1) * 8
         for rows in ((n, n), (n, n - 1)):
             if sum(rows) <= self.buckets[-1] and not self.broken:
-                table = [c.scratch_block] * ((n + c.block_size - 1) // c.block_size)
-                step = StepInput.build([([0] * r, 0, c.scratch_slot, table) for r in rows], c.block_size, c.latent.device)
-                for _ in self.run(step):
-                    pass
+                self._dummy_prefill(rows)
         for t in [*self.buf["x"], *self.buf["o"].values(), *(u for v in self.buf["pre"].values() for p in v for u in p)]:
             if t is not None:
                 t.zero_()
@@ -159,6 +153,14 @@ class PrefillGraphs:
         if self.log:
             self.log(f"prefill graphs ready: {len(self.graphs)} for {len(self.buckets)} token buckets up to "
                      f"{self.buckets[-1]} in {time.time() - t0:.1f}s")
+
+    def _dummy_prefill(self, rows: list[int]) -> None:
+        """A prefill step of rows of these lengths, every one over the cache's scratch slot and block."""
+        c = self.cache
+        table = [c.scratch_block] * ((max(rows) + c.block_size - 1) // c.block_size)
+        for _ in self.run(StepInput.build([([0] * r, 0, c.scratch_slot, table) for r in rows], c.block_size,
+                                          c.latent.device)):
+            pass
 
     def run(self, step, layers_per_piece: int | None = None):
         m, N = self.model, step.input_ids.shape[0]

@@ -8,6 +8,8 @@ through the one-kernel recurrence of kernels/kda.py (the decode kernel, which ta
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,7 +27,7 @@ SHORT_ROW_MAX_TOKENS = 128  # GPU prefill rows up to this long take the one-kern
 #   tokens, even at 512; the margin kept for steps whose other layers keep the GPU busy); longer rows take fla
 SHORT_ROWS_KERNEL: bool | None = None  # None: on the GPU outside FP32 runs (as fla); True: also on the CPU
 #                                         under the interpreter (tests); False: never
-FLA_VARLEN = __import__("os").environ.get("PEREGRINE_KDA_VARLEN", "1") != "0"  # long rows of one step whose
+FLA_VARLEN = os.environ.get("PEREGRINE_KDA_VARLEN", "1") != "0"  # long rows of one step whose
 #   fla part ends at one cut share one varlen chunk_kda call (fla's ~1 ms of host work per call: once per
 #   layer, not per row); the environment variable (0) turns it off for A/B runs
 
@@ -200,26 +202,40 @@ class KDA(nn.Module):
                 trace[t] = S[0]
         return torch.stack(outs, 1)
 
+    def fla_conv(self, ops, x: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+        """fla's short conv + SiLU over one row x [T, C] after its window conv_state [W-1, C] -> [T, C]."""
+        init = x.new_zeros(1, x.shape[1], conv_state.shape[0] + 1)  # fla's window [N, C, W]: slot j holds input j - W
+        init[0, :, 1:] = conv_state.T
+        return ops.causal_conv1d(x.contiguous().unsqueeze(0), weight=self.conv_w, activation="silu",
+                                 initial_state=init)[0][0]
+
+    def fla_gates(self) -> dict:
+        """chunk_kda's arguments for this layer: gate, β and q/k L2 norms inside its kernels (the same math as
+        kda_gate / l2norm here), the final state returned."""
+        lb = self.cfg.kda_gate_lower_bound
+        return dict(scale=self.d ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                    use_beta_sigmoid_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
+                    **(dict(safe_gate=True, lower_bound=lb) if lb is not None else {}))
+
+    def fla_out(self, ops, o: torch.Tensor, r: torch.Tensor, dtype) -> torch.Tensor:
+        """fla's gated RMSNorm: o [T, H, d], r [T, Hd] -> RMSNorm(o)·w ⊙ σ(r) [T, Hd] in dtype (as gate_norm)."""
+        return ops.rms_norm_gated(o.reshape(-1, self.d), r.reshape(-1, self.d).contiguous(), self.o_norm, None,
+                                  activation="sigmoid", eps=self.cfg.rms_norm_eps).view(r.shape[0], -1).to(dtype)
+
     def prefill_fla(self, ops, qkv: torch.Tensor, f, b, S, conv_state, cuts, cache, kl) -> tuple[torch.Tensor, torch.Tensor]:
         """One prefill row through fla on the GPU: qkv [T, 3Hd], f [T, Hd], b [T, H] raw projections (model
         dtype), S [1, H, K, V] FP32 updated in place, conv_state [W-1, C] -> (o [T, H, d] model dtype, the
         new conv window). The conv, gate, β and q/k L2 norms run inside fla's kernels (the same math as
         causal_conv / kda_gate / l2norm here); cuts: (offset, snapshot) states taken on the way."""
         T, H, d, W1 = qkv.shape[0], self.H, self.d, self.cfg.kda_conv_size - 1
-        init = qkv.new_zeros(1, qkv.shape[1], W1 + 1)  # fla's window [N, C, W]: slot j holds input j - W
-        init[0, :, 1:] = conv_state.T
-        y, _ = ops.causal_conv1d(qkv.unsqueeze(0), weight=self.conv_w, activation="silu", initial_state=init)
+        y = self.fla_conv(ops, qkv, conv_state)
         q, k, v = (t.contiguous() for t in y.view(1, T, 3, H, d).unbind(2))
         fg, bb = f.view(1, T, H, d).contiguous(), b.reshape(1, T, H).contiguous()
-        lb = self.cfg.kda_gate_lower_bound
-        gate = dict(safe_gate=True, lower_bound=lb) if lb is not None else {}
         window = lambda hi: torch.cat([conv_state, qkv[max(0, hi - W1):hi]])[-W1:]  # noqa: E731  inputs before hi
         outs, lo = [], 0
         for hi, snap in cuts:
-            o, S_end = ops.chunk_kda(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], fg[:, lo:hi], bb[:, lo:hi], scale=d ** -0.5,
-                                     initial_state=S, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                                     use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, A_log=self.A_log,
-                                     dt_bias=self.dt_bias, **gate)
+            o, S_end = ops.chunk_kda(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], fg[:, lo:hi], bb[:, lo:hi],
+                                     initial_state=S, **self.fla_gates())
             S.copy_(S_end)
             outs.append(o)
             if snap is not None:
@@ -237,26 +253,20 @@ class KDA(nn.Module):
         ys, fs, bs, rs, wins = [], [], [], [], []
         for a, m, s, _ in rows:
             c = conv[s][0]
-            init = qkv.new_zeros(1, qkv.shape[1], W1 + 1)  # fla's window [N, C, W]: slot j holds input j - W
-            init[0, :, 1:] = c.T
-            ys.append(ops.causal_conv1d(qkv[a:m].contiguous().unsqueeze(0), weight=self.conv_w, activation="silu",
-                                        initial_state=init)[0][0])
+            ys.append(self.fla_conv(ops, qkv[a:m], c))
             fs.append(f[a:m]), bs.append(b[a:m]), rs.append(r[a:m])
             wins.append(torch.cat([c, qkv[max(a, m - W1):m]])[-W1:])  # the W-1 inputs before the head's end
         T = sum(m - a for a, m, _, _ in rows)
         q, k, v = (t.contiguous() for t in torch.cat(ys).view(1, T, 3, H, d).unbind(2))
         fg, bb = torch.cat(fs).view(1, T, H, d), torch.cat(bs).view(1, T, H)
         lens = torch.tensor([0] + [m - a for a, m, _, _ in rows]).cumsum(0)
-        cu = lens.pin_memory().to(qkv.device, non_blocking=True)  # no host wait (fla builds its indices on device)
+        # through pinned memory: no host wait (fla builds its chunk indices on the device)
+        cu = lens.pin_memory().to(qkv.device, non_blocking=True) if qkv.is_cuda else lens
         slots = torch.cat([s for _, _, s, _ in rows])
-        lb = self.cfg.kda_gate_lower_bound
-        gate = dict(safe_gate=True, lower_bound=lb) if lb is not None else {}
-        o, S_end = ops.chunk_kda(q, k, v, fg, bb, scale=d ** -0.5, initial_state=state[slots], output_final_state=True,
-                                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                                 A_log=self.A_log, dt_bias=self.dt_bias, cu_seqlens=cu, use_graph=True, **gate)
+        o, S_end = ops.chunk_kda(q, k, v, fg, bb, initial_state=state[slots], cu_seqlens=cu, use_graph=True,
+                                 **self.fla_gates())
         state[slots] = S_end
-        o = ops.rms_norm_gated(o[0].reshape(-1, d), torch.cat(rs).reshape(-1, d), self.o_norm, None,
-                               activation="sigmoid", eps=self.cfg.rms_norm_eps).view(T, -1).to(out.dtype)
+        o = self.fla_out(ops, o[0], torch.cat(rs), out.dtype)
         at = 0
         for j, (a, m, s, snap) in enumerate(rows):
             conv[s] = wins[j].unsqueeze(0)
@@ -352,7 +362,7 @@ class KDA(nn.Module):
         if len(together) > 1:  # heads ending at their one cut: one varlen fla call for all of them
             self.prefill_fla_rows(ops, [(offs[i], offs[i] + h, step.kda_slots[i:i + 1], head[0][1])
                                         for i, _, _, h, head in together], qkv, f, b, r, state, conv, cache, kl, out)
-        done = {row[0] for row in together} if len(together) > 1 else set()
+        done = {row[0] for row in together} if len(together) > 1 else set()  # rows whose head ran there
         for i, q, cuts, h, head in rows:
             a, e = offs[i], offs[i + 1]
             s = step.kda_slots[i:i + 1]
@@ -361,13 +371,12 @@ class KDA(nn.Module):
                 continue
             m = a + h  # the head: rows a..m
             if i in done:
-                pass  # its head ran above
+                pass
             elif ops is not None:  # long rows: fla's few kernels (chunked) beat a per-token loop at any length
                 S = state[s]
                 o, conv[s] = self.prefill_fla(ops, qkv[a:m].contiguous(), f[a:m], b[a:m], S, conv[s][0], head, cache, kl)
                 state[s] = S
-                out[a:m] = ops.rms_norm_gated(o.reshape(-1, self.d), r[a:m].reshape(-1, self.d).contiguous(), self.o_norm,
-                                              None, activation="sigmoid", eps=self.cfg.rms_norm_eps).view(h, -1).to(dt)
+                out[a:m] = self.fla_out(ops, o, r[a:m], dt)
             else:
                 x_ext = torch.cat([conv[s], qkv[a:m].unsqueeze(0).to(conv.dtype)], 1)
                 conv[s] = x_ext[:, -W1:]
