@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Prefill / prefix caching / chunked mixing on one H200 (issue: time to first token at agent-size contexts).
-#   STEPS: any of tests hf kernels kdarows profile pmoe glue ttft serve (default: tests kernels ttft serve, in that order); TESTS (test
+#   STEPS: any of tests hf kernels kdarows profile pmoe glue moegrouped ttft serve (default: tests kernels ttft serve, in that order); TESTS (test
 #   files) and K (a pytest -k filter) for tests; hf: the transformers conformance test; MODEL (kimi-linear-48b-a3b);
 #   LENGTHS (1024,8192,32768,131072); CHUNKS/CONTEXT/AB (interleaved eager vs prefill-graph runs)/BUDGET (tokens per step) for profile; pmoe: #20's persistent MoE tests and bench; RUNS (3); CONC (1,4,8); T_<step> seconds per step (a killed step
-#   still leaves its log and the bundle); BACKEND, PG (true: prefill graphs; e.g. "false true"), BREAKDOWN (32768; 0: none) for ttft
+#   still leaves its log and the bundle); BACKEND, PG (true: prefill graphs; e.g. "false true"), BREAKDOWN (32768; 0: none), MNBT (tokens per step, e.g. "8192 32768") for ttft
 # Results go to results/, logs to $OUT/logs; both come back as $OUT/bundle.tgz (the device returns 8 files).
 source "$(dirname "$0")/device_env.sh"
 TOP=$OUT; OUT=$OUT/logs; mkdir -p "$OUT"
@@ -34,15 +34,17 @@ for step in $STEPS; do
     glue)  # the MoE prefill glue kernels: GPU tests, then their microbenchmark against the torch forms
       timeout -k 5 "$lim" python3 -m pytest -v tests/test_kernels_moe_prefill.py 2>&1 | tee "$OUT/pytest-glue.log" || rc=1
       timeout -k 5 "$lim" python3 -m peregrine.bench.kernels_moe_prefill 2>&1 | tee "$OUT/kernels-moe-prefill.log" || rc=1 ;;
+    moegrouped)  # the prefill MoE's grouped GEMMs against their floors, 64 to 32K tokens
+      timeout -k 5 "$lim" python3 -m peregrine.bench.moe_grouped 2>&1 | tee "$OUT/moe-grouped.log" || rc=1 ;;
     kernels)
       timeout -k 5 "$lim" python3 -m peregrine bench kernels --families mla_prefill 2>&1 | tee "$OUT/kernels-mla-prefill.log" || rc=1 ;;
-    ttft)  # once per PG value (prefill graphs true/false), each in results/pg-<value>/
-      for pg in ${PG:-true}; do
+    ttft)  # once per PG value (prefill graphs true/false) and MNBT value (tokens per step; 0: the engine's), in results/pg-<pg>-b<mnbt>/
+      for pg in ${PG:-true}; do for b in ${MNBT:-0}; do
         timeout -k 5 "$lim" python3 -m peregrine bench ttft --model "$MODEL" --dummy-weights --lengths "$LENGTHS" \
-          --runs "${RUNS:-3}" --breakdown-len "${BREAKDOWN:-32768}" --results-dir "results/pg-$pg" --additional-config \
+          --runs "${RUNS:-3}" --breakdown-len "${BREAKDOWN:-32768}" --results-dir "results/pg-$pg-b$b" --additional-config \
           "{\"decode_backend\": \"${BACKEND:-latency_specialized}\", \"prefill_graphs\": $pg}" \
-          2>&1 | tee "$OUT/ttft-pg-$pg.log" || rc=1
-      done ;;
+          $([ "$b" != 0 ] && echo --max-num-batched-tokens "$b") 2>&1 | tee "$OUT/ttft-pg-$pg-b$b.log" || rc=1
+      done; done ;;
     serve)
       BACKENDS=${BACKENDS:-latency_specialized} CONC=${CONC:-1,4,8} MODEL=$MODEL OUT=$OUT timeout -k 5 "$lim" \
         bash scripts/gpu_serve.sh 2>&1 \
