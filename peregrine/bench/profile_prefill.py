@@ -15,12 +15,13 @@ from .profile_step import _device_us
 from .ttft import TURN2_NEW_TOKENS, first_token_s, random_prompt
 
 TOP = 40  # kernels listed per profile
+TOP_OPS = 30  # aten ops by their own GPU time, per input shapes (--shapes): which tensors the copies move
 
 
-def profile_call(fn, log) -> dict:
+def profile_call(fn, log, shapes: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=shapes) as prof:
         t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
@@ -37,11 +38,19 @@ def profile_call(fn, log) -> dict:
     for k, us in per.most_common(TOP):
         top.append({"kernel": k[:110], "ms": us / 1e3, "calls": calls[k]})
         log(f"  {us / 1e3:8.2f} ms  {calls[k]:6d}x  {k[:110]}")
+    ops = []
+    if shapes:
+        log("  top aten ops by their own GPU time, per input shapes:")
+        own = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)  # noqa: E731
+        evs = [e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::") and own(e) > 0]
+        for e in sorted(evs, key=own, reverse=True)[:TOP_OPS]:
+            ops.append({"op": e.key, "shapes": str(e.input_shapes)[:200], "ms": own(e) / 1e3, "calls": e.count})
+            log(f"    {own(e) / 1e3:8.2f} ms  {e.count:6d}x  {e.key} {str(e.input_shapes)[:160]}")
     cpu = sorted(prof.key_averages(), key=lambda e: e.cpu_time_total, reverse=True)[:15]
     log("  top CPU ops (self+children):")
     for e in cpu:
         log(f"    {e.cpu_time_total / 1e3:8.2f} ms  {e.count:6d}x  {e.key[:90]}")
-    return {"wall_ms": wall, "kernel_ms": total, "top": top}
+    return {"wall_ms": wall, "kernel_ms": total, "top": top} | ({"ops": ops} if shapes else {})
 
 
 def main(argv=None) -> int:
@@ -60,6 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ab-runs", type=int, default=0,
                     help="per chunk, this many cold first tokens timed eagerly and with prefill graphs, interleaved "
                          "in one process (same machine, same moment), then a profile of each (default 0: eager only)")
+    ap.add_argument("--shapes", action="store_true", help="also list aten ops by their own GPU time per input shapes")
     a = ap.parse_args(argv)
     chunks = [int(c) for c in a.chunks.split(",")]
     log = print
@@ -86,7 +96,7 @@ def main(argv=None) -> int:
         for mode, pg in modes.items():
             eng.runner.prefill = pg
             log(f"cold prefill of one {n}-token prompt in steps of ≤ {eng.scheduler.max_num_batched_tokens} tokens ({mode})")
-            cold[f"{n} {mode}"] = profile_call(lambda: first_token_s(eng, random_prompt(n, V, 2)), log)
+            cold[f"{n} {mode}"] = profile_call(lambda: first_token_s(eng, random_prompt(n, V, 2)), log, a.shapes)
     eng.runner.prefill = graphs
     if not a.context:
         path = write_result(result_path(a.model, "profile-prefill", a.results_dir),
