@@ -19,9 +19,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=DEFAULT_MODEL, help=f"preset name or model folder (config.json + safetensors); default {DEFAULT_MODEL}")
     g.add_argument("--dummy-weights", action="store_true", help="seeded random weights instead of loading a checkpoint")
     g.add_argument("--max-num-seqs", type=int, default=8, help="most sequences running at once (default 8)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, metavar="N",
-                   help=f"prompt tokens prefilled per step while no request is decoding (default "
-                        f"{EngineConfig.max_num_batched_tokens}): longer chunks, fewer steps, shorter time to first token")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="prompt tokens prefilled per step while no request is decoding (default: the largest of "
+                        "32768, 16384, 8192 whose activations fit beside the caches): longer chunks, fewer steps, "
+                        "shorter time to first token")
     g.add_argument("--max-prefill-tokens-while-decoding", type=int, default=EngineConfig.max_prefill_tokens_while_decoding,
                    metavar="N", help=f"prompt tokens in a step that also decodes running requests (default "
                                      f"{EngineConfig.max_prefill_tokens_while_decoding}): bounds their inter-token latency "

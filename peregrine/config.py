@@ -283,13 +283,20 @@ KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 TP_ALLREDUCE = ("auto", "nccl")
 
 
+# the default prefill step budget (--max-num-batched-tokens): the largest whose activations fit beside the
+# caches (engine/build.py); a step of 32K tokens runs the MoE's grouped GEMMs at ~1K tokens an expert (H200,
+# 48B: a cold 32K prompt in one step 665.7 ms vs 768.7 in four of 8K, results/2026-12-02-session10)
+PREFILL_STEP_TOKENS = (32768, 16384, 8192)
+
+
 @dataclass
 class EngineConfig:
     max_num_seqs: int = 8
     max_model_len: int | None = None          # default: min(model limit, 4096)
     # prompt tokens per step when nobody is decoding: long prompts in few, compute-bound steps
-    # (every step of a 48B MoE reads nearly every expert once it holds ~1K tokens)
-    max_num_batched_tokens: int = 8192
+    # (every step of a 48B MoE reads nearly every expert once it holds ~1K tokens). None: the engine picks
+    # the largest of 32K / 16K / 8K whose activations fit beside the caches (engine/build.py)
+    max_num_batched_tokens: int | None = None
     # prompt tokens in a step that also carries decodes: bounds how long a running request waits
     # for a token while another prompt prefills (the inter-token latency tail)
     max_prefill_tokens_while_decoding: int = 2048
@@ -371,7 +378,7 @@ class EngineConfig:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_prefill_tokens_while_decoding < 1:
             raise ConfigError(f"max_prefill_tokens_while_decoding must be >= 1, got {self.max_prefill_tokens_while_decoding}")

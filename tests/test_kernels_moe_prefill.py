@@ -145,3 +145,24 @@ def test_gpu_bf16_router_gemm_equals_the_fp32_form():
     assert same.float().mean() >= ROUTER_IDS_SAME
     small = M.router_gemm(x[:M.GLUE_MIN_TOKENS - 1], w)  # a decode-sized step: the FP32 form, bitwise
     assert torch.equal(small, x[:M.GLUE_MIN_TOKENS - 1].float() @ w.float().T)
+
+
+@pytest.mark.parametrize("E,k,renorm", [(256, 8, True), (12, 4, False), (40, 3, True)])
+def test_prefill_routing_kernel_equals_select(E, k, renorm, device, monkeypatch):
+    """route_logits on a prefill-sized step (the top-k kernel) against select's torch form: the same experts in
+    the same order and the same weights to FP32 rounding; a decode-sized step keeps select, bitwise."""
+    from peregrine.models import moe as M
+    if not kernels.available(device):
+        pytest.skip("triton kernels unavailable")
+    N = 70
+    logits = _rand((N, E), torch.float32, device, 13) * 3
+    bias = _rand((E,), torch.float32, device, 14) / 10
+    x = torch.zeros(N, 8, device=device)
+    monkeypatch.setattr(M, "FUSED_ROUTER", True)
+    ids, w = M.route_logits(logits, bias, k, renorm, 2.5, x)
+    want_ids, want_w = M.select(logits, bias, k, renorm, 2.5)
+    assert ids.dtype == torch.int64 and torch.equal(ids, want_ids)
+    assert_close(w, want_w, 1e-6)
+    monkeypatch.setattr(M, "FUSED_ROUTER", None)  # None: on the GPU for >= 64 rows outside FP32; here FP32 rows
+    small = M.route_logits(logits[:5], bias, k, renorm, 2.5, x[:5])
+    assert all(torch.equal(a, b) for a, b in zip(small, M.select(logits[:5], bias, k, renorm, 2.5)))

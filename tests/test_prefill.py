@@ -177,7 +177,8 @@ def torch_fla_ops(K):
         outs, ends = [], []
         for j, (a, e) in enumerate(zip(cu, cu[1:])):
             gg = K.kda_gate(g[:, a:e].flatten(-2), A_log, dt_bias, H, lower_bound)
-            o, S = K.chunk_kda(K.l2norm(q[:, a:e].float()) * scale, K.l2norm(k[:, a:e].float()), v[:, a:e], gg,
+            nrm = K.l2norm if use_qk_l2norm_in_kernel else (lambda z: z)  # noqa: E731  normed by the caller
+            o, S = K.chunk_kda(nrm(q[:, a:e].float()) * scale, nrm(k[:, a:e].float()), v[:, a:e], gg,
                                torch.sigmoid(beta[:, a:e].float()), S0=initial_state[j:j + 1])
             outs.append(o.to(q.dtype)), ends.append(S[0])
         return torch.cat(outs, 1), torch.stack(ends)
@@ -189,11 +190,14 @@ def torch_fla_ops(K):
     return SimpleNamespace(causal_conv1d=causal_conv1d, chunk_kda=chunk_kda, rms_norm_gated=rms_norm_gated)
 
 
-def test_kda_rows_sharing_one_fla_call_keep_each_rows_state_window_and_snapshot():
+@pytest.mark.parametrize("conv_kernel", [True, False], ids=["conv-kernel", "fla-conv"])
+def test_kda_rows_sharing_one_fla_call_keep_each_rows_state_window_and_snapshot(conv_kernel, monkeypatch):
     """KDA.prefill_fla_rows (the GPU's varlen call for several rows' heads) through torch_fla_ops: each
     row's output, state, conv window and snapshot equal the recurrent form's run row by row written here,
-    and rows of the step it does not own (between and after them) are untouched."""
+    and rows of the step it does not own (between and after them) are untouched. Both short convs: the
+    fused kernel (under the interpreter; its q, k arrive L2-normalised) and the fla form."""
     from peregrine.models import kda as K
+    monkeypatch.setattr(K, "CONV_KERNEL", conv_kernel)
     cfg, m = tiny()
     layer = m.layers[cfg.kda_layers[0]].attn
     c = new_cache(cfg, slots=4)
@@ -228,10 +232,12 @@ def test_kda_rows_sharing_one_fla_call_keep_each_rows_state_window_and_snapshot(
         assert rel_rmse(c.snap_state[kl, snap], S) < 1e-5 and torch.equal(c.snap_conv[kl, snap], w)
 
 
-def test_one_kda_row_through_fla_with_cuts_keeps_its_state_window_and_snapshots():
+@pytest.mark.parametrize("conv_kernel", [True, False], ids=["conv-kernel", "fla-conv"])
+def test_one_kda_row_through_fla_with_cuts_keeps_its_state_window_and_snapshots(conv_kernel, monkeypatch):
     """KDA.prefill_fla (one row, an fla call per segment between snapshot cuts) through torch_fla_ops:
-    its output, final state, conv window and each cut's snapshot equal the recurrent form's."""
+    its output, final state, conv window and each cut's snapshot equal the recurrent form's (both short convs)."""
     from peregrine.models import kda as K
+    monkeypatch.setattr(K, "CONV_KERNEL", conv_kernel)
     cfg, m = tiny()
     layer = m.layers[cfg.kda_layers[0]].attn
     c = new_cache(cfg, slots=2)
@@ -278,14 +284,18 @@ def kda_layer(preset: str):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,cuts", [(333, (100, 257)), (100, (40, 64))])
 @pytest.mark.parametrize("preset", ["kimi-linear-48b-a3b", "k3-slice"])
-def test_gpu_kda_prefill_paths_equal_the_pytorch_form(preset, T, cuts, monkeypatch):
+@pytest.mark.parametrize("tail_min", [8192, 300], ids=["tail-kernel", "tail-fla"])
+def test_gpu_kda_prefill_paths_equal_the_pytorch_form(preset, T, cuts, tail_min, monkeypatch):
     """A KDA layer at real widths (softplus gate and low-rank output gate; K3: bounded gate, full-rank
     output gate) prefilling after a non-zero state, with two snapshots on the way, against the PyTorch
     forms: 333 tokens through fla's kernels (conv, fused gates and norms, chunk_kda, gated RMSNorm) to the
     last cut and the one-kernel recurrence after it, 100 (<= SHORT_ROW_MAX_TOKENS) through the one-kernel
-    recurrence, one launch per segment."""
+    recurrence, one launch per segment. With FLA_TAIL_MIN_TOKENS at 300 the long row's tail runs through fla
+    too (a second call after the cut). fla's q, k, v come from the fused short conv (kernels/kda_conv.py)."""
     from peregrine.kernels import kda as KK
     from peregrine.models import kda as K
+    monkeypatch.setattr(K, "FLA_TAIL_MIN_TOKENS", tail_min)
+    assert K.CONV_KERNEL
     calls, real = [], KK.kda_decode
     monkeypatch.setattr(KK, "kda_decode", lambda qkv, *a, **k: calls.append(qkv.shape[1]) or real(qkv, *a, **k))
     if K.fla_ops() is None:
@@ -308,8 +318,8 @@ def test_gpu_kda_prefill_paths_equal_the_pytorch_form(preset, T, cuts, monkeypat
                      c.snap_conv[kl].clone()))
     K._FLA, K.SHORT_ROWS_KERNEL = None, None
     short = T <= K.SHORT_ROW_MAX_TOKENS
-    # a long row's tail after its last cut (76 tokens) takes the kernel too
-    assert calls == ([cuts[0], cuts[1] - cuts[0], T - cuts[1]] if short else [T - cuts[1]])
+    # a long row's tail after its last cut (76 tokens) takes the kernel too, unless the row is FLA_TAIL_MIN_TOKENS long
+    assert calls == ([cuts[0], cuts[1] - cuts[0], T - cuts[1]] if short else [T - cuts[1]] if T < tail_min else [])
     (o1, s1, c1, ss1, sc1), (o2, s2, c2, ss2, sc2) = res
     assert rel_rmse(o1, o2) < 2e-2 and rel_rmse(s1, s2) < 2e-2 and rel_rmse(ss1, ss2) < 2e-2
     assert torch.equal(c1, c2) and torch.equal(sc1, sc2)  # conv windows are copies of inputs

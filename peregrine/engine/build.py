@@ -7,7 +7,7 @@ import time
 import torch
 
 from ..cache import ModelCache
-from ..config import ConfigError, EngineConfig, resolve_model
+from ..config import PREFILL_STEP_TOKENS, ConfigError, EngineConfig, resolve_model
 from ..models.kimi import KimiModel
 from ..models.loader import init_dummy_weights, load_weights
 from ..parallel.group import SINGLE, TPGroup
@@ -17,6 +17,7 @@ from .engine import LLMEngine
 DEFAULT_MAX_MODEL_LEN = 4096  # a cache sized for 1M-token contexts by default would waste memory
 DEFAULT_SNAPSHOTS = 64        # KDA snapshots for prefix caching: ~one per 8K-token chunk of 8 x 64K contexts
 SNAPSHOT_MEMORY_SHARE = 0.5   # at most this share of the memory left after the caches goes to snapshots
+STEP_SLACK = 1.5              # step_bytes leaves out the allocator's fragmentation and small temporaries
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 
 
@@ -142,24 +143,63 @@ def build_parts(model: str, ecfg: EngineConfig, dummy_weights: bool, log, tp=SIN
     snaps = ecfg.prefix_cache_snapshots if ecfg.prefix_cache_snapshots is not None else DEFAULT_SNAPSHOTS
     if not ecfg.enable_prefix_caching or not lcfg.kda_layers:
         snaps = 0
+    room = None
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         if need > free * ecfg.gpu_memory_utilization:
             raise ConfigError(f"caches need {gib(need)} but only {gib(free)} is free: lower --max-model-len or --max-num-seqs")
-        # the default pool shrinks to what fits (one GPU: under TP every rank must hold the same pool)
+        room = free * ecfg.gpu_memory_utilization - need
+    ecfg.max_num_batched_tokens = pick_step_tokens(ecfg, lcfg, dtype, room, tp.world, log)
+    if dev.type == "cuda":
+        room -= min(room, step_bytes(lcfg, ecfg.max_num_batched_tokens, ecfg.max_model_len, dtype))
+        # the default pool shrinks to what fits beside a step's activations (one GPU: under TP every rank
+        # must hold the same pool)
         if ecfg.prefix_cache_snapshots is None and per_slot and tp.world == 1:
-            snaps = min(snaps, max(0, int((free * ecfg.gpu_memory_utilization - need) * SNAPSHOT_MEMORY_SHARE // per_slot)))
+            snaps = min(snaps, max(0, int(room * SNAPSHOT_MEMORY_SHARE // per_slot)))
         if snaps * per_slot + need > free * ecfg.gpu_memory_utilization:
             raise ConfigError(f"{snaps} prefix-cache snapshots need {gib(snaps * per_slot)} more than is free: "
                               "lower prefix_cache_snapshots")
     cache = ModelCache(lcfg, num_blocks=num_blocks, block_size=ecfg.block_size, num_slots=ecfg.max_num_seqs,
                        dtype=dtype, device=dev, kv_cache_dtype=ecfg.kv_cache_dtype, num_snapshots=snaps)
     log(f"caches: {num_blocks} blocks x {ecfg.block_size} tokens ({ecfg.kv_cache_dtype} latent), "
-        f"{ecfg.max_num_seqs} KDA state slots, "
+        f"{ecfg.max_num_seqs} KDA state slots, prefill steps of up to {ecfg.max_num_batched_tokens} tokens, "
         + (f"prefix caching on ({snaps} KDA snapshots of {gib(per_slot)}), " if ecfg.enable_prefix_caching
            else "prefix caching off, ") + f"{gib(cache.nbytes())}")
     runner = make_runner(m, cache, ecfg, log)
     return cfg, m, cache, runner, folder
+
+
+def step_bytes(cfg, tokens: int, max_model_len: int, dtype: torch.dtype) -> int:
+    """Rough peak activation bytes of one prefill step of `tokens` tokens (STEP_SLACK included): the larger
+    of a KDA layer's projections, conv outputs and fla's per-token intermediates, and the MoE's sorted
+    token-expert rows (xs, gate|up, h, ys) and routing, plus the residual streams; MLA's expanded keys and
+    values of the whole context on top (they scale with the context, not the step)."""
+    b, D = dtype.itemsize, cfg.hidden_size
+    H, d = cfg.kda_num_heads, cfg.kda_head_dim
+    kda = (3 * H * d + 2 * d + H + H * d) + 3 * H * d * 2 + 6 * H * d if cfg.kda_layers else 0  # in_proj, f|r, conv + copies, fla
+    mla = cfg.mla_num_heads * (cfg.qk_head_dim + cfg.v_head_dim) + cfg.latent_dim + 2 * cfg.mla_num_heads * cfg.v_head_dim
+    Dz, I, k = cfg.routed_expert_hidden_size or D, cfg.moe_intermediate_size, cfg.num_experts_per_token
+    moe = k * (2 * Dz + 3 * I) + cfg.num_experts * 6 + k * 16 if cfg.num_experts else 0
+    per_token = max(kda, mla, moe) * b + 4 * D * 4
+    ctx = max_model_len * (cfg.mla_num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) + cfg.latent_dim) * b
+    return int(STEP_SLACK * (tokens * per_token + ctx))
+
+
+def pick_step_tokens(ecfg: EngineConfig, cfg, dtype, room: float | None, tp_world: int, log) -> int:
+    """--max-num-batched-tokens: the user's value (a warning when its step may not fit in `room`, the bytes
+    left after the caches), else the largest PREFILL_STEP_TOKENS that fits (tensor parallel: the smallest,
+    the same on every rank whatever each has free)."""
+    want = ecfg.max_num_batched_tokens
+    if want is not None:
+        if room is not None and step_bytes(cfg, want, ecfg.max_model_len, dtype) > room:
+            log(f"WARNING: a prefill step of {want} tokens may need ~{gib(step_bytes(cfg, want, ecfg.max_model_len, dtype))} "
+                f"of activations and {gib(room)} is left beside the caches: lower --max-num-batched-tokens if it runs "
+                "out of memory")
+        return want
+    if tp_world > 1:
+        return PREFILL_STEP_TOKENS[-1]
+    fits = [n for n in PREFILL_STEP_TOKENS if room is None or step_bytes(cfg, n, ecfg.max_model_len, dtype) <= room]
+    return fits[0] if fits else PREFILL_STEP_TOKENS[-1]
 
 
 def make_runner(model, cache, ecfg: EngineConfig, log):

@@ -27,7 +27,7 @@ from collections import Counter
 from typing import Callable
 
 from ..cache import ModelCache
-from ..config import EngineConfig, ModelConfig
+from ..config import PREFILL_STEP_TOKENS, EngineConfig, ModelConfig
 from ..decode.batch import StepInput
 from ..prefix_cache import PrefixCache
 from . import logprobs, penalties
@@ -59,6 +59,8 @@ class LLMEngine:
         if engine_cfg.max_model_len is None:
             engine_cfg.max_model_len = min(model_cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         self.max_model_len = engine_cfg.max_model_len
+        if engine_cfg.max_num_batched_tokens is None:  # an engine not made by build_engine (which sizes it to memory)
+            engine_cfg.max_num_batched_tokens = PREFILL_STEP_TOKENS[0]
         self.device = cache.latent.device
         self.prefix_cache = PrefixCache(cache.blocks, cache.block_size, getattr(cache, "num_snapshots", 0),
                                         needs_state=bool(model_cfg.kda_layers),

@@ -25,8 +25,13 @@ CONV1D_MIN_TOKENS = 64  # rows this long run the short conv as conv1d: unfold wo
 SHORT_ROW_MAX_TOKENS = 128  # GPU prefill rows up to this long take the one-kernel recurrence: serial in T, but one
 #   launch against fla's ~1.8 ms of host work per call (bench kda_rows, H200: a 48B layer 0.61 vs 1.82 ms at 128
 #   tokens, even at 512; the margin kept for steps whose other layers keep the GPU busy); longer rows take fla
+FLA_TAIL_MIN_TOKENS = 8192  # rows this long run their tail after the last snapshot cut through fla too: the second
+#   call's host work hides behind the row's GPU work, and the recurrence kernel is serial in T (H200, 48B: a
+#   64-token tail 0.25 ms a layer, 5 ms of a cold 32K prompt)
 SHORT_ROWS_KERNEL: bool | None = None  # None: on the GPU outside FP32 runs (as fla); True: also on the CPU
 #                                         under the interpreter (tests); False: never
+CONV_KERNEL = True  # fla rows' short conv, L2 norms and q/k/v split in one pass (kernels/kda_conv.py) wherever the
+#   kernels run (the GPU; the CPU under the interpreter); False: fla's conv and copies (A/B)
 FLA_VARLEN = os.environ.get("PEREGRINE_KDA_VARLEN", "1") != "0"  # long rows of one step whose
 #   fla part ends at one cut share one varlen chunk_kda call (fla's ~1 ms of host work per call: once per
 #   layer, not per row); the environment variable (0) turns it off for A/B runs
@@ -209,11 +214,22 @@ class KDA(nn.Module):
         return ops.causal_conv1d(x.contiguous().unsqueeze(0), weight=self.conv_w, activation="silu",
                                  initial_state=init)[0][0]
 
-    def fla_gates(self) -> dict:
-        """chunk_kda's arguments for this layer: gate, β and q/k L2 norms inside its kernels (the same math as
-        kda_gate / l2norm here), the final state returned."""
+    def conv_qkv(self, ops, x: torch.Tensor, conv_state: torch.Tensor, out: torch.Tensor | None = None):
+        """One row's short conv + SiLU: x [T, 3Hd] raw projections (any row stride) after its window
+        conv_state [W-1, 3Hd] -> (qkv planes [3, T, H, d], each contiguous, into `out` if given; whether q and
+        k are already L2-normalised). The fused kernel where it runs, else fla's conv and copies."""
+        from .. import kernels
+        if CONV_KERNEL and kernels.available(x.device):
+            from ..kernels.kda_conv import kda_conv
+            return kda_conv(x, conv_state, self.conv_w, self.H, QK_NORM_EPS, out=out), True
+        y = self.fla_conv(ops, x, conv_state).view(x.shape[0], 3, self.H, self.d).permute(1, 0, 2, 3)
+        return (y.contiguous() if out is None else out.copy_(y)), False
+
+    def fla_gates(self, normed: bool = False) -> dict:
+        """chunk_kda's arguments for this layer: gate, β (and the q/k L2 norms unless `normed`) inside its
+        kernels (the same math as kda_gate / l2norm here), the final state returned."""
         lb = self.cfg.kda_gate_lower_bound
-        return dict(scale=self.d ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        return dict(scale=self.d ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=not normed, use_gate_in_kernel=True,
                     use_beta_sigmoid_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
                     **(dict(safe_gate=True, lower_bound=lb) if lb is not None else {}))
 
@@ -228,14 +244,14 @@ class KDA(nn.Module):
         new conv window). The conv, gate, β and q/k L2 norms run inside fla's kernels (the same math as
         causal_conv / kda_gate / l2norm here); cuts: (offset, snapshot) states taken on the way."""
         T, H, d, W1 = qkv.shape[0], self.H, self.d, self.cfg.kda_conv_size - 1
-        y = self.fla_conv(ops, qkv, conv_state)
-        q, k, v = (t.contiguous() for t in y.view(1, T, 3, H, d).unbind(2))
+        y, normed = self.conv_qkv(ops, qkv, conv_state)
+        q, k, v = (t.unsqueeze(0) for t in y.unbind(0))
         fg, bb = f.view(1, T, H, d).contiguous(), b.reshape(1, T, H).contiguous()
         window = lambda hi: torch.cat([conv_state, qkv[max(0, hi - W1):hi]])[-W1:]  # noqa: E731  inputs before hi
         outs, lo = [], 0
         for hi, snap in cuts:
             o, S_end = ops.chunk_kda(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], fg[:, lo:hi], bb[:, lo:hi],
-                                     initial_state=S, **self.fla_gates())
+                                     initial_state=S, **self.fla_gates(normed))
             S.copy_(S_end)
             outs.append(o)
             if snap is not None:
@@ -250,21 +266,23 @@ class KDA(nn.Module):
         rows = [(a, m, slot, snapshot or None)], each head qkv[a:m] ending at its one cut. The same math as
         prefill_fla row by row; each head's final state is its snapshot and the state its tail reads."""
         H, d, W1 = self.H, self.d, self.cfg.kda_conv_size - 1
-        ys, fs, bs, rs, wins = [], [], [], [], []
+        T = sum(m - a for a, m, _, _ in rows)
+        y = qkv.new_empty(3, T, H, d)  # every row's conv output lands in its rows of the q, k, v planes
+        fs, bs, rs, wins, at = [], [], [], [], 0
         for a, m, s, _ in rows:
             c = conv[s][0]
-            ys.append(self.fla_conv(ops, qkv[a:m], c))
+            normed = self.conv_qkv(ops, qkv[a:m], c, out=y[:, at:at + m - a])[1]
             fs.append(f[a:m]), bs.append(b[a:m]), rs.append(r[a:m])
             wins.append(torch.cat([c, qkv[max(a, m - W1):m]])[-W1:])  # the W-1 inputs before the head's end
-        T = sum(m - a for a, m, _, _ in rows)
-        q, k, v = (t.contiguous() for t in torch.cat(ys).view(1, T, 3, H, d).unbind(2))
+            at += m - a
+        q, k, v = (t.unsqueeze(0) for t in y.unbind(0))
         fg, bb = torch.cat(fs).view(1, T, H, d), torch.cat(bs).view(1, T, H)
         lens = torch.tensor([0] + [m - a for a, m, _, _ in rows]).cumsum(0)
         # through pinned memory: no host wait (fla builds its chunk indices on the device)
         cu = lens.pin_memory().to(qkv.device, non_blocking=True) if qkv.is_cuda else lens
         slots = torch.cat([s for _, _, s, _ in rows])
         o, S_end = ops.chunk_kda(q, k, v, fg, bb, initial_state=state[slots], cu_seqlens=cu, use_graph=True,
-                                 **self.fla_gates())
+                                 **self.fla_gates(normed))
         state[slots] = S_end
         o = self.fla_out(ops, o[0], torch.cat(rs), out.dtype)
         at = 0
@@ -355,6 +373,8 @@ class KDA(nn.Module):
             # recurrence (a whole short row; a long one's tail after its last snapshot: one launch, not fla's
             # ~1 ms of host work per call); the head before it the chunked form
             h = next((lo for lo in [0] + [c for c, _ in cuts[:-1]] if q - lo <= SHORT_ROW_MAX_TOKENS), q) if short else q
+            if 0 < h < q and ops is not None and q >= FLA_TAIL_MIN_TOKENS:
+                h = q
             rows.append((i, q, cuts, h, [(c, sn) for c, sn in cuts if c <= h]))  # head: cuts up to h
         # (the bounded gate, K3's, keeps one call per row: its varlen GPU test has not run yet)
         varlen = ops is not None and FLA_VARLEN and self.cfg.kda_gate_lower_bound is None
@@ -374,7 +394,7 @@ class KDA(nn.Module):
                 pass
             elif ops is not None:  # long rows: fla's few kernels (chunked) beat a per-token loop at any length
                 S = state[s]
-                o, conv[s] = self.prefill_fla(ops, qkv[a:m].contiguous(), f[a:m], b[a:m], S, conv[s][0], head, cache, kl)
+                o, conv[s] = self.prefill_fla(ops, qkv[a:m], f[a:m], b[a:m], S, conv[s][0], head, cache, kl)
                 state[s] = S
                 out[a:m] = self.fla_out(ops, o, r[a:m], dt)
             else:

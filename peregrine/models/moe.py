@@ -69,6 +69,21 @@ def router_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.float() @ w.float().T
 
 
+FUSED_ROUTER: bool | None = None  # the router's sigmoid, bias, top-k and renormalisation in one kernel per token
+#   (kernels/moe.py router_topk, the decode path's) for prefill-sized steps; torch.topk over [N, E] FP32 and its
+#   five elementwise passes were 13 ms of a cold 32K prompt (H200, 48B). Switch as layers.fused
+
+
+def route_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scaling: float, x: torch.Tensor):
+    """select() of FP32 logits [N, E]; a prefill-sized step takes the one-pass kernel (the same math in FP32;
+    ties go to the lower expert id, the renormalising sum may differ in its last bit)."""
+    if layers.fused(x, FUSED_ROUTER) and logits.is_contiguous():
+        from ..kernels.moe import router_topk
+        ids, w = router_topk(logits.view(1, 1, *logits.shape), bias, top_k, renormalize, scaling)
+        return ids.long(), w
+    return select(logits, bias, top_k, renormalize, scaling)
+
+
 def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None) -> torch.Tensor:
     """Σ_k w[n,k]·E_ids[n,k](x[n]) with each used expert's weights read once per step.
 
@@ -214,8 +229,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
-        ids, w = select(self.router_logits(x), self.bias, c.num_experts_per_token, c.moe_renormalize,
-                        c.routed_scaling_factor)
+        ids, w = route_logits(self.router_logits(x), self.bias, c.num_experts_per_token, c.moe_renormalize,
+                              c.routed_scaling_factor, x)
         self.last_ids = ids
         z = x @ self.down.T if self.latent else x
         if self.mx:
