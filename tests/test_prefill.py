@@ -73,6 +73,42 @@ def test_mla_prefill_through_the_flash_kernel_equals_the_pytorch_form(model):
     assert rel_rmse(a, b) < 1e-5 and rel_rmse(sa, sb) < 1e-5 and rel_rmse(la, lb) < 1e-5
 
 
+@pytest.mark.gpu
+def test_mla_core_keeps_the_flash_kernels_model_dtype_output_for_prefill_rows(monkeypatch):
+    """BF16, the flash kernel on (the interpreter): prefill rows' attention lands in the core's output in the
+    model dtype, bit-equal to the kernel's FP32 copy (no rounding added), and near the PyTorch attention; a step
+    with a decode row keeps the FP32 output (the absorbed decode's)."""
+    from peregrine import kernels
+    from peregrine.models import mla as M
+    if not kernels.available("cpu") and not torch.cuda.is_available():
+        pytest.skip("triton kernels unavailable")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg, _ = tiny()
+    torch.manual_seed(0)
+    with torch.device(dev):
+        layer = M.MLA(cfg, cfg.mla_layers[0], torch.bfloat16)
+    for p in layer.parameters():
+        p.data = (torch.randn_like(p.float()) * 0.3).to(p.dtype)
+    x = torch.randn(23, cfg.hidden_size, device=dev).to(torch.bfloat16)
+    monkeypatch.setattr(M, "PREFILL_KERNEL", True)
+
+    def core(seqs, rows):
+        c = ModelCache(cfg, num_blocks=8, block_size=BS, num_slots=2, dtype=torch.bfloat16, device=dev)
+        with torch.inference_mode():
+            return layer.core(layer.project(x[:rows]), StepInput.build(seqs, BS, dev), c)
+    row = (list(range(20)), 0, 0, list(range(5)))  # 20 tokens in 5 blocks of 4
+    o = core([row], 20)
+    with torch.inference_mode():
+        q, lat = layer.project(x[:20])[0], layer.project(x[:20])[1]
+        want = layer.prefill_attn(q, lat.to(torch.bfloat16), 0)  # the kernel's output copied to FP32
+    assert o.dtype == torch.bfloat16 and torch.equal(o.float(), want.flatten(1))
+    monkeypatch.setattr(M, "PREFILL_KERNEL", False)
+    assert rel_rmse(o.float(), core([row], 20)) < 2e-2
+    monkeypatch.setattr(M, "PREFILL_KERNEL", True)
+    mixed = core([row, ([5], 3, 1, [5])], 21)
+    assert mixed.dtype == torch.float32 and rel_rmse(mixed[:20], o.float()) < 1e-2
+
+
 @pytest.mark.parametrize("short_max,launches", [(128, [16, 16, 5, 5]), (20, [5, 5])])
 def test_short_prefill_rows_through_the_recurrence_kernel_equal_the_pytorch_form(model, monkeypatch, short_max, launches):
     """A mixed step (a decode row, a 37-token row that snapshots after 16 and 32 tokens, a 5-token row, all

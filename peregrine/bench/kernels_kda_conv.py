@@ -12,6 +12,7 @@ from peregrine.bench.gpu import graph_time
 from peregrine.kernels.kda_conv import kda_conv
 
 TOKENS = (1024, 8192, 32768)
+CANDIDATES = ((16, 2), (32, 4), (64, 4), (64, 8), (128, 8))  # (BLOCK_T, warps) timed at every shape; rows say which won
 H, D, W = 32, 128, 4
 PAD = 288  # the in_proj columns after q|k|v (f_a, g_a, b at 48B widths): x is a strided column slice
 DTYPE = torch.bfloat16
@@ -51,11 +52,14 @@ def run(copy_gbps: float, full: bool = True, iters: int = 20) -> list[dict]:
         out = torch.empty(3, T, H, D, device=DEVICE, dtype=DTYPE)
         t, samples = graph_time([lambda: kda_conv(x, win, w, H, EPS, out=out)], iters)
         tb, _ = graph_time([lambda: base(x, win, w)], iters)
+        cands = {f"{bt}x{nw}": graph_time([lambda bt=bt, nw=nw: kda_conv(x, win, w, H, EPS, out=out, block_t=bt, num_warps=nw)],
+                                          iters)[0] for bt, nw in (CANDIDATES if full else ())}
         nbytes = 2 * T * C * DTYPE.itemsize  # x read, q|k|v written
         gbps = nbytes / t / 1e6
         rows.append({"kernel": "kda_conv", "shape": f"{T} tokens x {H} heads x {D}", "time_ms": t,
                      f"{base_name}_ms": tb, "bytes": nbytes, "gbps": gbps, "pct_of_copy": gbps / copy_gbps,
-                     "samples_ms": samples})
+                     "samples_ms": samples, "candidates_ms": cands,
+                     "best": min(cands, key=cands.get) if cands else None})
         del x, out
         torch.cuda.empty_cache()
     return rows
@@ -78,7 +82,8 @@ def main():
     from peregrine.bench.gpu import family_main
     family_main("kda-conv", run, lambda r: f"{r['kernel']:>9} {r['shape']:>28} {1e3 * r['time_ms']:>9.1f} us (replaced path "
                 f"{1e3 * r.get('fla_ms', r.get('torch_ms', float('nan'))):>9.1f} us) {r['gbps']:>7.0f} GB/s "
-                f"{100 * r['pct_of_copy']:>5.1f}%", doc=__doc__)
+                f"{100 * r['pct_of_copy']:>5.1f}%; BLOCK_T x warps: "
+                + " ".join(f"{k} {1e3 * v:.1f}" for k, v in r["candidates_ms"].items()), doc=__doc__)
 
 
 if __name__ == "__main__":

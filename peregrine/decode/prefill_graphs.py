@@ -176,8 +176,8 @@ class PrefillGraphs:
             k = self.kinds[i]
             pre = tuple(None if t is None else t[:Tb] for t in b["pre"][k][i % 2])
             o = layer.attn.core(pre, step, self.cache)
-            if k not in b["o"]:
-                b["o"][k] = self._alloc(o)
+            if k not in b["o"]:  # MLA's core gives FP32 or, prefill rows only, the flash kernel's model dtype: FP32 here
+                b["o"][k] = self._alloc(o.float() if k == "MLA" else o)
             b["o"][k][:N].copy_(o)
             self._run_segment(i + 1, Tb)
             if layers_per_piece and (i + 1) % layers_per_piece == 0 and i + 1 < L:

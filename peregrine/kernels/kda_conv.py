@@ -51,7 +51,7 @@ def _kda_conv_kernel(x_ptr, win_ptr, w_ptr, out_ptr, T, H, stride_x, stride_win,
 
 
 def kda_conv(x: torch.Tensor, win: torch.Tensor, w: torch.Tensor, H: int, eps: float,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, block_t: int = BLOCK_T, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """x [T, 3·H·d] (unit inner stride), win [W-1, 3·H·d], w [3·H·d, W] -> [3, T, H, d] in x's dtype:
     L2-normalised q, k and v after the short conv + SiLU. `out` may be a [3, T, H, d] view whose planes
     are strided (rows of a larger buffer)."""
@@ -65,9 +65,9 @@ def kda_conv(x: torch.Tensor, win: torch.Tensor, w: torch.Tensor, H: int, eps: f
     assert out.shape == (3, T, H, d) and out[0].is_contiguous(), "out planes must be [T, H, d] contiguous"
     if T == 0:
         return out
-    _kda_conv_kernel[(triton.cdiv(T, BLOCK_T), 3 * H)](
+    _kda_conv_kernel[(triton.cdiv(T, block_t), 3 * H)](
         x, win, w, out, T, H, x.stride(0), win.stride(0), out.stride(0), eps,
-        D=d, W=W, BLOCK_T=BLOCK_T, BLOCK_D=triton.next_power_of_2(d), num_warps=NUM_WARPS)
+        D=d, W=W, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(d), num_warps=num_warps)
     return out
 
 

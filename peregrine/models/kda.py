@@ -396,7 +396,11 @@ class KDA(nn.Module):
                 S = state[s]
                 o, conv[s] = self.prefill_fla(ops, qkv[a:m], f[a:m], b[a:m], S, conv[s][0], head, cache, kl)
                 state[s] = S
-                out[a:m] = self.fla_out(ops, o, r[a:m], dt)
+                o = self.fla_out(ops, o, r[a:m], dt)
+                if m - a == N:  # the step's one row, all through fla: its output as it is (no copy)
+                    out = o
+                else:
+                    out[a:m] = o
             else:
                 x_ext = torch.cat([conv[s], qkv[a:m].unsqueeze(0).to(conv.dtype)], 1)
                 conv[s] = x_ext[:, -W1:]
