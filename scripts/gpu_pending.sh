@@ -6,18 +6,19 @@
 # - k3-slice at all 6 layers, FP32, TP = 2 vs TP = 1 (its first 4 layers passed at 1571ff5)
 # On the eight-GPU kind (#11): TP=8 STEPS='check decode k3' bash scripts/tp_gpu_run.sh
 # On one H200 (export TRITON_CACHE_AUTOTUNING=1 first: fla's first autotune is minutes on a fresh machine).
-# First, on by default and not yet run on a GPU (session 9 ran out of device time):
-# - the GPU tests cut at 2831cec (the varlen KDA test passed at 48B widths; its K3 case, the router GEMM,
-#   the one-pass norm / shared SwiGLU, the eager breakdown and the captured prefill with the norm kernels
-#   did not run), then the K3 varlen case decides whether the bounded gate may share calls too:
-#   STEPS=tests TESTS="tests/test_prefill.py tests/test_prefill_graphs.py tests/test_kernels_moe_prefill.py tests/test_kernels_norm.py" K="varlen or breakdown or router or prefill_sized or captured_prefill" T_tests=300 bash scripts/gpu_prefill.sh
-# - serving c = 8 all at once: the varlen A/B and 3-layer pieces, and on a fresh machine whether the
-#   start-up warm-up's two-row steps removed the first multi-prompt step's 84 s compile (2831cec):
-#   STEPS=serve CONC=8 BACKENDS="latency_specialized@6 latency_specialized@6:novarlen latency_specialized@3" T_serve=400 bash scripts/gpu_prefill.sh
-# - the same with Poisson arrivals (RATE=4) once the above is settled.
-# - TPOT at c = 8 (9.38 ms against <= 9): a 2 048-token chunk beside the decodes reads nearly every expert, so a
-#   larger budget per step may amortise that over more prompts at the price of longer pieces (ITL p99 32.6):
-#   STEPS=serve CONC=8 BACKENDS="latency_specialized@6+3072 latency_specialized@6+4096 latency_specialized@4+4096" T_serve=400 bash scripts/gpu_prefill.sh
+# Queued after session 10 (5ec7707 and later; nothing here has run yet):
+# - K3's bounded gate in the shared varlen fla call (VARLEN_BOUNDED_GATE, off): its case decides turning it on,
+#   and the one-pass norm / shared SwiGLU test session 9 left:
+#   STEPS=tests TESTS="tests/test_prefill.py tests/test_kernels_norm.py" K="k3-shared or prefill_sized" T_tests=400 bash scripts/gpu_prefill.sh
+# - serving c = 8 again (TPOT p50 8.93 was one run): all at once and Poisson 4/s, pieces of 6 and 3, the varlen A/B;
+#   and the fresh machine's first 8-prompt step (~1.7 s at 5ec7707, ~0.17 s warm): profile it to find what the
+#   start-up warm-up still misses:
+#   STEPS=serve CONC=8 BACKENDS="latency_specialized@6 latency_specialized@6:novarlen latency_specialized@3" T_serve=500 bash scripts/gpu_prefill.sh
+#   STEPS=serve CONC=8 RATE=4 BACKENDS="latency_specialized@6" T_serve=300 bash scripts/gpu_prefill.sh
+# - 32K cold TTFT (622.3 against <= 580): the kda_conv kernel is at 46 % of the copy bandwidth; every BLOCK_T x warps
+#   candidate was slower; its heads-first grid (CH_MAJOR) is untimed: python -m peregrine.bench.kernels_kda_conv
+#   (turn CH_MAJOR on if it wins); then a grouped GEMM with the row gather and SwiGLU fused; the MLA tile. Re-run
+#   STEPS=ttft LENGTHS=1024,8192,32768,131072 after each.
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \

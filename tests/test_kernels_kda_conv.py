@@ -94,3 +94,12 @@ def test_compiles_for_sm90():
     rows = run_aot("import json; from peregrine.bench import kernels_kda_conv as b; print(json.dumps(b.compile_check()))")
     for r in rows:
         assert "error" not in r and r["regs"] > 0 and r["spill"] == 0, r
+
+
+@pytest.mark.parametrize("ch_major", [True, False])
+def test_kda_conv_grid_orders_give_the_same_bits(ch_major, device):
+    T, H, d = 70, 3, 24
+    x, win, w = _case(T, H, d, torch.bfloat16, device, 21)
+    out = poisoned((3, T, H, d), torch.bfloat16, device)
+    kda_conv(x, win, w, H, EPS, out=out, ch_major=ch_major, block_t=16, num_warps=2)
+    assert torch.equal(out, kda_conv(x, win, w, H, EPS))

@@ -363,8 +363,9 @@ def test_gpu_kda_prefill_paths_equal_the_pytorch_form(preset, T, cuts, tail_min,
 
 @cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["kimi-linear-48b-a3b", "k3-slice"])
-def test_gpu_kda_rows_of_one_step_share_a_varlen_fla_call(preset, monkeypatch):
+@pytest.mark.parametrize("preset,bounded_shared", [("kimi-linear-48b-a3b", False), ("k3-slice", False), ("k3-slice", True)],
+                         ids=["48b", "k3-per-row", "k3-shared"])
+def test_gpu_kda_rows_of_one_step_share_a_varlen_fla_call(preset, bounded_shared, monkeypatch):
     """Five rows in one step at real widths, each after its own non-zero state: two long rows whose fla
     heads end at one cut (a snapshot before a tail, and a whole row) share one varlen chunk_kda call; a row
     with two cuts in its head and a short row keep their own paths; a decode row rides along. Outputs,
@@ -372,6 +373,7 @@ def test_gpu_kda_rows_of_one_step_share_a_varlen_fla_call(preset, monkeypatch):
     from peregrine.models import kda as K
     if K.fla_ops() is None:
         pytest.skip("fla-core is not installed")
+    monkeypatch.setattr(K, "VARLEN_BOUNDED_GATE", bounded_shared)  # k3-shared: the case that decides enabling it
     ops = K.fla_ops()
     calls, real = [], ops.chunk_kda
     monkeypatch.setattr(ops, "chunk_kda", lambda q, *a, **k: calls.append(
@@ -396,8 +398,8 @@ def test_gpu_kda_rows_of_one_step_share_a_varlen_fla_call(preset, monkeypatch):
         res.append((out.float(), c.state[kl].clone(), c.conv[kl].clone(), c.snap_state[kl].clone(), c.snap_conv[kl].clone()))
     K._FLA, K.SHORT_ROWS_KERNEL = None, None
     # one varlen call for rows 0 (head 257) and 2 (500), then row 3's two segments on its own (K3's bounded
-    # gate: one call per row until this test has passed for it on the GPU)
-    if cfg.kda_gate_lower_bound is None:
+    # gate: one call per row unless VARLEN_BOUNDED_GATE)
+    if cfg.kda_gate_lower_bound is None or bounded_shared:
         assert calls == [(757, [0, 257, 757]), (100, None), (100, None)], calls
     else:
         assert calls == [(257, None), (500, None), (100, None), (100, None)], calls

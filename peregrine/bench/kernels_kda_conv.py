@@ -12,7 +12,8 @@ from peregrine.bench.gpu import graph_time
 from peregrine.kernels.kda_conv import kda_conv
 
 TOKENS = (1024, 8192, 32768)
-CANDIDATES = ((16, 2), (32, 4), (64, 4), (64, 8), (128, 8))  # (BLOCK_T, warps) timed at every shape; rows say which won
+CANDIDATES = ((32, 4, False), (32, 4, True), (16, 2, True), (64, 4, True), (64, 8, True))  # (BLOCK_T, warps, heads
+#   fastest in the grid) timed at every shape; rows say which won
 H, D, W = 32, 128, 4
 PAD = 288  # the in_proj columns after q|k|v (f_a, g_a, b at 48B widths): x is a strided column slice
 DTYPE = torch.bfloat16
@@ -52,8 +53,9 @@ def run(copy_gbps: float, full: bool = True, iters: int = 20) -> list[dict]:
         out = torch.empty(3, T, H, D, device=DEVICE, dtype=DTYPE)
         t, samples = graph_time([lambda: kda_conv(x, win, w, H, EPS, out=out)], iters)
         tb, _ = graph_time([lambda: base(x, win, w)], iters)
-        cands = {f"{bt}x{nw}": graph_time([lambda bt=bt, nw=nw: kda_conv(x, win, w, H, EPS, out=out, block_t=bt, num_warps=nw)],
-                                          iters)[0] for bt, nw in (CANDIDATES if full else ())}
+        cands = {f"{bt}x{nw}-{'heads' if cm else 'tokens'}-first": graph_time(
+                     [lambda bt=bt, nw=nw, cm=cm: kda_conv(x, win, w, H, EPS, out=out, block_t=bt, num_warps=nw, ch_major=cm)],
+                     iters)[0] for bt, nw, cm in (CANDIDATES if full else ())}
         nbytes = 2 * T * C * DTYPE.itemsize  # x read, q|k|v written
         gbps = nbytes / t / 1e6
         rows.append({"kernel": "kda_conv", "shape": f"{T} tokens x {H} heads x {D}", "time_ms": t,
@@ -73,7 +75,8 @@ def compile_check() -> list[dict]:
     C = 3 * H * D
     r = compile_sm90(K._kda_conv_kernel, dict(x_ptr=(bf, 0), win_ptr=(bf, 0), w_ptr=(bf, 0), out_ptr=(bf, 0), T=n(8191),
                                               H=n(H), stride_x=n(C + PAD), stride_win=n(C), stride_plane=n(8191 * H * D),
-                                              eps=("fp32", EPS), D=c(D), W=c(W), BLOCK_T=c(K.BLOCK_T), BLOCK_D=c(D)),
+                                              eps=("fp32", EPS), D=c(D), W=c(W), BLOCK_T=c(K.BLOCK_T), BLOCK_D=c(D),
+                                              CH_MAJOR=c(K.CH_MAJOR)),
                      K.NUM_WARPS, 1)
     return [{"kernel": "kda_conv"} | r]
 
@@ -82,7 +85,7 @@ def main():
     from peregrine.bench.gpu import family_main
     family_main("kda-conv", run, lambda r: f"{r['kernel']:>9} {r['shape']:>28} {1e3 * r['time_ms']:>9.1f} us (replaced path "
                 f"{1e3 * r.get('fla_ms', r.get('torch_ms', float('nan'))):>9.1f} us) {r['gbps']:>7.0f} GB/s "
-                f"{100 * r['pct_of_copy']:>5.1f}%; BLOCK_T x warps: "
+                f"{100 * r['pct_of_copy']:>5.1f}%; candidates: "
                 + " ".join(f"{k} {1e3 * v:.1f}" for k, v in r["candidates_ms"].items()), doc=__doc__)
 
 

@@ -10,7 +10,9 @@ of the fla path: the copy that makes x contiguous for fla's conv, the conv, the 
 output into q, k, v, and fla's two L2-norm passes (H200, a 32K prompt of 48B: ~58 ms of 655 in all).
 
 Grid (token blocks, 3·H): a program owns BLOCK_T tokens of one head of q, k or v, so each head's norm
-is a reduction within the program.
+is a reduction within the program. CH_MAJOR=True swaps the grid so heads vary fastest and programs running
+together read neighbouring 256-byte pieces of the same rows: a candidate for the kernel's 46 % of the copy
+bandwidth, not yet timed on a GPU (bench kernels_kda_conv times both orders).
 """
 from __future__ import annotations
 
@@ -20,13 +22,19 @@ import triton.language as tl
 
 BLOCK_T = 32     # tokens per program: [32, 128] FP32 = 32 registers per thread at 4 warps
 NUM_WARPS = 4
+CH_MAJOR = False  # grid order: token blocks fastest, as measured (H200: 0.84 ms at 32K tokens); True: heads fastest
 
 
 @triton.jit
 def _kda_conv_kernel(x_ptr, win_ptr, w_ptr, out_ptr, T, H, stride_x, stride_win, stride_plane, eps,
-                     D: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    tb = tl.program_id(0)
-    ch = tl.program_id(1)              # head ch of q | k | v: channels ch·D … ch·D + D - 1
+                     D: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                     CH_MAJOR: tl.constexpr):
+    if CH_MAJOR:
+        ch = tl.program_id(0)          # head ch of q | k | v: channels ch·D … ch·D + D - 1
+        tb = tl.program_id(1)
+    else:
+        tb = tl.program_id(0)
+        ch = tl.program_id(1)
     t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     dd = tl.arange(0, BLOCK_D)
@@ -51,7 +59,8 @@ def _kda_conv_kernel(x_ptr, win_ptr, w_ptr, out_ptr, T, H, stride_x, stride_win,
 
 
 def kda_conv(x: torch.Tensor, win: torch.Tensor, w: torch.Tensor, H: int, eps: float,
-             out: torch.Tensor | None = None, block_t: int = BLOCK_T, num_warps: int = NUM_WARPS) -> torch.Tensor:
+             out: torch.Tensor | None = None, block_t: int = BLOCK_T, num_warps: int = NUM_WARPS,
+             ch_major: bool = CH_MAJOR) -> torch.Tensor:
     """x [T, 3·H·d] (unit inner stride), win [W-1, 3·H·d], w [3·H·d, W] -> [3, T, H, d] in x's dtype:
     L2-normalised q, k and v after the short conv + SiLU. `out` may be a [3, T, H, d] view whose planes
     are strided (rows of a larger buffer)."""
@@ -65,9 +74,10 @@ def kda_conv(x: torch.Tensor, win: torch.Tensor, w: torch.Tensor, H: int, eps: f
     assert out.shape == (3, T, H, d) and out[0].is_contiguous(), "out planes must be [T, H, d] contiguous"
     if T == 0:
         return out
-    _kda_conv_kernel[(triton.cdiv(T, block_t), 3 * H)](
+    blocks = triton.cdiv(T, block_t)
+    _kda_conv_kernel[(3 * H, blocks) if ch_major else (blocks, 3 * H)](
         x, win, w, out, T, H, x.stride(0), win.stride(0), out.stride(0), eps,
-        D=d, W=W, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(d), num_warps=num_warps)
+        D=d, W=W, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(d), CH_MAJOR=ch_major, num_warps=num_warps)
     return out
 
 
