@@ -17,8 +17,11 @@
 #   STEPS=serve CONC=8 RATE=4 BACKENDS="latency_specialized@6" T_serve=300 bash scripts/gpu_prefill.sh
 # - 32K cold TTFT (622.3 against <= 580): the kda_conv kernel is at 46 % of the copy bandwidth; every BLOCK_T x warps
 #   candidate was slower; its heads-first grid (CH_MAJOR) is untimed: python -m peregrine.bench.kernels_kda_conv
-#   (turn CH_MAJOR on if it wins); then a grouped GEMM with the row gather and SwiGLU fused; the MLA tile. Re-run
-#   STEPS=ttft LENGTHS=1024,8192,32768,131072 after each.
+#   (turn CH_MAJOR on if it wins); the up GEMM with its row gather and SwiGLU fused (kernels/moe_gate_up.py,
+#   FUSED_GATE_UP off, untimed): its GPU tests, then bench moe_grouped times it against the unfused chain with
+#   five tile candidates (turn it on, with the winning tile as DEFAULT, where it wins):
+#   STEPS="tests moegrouped" TESTS=tests/test_kernels_moe_gate_up.py T_tests=200 bash scripts/gpu_prefill.sh
+#   then the MLA tile. Re-run STEPS=ttft LENGTHS=1024,8192,32768,131072 after each.
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \
