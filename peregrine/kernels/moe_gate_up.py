@@ -11,7 +11,8 @@ SwiGLU pass were 20.8 + 100.2 + 12.4 ms.
 Tiles: each expert's pairs are cut into BLOCK_M-row tiles (plan_tiles, torch ops on the device, no host
 sync, so a step can be graph-captured); tile t maps each of its rows to a sorted pair index or -1. The
 grid is sized for the most tiles any routing can make (P / BLOCK_M + E) and programs past the real
-count return at once.
+count return at once. Column blocks vary fastest in the grid: the programs of one tile (its gathered x
+rows) run together, and one expert's tiles follow each other (its weights read once from memory).
 """
 from __future__ import annotations
 
@@ -61,10 +62,10 @@ def _gate_up_kernel(x_ptr, w_ptr, order_ptr, wr_ptr, rowmap_ptr, expert_ptr, use
                     D, I, stride_x, stride_we, stride_wn, stride_h,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     CDT: tl.constexpr, PREC: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(1)
     if t >= tl.load(used_ptr):
         return
-    n0 = tl.program_id(1) * BLOCK_N
+    n0 = tl.program_id(0) * BLOCK_N  # column blocks fastest: a tile's programs run together, its x rows stay in L2
     e = tl.load(expert_ptr + t).to(tl.int64)
     i = tl.load(rowmap_ptr + t * BLOCK_M + tl.arange(0, BLOCK_M))
     ok = i >= 0
@@ -107,7 +108,7 @@ def gate_up_swiglu(x: torch.Tensor, w13: torch.Tensor, flat_ids: torch.Tensor, o
     if N == 0:
         return h
     rowmap, expert, used = plan_tiles(flat_ids, order, E, cfg.block_m)
-    grid = (expert.numel(), triton.cdiv(I, cfg.block_n))
+    grid = (triton.cdiv(I, cfg.block_n), expert.numel())
     # dot operands in the input dtype; FP32 under the interpreter, whose BF16 tl.dot is wrong in triton 3.6
     fp32 = x.dtype == torch.float32 or interpreting()
     cdt = tl.float32 if fp32 else (tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16)
