@@ -2,6 +2,8 @@
 real (tiny) model, and on the GPU the fast kernels (fla's chunk_kda) against the recurrent reference."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -226,8 +228,9 @@ def torch_fla_ops(K):
     return SimpleNamespace(causal_conv1d=causal_conv1d, chunk_kda=chunk_kda, rms_norm_gated=rms_norm_gated)
 
 
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
 @pytest.mark.parametrize("conv_kernel", [True, False], ids=["conv-kernel", "fla-conv"])
-def test_kda_rows_sharing_one_fla_call_keep_each_rows_state_window_and_snapshot(conv_kernel, monkeypatch):
+def test_kda_rows_sharing_one_fla_call_keep_each_rows_state_window_and_snapshot(conv_kernel, lower_bound, monkeypatch):
     """KDA.prefill_fla_rows (the GPU's varlen call for several rows' heads) through torch_fla_ops: each
     row's output, state, conv window and snapshot equal the recurrent form's run row by row written here,
     and rows of the step it does not own (between and after them) are untouched. Both short convs: the
@@ -236,6 +239,7 @@ def test_kda_rows_sharing_one_fla_call_keep_each_rows_state_window_and_snapshot(
     monkeypatch.setattr(K, "CONV_KERNEL", conv_kernel)
     cfg, m = tiny()
     layer = m.layers[cfg.kda_layers[0]].attn
+    layer.cfg = dataclasses.replace(cfg, kda_gate_lower_bound=lower_bound)  # bounded: K3's gate
     c = new_cache(cfg, slots=4)
     c.snap_state = torch.zeros(c.state.shape[0], 2, *c.state.shape[2:])
     c.snap_conv = torch.zeros(c.conv.shape[0], 2, *c.conv.shape[2:])
@@ -268,14 +272,16 @@ def test_kda_rows_sharing_one_fla_call_keep_each_rows_state_window_and_snapshot(
         assert rel_rmse(c.snap_state[kl, snap], S) < 1e-5 and torch.equal(c.snap_conv[kl, snap], w)
 
 
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
 @pytest.mark.parametrize("conv_kernel", [True, False], ids=["conv-kernel", "fla-conv"])
-def test_one_kda_row_through_fla_with_cuts_keeps_its_state_window_and_snapshots(conv_kernel, monkeypatch):
+def test_one_kda_row_through_fla_with_cuts_keeps_its_state_window_and_snapshots(conv_kernel, lower_bound, monkeypatch):
     """KDA.prefill_fla (one row, an fla call per segment between snapshot cuts) through torch_fla_ops:
     its output, final state, conv window and each cut's snapshot equal the recurrent form's (both short convs)."""
     from peregrine.models import kda as K
     monkeypatch.setattr(K, "CONV_KERNEL", conv_kernel)
     cfg, m = tiny()
     layer = m.layers[cfg.kda_layers[0]].attn
+    layer.cfg = dataclasses.replace(cfg, kda_gate_lower_bound=lower_bound)  # bounded: K3's gate
     c = new_cache(cfg, slots=2)
     c.snap_state = torch.zeros(c.state.shape[0], 2, *c.state.shape[2:])
     c.snap_conv = torch.zeros(c.conv.shape[0], 2, *c.conv.shape[2:])
