@@ -151,6 +151,30 @@ def test_chunked_prefill_budget():
     check_clean(eng, runner, cache)
 
 
+def test_one_prompt_fills_a_step_but_several_share_one_only_up_to_the_pack():
+    """Budget 40, pack 16: a 30-token prompt alone prefills in one step; four 10-token prompts arriving together
+    go 16 tokens a step (the first finishes in the first step, not all four at the end of one 40-token step)."""
+    def steps_of(lens, pack):
+        eng, runner, cache = make_engine(max_num_batched_tokens=40)
+        eng.scheduler.pack_tokens = pack
+        ps = prompts(lens, seed=7)
+        runner.prompts = [tuple(p) for p in ps]
+        ids = [eng.add_request(p, SamplingParams(max_tokens=1)) for p in ps]
+        tokens, done, step = [], {}, 0
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = step
+                    assert o.output_token_ids == ref_generate(ps[ids.index(o.request_id)], 1)[0]
+            tokens.append(eng.last_step.num_prefill_tokens)
+            step += 1
+        check_clean(eng, runner, cache)
+        return tokens, [done[i] for i in ids]
+    assert steps_of([30], 16) == ([30], [0])
+    assert steps_of([10, 10, 10, 10], 16) == ([16, 16, 8], [0, 1, 1, 2])
+    assert steps_of([10, 10, 10, 10], 40) == ([40], [0, 0, 0, 0])  # no pack: the old packing
+
+
 @pytest.mark.parametrize("greedy", [False, True])
 def test_cache_pressure_and_max_num_seqs(greedy):
     # each request needs ceil((prompt + 8) / 4) blocks; 14 blocks hold only two or three at once

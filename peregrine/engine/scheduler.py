@@ -3,7 +3,10 @@
 Every step serves each running decode first (one token each), then prefill chunks in FIFO order
 within a token budget: max_num_batched_tokens when nobody is decoding, and the smaller
 max_prefill_tokens_while_decoding when somebody is, so a long prompt arriving never stalls the
-running requests for more than one short chunk's time.
+running requests for more than one short chunk's time. One prompt may fill a whole step, but several
+share one only up to pack_tokens (8192) between them: a long prompt arriving alone gets one big step
+(its MoE GEMMs run at ~1K tokens an expert), while prompts arriving together finish one after another
+instead of all at the end of one long step.
 
 A request is admitted (FIFO) when a KDA slot and the MLA blocks for its whole life are free
 (cached blocks nobody reads count as free: they are evicted on demand), so a running sequence never
@@ -16,14 +19,16 @@ from __future__ import annotations
 from collections import deque
 
 from ..cache import ModelCache
+from ..config import PREFILL_STEP_TOKENS
 from ..prefix_cache import Match, PrefixCache
 from .request import Sequence
 
 
 class Scheduler:
     def __init__(self, cache: ModelCache, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 max_prefill_tokens_while_decoding: int | None = None, prefix_cache: PrefixCache | None = None):
-        self.cache = cache
+                 max_prefill_tokens_while_decoding: int | None = None, prefix_cache: PrefixCache | None = None,
+                 pack_tokens: int = PREFILL_STEP_TOKENS[-1]):
+        self.cache, self.pack_tokens = cache, pack_tokens
         self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len = (
             max_num_seqs, max_num_batched_tokens, max_model_len)
         self.decode_budget = min(max_prefill_tokens_while_decoding or max_num_batched_tokens, max_num_batched_tokens)
@@ -81,22 +86,26 @@ class Scheduler:
         if not prefill:
             budget = 0
         out: list[tuple[Sequence, int]] = []
+        used = 0  # prompt tokens in this step so far
+
+        def room() -> int:  # for the next prefill row: the budget, or what packing leaves after the first
+            return budget - used if not used else min(budget, self.pack_tokens) - used
         for seq in self.running:
             n = len(seq.token_ids) - seq.num_cached
             if seq.in_prefill:
-                n = min(n, budget)
-                budget -= n
+                n = max(0, min(n, room()))
+                used += n
             if n > 0:
                 out.append((seq, n))
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and room() > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit = self._plan(seq)
             if hit is None:
                 break
             self.waiting.popleft()
             self._admit(seq, hit)
-            n = min(seq.prompt_len - seq.num_cached, budget)
-            budget -= n
+            n = min(seq.prompt_len - seq.num_cached, room())
+            used += n
             out.append((seq, n))
         return out
 
