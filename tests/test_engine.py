@@ -416,6 +416,8 @@ def test_sampler_greedy_and_distribution():
     ({}, [], "empty"),
     ({}, [1, V], "prompt token ids"),
     ({}, [-1], "prompt token ids"),
+    ({}, [1, True], "prompt token ids"),
+    ({}, [1, 2.0], "prompt token ids"),
     ({}, [1] * 256, "too long"),
     ({"temperature": -0.1}, [1], "temperature"),
     ({"top_p": 0.0}, [1], "top_p"),

@@ -118,7 +118,9 @@ class LLMEngine:
         prompt = prompt_token_ids.tolist() if hasattr(prompt_token_ids, "tolist") else list(prompt_token_ids)
         if not prompt:
             raise RequestError("prompt is empty: at least one token is needed")
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V]
+        # the common case at C speed (a 32K prompt's per-token Python check was ~10 ms before its first kernel)
+        ok = set(map(type, prompt)) == {int} and 0 <= min(prompt) and max(prompt) < V
+        bad = [] if ok else [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V]
         if bad:
             raise RequestError(f"prompt token ids must be ints in [0, {V}), got {bad[:5]}")
         if len(prompt) >= self.max_model_len:
