@@ -21,7 +21,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=8, help="most sequences running at once (default 8)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help="prompt tokens prefilled per step while no request is decoding (default: the largest of "
-                        "32768, 16384, 8192 whose activations fit beside the caches): longer chunks, fewer steps, "
+                        "32768, 16384, 8192 whose activations fit beside the caches, at most what --max-model-len needs): longer chunks, fewer steps, "
                         "shorter time to first token; one prompt may fill a step, several share one up to 8192 tokens")
     g.add_argument("--max-prefill-tokens-while-decoding", type=int, default=EngineConfig.max_prefill_tokens_while_decoding,
                    metavar="N", help=f"prompt tokens in a step that also decodes running requests (default "

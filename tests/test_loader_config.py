@@ -202,19 +202,21 @@ def test_default_prefill_step_is_the_largest_whose_activations_fit_beside_the_ca
     from peregrine.engine.build import pick_step_tokens, step_bytes
     cfg, _ = resolve_model("kimi-linear-48b-a3b")
     bf = torch.bfloat16
-    need = {n: step_bytes(cfg, n, 4096, bf) for n in PREFILL_STEP_TOKENS}
+    L = 40000  # max_model_len
+    need = {n: step_bytes(cfg, n, L, bf) for n in PREFILL_STEP_TOKENS}
     assert need[32768] > need[16384] > need[8192] > 0
     # 48B widths: ~160 KB a token (the MoE's 8 sorted rows of 2·2304 + 3·1024 BF16), 1.5x slack
     assert 6e9 < need[32768] < 10e9, need[32768]
     warned = []
-    pick = lambda room, want=None, tp=1: pick_step_tokens(  # noqa: E731
-        EngineConfig(max_model_len=4096, max_num_batched_tokens=want), cfg, bf, room, tp, warned.append)
+    pick = lambda room, want=None, tp=1, L=L: pick_step_tokens(  # noqa: E731
+        EngineConfig(max_model_len=L, max_num_batched_tokens=want), cfg, bf, room, tp, warned.append)
     assert pick(None) == 32768                      # CPU: no memory check
     assert pick(need[32768]) == 32768
     assert pick(need[32768] - 1) == 16384
     assert pick(need[16384] - 1) == 8192
     assert pick(0) == 8192                          # nothing fits: the smallest
     assert pick(10 * need[32768], tp=2) == 8192
+    assert pick(None, L=20000) == 20000 and pick(None, L=4096) == 8192  # no step outgrows a prompt or the pack
     assert not warned
     assert pick(need[16384], want=32768) == 32768 and "--max-num-batched-tokens" in warned[0]
     assert pick(need[8192], want=8192) == 8192 and len(warned) == 1
@@ -225,7 +227,7 @@ def test_an_engine_built_with_the_default_budget_prefills_a_prompt_in_one_step()
     from peregrine.engine import SamplingParams
     from peregrine.engine.build import build_engine
     e, _ = build_engine("tiny-kimi-linear", EngineConfig(max_model_len=600), dummy_weights=True, log=lambda m: None)
-    assert e.scheduler.max_num_batched_tokens == 32768
+    assert e.scheduler.max_num_batched_tokens == 8192  # max_model_len 600: no prompt needs more than the pack
     e.add_request([10 + i % 200 for i in range(500)], SamplingParams(max_tokens=1))
     e.step()
     assert e.last_step.num_prefill_tokens == 500

@@ -187,8 +187,9 @@ def step_bytes(cfg, tokens: int, max_model_len: int, dtype: torch.dtype) -> int:
 
 def pick_step_tokens(ecfg: EngineConfig, cfg, dtype, room: float | None, tp_world: int, log) -> int:
     """--max-num-batched-tokens: the user's value (a warning when its step may not fit in `room`, the bytes
-    left after the caches), else the largest PREFILL_STEP_TOKENS that fits (tensor parallel: the smallest,
-    the same on every rank whatever each has free)."""
+    left after the caches), else the largest PREFILL_STEP_TOKENS that fits, at most max_model_len (but not
+    below the smallest: prompts pack up to it); tensor parallel: the smallest, the same on every rank
+    whatever each has free."""
     want = ecfg.max_num_batched_tokens
     if want is not None:
         if room is not None and step_bytes(cfg, want, ecfg.max_model_len, dtype) > room:
@@ -198,7 +199,10 @@ def pick_step_tokens(ecfg: EngineConfig, cfg, dtype, room: float | None, tp_worl
         return want
     if tp_world > 1:
         return PREFILL_STEP_TOKENS[-1]
-    fits = [n for n in PREFILL_STEP_TOKENS if room is None or step_bytes(cfg, n, ecfg.max_model_len, dtype) <= room]
+    # no step is longer than one prompt or several packed ones (the scheduler's pack): no larger budget is of use
+    cap = max(ecfg.max_model_len, PREFILL_STEP_TOKENS[-1])
+    fits = [min(n, cap) for n in PREFILL_STEP_TOKENS
+            if room is None or step_bytes(cfg, min(n, cap), ecfg.max_model_len, dtype) <= room]
     return fits[0] if fits else PREFILL_STEP_TOKENS[-1]
 
 
