@@ -11,8 +11,8 @@
 #   and the one-pass norm / shared SwiGLU test session 9 left:
 #   STEPS=tests TESTS="tests/test_prefill.py tests/test_kernels_norm.py" K="k3-shared or prefill_sized" T_tests=400 bash scripts/gpu_prefill.sh
 # - serving c = 8 again (TPOT p50 8.93 was one run): all at once and Poisson 4/s, pieces of 6 and 3, the varlen A/B;
-#   and the fresh machine's first 8-prompt step (~1.7 s at 5ec7707, ~0.17 s warm): profile it to find what the
-#   start-up warm-up still misses:
+#   and the fresh machine's first 8-prompt step (~1.7 s at 5ec7707, ~0.17 s warm): gpu_serve.sh now sets
+#   PEREGRINE_LOG_COMPILES=1, so the server log names every Triton kernel compiled after the warm-up (grep WARNING):
 #   STEPS=serve CONC=8 BACKENDS="latency_specialized@6 latency_specialized@6:novarlen latency_specialized@3" T_serve=500 bash scripts/gpu_prefill.sh
 #   STEPS=serve CONC=8 RATE=4 BACKENDS="latency_specialized@6" T_serve=300 bash scripts/gpu_prefill.sh
 # - 32K cold TTFT (622.3 against <= 580): the kda_conv kernel is at 46 % of the copy bandwidth; every BLOCK_T x warps

@@ -28,7 +28,7 @@ for spec in $BACKENDS; do
   if [[ $spec == *+* ]]; then flags="--max-prefill-tokens-while-decoding ${spec#*+}"; label="-whiledecoding${spec#*+}$label"; spec=${spec%+*}; fi
   be=${spec%@*}
   if [[ $spec == *@* ]]; then extra="$extra, \"prefill_piece_layers\": ${spec#*@}"; label="$be-pieces${spec#*@}$label"; else label=$be$label; fi
-  PEREGRINE_KDA_VARLEN=$varlen $PY -m peregrine serve --model "$MODEL" --dummy-weights --port "$PORT" --max-num-seqs 8 $flags \
+  PEREGRINE_LOG_COMPILES=1 PEREGRINE_KDA_VARLEN=$varlen $PY -m peregrine serve --model "$MODEL" --dummy-weights --port "$PORT" --max-num-seqs 8 $flags \
       --additional-config "{\"decode_backend\": \"$be\"$extra}" > "$OUT/serve-$label.log" 2>&1 &
   pid=$!
   for _ in $(seq 1 "${READY_TIMEOUT:-300}"); do

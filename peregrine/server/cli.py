@@ -49,10 +49,13 @@ def cmd_serve(args) -> int:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
     logging.basicConfig(level=args.log_level.upper(), format="[peregrine] %(levelname)s %(name)s: %(message)s")
     log = lambda m: print(f"[peregrine] {m}", file=sys.stderr, flush=True)  # noqa: E731
+    from .. import compile_log
+    compile_log.install(log)  # PEREGRINE_LOG_COMPILES=1: kernels the warm-up misses are named when they compile
     engine, tok = build_engine(args.model, engine_config(args), dummy_weights=args.dummy_weights, log=log)
     pg = getattr(getattr(engine.runner, "standard", engine.runner), "prefill", None)
     if pg is not None:  # captured now, not at a request's first prompt of each size
         pg.warm_up()
+    compile_log.serving()
     _, folder = resolve_model(args.model)
     tmpl = ChatTemplate(folder)
     gen = GenerationConfig.from_folder(folder)
