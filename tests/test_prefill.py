@@ -228,6 +228,20 @@ def torch_fla_ops(K):
     return SimpleNamespace(causal_conv1d=causal_conv1d, chunk_kda=chunk_kda, rms_norm_gated=rms_norm_gated)
 
 
+def fla_path_layer(monkeypatch, conv_kernel: bool, lower_bound, slots: int):
+    """(models.kda, config, the tiny model's first KDA layer with the given gate, a cache with two snapshots)
+    for the fla paths' CPU tests; conv_kernel picks the fused short conv or fla's form."""
+    from peregrine.models import kda as K
+    monkeypatch.setattr(K, "CONV_KERNEL", conv_kernel)
+    cfg, m = tiny()
+    layer = m.layers[cfg.kda_layers[0]].attn
+    layer.cfg = dataclasses.replace(cfg, kda_gate_lower_bound=lower_bound)  # bounded: K3's gate
+    c = new_cache(cfg, slots=slots)
+    c.snap_state = torch.zeros(c.state.shape[0], 2, *c.state.shape[2:])
+    c.snap_conv = torch.zeros(c.conv.shape[0], 2, *c.conv.shape[2:])
+    return K, cfg, layer, c
+
+
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
 @pytest.mark.parametrize("conv_kernel", [True, False], ids=["conv-kernel", "fla-conv"])
 def test_kda_rows_sharing_one_fla_call_keep_each_rows_state_window_and_snapshot(conv_kernel, lower_bound, monkeypatch):
@@ -235,14 +249,7 @@ def test_kda_rows_sharing_one_fla_call_keep_each_rows_state_window_and_snapshot(
     row's output, state, conv window and snapshot equal the recurrent form's run row by row written here,
     and rows of the step it does not own (between and after them) are untouched. Both short convs: the
     fused kernel (under the interpreter; its q, k arrive L2-normalised) and the fla form."""
-    from peregrine.models import kda as K
-    monkeypatch.setattr(K, "CONV_KERNEL", conv_kernel)
-    cfg, m = tiny()
-    layer = m.layers[cfg.kda_layers[0]].attn
-    layer.cfg = dataclasses.replace(cfg, kda_gate_lower_bound=lower_bound)  # bounded: K3's gate
-    c = new_cache(cfg, slots=4)
-    c.snap_state = torch.zeros(c.state.shape[0], 2, *c.state.shape[2:])
-    c.snap_conv = torch.zeros(c.conv.shape[0], 2, *c.conv.shape[2:])
+    K, cfg, layer, c = fla_path_layer(monkeypatch, conv_kernel, lower_bound, slots=4)
     kl = c.kda_index[layer.layer]
     g = torch.Generator().manual_seed(9)
     c.state[kl].normal_(generator=g).mul_(0.1)
@@ -277,14 +284,7 @@ def test_kda_rows_sharing_one_fla_call_keep_each_rows_state_window_and_snapshot(
 def test_one_kda_row_through_fla_with_cuts_keeps_its_state_window_and_snapshots(conv_kernel, lower_bound, monkeypatch):
     """KDA.prefill_fla (one row, an fla call per segment between snapshot cuts) through torch_fla_ops:
     its output, final state, conv window and each cut's snapshot equal the recurrent form's (both short convs)."""
-    from peregrine.models import kda as K
-    monkeypatch.setattr(K, "CONV_KERNEL", conv_kernel)
-    cfg, m = tiny()
-    layer = m.layers[cfg.kda_layers[0]].attn
-    layer.cfg = dataclasses.replace(cfg, kda_gate_lower_bound=lower_bound)  # bounded: K3's gate
-    c = new_cache(cfg, slots=2)
-    c.snap_state = torch.zeros(c.state.shape[0], 2, *c.state.shape[2:])
-    c.snap_conv = torch.zeros(c.conv.shape[0], 2, *c.conv.shape[2:])
+    K, cfg, layer, c = fla_path_layer(monkeypatch, conv_kernel, lower_bound, slots=2)
     kl, W1 = c.kda_index[layer.layer], cfg.kda_conv_size - 1
     g = torch.Generator().manual_seed(10)
     S0, w0 = torch.randn(c.state.shape[2:], generator=g) * 0.1, torch.randn(c.conv.shape[2:], generator=g)
