@@ -243,8 +243,8 @@ class KDA(nn.Module):
     def prefill_fla(self, ops, qkv: torch.Tensor, f, b, S, conv_state, cuts, cache, kl) -> tuple[torch.Tensor, torch.Tensor]:
         """One prefill row through fla on the GPU: qkv [T, 3Hd], f [T, Hd], b [T, H] raw projections (model
         dtype), S [1, H, K, V] FP32 updated in place, conv_state [W-1, C] -> (o [T, H, d] model dtype, the
-        new conv window). The conv, gate, β and q/k L2 norms run inside fla's kernels (the same math as
-        causal_conv / kda_gate / l2norm here); cuts: (offset, snapshot) states taken on the way."""
+        new conv window). The conv and q/k L2 norms run in conv_qkv, the gate and β inside fla's kernels (the
+        same math as causal_conv / l2norm / kda_gate here); cuts: (offset, snapshot) states taken on the way."""
         T, H, d, W1 = qkv.shape[0], self.H, self.d, self.cfg.kda_conv_size - 1
         y, normed = self.conv_qkv(ops, qkv, conv_state)
         q, k, v = (t.unsqueeze(0) for t in y.unbind(0))
