@@ -4,7 +4,8 @@ K3 adds a q-LoRA (q = W_qb RMSNorm(W_qa x)) and a sigmoid output gate
 (o ← o ⊙ σ(W_g x) before o_proj); W_qa and W_g read x, so they join the fused in_proj.
 
 Prefill expands the latents through kv_b (in the model's dtype) and attends causally: on the GPU
-through the flash-attention Triton kernel (kernels/mla_prefill.py; no T x L scores), elsewhere in
+through the flash-attention Triton kernel (kernels/mla_prefill.py; no T x L scores) or, for a cold
+row, cuDNN's fused attention (kernels/mla_prefill_sdpa.py), elsewhere in
 plain PyTorch a block of queries at a time. Decode uses the absorbed form over the cached latents
 (MODELS.md). Both read the entries back from the cache, so an FP8 cache affects both paths alike.
 """
@@ -113,9 +114,15 @@ class MLA(nn.Module):
         dt = self.kv_b.dtype
         kv = (lat[:, : self.r].to(dt) @ self.kv_b.T).view(-1, self.H, self.nope + self.vd)
         if use_prefill_kernel(q):
+            from ..kernels import mla_prefill_sdpa as cold
             from ..kernels.mla_prefill import mla_prefill
-            o = mla_prefill(q.to(dt), kv[..., : self.nope], lat[:, self.r:].to(dt), kv[..., self.nope:],
-                            self.sm_scale, start, out=out if out is not None and out.dtype == dt else None)
+            args = (q.to(dt), kv[..., : self.nope], lat[:, self.r:].to(dt), kv[..., self.nope:], self.sm_scale)
+            dst = out if out is not None and out.dtype == dt else None
+            if cold.usable(q, q.shape[0], lat.shape[0], start):  # a cold row: cuDNN's fused attention
+                o = dst if dst is not None else torch.empty(q.shape[0], self.H, self.vd, dtype=dt, device=q.device)
+                if cold.try_attend(*args, out=o):
+                    return o if o is out else o.float()
+            o = mla_prefill(*args, start, out=dst)
             return o if o is out else o.float()
         kv = kv.float()
         k = torch.cat([kv[..., : self.nope], lat[:, None, self.r:].float().expand(-1, self.H, -1)], -1)

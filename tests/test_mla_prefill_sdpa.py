@@ -1,0 +1,96 @@
+"""The cold-row MLA prefill route through torch SDPA (kernels/mla_prefill_sdpa.py) vs the FP64 reference,
+its gate, and the model's fallback to the Triton kernel when the backend refuses."""
+import pytest
+import torch
+
+from peregrine.kernels import available
+from peregrine.kernels import mla_prefill_sdpa as cold
+from peregrine.testing import assert_close, rel_rmse
+from tests.conftest import DEVICE, FULL_SHAPES
+from tests.test_kernels_mla_prefill import ODD, REAL, TINY_A, make_case, reference, run_checked
+
+CPU_CASES = [(TINY_A, 1), (TINY_A, 70), (ODD, 33), (REAL, 65)]
+GPU_CASES = [(REAL, 1024), (REAL, 4097), ((96, 128, 64, 128), 2048)] + ([(REAL, 16384)] if FULL_SHAPES else [])
+
+
+def _backend():
+    """cuDNN on the GPU (the route's own); the math backend on CPU, which checks the layout work around it."""
+    from torch.nn.attention import SDPBackend
+    return SDPBackend.CUDNN_ATTENTION if DEVICE == "cuda" else SDPBackend.MATH
+
+
+@pytest.mark.parametrize("dims,T", GPU_CASES if DEVICE == "cuda" else CPU_CASES)
+def test_attend_equals_the_reference(dims, T):
+    """Inputs as the model passes them (strided q, k_nope / v views of one kv tensor, k_rope a latent view; NaN
+    around each), into a poisoned slice of a sentinel buffer: every output written, nothing else touched."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    q, kn, kr, v = make_case(dims, T, T, dtype, strided_q=True)
+    got = run_checked(q, kn, kr, v, call=lambda *a, out: cold.attend(*a, q.shape[2] ** -0.5, out, _backend()))
+    assert_close(got.float(), reference(q, kn, kr, v, 0), 1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_assemble_k_broadcasts_the_shared_rope_key():
+    q, kn, kr, v = make_case(ODD, 9, 9)
+    k = cold.assemble_k(kn, kr)
+    assert k.is_contiguous() and torch.equal(k[..., :kn.shape[2]], kn)
+    assert torch.equal(k[..., kn.shape[2]:], kr[:, None].expand(-1, kn.shape[1], -1))
+
+
+def test_the_gate_takes_only_long_cold_rows_on_a_gpu(monkeypatch):
+    q = torch.zeros(2, 1, 3, dtype=torch.bfloat16)
+    n = cold.MIN_T
+    monkeypatch.setattr(cold, "ENABLED", True)
+    assert cold.usable(q, n, n, 0)
+    assert not cold.usable(q, n, n + 5, 5), "a row after a cached prefix needs the lower-right mask"
+    assert not cold.usable(q, n - 1, n - 1, 0), "short rows stay on the Triton kernel"
+    monkeypatch.setattr(cold, "ENABLED", None)
+    assert not cold.usable(q, n, n, 0), "a CPU tensor never takes the cuDNN route"
+    monkeypatch.setattr(cold, "ENABLED", False)
+    assert not cold.usable(q.to(DEVICE), n, n, 0)
+    if DEVICE == "cuda":
+        monkeypatch.setattr(cold, "ENABLED", None)
+        assert cold.usable(q.cuda(), n, n, 0) == torch.backends.cuda.cudnn_sdp_enabled()
+
+
+@pytest.mark.skipif(not available(DEVICE), reason="triton kernels unavailable")
+def test_model_routes_cold_rows_and_falls_back_to_the_kernel(monkeypatch, caplog):
+    """An MLA layer's prefill_attn sends a cold row (start 0) through the route and a row after a prefix through
+    the Triton kernel; both agree with the kernel alone; a backend error turns the route off, with a warning,
+    and the kernel serves that row and the ones after."""
+    from peregrine.models import mla as M
+    from tests.test_prefill import tiny
+    dt = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    cfg, _ = tiny()
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        layer = M.MLA(cfg, cfg.mla_layers[0], dt)
+    for p in layer.parameters():
+        p.data = (torch.randn_like(p.float()) * 0.3).to(p.dtype)
+    x = torch.randn(24, cfg.hidden_size, device=DEVICE).to(dt)
+    with torch.inference_mode():
+        q, lat, _ = layer.project(x)
+    monkeypatch.setattr(M, "PREFILL_KERNEL", True)
+    monkeypatch.setattr(cold, "MIN_T", 4)
+    monkeypatch.setattr(cold, "_broken", None)
+    calls = []
+    real = cold.attend
+    monkeypatch.setattr(cold, "attend", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k, backend=_backend()))
+
+    def attn(on, rows, start):
+        monkeypatch.setattr(cold, "ENABLED", on)
+        with torch.inference_mode():
+            return layer.prefill_attn(q[start:rows], lat[:rows].to(dt), start)
+    kernel = attn(False, 24, 0)
+    assert calls == []
+    routed = attn(True, 24, 0)
+    assert calls == [24] and rel_rmse(routed, kernel) < (1e-2 if dt == torch.bfloat16 else 1e-5)
+    assert torch.equal(attn(True, 24, 10), attn(False, 24, 10)) and calls == [24], "a prefix row took the route"
+
+    def refuse(*a, **k):
+        calls.append("refused")
+        raise RuntimeError("cuDNN: no engine for this shape")
+    monkeypatch.setattr(cold, "attend", refuse)
+    with caplog.at_level("WARNING"):
+        assert torch.equal(attn(True, 24, 0), kernel)
+    assert "refused" in caplog.text and cold._broken is not None
+    assert torch.equal(attn(True, 24, 0), kernel) and calls == [24, "refused"], "the route stays off after an error"
