@@ -10,6 +10,8 @@ from tests.conftest import DEVICE, FULL_SHAPES
 from tests.test_kernels_mla_prefill import ODD, REAL, TINY_A, make_case, reference, run_checked
 
 CPU_CASES = [(TINY_A, 1), (TINY_A, 70), (ODD, 33), (REAL, 65)]
+pytestmark = pytest.mark.gpu  # the GPU pass (pytest -m gpu) runs them on cuDNN; CPU runs the math backend
+
 GPU_CASES = [(REAL, 1024), (REAL, 4097), ((96, 128, 64, 128), 2048)] + ([(REAL, 16384)] if FULL_SHAPES else [])
 
 
