@@ -6,7 +6,7 @@ import torch
 
 from conftest import FULL_SHAPES
 from peregrine import kernels
-from peregrine.kernels.moe_prefill import combine, swiglu_weighted
+from peregrine.kernels.moe_prefill import combine, gather_pairs, swiglu_weighted
 from peregrine.testing import SENTINEL, assert_close
 
 pytestmark = pytest.mark.gpu
@@ -71,6 +71,21 @@ def test_combine(N, k, D, dtype, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,k,D", NKD + [(3, 2, 1030)])  # 1030: a second, ragged column block
+def test_gather_pairs(N, k, D, dtype, device):
+    """Sorted pairs' rows from a strided x (rows wider than D): bitwise copies, row p = token order[p] // k."""
+    wide = _rand((N, D + 5), dtype, device, 4)
+    x = wide[:, :D]
+    order = torch.randperm(N * k, generator=torch.Generator().manual_seed(5)).to(device)
+    buf, out = _boxed(N * k, D, dtype, device)
+    before = wide.clone()
+    gather_pairs(x, order, k, out=out)
+    want = torch.stack([x[int(p) // k] for p in order.tolist()])
+    assert torch.equal(out, want)
+    assert (buf[:, D:] == SENTINEL).all() and torch.equal(wide, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_experts_with_the_glue_kernels_equals_its_torch_form(dtype, device, monkeypatch):
     """Routed tokens through grouped_experts with the kernels and with the torch form (the loop over
     used experts on the CPU, the grouped GEMM on the GPU in BF16): the same [N, D] output."""
@@ -103,11 +118,12 @@ def test_bench_smoke_on_cpu(monkeypatch):
     ran = []
     monkeypatch.setattr(bench, "graph_time", lambda calls, iters: (ran.append(len(calls)), [c() for c in calls], (2.0, [2.0]))[-1])
     rows = bench.run(1000.0)
-    assert [r["kernel"] for r in rows] == ["swiglu_weighted", "combine"] * 2 and len(ran) == 8
+    assert [r["kernel"] for r in rows] == ["gather_pairs", "swiglu_weighted", "combine"] * 2 and len(ran) == 12
     P = 5 * bench.TOP_K
-    assert rows[2]["bytes"] == P * 2 * 16 * 2 + P * 4 + P * 16 * 2
-    assert rows[3]["bytes"] == P * 24 * 2 + P * 8 + 5 * 24 * 2
-    assert rows[3]["gbps"] == rows[3]["bytes"] / 2.0 / 1e6 and rows[3]["pct_of_copy"] == rows[3]["gbps"] / 1000.0
+    assert rows[3]["bytes"] == 5 * 24 * 2 + P * 8 + P * 24 * 2
+    assert rows[4]["bytes"] == P * 2 * 16 * 2 + P * 4 + P * 16 * 2
+    assert rows[5]["bytes"] == P * 24 * 2 + P * 8 + 5 * 24 * 2
+    assert rows[5]["gbps"] == rows[5]["bytes"] / 2.0 / 1e6 and rows[5]["pct_of_copy"] == rows[5]["gbps"] / 1000.0
 
 
 def kernels_available_on_cpu() -> bool:

@@ -9,7 +9,7 @@ from peregrine.testing import assert_close, rel_rmse
 from tests.conftest import DEVICE, FULL_SHAPES
 from tests.test_kernels_mla_prefill import ODD, REAL, TINY_A, make_case, reference, run_checked
 
-CPU_CASES = [(TINY_A, 1), (TINY_A, 70), (ODD, 33), (REAL, 65)]
+CPU_CASES = [(TINY_A, 1), (TINY_A, 70), (ODD, 33), (REAL, 65), (TINY_A, 32)]
 pytestmark = pytest.mark.gpu  # the GPU pass (pytest -m gpu) runs them on cuDNN; CPU runs the math backend
 
 GPU_CASES = [(REAL, 1024), (REAL, 4097), ((96, 128, 64, 128), 2048)] + ([(REAL, 16384)] if FULL_SHAPES else [])
@@ -22,20 +22,44 @@ def _backend():
 
 
 @pytest.mark.parametrize("dims,T", GPU_CASES if DEVICE == "cuda" else CPU_CASES)
-def test_attend_equals_the_reference(dims, T):
+def test_attend_equals_the_reference(dims, T, monkeypatch):
     """Inputs as the model passes them (strided q, k_nope / v views of one kv tensor, k_rope a latent view; NaN
-    around each), into a poisoned slice of a sentinel buffer: every output written, nothing else touched."""
+    around each), into a poisoned slice of a sentinel buffer: every output written, nothing else touched.
+    Lengths off the bucket grid, so the zero padding past T is in every case (CPU: buckets of 16)."""
+    if DEVICE != "cuda":
+        monkeypatch.setattr(cold, "BUCKET", 16)
+    assert cold.padded(T) > T or T % cold.BUCKET == 0
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     q, kn, kr, v = make_case(dims, T, T, dtype, strided_q=True)
     got = run_checked(q, kn, kr, v, call=lambda *a, out: cold.attend(*a, q.shape[2] ** -0.5, out, _backend()))
     assert_close(got.float(), reference(q, kn, kr, v, 0), 1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
-def test_assemble_k_broadcasts_the_shared_rope_key():
+def test_assemble_k_broadcasts_the_shared_rope_key_and_zeroes_the_padding():
     q, kn, kr, v = make_case(ODD, 9, 9)
-    k = cold.assemble_k(kn, kr)
-    assert k.is_contiguous() and torch.equal(k[..., :kn.shape[2]], kn)
-    assert torch.equal(k[..., kn.shape[2]:], kr[:, None].expand(-1, kn.shape[1], -1))
+    k = cold.assemble_k(kn, kr, 12)
+    assert k.shape == (12, ODD[0], ODD[1] + ODD[2]) and k.is_contiguous() and torch.equal(k[:9, :, :kn.shape[2]], kn)
+    assert torch.equal(k[:9, :, kn.shape[2]:], kr[:, None].expand(-1, kn.shape[1], -1))
+    assert not k[9:].any()
+
+
+def test_warm_builds_one_plan_per_bucket_up_to_the_longest_step(monkeypatch):
+    """Every padded length a cold row of MIN_T..max_T tokens can have, once each, with the layer's scale."""
+    from torch.nn.attention import SDPBackend
+    monkeypatch.setattr(cold, "ENABLED", True)
+    monkeypatch.setattr(cold, "MIN_T", 10)
+    monkeypatch.setattr(cold, "BUCKET", 8)
+    monkeypatch.setattr(cold, "_broken", None)
+    seen = []
+    real = cold.attend
+    monkeypatch.setattr(cold, "attend", lambda q, kn, kr, v, scale, out: seen.append((q.shape[0], scale))
+                        or real(q, kn, kr, v, scale, out, backend=SDPBackend.MATH))
+    logs = []
+    assert cold.warm(2, 8, 4, 8, 0.25, torch.float32, "cpu", 30, logs.append) == 3
+    assert seen == [(16, 0.25), (24, 0.25), (32, 0.25)] and "ready" in logs[-1]
+    assert cold.warm(2, 8, 4, 8, 0.25, torch.float32, "cpu", 9) == 0, "no row reaches MIN_T"
+    monkeypatch.setattr(cold, "ENABLED", False)
+    assert cold.warm(2, 8, 4, 8, 0.25, torch.float32, "cpu", 30) == 0 and len(seen) == 3
 
 
 def test_the_gate_takes_only_long_cold_rows_on_a_gpu(monkeypatch):
@@ -96,3 +120,25 @@ def test_model_routes_cold_rows_and_falls_back_to_the_kernel(monkeypatch, caplog
         assert torch.equal(attn(True, 24, 0), kernel)
     assert "refused" in caplog.text and cold._broken is not None
     assert torch.equal(attn(True, 24, 0), kernel) and calls == [24, "refused"], "the route stays off after an error"
+
+
+def test_engine_warm_up_builds_plans_up_to_the_longest_prefill_step(monkeypatch):
+    """build.warm_cold_attention (a server's start-up, bench ttft's) warms every bucket up to the smaller of
+    max_model_len and the step budget, with the model's MLA dims and scale."""
+    from torch.nn.attention import SDPBackend
+    from peregrine.config import EngineConfig
+    from peregrine.engine.build import build_engine, warm_cold_attention
+    from peregrine.models import mla as M
+    e, _ = build_engine("tiny-kimi-linear", EngineConfig(max_model_len=100, max_num_batched_tokens=70),
+                        dummy_weights=True, log=lambda m: None)
+    layer = next(m for m in e.model.modules() if isinstance(m, M.MLA))
+    monkeypatch.setattr(M, "PREFILL_KERNEL", True)
+    for k, v in dict(ENABLED=True, MIN_T=20, BUCKET=16, _broken=None).items():
+        monkeypatch.setattr(cold, k, v)
+    seen = []
+    real = cold.attend
+    monkeypatch.setattr(cold, "attend", lambda q, kn, kr, v, scale, out: seen.append((tuple(q.shape), tuple(v.shape), scale))
+                        or real(q, kn, kr, v, scale, out, backend=SDPBackend.MATH))
+    assert warm_cold_attention(e, lambda m: None) == 4  # 32, 48, 64, 80: the padded lengths of rows of 20..70 tokens
+    H, d = layer.H, layer.nope + layer.rope
+    assert seen == [((T, H, d), (T, H, layer.vd), layer.sm_scale) for T in (32, 48, 64, 80)]

@@ -28,7 +28,7 @@ DTYPE = torch.bfloat16
 PEAK_TFLOPS = 790.0          # H200 measured ~790 TFLOP/s dense BF16 matmul (device KINDS notes)
 TOL = 1e-2                   # VERIFY.md: BF16 operands vs the FP32 reference
 CHECK_ROWS = 128             # validation: the reference on the first, a middle and the last rows only
-SHAPES = ((1024, 0), (8192, 0), (32768, 0),            # first chunk, T = L
+SHAPES = ((1024, 0), (8192, 0), (16384, 0), (32768, 0),  # first chunk, T = L
           (8192, 8192), (8192, 24576), (2048, 30720),  # later chunks of a chunked prefill
           (64, 32704))                                  # turn-2 prefix hit: few queries, long prefix
 QUICK_SHAPES = ((8192, 0), (8192, 24576), (64, 32704))

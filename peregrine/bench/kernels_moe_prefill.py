@@ -1,6 +1,6 @@
-"""MoE prefill glue microbenchmark (BENCHMARKS.md §2): kernels/moe_prefill.py's swiglu_weighted and
-combine against the torch forms they replace in models/moe.py grouped_experts, at a 1K and an 8K
-prompt's token-expert pairs (Kimi-Linear: top-8, I = 1024, D = 2304), timed as CUDA graphs rotating
+"""MoE prefill glue microbenchmark (BENCHMARKS.md §2): kernels/moe_prefill.py's gather_pairs,
+swiglu_weighted and combine against the torch forms they replace in models/moe.py grouped_experts, at a
+1K, an 8K and a 32K prompt's token-expert pairs (Kimi-Linear: top-8, I = 1024, D = 2304), timed as CUDA graphs rotating
 over enough input copies to leave the 60 MB L2.
     python -m peregrine.bench.kernels_moe_prefill
 """
@@ -10,10 +10,10 @@ import torch
 
 from peregrine.bench.gpu import graph_time
 from peregrine.bench.kernels_gemm import ROTATE_BYTES
-from peregrine.kernels.moe_prefill import combine, swiglu_weighted
+from peregrine.kernels.moe_prefill import combine, gather_pairs, swiglu_weighted
 from peregrine.models.layers import swiglu
 
-TOKENS = (1024, 8192)  # prompt tokens per step
+TOKENS = (1024, 8192, 32768)  # prompt tokens per step
 TOP_K, I, D = 8, 1024, 2304
 DTYPE = torch.bfloat16
 DEVICE = "cuda"  # a module constant so the bench logic can be smoke-tested on CPU
@@ -33,6 +33,17 @@ def _swiglu_case(P: int):
     fused = [lambda g=g, w=w, h=h: swiglu_weighted(g, w, out=h) for g, w, h in zip(gus, ws, hs)]
     torch_form = [lambda g=g, w=w: (swiglu(g) * w.unsqueeze(-1)).to(DTYPE) for g, w in zip(gus, ws)]
     return fused, torch_form, per
+
+
+def _gather_case(P: int):
+    N = P // TOP_K
+    per = N * D * 2 + P * 8 + P * D * 2  # x read, order read, xs written
+    n = _copies(per)
+    xs = [torch.randn(N, D, device=DEVICE).to(DTYPE) for _ in range(n)]
+    order = torch.randperm(P, device=DEVICE)
+    outs = [torch.empty(P, D, device=DEVICE, dtype=DTYPE) for _ in range(n)]
+    fused = [lambda x=x, o=o: gather_pairs(x, order, TOP_K, out=o) for x, o in zip(xs, outs)]
+    return fused, [lambda x=x: x[order // TOP_K] for x in xs], per
 
 
 def _combine_case(P: int):
@@ -57,7 +68,8 @@ def run(copy_gbps: float, full: bool = True, iters: int = 20) -> list[dict]:
     rows = []
     for tokens in TOKENS if full else TOKENS[:1]:
         P = tokens * TOP_K
-        for kernel, case in (("swiglu_weighted", _swiglu_case), ("combine", _combine_case)):
+        for kernel, case in (("gather_pairs", _gather_case), ("swiglu_weighted", _swiglu_case),
+                             ("combine", _combine_case)):
             fused, torch_form, nbytes = case(P)
             t, samples = graph_time(fused, iters)
             tt, _ = graph_time(torch_form, iters)
@@ -78,7 +90,10 @@ def compile_check() -> list[dict]:
                                                       stride_gu=n(2 * I), stride_h=n(I), BLOCK=c(K.BLOCK_I), BF16=c(True)), 4, 1)
     cb = compile_sm90(K._combine_kernel, dict(ys_ptr=(bf, 0), inv_ptr=("*i64", 0), out_ptr=(bf, 0), D=n(D), stride_ys=n(D),
                                               stride_out=n(D), K=c(TOP_K), BLOCK=c(K.BLOCK_D), BF16=c(True)), 4, 1)
-    return [{"kernel": "swiglu_weighted"} | sw, {"kernel": "combine"} | cb]
+    ga = compile_sm90(K._gather_pairs_kernel, dict(x_ptr=(bf, 0), order_ptr=("*i64", 0), xs_ptr=(bf, 0), P=n(8 * 1024),
+                                                   D=n(D), stride_x=n(D), stride_xs=n(D), K=c(TOP_K), ROWS=c(K.GATHER_ROWS),
+                                                   BLOCK=c(K.BLOCK_D)), 4, 1)
+    return [{"kernel": "swiglu_weighted"} | sw, {"kernel": "combine"} | cb, {"kernel": "gather_pairs"} | ga]
 
 
 def main():

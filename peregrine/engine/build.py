@@ -79,6 +79,25 @@ def build_engine(model: str, engine_cfg: EngineConfig | None = None, dummy_weigh
     return engine, tok
 
 
+def warm_up(engine, log=print) -> None:
+    """A server's start-up work that would otherwise land on its first requests: the prefill graphs of every
+    token bucket, and the cuDNN plans of cold MLA rows."""
+    pg = getattr(getattr(engine.runner, "standard", engine.runner), "prefill", None)
+    if pg is not None:
+        pg.warm_up()
+    warm_cold_attention(engine, log)
+
+
+def warm_cold_attention(engine, log=print) -> int:
+    """The cuDNN plans of cold MLA rows up to the longest prefill step (kernels/mla_prefill_sdpa.py) -> plans."""
+    from ..models.mla import MLA
+    model, ecfg = getattr(engine, "model", None), engine.engine_cfg
+    mla = next((m for m in model.modules() if isinstance(m, MLA)), None) if model is not None else None
+    if mla is None or ecfg.tensor_parallel_size > 1:  # TP steps stay under the route's MIN_T
+        return 0
+    return mla.warm_cold_attention(min(ecfg.max_model_len, ecfg.max_num_batched_tokens or ecfg.max_model_len), log)
+
+
 def report_holdings(tp, model, error: str | None, log) -> list[dict]:
     """Every rank says what it holds (or why its build failed); rank 0 prints it all."""
     import torch.distributed as dist

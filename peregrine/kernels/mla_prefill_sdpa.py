@@ -9,6 +9,10 @@ the Triton kernel's 0.135 / 1.50 / 22.0 ms at T = 1K / 8K / 32K from position 0;
 prefix (start > 0) the lower-right mask costs cuDNN an explicit mask and the Triton kernel wins
 (7.8 vs 4.0 ms at 8K after 8K), so only cold rows come here.
 
+cuDNN builds a plan per sequence length (first call at a new length: ~70 ms at 8K and 32K, session 11's
+kernels_mla_prefill run), so rows are padded up to a multiple of BUCKET (zero queries and keys at the end:
+top-left causal, no real query sees them) and `warm` builds every bucket's plan at start-up.
+
 Gate: a CUDA device, BF16 / FP16, torch's cuDNN SDPA enabled, T >= MIN_T; any error from the
 backend (a cuDNN build that rejects the shape) turns the route off for the process with one
 warning, and the caller's Triton kernel serves the row.
@@ -16,13 +20,16 @@ warning, and the caller's Triton kernel serves the row.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 log = logging.getLogger(__name__)
 
-MIN_T = 1024            # shortest cold row sent to cuDNN: it won at 1K, 8K and 32K (above); below, untimed
-ENABLED: bool | None = None  # None: wherever the gate allows; tests force it on or off
+MIN_T = 16384           # shortest cold row sent to cuDNN: its edge is 14 % at 32K, 14 % at 8K less the route's copies
+BUCKET = 1024           # rows padded to a multiple: lengths share a plan; at >= 16K at most 13 % more work
+# None: wherever the gate allows; tests force it on or off; PEREGRINE_MLA_CUDNN=0 turns it off (A/B runs)
+ENABLED: bool | None = False if os.environ.get("PEREGRINE_MLA_CUDNN") == "0" else None
 _broken: str | None = None   # the first backend error seen: the route stays off after it
 
 
@@ -36,26 +43,67 @@ def usable(q: torch.Tensor, T: int, L: int, start: int) -> bool:
             and torch.backends.cuda.cudnn_sdp_enabled())
 
 
-def assemble_k(k_nope: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
-    """[L, H, Dn] and the heads' shared [L, Dr] -> contiguous [L, H, Dn + Dr] (one write)."""
+def padded(T: int) -> int:
+    return -(-T // BUCKET) * BUCKET
+
+
+def _padded_copy(x: torch.Tensor, rows: int) -> torch.Tensor:
+    y = x.new_empty(rows, *x.shape[1:])
+    y[: x.shape[0]] = x
+    y[x.shape[0]:] = 0
+    return y
+
+
+def assemble_k(k_nope: torch.Tensor, k_rope: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """[L, H, Dn] and the heads' shared [L, Dr] -> contiguous [rows (default L), H, Dn + Dr], zero past L."""
     L, H, Dn = k_nope.shape
-    k = torch.empty(L, H, Dn + k_rope.shape[1], dtype=k_nope.dtype, device=k_nope.device)
-    k[..., :Dn] = k_nope
-    k[..., Dn:] = k_rope[:, None, :]
+    k = k_nope.new_empty(rows or L, H, Dn + k_rope.shape[1])
+    k[:L, :, :Dn] = k_nope
+    k[:L, :, Dn:] = k_rope[:, None, :]
+    k[L:] = 0
     return k
 
 
 def attend(q, k_nope, k_rope, v, sm_scale: float, out: torch.Tensor, backend=None) -> torch.Tensor:
     """Causal attention of q [T, H, Dn+Dr] over its own T keys into out [T, H, Dv]; backend: an
-    SDPBackend (default cuDNN; the CPU test passes MATH to check the layout work)."""
+    SDPBackend (default cuDNN; the CPU test passes MATH to check the layout work). The inputs go in as
+    contiguous copies padded to the bucket (any strides the caller has are fine)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention
 
-    k = assemble_k(k_nope, k_rope)
+    T = q.shape[0]
+    Tp = padded(T)
     heads = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731 - [N, H, d] -> [1, H, N, d], a view
+    qp, k, vp = _padded_copy(q, Tp), assemble_k(k_nope, k_rope, Tp), _padded_copy(v, Tp)
     with sdpa_kernel(backend if backend is not None else SDPBackend.CUDNN_ATTENTION):
-        o = scaled_dot_product_attention(heads(q), heads(k), heads(v), scale=float(sm_scale), is_causal=True)
-    return out.copy_(o[0].transpose(0, 1))
+        o = scaled_dot_product_attention(heads(qp), heads(k), heads(vp), scale=float(sm_scale), is_causal=True)
+    return out.copy_(o[0, :, :T].transpose(0, 1))
+
+
+def warm(H: int, Dn: int, Dr: int, Dv: int, sm_scale: float, dtype, device, max_T: int, log=None) -> int:
+    """Build the plan of every bucket a cold row of up to max_T tokens can use (a server's start-up), on zero
+    inputs; -> plans built (0 where the gate is shut or max_T < MIN_T)."""
+    import time
+    dev = torch.device(device)
+    probe = torch.empty(0, device=dev, dtype=dtype)
+    lengths = list(range(padded(MIN_T), padded(max_T) + 1, BUCKET)) if max_T >= MIN_T else []
+    if not lengths or not usable(probe, lengths[0], lengths[0], 0):
+        return 0
+    t0 = time.time()
+    n = lengths[-1]
+    q, k, v = (torch.zeros(n, H, d, dtype=dtype, device=dev) for d in (Dn + Dr, Dn, Dv))
+    kr = torch.zeros(n, Dr, dtype=dtype, device=dev)
+    out = torch.empty(n, H, Dv, dtype=dtype, device=dev)
+    for i, T in enumerate(lengths):
+        if log and (i % 8 == 0 or i == len(lengths) - 1):
+            log(f"MLA cold-row attention plans (cuDNN): {T} tokens ({i + 1}/{len(lengths)})")
+        if not try_attend(q[:T], k[:T], kr[:T], v[:T], sm_scale, out[:T]):
+            return i
+    del q, k, v, kr, out
+    if log:
+        log(f"MLA cold-row attention plans ready: {len(lengths)} lengths ({lengths[0]}..{lengths[-1]}) in "
+            f"{time.time() - t0:.1f}s")
+    return len(lengths)
 
 
 def try_attend(q, k_nope, k_rope, v, sm_scale: float, out: torch.Tensor) -> bool:

@@ -1,5 +1,9 @@
 """The elementwise glue of the MoE prefill around its two grouped GEMMs (models/moe.py grouped_experts).
 
+gather_pairs(x, order, k): xs[p] = x[order[p] // k], the up GEMM's rows in expert order, in one pass
+  (torch's x[order // k] is an index kernel plus a division: ~0.8 ms a layer at 32K tokens, 20.8 ms of
+  a cold 32K prompt, results/2026-12-02-session10/…-profile-prefill-32k-onestep-405aea7.log).
+
 swiglu_weighted(gu, w): h[p] = round(round(silu(g_p) · u_p) · w_p) from the up GEMM's [P, 2I] output
   (g | u halves), w the pair's routing weight: the torch form's two roundings to the model dtype in
   one pass, where the torch form makes six (an FP32 copy, silu, the product, a cast, the weight, a cast).
@@ -17,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+GATHER_ROWS = 4   # sorted pairs per gather program: 4 rows of D columns, several KB in flight per program
 BLOCK_I = 1024  # activation columns per program: Kimi-Linear's I in one program
 BLOCK_D = 1024  # output columns per combine program (hidden 2304: 3 programs per token)
 
@@ -55,6 +60,36 @@ def _combine_kernel(ys_ptr, inv_ptr, out_ptr, D, stride_ys, stride_out, K: tl.co
         row = tl.load(inv_ptr + n * K + j).to(tl.int64)
         acc += tl.load(ys_ptr + row * stride_ys + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + n * stride_out + cols, _rounded(acc, BF16).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _gather_pairs_kernel(x_ptr, order_ptr, xs_ptr, P, D, stride_x, stride_xs, K: tl.constexpr, ROWS: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    p_ok = p < P
+    src = tl.load(order_ptr + p, mask=p_ok, other=0).to(tl.int64) // K
+    ok = p_ok[:, None] & (cols < D)[None, :]
+    row = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=ok)
+    tl.store(xs_ptr + p[:, None] * stride_xs + cols[None, :], row, mask=ok)
+
+
+def gather_pairs(x: torch.Tensor, order: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, D] (rows contiguous), order [N·k] (pair indices, token n's j-th pair = n·k + j) -> [N·k, D]."""
+    N, D = x.shape
+    P = order.numel()
+    assert x.stride(1) == 1 and order.dim() == 1 and P == N * k, (x.shape, order.shape, k)
+    xs = torch.empty(P, D, dtype=x.dtype, device=x.device) if out is None else out
+    assert xs.shape == (P, D) and xs.stride(1) == 1 and xs.dtype == x.dtype
+    if P and D:
+        _gather_pairs_kernel[(triton.cdiv(P, GATHER_ROWS), triton.cdiv(D, BLOCK_D))](
+            x, order.contiguous(), xs, P, D, x.stride(0), xs.stride(0), K=k, ROWS=GATHER_ROWS,
+            BLOCK=min(BLOCK_D, triton.next_power_of_2(D)))
+    return xs
+
+
+def gather_pairs_ref(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    return x[order // k]
 
 
 def swiglu_weighted(gu: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -136,6 +136,14 @@ class MLA(nn.Module):
             out[a:b] = torch.einsum("htl,lhv->thv", p, kv[..., self.nope:])
         return out
 
+    def warm_cold_attention(self, max_T: int, log=None) -> int:
+        """Build the cuDNN plans cold rows of up to max_T tokens use (kernels/mla_prefill_sdpa.py; every MLA
+        layer has this layer's shapes) -> plans built."""
+        from ..kernels import mla_prefill_sdpa as cold
+        if not use_prefill_kernel(self.kv_b):
+            return 0
+        return cold.warm(self.H, self.nope, self.rope, self.vd, self.sm_scale, self.kv_b.dtype, self.kv_b.device, max_T, log)
+
     def forward(self, x: torch.Tensor, step, cache) -> torch.Tensor:
         pre = self.project(x)
         return self.post(self.core(pre, step, cache), pre)

@@ -103,7 +103,7 @@ def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None) -> tor
     w_flat = w.flatten()[order]  # each pair's routing weight, applied before the down GEMM
     fused = fused_glue(x, act)
     if fused:
-        from ..kernels.moe_prefill import combine, swiglu_weighted
+        from ..kernels.moe_prefill import combine, gather_pairs, swiglu_weighted
         weighted = swiglu_weighted
     else:
         weighted = lambda gu, wp: (act(gu) * wp.unsqueeze(-1)).to(x.dtype)  # noqa: E731
@@ -112,7 +112,7 @@ def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None) -> tor
         from ..kernels.moe_gate_up import gate_up_swiglu
         h = gate_up_swiglu(x, w13, flat, order, w_flat, k)
     else:
-        xs = x[order // k]
+        xs = gather_pairs(x, order, k) if fused else x[order // k]
     if grouped:
         counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         offs = torch.cumsum(counts, 0).to(torch.int32)  # bincount would sync on its size

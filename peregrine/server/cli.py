@@ -40,7 +40,7 @@ def cmd_serve(args) -> int:
 
     from ..cli import engine_config
     from ..config import ConfigError, resolve_model
-    from ..engine.build import build_engine
+    from ..engine.build import build_engine, warm_up
     from ..generation_config import GenerationConfig
     from .app import create_app
     from .chat import ChatTemplate
@@ -52,9 +52,7 @@ def cmd_serve(args) -> int:
     from .. import compile_log
     compile_log.install(log)  # PEREGRINE_LOG_COMPILES=1: kernels the warm-up misses are named when they compile
     engine, tok = build_engine(args.model, engine_config(args), dummy_weights=args.dummy_weights, log=log)
-    pg = getattr(getattr(engine.runner, "standard", engine.runner), "prefill", None)
-    if pg is not None:  # captured now, not at a request's first prompt of each size
-        pg.warm_up()
+    warm_up(engine, log)  # graphs captured and plans built now, not at a request's first prompt of each size
     compile_log.serving()
     _, folder = resolve_model(args.model)
     tmpl = ChatTemplate(folder)
