@@ -356,3 +356,18 @@ def test_kernels_partial_run_gets_its_own_file_name():
     assert kernels.result_name(kernels.FAMILIES) == "kernels"
     assert kernels.result_name(["kda"]) == "kernels-kda"
     assert kernels.result_name(["moe", "gemm"]) == "kernels-gemm-moe"  # the families' fixed order
+
+
+def test_profile_prefill_idle_gaps_merge_kernels_and_name_the_longest_gap():
+    """idle_gaps on a fake profile: overlapping kernels merge, the time before the first kernel is the head,
+    and gaps are listed longest first with the kernels around them."""
+    from types import SimpleNamespace as NS
+    from peregrine.bench.profile_prefill import idle_gaps
+    ev = lambda s, e, name, dev: NS(time_range=NS(start=s, end=e), name=name, device_type=dev)  # noqa: E731
+    events = [ev(0, 5, "step", "DeviceType.CPU"), ev(100, 200, "a", "DeviceType.CUDA"),
+              ev(150, 260, "b", "DeviceType.CUDA"), ev(300, 310, "c", "DeviceType.CUDA"),
+              ev(1310, 1400, "d", "DeviceType.CUDA")]
+    g = idle_gaps(NS(events=lambda: events), lambda m: None)
+    assert g["head_ms"] == 0.1 and g["span_ms"] == 1.3 and g["idle_ms"] == 1.04
+    assert g["gaps_over_50us_ms"] == 1.0
+    assert [(x["us"], x["after"], x["before"]) for x in g["top"]] == [(1000, "c", "d"), (40, "b", "c")]

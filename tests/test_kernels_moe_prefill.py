@@ -118,7 +118,8 @@ def test_bench_smoke_on_cpu(monkeypatch):
     ran = []
     monkeypatch.setattr(bench, "graph_time", lambda calls, iters: (ran.append(len(calls)), [c() for c in calls], (2.0, [2.0]))[-1])
     rows = bench.run(1000.0)
-    assert [r["kernel"] for r in rows] == ["gather_pairs", "swiglu_weighted", "combine"] * 2 and len(ran) == 12
+    assert [r["kernel"] for r in rows] == ["gather_pairs", "swiglu_weighted", "combine"] * 2
+    assert len(ran) == 12 + 2 * len(bench.GATHER_TILES) and set(rows[0]["tiles_ms"]) == {f"{r}x{b}" for r, b in bench.GATHER_TILES}
     P = 5 * bench.TOP_K
     assert rows[3]["bytes"] == 5 * 24 * 2 + P * 8 + P * 24 * 2
     assert rows[4]["bytes"] == P * 2 * 16 * 2 + P * 4 + P * 16 * 2

@@ -142,3 +142,33 @@ def test_engine_warm_up_builds_plans_up_to_the_longest_prefill_step(monkeypatch)
     assert warm_cold_attention(e, lambda m: None) == 4  # 32, 48, 64, 80: the padded lengths of rows of 20..70 tokens
     H, d = layer.H, layer.nope + layer.rope
     assert seen == [((T, H, d), (T, H, layer.vd), layer.sm_scale) for T in (32, 48, 64, 80)]
+
+
+def test_inputs_on_the_grid_go_in_uncopied_and_others_as_padded_copies(monkeypatch):
+    monkeypatch.setattr(cold, "BUCKET", 16)
+    x = torch.randn(32, 2, 8)
+    assert cold._padded_copy(x, 32) is x
+    odd = torch.randn(32, 2, 11)[..., :8]  # row strides of 22 / 11 elements: not 16-byte aligned
+    y = cold._padded_copy(odd, 32)
+    assert y is not odd and y.is_contiguous() and torch.equal(y, odd)
+    z = cold._padded_copy(x[:20], 32)
+    assert z.shape == (32, 2, 8) and torch.equal(z[:20], x[:20]) and not z[20:].any()
+
+
+def test_attend_reads_the_models_views_uncopied_on_the_grid(monkeypatch):
+    """The model's layout (q [T, H, Dn+Dr] contiguous, k_nope / v halves of one [T, H, Dn+Dv] tensor, k_rope the
+    latent's tail) at a length on the bucket grid: q and v go to the backend as they are, and the result holds."""
+    H, Dn, Dr, Dv = REAL if DEVICE == "cuda" else TINY_A
+    if DEVICE != "cuda":
+        monkeypatch.setattr(cold, "BUCKET", 16)
+    T = 2 * cold.BUCKET
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(T, H, Dn + Dr, generator=g).to(DEVICE, dtype)
+    kv = torch.randn(T, H, Dn + Dv, generator=g).to(DEVICE, dtype)
+    lat = torch.randn(T, 512 + Dr, generator=g).to(DEVICE, dtype)
+    kn, v, kr = kv[..., :Dn], kv[..., Dn:], lat[:, 512:]
+    assert cold._padded_copy(q, T) is q and cold._padded_copy(v, T) is v
+    out = torch.full((T, H, Dv), float("nan"), dtype=dtype, device=DEVICE)
+    cold.attend(q, kn, kr, v, (Dn + Dr) ** -0.5, out, _backend())
+    assert_close(out.float(), reference(q, kn, kr, v, 0), 1e-2 if dtype == torch.bfloat16 else 1e-5)

@@ -18,6 +18,7 @@ TOP_K, I, D = 8, 1024, 2304
 DTYPE = torch.bfloat16
 DEVICE = "cuda"  # a module constant so the bench logic can be smoke-tested on CPU
 MAX_COPIES = 16
+GATHER_TILES = ((4, 256), (16, 256), (32, 256), (4, 1024), (8, 512))  # (rows, block) candidates beside the default
 
 
 def _copies(per: int) -> int:
@@ -43,7 +44,9 @@ def _gather_case(P: int):
     order = torch.randperm(P, device=DEVICE)
     outs = [torch.empty(P, D, device=DEVICE, dtype=DTYPE) for _ in range(n)]
     fused = [lambda x=x, o=o: gather_pairs(x, order, TOP_K, out=o) for x, o in zip(xs, outs)]
-    return fused, [lambda x=x: x[order // TOP_K] for x in xs], per
+    tiles = {f"{r}x{b}": [lambda x=x, o=o, t=(r, b): gather_pairs(x, order, TOP_K, out=o, tile=t) for x, o in zip(xs, outs)]
+             for r, b in GATHER_TILES}
+    return fused, [lambda x=x: x[order // TOP_K] for x in xs], per, tiles
 
 
 def _combine_case(P: int):
@@ -70,12 +73,13 @@ def run(copy_gbps: float, full: bool = True, iters: int = 20) -> list[dict]:
         P = tokens * TOP_K
         for kernel, case in (("gather_pairs", _gather_case), ("swiglu_weighted", _swiglu_case),
                              ("combine", _combine_case)):
-            fused, torch_form, nbytes = case(P)
+            fused, torch_form, nbytes, *tiles = case(P)
             t, samples = graph_time(fused, iters)
             tt, _ = graph_time(torch_form, iters)
             gbps = nbytes / t / 1e6
             rows.append({"kernel": kernel, "shape": f"{tokens} tokens x top-{TOP_K}", "time_ms": t, "torch_ms": tt,
-                         "bytes": nbytes, "gbps": gbps, "pct_of_copy": gbps / copy_gbps, "samples_ms": samples})
+                         "bytes": nbytes, "gbps": gbps, "pct_of_copy": gbps / copy_gbps, "samples_ms": samples}
+                        | ({"tiles_ms": {name: graph_time(c, iters)[0] for name, c in tiles[0].items()}} if tiles else {}))
             del fused, torch_form
             torch.cuda.empty_cache()
     return rows
@@ -91,15 +95,16 @@ def compile_check() -> list[dict]:
     cb = compile_sm90(K._combine_kernel, dict(ys_ptr=(bf, 0), inv_ptr=("*i64", 0), out_ptr=(bf, 0), D=n(D), stride_ys=n(D),
                                               stride_out=n(D), K=c(TOP_K), BLOCK=c(K.BLOCK_D), BF16=c(True)), 4, 1)
     ga = compile_sm90(K._gather_pairs_kernel, dict(x_ptr=(bf, 0), order_ptr=("*i64", 0), xs_ptr=(bf, 0), P=n(8 * 1024),
-                                                   D=n(D), stride_x=n(D), stride_xs=n(D), K=c(TOP_K), ROWS=c(K.GATHER_ROWS),
-                                                   BLOCK=c(K.BLOCK_D)), 4, 1)
+                                                   D=n(D), stride_x=n(D), stride_xs=n(D), K=c(TOP_K), ROWS=c(K.gather_tile(D, 2)[0]),
+                                                   BLOCK=c(K.gather_tile(D, 2)[1])), 4, 1)
     return [{"kernel": "swiglu_weighted"} | sw, {"kernel": "combine"} | cb, {"kernel": "gather_pairs"} | ga]
 
 
 def main():
     from peregrine.bench.gpu import family_main
     family_main("moe-prefill", run, lambda r: f"{r['kernel']:>16} {r['shape']:>22} {1e3 * r['time_ms']:>9.1f} us "
-                f"(torch form {1e3 * r['torch_ms']:>9.1f} us) {r['gbps']:>7.0f} GB/s {100 * r['pct_of_copy']:>5.1f}%",
+                f"(torch form {1e3 * r['torch_ms']:>9.1f} us) {r['gbps']:>7.0f} GB/s {100 * r['pct_of_copy']:>5.1f}%"
+                + "".join(f"  {k} {1e3 * v:.1f} us" for k, v in r.get("tiles_ms", {}).items()),
                 doc=__doc__)
 
 

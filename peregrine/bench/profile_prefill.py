@@ -15,6 +15,8 @@ from .profile_step import _device_us
 from .ttft import TURN2_NEW_TOKENS, first_token_s, random_prompt
 
 TOP = 40  # kernels listed per profile
+TOP_GAPS = 12  # longest GPU idle gaps listed per profile
+GAP_US = 50  # gaps longer than this are counted apart: launch latency is ~5-10 us, a host sync or Python is more
 TOP_OPS = 30  # aten ops by their own GPU time, per input shapes (--shapes): which tensors the copies move
 
 
@@ -46,11 +48,41 @@ def profile_call(fn, log, shapes: bool = False) -> dict:
         for e in sorted(evs, key=own, reverse=True)[:TOP_OPS]:
             ops.append({"op": e.key, "shapes": str(e.input_shapes)[:200], "ms": own(e) / 1e3, "calls": e.count})
             log(f"    {own(e) / 1e3:8.2f} ms  {e.count:6d}x  {e.key} {str(e.input_shapes)[:160]}")
+    gaps = idle_gaps(prof, log)
     cpu = sorted(prof.key_averages(), key=lambda e: e.cpu_time_total, reverse=True)[:15]
     log("  top CPU ops (self+children):")
     for e in cpu:
         log(f"    {e.cpu_time_total / 1e3:8.2f} ms  {e.count:6d}x  {e.key[:90]}")
-    return {"wall_ms": wall, "kernel_ms": total, "top": top} | ({"ops": ops} if shapes else {})
+    return {"wall_ms": wall, "kernel_ms": total, "top": top, "gaps": gaps} | ({"ops": ops} if shapes else {})
+
+
+def idle_gaps(prof, log) -> dict:
+    """Where the GPU waits: its kernels' intervals merged, the span from the first CPU op to the first kernel
+    (host work before the step's GPU work), the idle time between kernels, and the TOP_GAPS longest gaps
+    with the kernels on either side (a host sync, or Python between two launches, shows up there)."""
+    try:
+        dev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if "cuda" in str(getattr(e, "device_type", "")).lower() and e.time_range.end > e.time_range.start))
+        cpu0 = min(e.time_range.start for e in prof.events() if "cpu" in str(getattr(e, "device_type", "")).lower())
+    except Exception as e:  # noqa: BLE001 - a profiler without these fields: report, carry on
+        log(f"  idle gaps unavailable: {type(e).__name__}: {e}")
+        return {}
+    if not dev:
+        return {}
+    gaps, end = [], dev[0][1]
+    for (s0, e0, name), prev in zip(dev[1:], dev):
+        if s0 > end:
+            gaps.append((s0 - end, prev[2], name))
+        end = max(end, e0)
+    idle = sum(g for g, _, _ in gaps)
+    out = {"head_ms": (dev[0][0] - cpu0) / 1e3, "span_ms": (end - dev[0][0]) / 1e3, "idle_ms": idle / 1e3,
+           "gaps_over_50us_ms": sum(g for g, _, _ in gaps if g > GAP_US) / 1e3,
+           "top": [{"us": g, "after": a[:80], "before": b[:80]} for g, a, b in sorted(gaps, reverse=True)[:TOP_GAPS]]}
+    log(f"  GPU idle: {out['head_ms']:.1f} ms before its first kernel, {out['idle_ms']:.1f} ms between kernels "
+        f"({out['gaps_over_50us_ms']:.1f} ms in gaps > {GAP_US} us) of a {out['span_ms']:.1f} ms span; longest gaps:")
+    for g in out["top"]:
+        log(f"    {g['us'] / 1e3:7.2f} ms  after {g['after'][:60]}  before {g['before'][:60]}")
+    return out
 
 
 def main(argv=None) -> int:

@@ -47,7 +47,18 @@ def padded(T: int) -> int:
     return -(-T // BUCKET) * BUCKET
 
 
+ALIGN = 16  # bytes: cuDNN reads rows whose start and strides are 16-byte aligned (odd strides read NaN, session 11)
+
+
+def _aligned(x: torch.Tensor) -> bool:
+    return x.stride(-1) == 1 and x.data_ptr() % ALIGN == 0 and all(s * x.element_size() % ALIGN == 0
+                                                                    for s in x.stride()[:-1])
+
+
 def _padded_copy(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x padded with zero rows to `rows`; x itself when it has them and cuDNN can read its layout."""
+    if x.shape[0] == rows and _aligned(x):
+        return x
     y = x.new_empty(rows, *x.shape[1:])
     y[: x.shape[0]] = x
     y[x.shape[0]:] = 0
@@ -66,8 +77,8 @@ def assemble_k(k_nope: torch.Tensor, k_rope: torch.Tensor, rows: int | None = No
 
 def attend(q, k_nope, k_rope, v, sm_scale: float, out: torch.Tensor, backend=None) -> torch.Tensor:
     """Causal attention of q [T, H, Dn+Dr] over its own T keys into out [T, H, Dv]; backend: an
-    SDPBackend (default cuDNN; the CPU test passes MATH to check the layout work). The inputs go in as
-    contiguous copies padded to the bucket (any strides the caller has are fine)."""
+    SDPBackend (default cuDNN; the CPU test passes MATH to check the layout work). q and v go in as they are
+    when T is on the bucket grid and their layout is aligned, else as zero-padded copies; k is assembled."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-GATHER_ROWS = 4   # sorted pairs per gather program: 4 rows of D columns, several KB in flight per program
+GATHER_BYTES = 8192  # bytes a gather program moves: ROWS rows of a BLOCK that divides D (no ragged tail block)
 BLOCK_I = 1024  # activation columns per program: Kimi-Linear's I in one program
 BLOCK_D = 1024  # output columns per combine program (hidden 2304: 3 programs per token)
 
@@ -74,17 +74,26 @@ def _gather_pairs_kernel(x_ptr, order_ptr, xs_ptr, P, D, stride_x, stride_xs, K:
     tl.store(xs_ptr + p[:, None] * stride_xs + cols[None, :], row, mask=ok)
 
 
-def gather_pairs(x: torch.Tensor, order: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [N, D] (rows contiguous), order [N·k] (pair indices, token n's j-th pair = n·k + j) -> [N·k, D]."""
+def gather_tile(D: int, itemsize: int) -> tuple[int, int]:
+    """(rows, block) of a gather program: the largest power-of-two block <= BLOCK_D dividing D (2304: 256, 7168:
+    1024; else a padded one), as many rows as make GATHER_BYTES."""
+    block = next((b for b in (1024, 512, 256, 128) if b <= BLOCK_D and D % b == 0), min(BLOCK_D, triton.next_power_of_2(D)))
+    return max(1, GATHER_BYTES // (block * itemsize)), block
+
+
+def gather_pairs(x: torch.Tensor, order: torch.Tensor, k: int, out: torch.Tensor | None = None,
+                 tile: tuple[int, int] | None = None) -> torch.Tensor:
+    """x [N, D] (rows contiguous), order [N·k] (pair indices, token n's j-th pair = n·k + j) -> [N·k, D].
+    tile: (rows, block) per program (default gather_tile; the bench tries others)."""
     N, D = x.shape
     P = order.numel()
     assert x.stride(1) == 1 and order.dim() == 1 and P == N * k, (x.shape, order.shape, k)
     xs = torch.empty(P, D, dtype=x.dtype, device=x.device) if out is None else out
     assert xs.shape == (P, D) and xs.stride(1) == 1 and xs.dtype == x.dtype
     if P and D:
-        _gather_pairs_kernel[(triton.cdiv(P, GATHER_ROWS), triton.cdiv(D, BLOCK_D))](
-            x, order.contiguous(), xs, P, D, x.stride(0), xs.stride(0), K=k, ROWS=GATHER_ROWS,
-            BLOCK=min(BLOCK_D, triton.next_power_of_2(D)))
+        rows, block = tile or gather_tile(D, x.element_size())
+        _gather_pairs_kernel[(triton.cdiv(P, rows), triton.cdiv(D, block))](
+            x, order.contiguous(), xs, P, D, x.stride(0), xs.stride(0), K=k, ROWS=rows, BLOCK=block)
     return xs
 
 
