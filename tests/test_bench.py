@@ -367,7 +367,12 @@ def test_profile_prefill_idle_gaps_merge_kernels_and_name_the_longest_gap():
     events = [ev(0, 5, "step", "DeviceType.CPU"), ev(100, 200, "a", "DeviceType.CUDA"),
               ev(150, 260, "b", "DeviceType.CUDA"), ev(300, 310, "c", "DeviceType.CUDA"),
               ev(1310, 1400, "d", "DeviceType.CUDA")]
+    host = ev(400, 1300, "aten::tensor", "DeviceType.CPU")
+    host.stack = ["torch/x.py(1): f", "peregrine/decode/batch.py(99): build", "peregrine/engine/engine.py(5): step"]
+    events.append(host)
     g = idle_gaps(NS(events=lambda: events), lambda m: None)
+    assert g["top"][0]["host"] == [{"op": "aten::tensor", "us": 900,
+                                    "stack": ["peregrine/decode/batch.py(99): build", "peregrine/engine/engine.py(5): step"]}]
     assert g["head_ms"] == 0.1 and g["span_ms"] == 1.3 and g["idle_ms"] == 1.04
     assert g["gaps_over_50us_ms"] == 1.0
     assert [(x["us"], x["after"], x["before"]) for x in g["top"]] == [(1000, "c", "d"), (40, "b", "c")]

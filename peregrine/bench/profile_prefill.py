@@ -16,14 +16,17 @@ from .ttft import TURN2_NEW_TOKENS, first_token_s, random_prompt
 
 TOP = 40  # kernels listed per profile
 TOP_GAPS = 12  # longest GPU idle gaps listed per profile
+GAP_STACK_US = 1000  # gaps at least this long also list the host ops that ran inside them
+GAP_OPS = 6  # host ops listed per such gap
 GAP_US = 50  # gaps longer than this are counted apart: launch latency is ~5-10 us, a host sync or Python is more
 TOP_OPS = 30  # aten ops by their own GPU time, per input shapes (--shapes): which tensors the copies move
 
 
-def profile_call(fn, log, shapes: bool = False) -> dict:
+def profile_call(fn, log, shapes: bool = False, stacks: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=shapes) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=shapes,
+                 with_stack=stacks) as prof:
         t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
@@ -69,10 +72,11 @@ def idle_gaps(prof, log) -> dict:
         return {}
     if not dev:
         return {}
-    gaps, end = [], dev[0][1]
+    gaps, gap_starts, end = [], [], dev[0][1]
     for (s0, e0, name), prev in zip(dev[1:], dev):
         if s0 > end:
             gaps.append((s0 - end, prev[2], name))
+            gap_starts.append((s0 - end, end))
         end = max(end, e0)
     idle = sum(g for g, _, _ in gaps)
     out = {"head_ms": (dev[0][0] - cpu0) / 1e3, "span_ms": (end - dev[0][0]) / 1e3, "idle_ms": idle / 1e3,
@@ -80,8 +84,16 @@ def idle_gaps(prof, log) -> dict:
            "top": [{"us": g, "after": a[:80], "before": b[:80]} for g, a, b in sorted(gaps, reverse=True)[:TOP_GAPS]]}
     log(f"  GPU idle: {out['head_ms']:.1f} ms before its first kernel, {out['idle_ms']:.1f} ms between kernels "
         f"({out['gaps_over_50us_ms']:.1f} ms in gaps > {GAP_US} us) of a {out['span_ms']:.1f} ms span; longest gaps:")
-    for g in out["top"]:
-        log(f"    {g['us'] / 1e3:7.2f} ms  after {g['after'][:60]}  before {g['before'][:60]}")
+    cpu = [e for e in prof.events() if "cpu" in str(getattr(e, "device_type", "")).lower()]
+    for g, (us, s0) in zip(out["top"], sorted(((g, s) for g, s in gap_starts), reverse=True)):
+        log(f"    {g['us'] / 1e3:7.2f} ms at +{(s0 - dev[0][0]) / 1e3:.1f} ms  after {g['after'][:60]}  before {g['before'][:60]}")
+        if us < GAP_STACK_US:
+            continue
+        inside = sorted((e for e in cpu if s0 <= e.time_range.start < s0 + us), key=lambda e: -(e.time_range.end - e.time_range.start))
+        for e in inside[:GAP_OPS]:  # what the host ran while the GPU waited (the stacks need --stacks)
+            where = [f for f in (getattr(e, "stack", None) or []) if "peregrine" in f][:3]
+            g.setdefault("host", []).append({"op": e.name[:80], "us": (e.time_range.end - e.time_range.start), "stack": where})
+            log(f"        host {(e.time_range.end - e.time_range.start) / 1e3:6.2f} ms  {e.name[:50]}  {' < '.join(where)[:200]}")
     return out
 
 
@@ -102,6 +114,7 @@ def main(argv=None) -> int:
                     help="per chunk, this many cold first tokens timed eagerly and with prefill graphs, interleaved "
                          "in one process (same machine, same moment), then a profile of each (default 0: eager only)")
     ap.add_argument("--shapes", action="store_true", help="also list aten ops by their own GPU time per input shapes")
+    ap.add_argument("--stacks", action="store_true", help="record Python stacks: GPU idle gaps name the host code in them")
     a = ap.parse_args(argv)
     chunks = [int(c) for c in a.chunks.split(",")]
     log = print
@@ -128,7 +141,7 @@ def main(argv=None) -> int:
         for mode, pg in modes.items():
             eng.runner.prefill = pg
             log(f"cold prefill of one {n}-token prompt in steps of ≤ {eng.scheduler.max_num_batched_tokens} tokens ({mode})")
-            cold[f"{n} {mode}"] = profile_call(lambda: first_token_s(eng, random_prompt(n, V, 2)), log, a.shapes)
+            cold[f"{n} {mode}"] = profile_call(lambda: first_token_s(eng, random_prompt(n, V, 2)), log, a.shapes, a.stacks)
     eng.runner.prefill = graphs
     if not a.context:
         path = write_result(result_path(a.model, "profile-prefill", a.results_dir),
