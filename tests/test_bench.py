@@ -376,3 +376,14 @@ def test_profile_prefill_idle_gaps_merge_kernels_and_name_the_longest_gap():
     assert g["head_ms"] == 0.1 and g["span_ms"] == 1.3 and g["idle_ms"] == 1.04
     assert g["gaps_over_50us_ms"] == 1.0
     assert [(x["us"], x["after"], x["before"]) for x in g["top"]] == [(1000, "c", "d"), (40, "b", "c")]
+
+
+def test_ttft_gc_watch_sees_the_collections_inside_its_block():
+    import gc
+    from peregrine.bench.ttft import GCWatch
+    with GCWatch() as w:
+        gc.collect(1)
+    with GCWatch() as quiet:
+        pass
+    assert [g for g, _ in w.summary()] == [1] and w.summary()[0][1] >= 0 and quiet.summary() == []
+    assert all(cb.__self__ is not w for cb in gc.callbacks if hasattr(cb, "__self__")), "its callback is removed"

@@ -13,6 +13,7 @@ length = TTFT + output tokens x ITL is quoted with the decode step measured here
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import sys
@@ -24,6 +25,27 @@ PEAK_TFLOPS = 790.0   # H200 dense BF16 matmul measured on random data (GPU.md)
 TURN2_NEW_TOKENS = 64  # BENCHMARKS.md §3b
 KDA_CHUNK = 64         # chunk of the chunked KDA form (fla's default) for its FLOP count
 TYPES = ("kda", "mla", "moe", "dense", "other")
+
+
+class GCWatch:
+    """The garbage collections (generation, ms) that ran inside a with-block: host time the GPU may wait on."""
+
+    def __enter__(self):
+        self.runs, self._t0 = [], 0.0
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._cb)
+
+    def _cb(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.runs.append((info["generation"], (time.perf_counter() - self._t0) * 1e3))
+
+    def summary(self) -> list[list]:
+        return [[g, round(ms, 2)] for g, ms in self.runs]
 
 
 def first_token_s(engine, prompt: list[int]) -> float:
@@ -179,7 +201,7 @@ def run(model: str, lengths: list[int], runs: int = 3, dummy_weights: bool = Tru
         decode_tokens: int = 64, engine_overrides: dict | None = None, additional_config: str | None = None,
         log=print) -> dict:
     from ..config import EngineConfig
-    from ..engine.build import build_engine, warm_cold_attention
+    from ..engine.build import build_engine, freeze_heap, warm_cold_attention
     from .gpu import copy_bandwidth, run_metadata
     if not torch.cuda.is_available():
         breakdown_len = None  # CUDA events: the GPU only
@@ -193,6 +215,7 @@ def run(model: str, lengths: list[int], runs: int = 3, dummy_weights: bool = Tru
     log(f"copy bandwidth {copy['gbps']:.0f} GB/s (same run)")
     engine, _ = build_engine(model, ecfg, dummy_weights=dummy_weights, log=log)
     warm_cold_attention(engine, log)  # as a server's start-up does
+    freeze_heap()
     V = engine.model_cfg.vocab_size
     rows = []
     for L in lengths:
@@ -200,18 +223,21 @@ def run(model: str, lengths: list[int], runs: int = 3, dummy_weights: bool = Tru
         w = random_prompt(L, V, 10_000 + L)
         first_token_s(engine, w)
         first_token_s(engine, w + random_prompt(TURN2_NEW_TOKENS, V, 20_000 + L))
-        cold, turn2, hit = [], [], []
+        cold, turn2, hit, gcs = [], [], [], []
         for r in range(runs):
             p = random_prompt(L, V, 1000 * r + L)
-            cold.append(first_token_s(engine, p) * 1e3)
+            with GCWatch() as w:
+                cold.append(first_token_s(engine, p) * 1e3)
+            gcs.append(w.summary())
             h0 = engine.prefix_cache.stats["hit_tokens"]
             turn2.append(first_token_s(engine, p + random_prompt(TURN2_NEW_TOKENS, V, 1000 * r + L + 1)) * 1e3)
             hit.append(engine.prefix_cache.stats["hit_tokens"] - h0)
         row = {"length": L, "cold_ms": statistics.median(cold), "turn2_ms": statistics.median(turn2),
-               "cold_samples_ms": cold, "turn2_samples_ms": turn2, "turn2_reused_tokens": hit}
+               "cold_samples_ms": cold, "turn2_samples_ms": turn2, "turn2_reused_tokens": hit, "cold_gc": gcs}
         rows.append(row)
         log(f"TTFT at {L:6d} tokens: cold {row['cold_ms']:8.1f} ms, turn 2 (+{TURN2_NEW_TOKENS}) {row['turn2_ms']:7.1f} ms "
-            f"(reused {hit} tokens); samples cold {[round(x, 1) for x in cold]}, turn 2 {[round(x, 1) for x in turn2]}")
+            f"(reused {hit} tokens); samples cold {[round(x, 1) for x in cold]}, turn 2 {[round(x, 1) for x in turn2]}; "
+            f"garbage collections in the cold runs (generation: ms) {gcs}")
     payload = {"model": model, "meta": run_metadata(), "copy_bandwidth": copy, "runs": runs,
                "prefix_caching": ecfg.enable_prefix_caching, "max_num_batched_tokens": ecfg.max_num_batched_tokens,
                "rows": rows}
