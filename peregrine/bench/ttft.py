@@ -201,7 +201,7 @@ def run(model: str, lengths: list[int], runs: int = 3, dummy_weights: bool = Tru
         decode_tokens: int = 64, engine_overrides: dict | None = None, additional_config: str | None = None,
         log=print) -> dict:
     from ..config import EngineConfig
-    from ..engine.build import build_engine, freeze_heap, warm_cold_attention
+    from ..engine.build import build_engine, warm_cold_attention
     from .gpu import copy_bandwidth, run_metadata
     if not torch.cuda.is_available():
         breakdown_len = None  # CUDA events: the GPU only
@@ -215,7 +215,6 @@ def run(model: str, lengths: list[int], runs: int = 3, dummy_weights: bool = Tru
     log(f"copy bandwidth {copy['gbps']:.0f} GB/s (same run)")
     engine, _ = build_engine(model, ecfg, dummy_weights=dummy_weights, log=log)
     warm_cold_attention(engine, log)  # as a server's start-up does
-    freeze_heap()
     V = engine.model_cfg.vocab_size
     rows = []
     for L in lengths:

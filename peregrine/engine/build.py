@@ -1,9 +1,7 @@
 """Build a ready engine from a preset or model folder: config, weights, caches, runner."""
 from __future__ import annotations
 
-import gc
 import math
-import os
 import time
 
 import torch
@@ -79,28 +77,6 @@ def build_engine(model: str, engine_cfg: EngineConfig | None = None, dummy_weigh
     engine.model = m
     engine.tp_holdings = holdings if tp.world > 1 else None  # what every rank holds (parallel/shard.py)
     return engine, tok
-
-
-def freeze_heap() -> None:
-    """Move every object alive now (the model, its modules, the imported libraries) out of the garbage
-    collector's generations, once a process's engine is built for good (a server's start-up, bench ttft;
-    frozen objects are never collected, so not for engines built and dropped, as tests do): a full collection mid-step then walks only what was made since, not the
-    ~10^5-10^6 objects of a built engine (86 ms for a tiny engine's full collection on the CPU; the H200
-    host showed two ~7 ms GPU idle gaps in a cold 32K step with no op running, session 11).
-    PEREGRINE_GC_FREEZE=0 leaves the collector as it is (A/B runs)."""
-    if os.environ.get("PEREGRINE_GC_FREEZE") != "0":
-        gc.collect()
-        gc.freeze()
-
-
-def warm_up(engine, log=print) -> None:
-    """A server's start-up work that would otherwise land on its first requests: the prefill graphs of every
-    token bucket, and the cuDNN plans of cold MLA rows."""
-    pg = getattr(getattr(engine.runner, "standard", engine.runner), "prefill", None)
-    if pg is not None:
-        pg.warm_up()
-    warm_cold_attention(engine, log)
-    freeze_heap()  # the graphs' and kernels' objects too
 
 
 def warm_cold_attention(engine, log=print) -> int:
