@@ -93,10 +93,12 @@ class StepInput:
                 r = range(start, start + n)
                 pos_rows.append(list(r))
                 slot_rows.append([table[p // block_size] * block_size + p % block_size for p in r])
-            else:  # tensor ops instead of a Python loop per token
-                p = torch.arange(start, start + n)
-                pos_rows.append(p)
-                slot_rows.append(torch.tensor(table[:need])[p // block_size] * block_size + p % block_size)
+            else:  # tensor ops instead of a Python loop per token: each block's slots, then the row's span of them
+                b0 = start // block_size  # no per-token int64 // and % (slow on the host at 32K tokens)
+                base = torch.tensor(table[b0:need], dtype=torch.long) * block_size
+                pos_rows.append(torch.arange(start, start + n))
+                off = start - b0 * block_size
+                slot_rows.append((base[:, None] + torch.arange(block_size)).flatten()[off:off + n])
             q_lens.append(n)
             ctx.append(start + n)
             kslots.append(kslot)
