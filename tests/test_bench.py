@@ -369,8 +369,9 @@ def test_profile_prefill_idle_gaps_merge_kernels_and_name_the_longest_gap():
               ev(1310, 1400, "d", "DeviceType.CUDA")]
     host = ev(400, 1300, "aten::tensor", "DeviceType.CPU")
     host.stack = ["torch/x.py(1): f", "peregrine/decode/batch.py(99): build", "peregrine/engine/engine.py(5): step"]
-    events.append(host)
+    events += [host, ev(0, 1400, "peregrine.complete", "DeviceType.CPU"), ev(350, 1350, "peregrine.after_forward", "DeviceType.CPU")]
     g = idle_gaps(NS(events=lambda: events), lambda m: None)
+    assert g["top"][0]["in"] == ["peregrine.after_forward", "peregrine.complete"]
     assert g["top"][0]["host"] == [{"op": "aten::tensor", "us": 900,
                                     "stack": ["peregrine/decode/batch.py(99): build", "peregrine/engine/engine.py(5): step"]}]
     assert g["head_ms"] == 0.1 and g["span_ms"] == 1.3 and g["idle_ms"] == 1.04

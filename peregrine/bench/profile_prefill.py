@@ -89,7 +89,14 @@ def idle_gaps(prof, log) -> dict:
         log(f"    {g['us'] / 1e3:7.2f} ms at +{(s0 - dev[0][0]) / 1e3:.1f} ms  after {g['after'][:60]}  before {g['before'][:60]}")
         if us < GAP_STACK_US:
             continue
-        inside = sorted((e for e in cpu if s0 <= e.time_range.start < s0 + us), key=lambda e: -(e.time_range.end - e.time_range.start))
+        # the engine's named ranges (engine.py _traced) around the gap, innermost first: which phase the host was in
+        spans = sorted((e for e in cpu if e.name.startswith("peregrine.") and e.time_range.start < s0 + us
+                        and e.time_range.end > s0), key=lambda e: e.time_range.end - e.time_range.start)
+        g["in"] = [e.name for e in spans[:3]]
+        if spans:
+            log(f"        in {' < '.join(g['in'])}")
+        inside = sorted((e for e in cpu if s0 <= e.time_range.start < s0 + us and not e.name.startswith("peregrine.")),
+                        key=lambda e: -(e.time_range.end - e.time_range.start))
         for e in inside[:GAP_OPS]:  # what the host ran while the GPU waited (the stacks need --stacks)
             where = [f for f in (getattr(e, "stack", None) or []) if "peregrine" in f][:3]
             g.setdefault("host", []).append({"op": e.name[:80], "us": (e.time_range.end - e.time_range.start), "stack": where})
