@@ -172,3 +172,14 @@ def test_attend_reads_the_models_views_uncopied_on_the_grid(monkeypatch):
     out = torch.full((T, H, Dv), float("nan"), dtype=dtype, device=DEVICE)
     cold.attend(q, kn, kr, v, (Dn + Dr) ** -0.5, out, _backend())
     assert_close(out.float(), reference(q, kn, kr, v, 0), 1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_server_warm_up_on_an_engine_without_a_gpu_route():
+    """build.warm_up (the server's start-up) on a CPU engine: no prefill graphs to capture, no cold-row plans
+    to build (the gate is shut off the GPU), and nothing raised."""
+    from peregrine.config import EngineConfig
+    from peregrine.engine.build import build_engine, warm_cold_attention, warm_up
+    e, _ = build_engine("tiny-kimi-linear", EngineConfig(max_model_len=256), dummy_weights=True, log=lambda m: None)
+    warm_up(e, lambda m: None)
+    if DEVICE != "cuda":
+        assert warm_cold_attention(e, lambda m: None) == 0

@@ -79,6 +79,15 @@ def build_engine(model: str, engine_cfg: EngineConfig | None = None, dummy_weigh
     return engine, tok
 
 
+def warm_up(engine, log=print) -> None:
+    """A server's start-up work that would otherwise land on its first requests: the prefill graphs of every
+    token bucket, and the cuDNN plans of cold MLA rows."""
+    pg = getattr(getattr(engine.runner, "standard", engine.runner), "prefill", None)
+    if pg is not None:
+        pg.warm_up()
+    warm_cold_attention(engine, log)
+
+
 def warm_cold_attention(engine, log=print) -> int:
     """The cuDNN plans of cold MLA rows up to the longest prefill step (kernels/mla_prefill_sdpa.py) -> plans."""
     from ..models.mla import MLA
