@@ -14,8 +14,9 @@
 #   STEPS=serve CONC=8 BACKENDS="latency_specialized@6 latency_specialized@3" T_serve=500 bash scripts/gpu_prefill.sh
 #   (the start-up now also builds the cold-row cuDNN plans; grep WARNING in the server log for late compiles)
 # - 32K cold TTFT on more machines (576.7 / 566.5 on one, 590.5 on another): STEPS=ttft LENGTHS=1024,8192,32768,131072
-# - the two ~7 ms host stretches of a cold 32K step (profile_prefill --stacks, f9ec044): StepInput.build's indices on the
-#   GPU, the prefix-cache registration after the token readback; then profile again
+# - the two ~7 ms host stretches of a cold 32K step (f9ec044): profile again, now that the engine's phases are named
+#   ranges (the gap listing says which one each falls in; StepInput.build's slots no longer divide per token, e58a4e5):
+#   STEPS=profile CHUNKS=32768 CONTEXT=0 BUDGET=32768 bash scripts/gpu_prefill.sh
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \
