@@ -8,14 +8,14 @@ import traceback
 
 from . import gpu
 
-FAMILIES = ("gemm", "norm", "kda", "kda_conv", "mla", "mla_prefill", "moe", "moe_mxfp4", "moe_prefill")  # peregrine/bench/kernels_<family>.py, each with run()
+FAMILIES = ("gemm", "norm", "norm_gemm", "kda", "kda_conv", "mla", "mla_prefill", "moe", "moe_mxfp4", "moe_prefill")  # peregrine/bench/kernels_<family>.py, each with run()
 
 
 def markdown(rows: list[dict]) -> str:
     out = ["| family | kernel | shape | time ms | GB/s | % copy | baseline |", "|---|---|---|---:|---:|---:|---|"]
     for r in rows:
         base = ""
-        for k in ("cublas_ms", "torch_ms", "fla_ms", "standard_ms", "partials_ms"):
+        for k in ("cublas_ms", "torch_ms", "fla_ms", "standard_ms", "partials_ms", "chain_ms"):
             if r.get(k) is not None:
                 base += f"{k[:-3]} {r[k]:.4f} ms "
         pct = r.get("pct_of_copy")  # every family reports a fraction of the copy bandwidth
