@@ -31,12 +31,15 @@ def run(copy_gbps: float, full: bool = True, iters: int = 30) -> list[dict]:
             res = r.clone()  # the chain adds into its residual in place, as the decode step does
             fused = lambda w: norm_gemm(case.x, nw, w, EPS, residual=r, residual_out=ro, out=case.y)  # noqa: E731
             chain = lambda w: skinny_gemm(add_rms_norm(case.x, res, nw, EPS)[0], w, out=case.y)  # noqa: E731
+            w0 = case.ws[0]
+            y_chain = skinny_gemm(add_rms_norm(case.x, r.clone(), nw, EPS)[0], w0).float()
+            err = ((fused(w0).float() - y_chain).norm() / y_chain.norm()).item()  # same inputs, both forms
             t, samples = case.time(fused, iters)
             tc, chain_samples = case.time(chain, iters)
             nbytes = case.bytes + (2 * m * k + k) * dt.itemsize
             gbps = nbytes / t / 1e6
             rows.append({"kernel": "norm_gemm", "shape": f"M={m} N={n} K={k}", "M": m, "N": n, "K": k,
-                         "time_ms": t, "chain_ms": tc, "bytes": nbytes, "gbps": gbps, "pct_of_copy": gbps / copy_gbps,
+                         "time_ms": t, "chain_ms": tc, "rel_err_vs_chain": err, "bytes": nbytes, "gbps": gbps, "pct_of_copy": gbps / copy_gbps,
                          "samples_ms": samples, "chain_samples_ms": chain_samples})
             del case
             torch.cuda.empty_cache()
@@ -65,7 +68,8 @@ def compile_check() -> list[dict]:
 def main():
     from peregrine.bench.gpu import family_main
     family_main("norm-gemm", run, lambda r: f"{r['shape']:>22} fused {1e3 * r['time_ms']:8.1f} us, chain "
-                f"{1e3 * r['chain_ms']:8.1f} us  {r['gbps']:6.0f} GB/s {100 * r['pct_of_copy']:5.1f}% of copy", doc=__doc__)
+                f"{1e3 * r['chain_ms']:8.1f} us  {r['gbps']:6.0f} GB/s {100 * r['pct_of_copy']:5.1f}% of copy, "
+                f"rel err vs chain {r['rel_err_vs_chain']:.1e}", doc=__doc__)
 
 
 if __name__ == "__main__":
