@@ -17,9 +17,11 @@
 # - the two ~7 ms host stretches of a cold 32K step (f9ec044): profile again, now that the engine's phases are named
 #   ranges (the gap listing says which one each falls in; StepInput.build's slots no longer divide per token, e58a4e5):
 #   STEPS=profile CHUNKS=32768 CONTEXT=0 BUDGET=32768 bash scripts/gpu_prefill.sh
-# - #20, fewer launches: the residual add + RMSNorm in the in-projections' GEMM prologue (kernels/norm_gemm.py, not
-#   wired into the decode step) against the two-kernel chain, B = 1..8:
-#   python -m pytest -m gpu tests/test_kernels_norm_gemm.py && python -m peregrine.bench.kernels_norm_gemm
+# - #20, fewer launches: the residual add + RMSNorm in the in-projections' GEMM prologue (kernels/norm_gemm.py; the
+#   decode step takes it with --additional-config '{"decode_fused_norm": true}', off by default) against the chain:
+#   python -m pytest -m gpu tests/test_kernels_norm_gemm.py tests/test_specialized.py -k "norm_gemm or fused_norm"
+#   python -m peregrine.bench.kernels_norm_gemm
+#   then bench decode B = 1..8 with and without the flag in one call (turn it on if every B gains)
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \

@@ -113,6 +113,26 @@ def test_logits_close_and_tokens_identical(model_dir, seed):
                 assert b[r][i] in x[r].topk(5).indices.tolist() and a[r][i] in y[r].topk(5).indices.tolist()
 
 
+def test_fused_norm_in_projections_equal_the_two_kernel_chain(model_dir):
+    """decode_fused_norm (each attention in-projection with its residual add + RMSNorm in the GEMM's prologue)
+    against the specialized path without it: every decode step on the specialized path, its logits within
+    tolerance up to the first differing token (none in FP32), the same greedy tokens in FP32."""
+    ps = prompts(2, 5)
+    eager = dict(cuda_graphs=False) if DEVICE == "cuda" else {}
+    chain, lc = engine(model_dir, "latency_specialized", **eager)
+    fused, lf = engine(model_dir, "latency_specialized", decode_fused_norm=True, **eager)
+    assert fused.runner.fused_norm and not chain.runner.fused_norm
+    a, b = chain.generate(ps, greedy(STEPS)), fused.generate(ps, greedy(STEPS))
+    assert [p for p, _ in lf][1:] == ["latency_specialized"] * (len(lf) - 1)
+    div = [first_divergence(x, y) for x, y in zip(a, b)]
+    if DEVICE == "cpu":
+        assert div == [None, None], f"FP32 greedy tokens differ at {div}"
+    for i, ((_, x), (_, y)) in enumerate(zip(lc, lf)):
+        for r in range(len(ps)):
+            if div[r] is None or i <= div[r]:
+                assert (x[r] - y[r]).norm() / x[r].norm() < TOL, f"request {r} step {i}"
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
 def test_graph_replay_equals_eager(model_dir):
     """The captured step replays exactly what the eager specialized step computes: same tokens, logits

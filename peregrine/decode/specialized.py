@@ -26,6 +26,7 @@ from ..kernels.mla import mla_decode
 from ..kernels.moe import moe_combine, moe_expert_partials, moe_experts, moe_route, router_partials, router_topk
 from ..kernels.moe_mxfp4 import moe_mxfp4_experts
 from ..kernels.norm import add_rms_norm, rms_norm
+from ..kernels.norm_gemm import norm_gemm
 from ..kernels.pdl import pdl as kernels_pdl
 from ..kernels.sampling import argmax
 from ..models.layers import swiglu
@@ -48,12 +49,13 @@ class SpecializedRunner:
     lookahead = True  # greedy_tokens may be a next step's input_ids on the device (engine decode lookahead)
 
     def __init__(self, model, cache, standard, *, max_batch: int = 8, cuda_graphs: bool = True, log=print,
-                 max_blocks: int | None = None, allreduce: str = "auto", pdl: bool = False):
+                 max_blocks: int | None = None, allreduce: str = "auto", pdl: bool = False, fused_norm: bool = False):
         if not 1 <= max_batch <= MAX_DECODE_BATCH:
             raise ValueError(f"max_decode_batch must be in 1..{MAX_DECODE_BATCH}, got {max_batch}")
         self.model, self.cache, self.standard, self.max_batch, self.log = model, cache, standard, max_batch, log
         self.cfg = model.cfg
         self.pdl = pdl  # Programmatic Dependent Launch for this runner's kernels (captured into its graphs)
+        self.fused_norm = fused_norm  # attention in-projections with their residual add + RMSNorm fused in (_step_fused)
         self.last_path = self.name
         self.fallback_reasons: Counter = Counter()
         self.greedy_tokens = None  # argmax of the last specialized step (the engine skips its own)
@@ -156,6 +158,8 @@ class SpecializedRunner:
     def _step(self, step):
         if self.cfg.is_k3 or self.cfg.expert_quant is not None:
             return self._step_k3(step)
+        if self.fused_norm:
+            return self._step_fused(step)
         m, c, cfg = self.model, self.cache, self.cfg
         eps = cfg.rms_norm_eps
         if self.oneshot is not None:
@@ -172,6 +176,39 @@ class SpecializedRunner:
             nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else m.norm.weight
             h, residual = add_rms_norm(f, residual, nxt, eps)
         return self._head(_mm(h, m.lm_head).float())
+
+    def _step_fused(self, step):
+        """_step with each attention in-projection reading the previous layer's output and the residual: the
+        add and RMSNorm run in its GEMM's prologue (kernels/norm_gemm.py), the sum lands in a new residual."""
+        m, eps = self.model, self.cfg.rms_norm_eps
+        if self.oneshot is not None:
+            self.oneshot.reset()
+        T = step.spec_tokens or 1
+        residual = m.embed(step.input_ids)
+        layers = m.layers
+        x, w_in = None, layers[0].input_layernorm.weight  # layer 0's input: RMSNorm(residual), nothing to add
+        for i, layer in enumerate(layers):
+            proj, residual = self._norm_in_proj(layer.attn, x, residual, w_in)
+            a = (self._kda(layer.attn, None, step, T, proj=proj) if layer.is_kda
+                 else self._mla(layer.attn, None, step, T, proj=proj))
+            h, residual = add_rms_norm(self._reduce(a), residual, layer.post_attention_layernorm.weight, eps)
+            f = self._moe(layer.mlp, h) if layer.is_moe else self._dense(layer.mlp, h, self._rbuf(h))
+            x = self._reduce(f)
+            w_in = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else None
+        h, residual = add_rms_norm(x, residual, m.norm.weight, eps)
+        return self._head(_mm(h, m.lm_head).float())
+
+    def _norm_in_proj(self, attn, x, residual, w):
+        """(RMSNorm(residual [+ x])·w @ in_proj.T, the residual after the add) in one launch; rows past the
+        skinny GEMM's (verify steps) take the two-kernel chain."""
+        eps = self.cfg.rms_norm_eps
+        if residual.shape[0] > MAX_DECODE_BATCH:
+            h = rms_norm(residual, w, eps) if x is None else add_rms_norm(x, residual, w, eps)[0]
+            return _mm(h, attn.in_proj), residual
+        if x is None:
+            return norm_gemm(residual, w, attn.in_proj, eps), residual
+        new = torch.empty_like(residual)  # not in place: other programs still read the old residual
+        return norm_gemm(x, w, attn.in_proj, eps, residual=residual, residual_out=new), new
 
     def _head(self, logits):
         """Greedy ids of [B, V] FP32 logits; vocab-parallel lm_head: gathered argmax and logits."""
@@ -192,9 +229,11 @@ class SpecializedRunner:
             return self.oneshot.all_reduce(x)
         return self.tp.all_reduce(x)
 
-    def _kda(self, attn, h, step, T=1):
-        N, B = h.shape[0], h.shape[0] // T
-        qkv, fa, ga, b = _mm(h, attn.in_proj).split(attn.splits, dim=-1)
+    def _kda(self, attn, h, step, T=1, proj=None):
+        """proj: the in-projection already applied (_step_fused); else h @ in_proj.T here."""
+        proj = _mm(h, attn.in_proj) if proj is None else proj
+        N, B = proj.shape[0], proj.shape[0] // T
+        qkv, fa, ga, b = proj.split(attn.splits, dim=-1)
         f = _mm(fa, attn.f_b)
         r = ga if attn.g_b is None else _mm(ga, attn.g_b)
         k = self.cache.kda_index[attn.layer]
@@ -206,15 +245,16 @@ class SpecializedRunner:
                        gate="softplus" if lb is None else "bounded", lower_bound=lb if lb is not None else -5.0,
                        eps_o=self.cfg.rms_norm_eps, state_ckpt=None if ck is None else ck[0][k, :B, :T],
                        conv_ckpt=None if ck is None else ck[1][k, :B, :T])
-        return _mm(o.view(N, -1), attn.o_proj, out=self._rbuf(h))
+        return _mm(o.view(N, -1), attn.o_proj, out=self._rbuf(proj))
 
-    def _mla(self, attn, h, step, T=1):
-        q, kva, _ = _mm(h, attn.in_proj).split(attn.splits, dim=-1)
+    def _mla(self, attn, h, step, T=1, proj=None):
+        proj = _mm(h, attn.in_proj) if proj is None else proj
+        q, kva, _ = proj.split(attn.splits, dim=-1)
         q, kva = attn.gather_sliced(q, kva)  # TP slicing: this rank's kv_a columns -> all of them
         if attn.q_b is not None:  # q-LoRA (a kimi_linear config may set q_lora_rank): q = W_qb RMSNorm(W_qa x)
             q = _mm(rms_norm(q, attn.q_a_norm, self.cfg.mla_norm_eps), attn.q_b)
         o = self._mla_attend(attn, q, kva, step, T)
-        return _mm(o, attn.o_proj, out=self._rbuf(h))
+        return _mm(o, attn.o_proj, out=self._rbuf(proj))
 
     def _mla_attend(self, attn, q, kva, step, T=1):
         """Write this step's latents, then absorbed attention over the paged cache: [B, H·v]."""

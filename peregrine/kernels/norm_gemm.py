@@ -12,8 +12,9 @@ of N tile 0 and split 0 only, to a buffer other than the one read: other program
 
 Where it helps: the attention in-projections (KDA and MLA) are the only readers of their norm's output, so
 the 27 add_rms_norm launches before them can go (B = 1: the norm kernel is launch- and latency-bound).
-The MoE's norm feeds the router, the experts and the shared expert, so it stays. Not wired into the decode
-step: `python -m peregrine.bench.kernels_norm_gemm` times it against the two-kernel chain first.
+The MoE's norm feeds the router, the experts and the shared expert, so it stays. The decode step takes it
+with {"decode_fused_norm": true} (decode/specialized.py _step_fused; off until timed):
+`python -m peregrine.bench.kernels_norm_gemm` times it against the two-kernel chain.
 """
 from __future__ import annotations
 
