@@ -25,8 +25,15 @@ TOP_OPS = 30  # aten ops by their own GPU time, per input shapes (--shapes): whi
 def profile_call(fn, log, shapes: bool = False, stacks: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
+    extra = {}
+    if stacks:  # ops carry their Python stacks only in the verbose mode (torch 2.11-2.13: empty otherwise)
+        try:
+            from torch._C._profiler import _ExperimentalConfig
+            extra["experimental_config"] = _ExperimentalConfig(verbose=True)
+        except ImportError:
+            log("  (no verbose profiler config in this torch: op stacks may come back empty)")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=shapes,
-                 with_stack=stacks) as prof:
+                 with_stack=stacks, **extra) as prof:
         t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
