@@ -16,7 +16,7 @@
 # - 32K cold TTFT on more machines (576.7 / 566.5 on one, 590.5 on another): STEPS=ttft LENGTHS=1024,8192,32768,131072
 # - the two ~7 ms host stretches of a cold 32K step (f9ec044): profile again, now that the engine's phases are named
 #   ranges (the gap listing says which one each falls in; StepInput.build's slots no longer divide per token, e58a4e5):
-#   STEPS=profile CHUNKS=32768 CONTEXT=0 BUDGET=32768 bash scripts/gpu_prefill.sh
+#   STEPS=profile CHUNKS=32768 CONTEXT=0 BUDGET=32768 STACKS=1 bash scripts/gpu_prefill.sh
 # - #20, fewer launches: the residual add + RMSNorm in the in-projections' GEMM prologue (kernels/norm_gemm.py; the
 #   decode step takes it with --additional-config '{"decode_fused_norm": true}', off by default) against the chain:
 #   python -m pytest -m gpu tests/test_kernels_norm_gemm.py tests/test_specialized.py -k "norm_gemm or fused_norm"

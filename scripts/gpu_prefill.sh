@@ -27,7 +27,7 @@ for step in $STEPS; do
         | tee "$OUT/kda-rows.log" || rc=1 ;;
     profile)
       timeout -k 5 "$lim" python3 -m peregrine.bench.profile_prefill --model "$MODEL" --dummy-weights \
-        --chunks "${CHUNKS:-1024,8192}" --context "${CONTEXT:-32768}" --ab-runs "${AB:-0}" --budget "${BUDGET:-0}" ${SHAPES:+--shapes} 2>&1 | tee "$OUT/profile-prefill.log" || rc=1 ;;
+        --chunks "${CHUNKS:-1024,8192}" --context "${CONTEXT:-32768}" --ab-runs "${AB:-0}" --budget "${BUDGET:-0}" ${SHAPES:+--shapes} ${STACKS:+--stacks} 2>&1 | tee "$OUT/profile-prefill.log" || rc=1 ;;
     pmoe)
       timeout -k 5 "$lim" python3 -m pytest -v tests/test_kernels_persistent_moe.py 2>&1 | tee "$OUT/pytest-pmoe.log" || rc=1
       timeout -k 5 "$lim" python3 -m peregrine.bench.persistent_moe --model "$MODEL" 2>&1 | tee "$OUT/persistent-moe.log" || rc=1 ;;
