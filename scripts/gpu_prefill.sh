@@ -2,7 +2,7 @@
 # Prefill / prefix caching / chunked mixing on one H200 (issue: time to first token at agent-size contexts).
 #   STEPS: any of tests hf kernels kdarows profile pmoe glue moegrouped ttft serve (default: tests kernels ttft serve, in that order); TESTS (test
 #   files) and K (a pytest -k filter) for tests; hf: the transformers conformance test; MODEL (kimi-linear-48b-a3b);
-#   LENGTHS (1024,8192,32768,131072); CHUNKS/CONTEXT/AB (interleaved eager vs prefill-graph runs)/BUDGET (tokens per step) for profile; pmoe: #20's persistent MoE tests and bench; RUNS (3); CONC (1,4,8); T_<step> seconds per step (a killed step
+#   LENGTHS (1024,8192,32768,131072); CHUNKS/CONTEXT/AB (interleaved eager vs prefill-graph runs)/BUDGET (tokens per step)/SHAPES=1/STACKS=1 (Python stacks in the idle-gap listing) for profile; pmoe: #20's persistent MoE tests and bench; RUNS (3); CONC (1,4,8); T_<step> seconds per step (a killed step
 #   still leaves its log and the bundle); BACKEND, PG (true: prefill graphs; e.g. "false true"), BREAKDOWN (32768; 0: none), MNBT (tokens per step, e.g. "8192 32768") for ttft
 # Results go to results/, logs to $OUT/logs; both come back as $OUT/bundle.tgz (the device returns 8 files).
 source "$(dirname "$0")/device_env.sh"
