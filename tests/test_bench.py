@@ -388,3 +388,20 @@ def test_ttft_gc_watch_sees_the_collections_inside_its_block():
         pass
     assert [g for g, _ in w.summary()] == [1] and w.summary()[0][1] >= 0 and quiet.summary() == []
     assert all(cb.__self__ is not w for cb in gc.callbacks if hasattr(cb, "__self__")), "its callback is removed"
+
+
+def test_engine_phases_are_named_ranges_in_a_profile():
+    """What profile_prefill's gap listing names: the engine's phases as peregrine.* ranges, while profiling."""
+    import random
+    from torch.profiler import ProfilerActivity, profile
+    from peregrine.bench.ttft import first_token_s
+    from peregrine.config import EngineConfig
+    from peregrine.engine.build import build_engine
+    e, _ = build_engine("tiny-kimi-linear", EngineConfig(max_model_len=128, max_num_seqs=2), dummy_weights=True,
+                        log=lambda m: None)
+    first_token_s(e, [random.Random(0).randrange(100) for _ in range(40)])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        first_token_s(e, [random.Random(1).randrange(100) for _ in range(40)])
+    names = {ev.name for ev in prof.events() if ev.name.startswith("peregrine.")}
+    assert {"peregrine.schedule", "peregrine.build_step", "peregrine.forward", "peregrine.after_forward",
+            "peregrine.complete", "peregrine.accept"} <= names

@@ -44,12 +44,21 @@ DEFAULT_MAX_MODEL_LEN = 4096  # cap when the user sets none: keeps the block res
 DEFAULT_PIECE_LAYERS = 6  # layers per prefill piece: the 48B's 27 layers in 5 pieces (its whole mixed step measured 132 ms)
 
 
+def _profiling() -> bool:
+    return torch._C._autograd._profiler_enabled()
+
+
 def _traced(name: str):
     """The method as a named host range in torch.profiler traces (profile_prefill's idle gaps name the
-    ranges they fall in); ~1 us a call when no profiler runs."""
+    ranges they fall in). Only while a profiler runs: record_function costs a few us a call even without one,
+    and these run every decode step."""
+    label = f"peregrine.{name}"
+
     def wrap(fn):
         def inner(*a, **k):
-            with torch.profiler.record_function(f"peregrine.{name}"):
+            if not _profiling():
+                return fn(*a, **k)
+            with torch.profiler.record_function(label):
                 return fn(*a, **k)
         inner.__name__, inner.__doc__, inner.__wrapped__ = fn.__name__, fn.__doc__, fn
         return inner
@@ -246,9 +255,7 @@ class LLMEngine:
             if ahead is not None and all(s.finished for s, _ in ahead.batch):  # all stopped or aborted since
                 self.stats["lookahead_discarded_tokens"] += len(ahead.batch)
                 ahead = None
-            # while a chunk is in flight only the running decodes are scheduled (its rows are mid-forward)
-            with torch.profiler.record_function("peregrine.schedule"):
-                batch = ahead.batch if ahead is not None else self.scheduler.schedule(prefill=self._inflight is None)
+            batch = ahead.batch if ahead is not None else self._schedule()
             self._cache_ops([("load", snap, slot) for snap, slot in self.scheduler.take_loads()])
             n_prefill = 0
             if ahead is None and self._pieces_wanted(batch):
@@ -338,6 +345,11 @@ class LLMEngine:
             if s.finished:  # aborted while in flight
                 self.scheduler.remove(s)
         return new
+
+    @_traced("schedule")
+    def _schedule(self):
+        # while a chunk is in flight only the running decodes are scheduled (its rows are mid-forward)
+        return self.scheduler.schedule(prefill=self._inflight is None)
 
     @_traced("forward")
     def _forward(self, step: StepInput, rows: int):
