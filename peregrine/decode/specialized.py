@@ -55,7 +55,7 @@ class SpecializedRunner:
         self.model, self.cache, self.standard, self.max_batch, self.log = model, cache, standard, max_batch, log
         self.cfg = model.cfg
         self.pdl = pdl  # Programmatic Dependent Launch for this runner's kernels (captured into its graphs)
-        self.fused_norm = fused_norm  # attention in-projections with their residual add + RMSNorm fused in (_step_fused)
+        self.fused_norm = fused_norm  # attention in-projections with their residual add + RMSNorm fused in (_norm_in_proj)
         self.last_path = self.name
         self.fallback_reasons: Counter = Counter()
         self.greedy_tokens = None  # argmax of the last specialized step (the engine skips its own)
@@ -158,32 +158,10 @@ class SpecializedRunner:
     def _step(self, step):
         if self.cfg.is_k3 or self.cfg.expert_quant is not None:
             return self._step_k3(step)
-        if self.fused_norm:
-            return self._step_fused(step)
-        m, c, cfg = self.model, self.cache, self.cfg
-        eps = cfg.rms_norm_eps
+        m, eps = self.model, self.cfg.rms_norm_eps
         if self.oneshot is not None:
             self.oneshot.reset()  # the same buffer order in every step and every graph
         T = step.spec_tokens or 1  # query tokens per sequence: 1 + k in a verify step
-        residual = m.embed(step.input_ids)
-        layers = m.layers
-        h = rms_norm(residual, layers[0].input_layernorm.weight, eps)
-        for i, layer in enumerate(layers):
-            a = self._kda(layer.attn, h, step, T) if layer.is_kda else self._mla(layer.attn, h, step, T)
-            h, residual = add_rms_norm(self._reduce(a), residual, layer.post_attention_layernorm.weight, eps)
-            f = self._moe(layer.mlp, h) if layer.is_moe else self._dense(layer.mlp, h, self._rbuf(h))
-            f = self._reduce(f)
-            nxt = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else m.norm.weight
-            h, residual = add_rms_norm(f, residual, nxt, eps)
-        return self._head(_mm(h, m.lm_head).float())
-
-    def _step_fused(self, step):
-        """_step with each attention in-projection reading the previous layer's output and the residual: the
-        add and RMSNorm run in its GEMM's prologue (kernels/norm_gemm.py), the sum lands in a new residual."""
-        m, eps = self.model, self.cfg.rms_norm_eps
-        if self.oneshot is not None:
-            self.oneshot.reset()
-        T = step.spec_tokens or 1
         residual = m.embed(step.input_ids)
         layers = m.layers
         x, w_in = None, layers[0].input_layernorm.weight  # layer 0's input: RMSNorm(residual), nothing to add
@@ -199,10 +177,11 @@ class SpecializedRunner:
         return self._head(_mm(h, m.lm_head).float())
 
     def _norm_in_proj(self, attn, x, residual, w):
-        """(RMSNorm(residual [+ x])·w @ in_proj.T, the residual after the add) in one launch; rows past the
-        skinny GEMM's (verify steps) take the two-kernel chain."""
+        """(RMSNorm(residual [+ x])·w @ in_proj.T, the residual after the add). The two-kernel chain (the add
+        in place), or with fused_norm one launch (kernels/norm_gemm.py) writing the sum to a new residual;
+        rows past the skinny GEMM's (verify steps) always take the chain."""
         eps = self.cfg.rms_norm_eps
-        if residual.shape[0] > MAX_DECODE_BATCH:
+        if not self.fused_norm or residual.shape[0] > MAX_DECODE_BATCH:
             h = rms_norm(residual, w, eps) if x is None else add_rms_norm(x, residual, w, eps)[0]
             return _mm(h, attn.in_proj), residual
         if x is None:
@@ -230,7 +209,7 @@ class SpecializedRunner:
         return self.tp.all_reduce(x)
 
     def _kda(self, attn, h, step, T=1, proj=None):
-        """proj: the in-projection already applied (_step_fused); else h @ in_proj.T here."""
+        """proj: the in-projection already applied (_step's _norm_in_proj); else h @ in_proj.T here."""
         proj = _mm(h, attn.in_proj) if proj is None else proj
         N, B = proj.shape[0], proj.shape[0] // T
         qkv, fa, ga, b = proj.split(attn.splits, dim=-1)
