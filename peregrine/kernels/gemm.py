@@ -192,6 +192,18 @@ def _use_ieee(x, w) -> bool:
     return (x.dtype == torch.float32 and w.dtype == torch.float32) or interpreting()
 
 
+def tiling(M: int, N: int, K: int, cfg: dict) -> tuple[tuple[int, int, int], int, dict]:
+    """(grid, K per split, the kernel's tile meta) of a Triton config (not "torch")."""
+    bn, bk, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"] if cfg["kernel"] == "splitk" else 1
+    dot = cfg.get("dot", M > FMA_MAX_ROWS)
+    bm = DOT_MIN_ROWS if dot else min(triton.next_power_of_2(M), FMA_MAX_ROWS)
+    k_per = triton.cdiv(triton.cdiv(K, split), bk) * bk
+    split = triton.cdiv(K, k_per)  # drop splits that would start past K
+    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot, EVEN_K=k_per * split == K,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return (triton.cdiv(N, bn), split, triton.cdiv(M, bm)), k_per, meta
+
+
 def launch(x, w, y, cfg: dict) -> None:
     M, K = x.shape
     N = w.shape[0]
@@ -201,16 +213,9 @@ def launch(x, w, y, cfg: dict) -> None:
         else:
             y.copy_(torch.matmul(x, w.t()))
         return
-    bn, bk, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"] if cfg["kernel"] == "splitk" else 1
-    dot = cfg.get("dot", M > FMA_MAX_ROWS)
-    bm = DOT_MIN_ROWS if dot else min(triton.next_power_of_2(M), FMA_MAX_ROWS)
-    k_per = triton.cdiv(triton.cdiv(K, split), bk) * bk
-    split = triton.cdiv(K, k_per)  # drop splits that would start past K
-    even_k = k_per * split == K
-    ieee = _use_ieee(x, w)
-    grid = (triton.cdiv(N, bn), split, triton.cdiv(M, bm))
-    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot, IEEE=ieee, EVEN_K=even_k,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(x.device))
+    grid, k_per, tile = tiling(M, N, K, cfg)
+    split = grid[1]
+    meta = dict(tile, IEEE=_use_ieee(x, w), **launch_kwargs(x.device))
     if split == 1:
         _gemm_kernel[grid](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), 0, k_per, **meta)
         return

@@ -104,17 +104,11 @@ def norm_gemm(x: torch.Tensor, w_norm: torch.Tensor, w: torch.Tensor, eps: float
     cfg = config or gemm.lookup(M, N, K)
     if cfg["kernel"] == "torch":  # the plan's cuBLAS shapes: the prologue needs our kernel
         cfg = gemm.heuristic(M, N, K)
-    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    split = cfg["SPLIT_K"] if cfg["kernel"] == "splitk" else 1
-    dot = cfg.get("dot", M > gemm.FMA_MAX_ROWS)
-    bm = gemm.DOT_MIN_ROWS if dot else min(triton.next_power_of_2(M), gemm.FMA_MAX_ROWS)
-    k_per = triton.cdiv(triton.cdiv(K, split), bk) * bk
-    split = triton.cdiv(K, k_per)
+    grid, k_per, tile = gemm.tiling(M, N, K, cfg)  # the skinny GEMM's tiles for this config
+    split = grid[1]
     r = residual if residual is not None else x
     ro = residual_out if residual_out is not None else x
-    grid = (triton.cdiv(N, bn), split, triton.cdiv(M, bm))
-    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot, IEEE=_use_ieee(x, w), EVEN_K=k_per * split == K,
-                HAS_RES=residual is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    meta = dict(tile, IEEE=_use_ieee(x, w), HAS_RES=residual is not None)
     args = (x, r, ro, w_norm, w)
     strides = (x.stride(0), r.stride(0), ro.stride(0), w.stride(0))
     if split == 1:
