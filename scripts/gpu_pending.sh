@@ -6,7 +6,9 @@
 # - k3-slice at all 6 layers, FP32, TP = 2 vs TP = 1 (its first 4 layers passed at 1571ff5)
 # On the eight-GPU kind (#11): TP=8 STEPS='check decode k3' bash scripts/tp_gpu_run.sh
 # On one H200 (export TRITON_CACHE_AUTOTUNING=1 first: fla's first autotune is minutes on a fresh machine).
-# Queued after session 11 (cb16da3; nothing here has run yet):
+# Queued after session 11 (nothing here has run yet). First, at the head: the decode step's layer loop was refactored
+# (58ec696: the same kernels in the same order by default) and gemm.launch's tiling moved into gemm.tiling (e43ac44):
+#   PARTS=decode bash scripts/gpu_decode.sh   (B = 1..8 against 2.58 / 3.39 / 4.70 / 7.08 ms), then the serving run below
 # - K3's bounded gate in the shared varlen fla call (VARLEN_BOUNDED_GATE, off; cut twice by fla's first autotune on a
 #   fresh machine, so give it ~300 s): STEPS=tests TESTS="tests/test_prefill.py tests/test_kernels_norm.py"
 #   K="k3-shared or prefill_sized" T_tests=400 bash scripts/gpu_prefill.sh
