@@ -24,8 +24,24 @@ def _after(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # no
         _state["startup"] += 1
         return None
     _state["later"] += 1
-    _state["log"](f"WARNING: triton compiled {fn.name} while serving ({secs:.2f}s; the warm-up missed it): {repr[:400]}")
+    _state["log"](f"WARNING: triton compiled {fn.name} while serving ({secs:.2f}s; the warm-up missed it): "
+                  f"{describe(compile) or repr[:400]}")
     return None
+
+
+def describe(compile: dict) -> str:
+    """The specialization that made this compile, from the hook's compile record: the arguments fixed as
+    constants (ints equal to 1 among them) and those taken as 16-divisible / 16-byte aligned. Triton's own
+    `repr` lists only the first argument in 3.6 (it zips the names with a string key)."""
+    try:
+        names = list(compile["signature"])
+        const = ", ".join(f"{names[p[0]]}={v}" for p, v in sorted(compile.get("constants", {}).items()) if len(p) == 1)
+        attrs = compile.get("configs") or [{}]
+        div = ", ".join(names[p[0]] for p in sorted(attrs[0]) if len(p) == 1)
+        ptrs = ", ".join(f"{n}: {t}" for n, t in compile["signature"].items() if str(t).startswith("*"))
+        return f"constants [{const}]; divisible by 16 [{div}]; pointers [{ptrs}]"[:1500]
+    except Exception:  # a triton whose record differs: its repr
+        return ""
 
 
 def install(log, env=None) -> bool:

@@ -24,3 +24,15 @@ def test_compiles_after_start_up_are_logged_and_the_hooks_never_skip_a_compile(m
     knobs.runtime.jit_post_compile_hook(key="c", **kw)
     assert "WARNING: triton compiled my_kernel while serving" in lines[-1] and "x: *bf16" in lines[-1]
     assert C.counts() == {"startup": 2, "serving": 1}
+
+
+def test_a_later_compile_names_its_specialization():
+    """The warning names what made the compile: the arguments fixed as constants (an int equal to 1) and those
+    taken as 16-divisible or 16-byte aligned, from the record triton 3.6's hook passes (signature by name,
+    constants and attributes by argument path); triton's own repr names only the first argument."""
+    rec = {"signature": {"qkv": "*bf16", "slots": "*i64", "T": "constexpr", "s_b": "i32", "BLOCK": "constexpr"},
+           "constants": {(2,): 1, (4,): 64}, "configs": [{(0,): [["tt.divisibility", 16]], (3,): [["tt.divisibility", 16]]}]}
+    d = C.describe(rec)
+    assert "T=1" in d and "BLOCK=64" in d
+    assert "divisible by 16 [qkv, s_b]" in d and "slots: *i64" in d
+    assert C.describe({"no": "signature"}) == ""  # another triton's record: the caller falls back to its repr

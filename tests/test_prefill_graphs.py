@@ -146,6 +146,25 @@ def test_warm_up_runs_two_long_rows_in_one_step(monkeypatch):
         seen.clear()
 
 
+def test_warm_up_runs_the_kda_row_kernel_over_one_token(monkeypatch):
+    """warm_up splits a short row one token before its end, as a snapshot at P - 1 does, so the KDA row
+    kernel runs (and Triton compiles its T = 1 specialization) at start-up, not at such a prompt's step;
+    the cut takes no snapshot and leaves every live slot alone."""
+    import peregrine.kernels.kda as kk
+    import peregrine.models.kda as mk
+    monkeypatch.setattr(mk, "SHORT_ROWS_KERNEL", True)  # the GPU's choice for short rows, here in the interpreter
+    lens, real = [], kk.kda_decode
+    monkeypatch.setattr(kk, "kda_decode", lambda qkv, *a, **k: lens.append(qkv.shape[1]) or real(qkv, *a, **k))
+    cfg, m = tiny()
+    c = new_cache(cfg, blocks=40)
+    snaps = c.snap_state.clone(), c.snap_conv.clone()
+    live = c.state[:, :c.scratch_slot].clone()
+    PrefillGraphs(m, c, 16, capture=False, buckets=BUCKETS).warm_up()
+    assert 1 in lens and 15 in lens, lens  # the 16-token bucket's row as 15 + 1
+    assert torch.equal(c.snap_state, snaps[0]) and torch.equal(c.snap_conv, snaps[1])
+    assert torch.equal(c.state[:, :c.scratch_slot], live)
+
+
 def test_steps_past_the_largest_bucket_and_decode_steps_are_not_served():
     cfg, m = tiny()
     pg = PrefillGraphs(m, new_cache(cfg, blocks=40), 100, capture=False, buckets=BUCKETS)

@@ -145,6 +145,10 @@ class PrefillGraphs:
         for rows in ((n, n), (n, n - 1)):
             if sum(rows) <= self.buckets[-1] and not self.broken:
                 self._dummy_prefill(rows)
+        # a short row cut one token before its end (a prompt of P = 64k + 1 tokens gets a KDA snapshot at P - 1):
+        # the one-kernel recurrence over a single token, which Triton compiles apart (it specializes T = 1)
+        if not self.broken:
+            self._dummy_prefill([self.buckets[0]], cut=self.buckets[0] - 1)
         for t in [*self.buf["x"], *self.buf["o"].values(), *(u for v in self.buf["pre"].values() for p in v for u in p)]:
             if t is not None:
                 t.zero_()
@@ -154,12 +158,15 @@ class PrefillGraphs:
             self.log(f"prefill graphs ready: {len(self.graphs)} for {len(self.buckets)} token buckets up to "
                      f"{self.buckets[-1]} in {time.time() - t0:.1f}s")
 
-    def _dummy_prefill(self, rows: list[int]) -> None:
-        """A prefill step of rows of these lengths, every one over the cache's scratch slot and block."""
+    def _dummy_prefill(self, rows: list[int], cut: int | None = None) -> None:
+        """A prefill step of rows of these lengths, every one over the cache's scratch slot and block; cut: the
+        first row's KDA layers split their recurrence there, as at a snapshot (none is taken)."""
         c = self.cache
         table = [c.scratch_block] * ((max(rows) + c.block_size - 1) // c.block_size)
-        for _ in self.run(StepInput.build([([0] * r, 0, c.scratch_slot, table) for r in rows], c.block_size,
-                                          c.latent.device)):
+        step = StepInput.build([([0] * r, 0, c.scratch_slot, table) for r in rows], c.block_size, c.latent.device)
+        if cut is not None:
+            step.kda_snapshots = {0: [(cut, None)]}
+        for _ in self.run(step):
             pass
 
     def run(self, step, layers_per_piece: int | None = None):

@@ -116,7 +116,8 @@ def _finish_head(x_b, cs, r, onw, osc, out, cck, pb, h, T, H, D,
     _store_conv(cs, s_cs_j, nk, ch_k, m, W, BLOCK_W)
 
 
-@triton.jit
+# slots: a view into the step's flat index tensor, 8- or 16-byte aligned by the row: one compile for both
+@triton.jit(do_not_specialize_on_alignment=["slots"])
 def _kda_decode_kernel(
     qkv, f, bl, r, conv_w, A_log, dt_bias, onw, state, conv_state, slots, out, sck, cck, osc, counters,
     T, H, D,
@@ -217,7 +218,7 @@ def _kda_decode_kernel(
             tl.atomic_xchg(counters + pb * H + h, 0)  # ready for the next launch (graph replay)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slots"])
 def _kda_finish_kernel(qkv, r, onw, conv_state, slots, out, cck, osc, T, H, D,
                        s_qkv_b, s_qkv_t, s_cs_s, s_cs_j, s_r_b, s_r_t, s_os_b, s_os_t, s_o_b, s_o_t,
                        s_cck_b, s_cck_t, s_cck_j, eps_o,
