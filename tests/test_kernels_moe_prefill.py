@@ -24,8 +24,11 @@ def ref_swiglu_weighted(gu, w):
     return (a.double() * w.double()[:, None]).to(gu.dtype)
 
 
-def ref_combine(ys, inv, k):
-    return ys.double()[inv].view(-1, k, ys.shape[1]).sum(1).to(ys.dtype)
+def ref_combine(ys, inv, k, add=()):
+    y = ys.double()[inv].view(-1, k, ys.shape[1]).sum(1).to(ys.dtype)
+    for a in add:  # each add rounded to the model dtype, as `y + a`
+        y = (y.double() + a.double()).to(ys.dtype)
+    return y
 
 
 def _rand(shape, dtype, device, seed):
@@ -68,6 +71,30 @@ def test_combine(N, k, D, dtype, device):
     assert dtype == torch.float32 or (out == ref).float().mean() >= SAME
     assert (buf[:, D:] == SENTINEL).all()
     assert torch.equal(combine(ys, inv, k), out)  # a fixed order: bitwise reproducible
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_add", [1, 2])
+@pytest.mark.parametrize("N,k,D", NKD[1:] + [(3, 2, 1030)])
+def test_combine_adds_its_addends_as_the_separate_adds_would(N, k, D, n_add, dtype, device):
+    """combine(..., add=(shared, residual)): the sum over k, then each addend, rounded after each add. Against
+    the FP64 reference rounded at the same points; and bitwise the same as the kernel's sum followed by torch's
+    adds (the chain it replaces in models/moe.py), addends read through row strides wider than D."""
+    ys = _rand((N * k, D), dtype, device, 2)
+    inv = torch.randperm(N * k, generator=torch.Generator().manual_seed(3)).to(device)
+    add = tuple(_rand((N, D + 5), dtype, device, 10 + i)[:, 2:2 + D] for i in range(n_add))  # strided rows
+    keep = [a.clone() for a in add]
+    buf, out = _boxed(N, D, dtype, device)
+    combine(ys, inv, k, out=out, add=add)
+    assert not out.isnan().any()
+    ref = ref_combine(ys, inv, k, add)
+    assert_close(out, ref, TOL[dtype] * (1 + n_add))
+    assert dtype == torch.float32 or (out == ref).float().mean() >= SAME
+    chain = combine(ys, inv, k)
+    for a in add:
+        chain = chain + a
+    assert torch.equal(out, chain)
+    assert (buf[:, D:] == SENTINEL).all() and all(torch.equal(a, b) for a, b in zip(add, keep))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -118,13 +145,14 @@ def test_bench_smoke_on_cpu(monkeypatch):
     ran = []
     monkeypatch.setattr(bench, "graph_time", lambda calls, iters: (ran.append(len(calls)), [c() for c in calls], (2.0, [2.0]))[-1])
     rows = bench.run(1000.0)
-    assert [r["kernel"] for r in rows] == ["gather_pairs", "swiglu_weighted", "combine"] * 2
-    assert len(ran) == 12 + 2 * len(bench.GATHER_TILES) and set(rows[0]["tiles_ms"]) == {f"{r}x{b}" for r, b in bench.GATHER_TILES}
+    assert [r["kernel"] for r in rows] == ["gather_pairs", "swiglu_weighted", "combine", "combine_add2"] * 2
+    assert len(ran) == 16 + 2 * len(bench.GATHER_TILES) and set(rows[0]["tiles_ms"]) == {f"{r}x{b}" for r, b in bench.GATHER_TILES}
     P = 5 * bench.TOP_K
-    assert rows[3]["bytes"] == 5 * 24 * 2 + P * 8 + P * 24 * 2
-    assert rows[4]["bytes"] == P * 2 * 16 * 2 + P * 4 + P * 16 * 2
-    assert rows[5]["bytes"] == P * 24 * 2 + P * 8 + 5 * 24 * 2
-    assert rows[5]["gbps"] == rows[5]["bytes"] / 2.0 / 1e6 and rows[5]["pct_of_copy"] == rows[5]["gbps"] / 1000.0
+    assert rows[4]["bytes"] == 5 * 24 * 2 + P * 8 + P * 24 * 2
+    assert rows[5]["bytes"] == P * 2 * 16 * 2 + P * 4 + P * 16 * 2
+    assert rows[6]["bytes"] == P * 24 * 2 + P * 8 + 5 * 24 * 2
+    assert rows[7]["bytes"] == P * 24 * 2 + P * 8 + 3 * 5 * 24 * 2
+    assert rows[6]["gbps"] == rows[6]["bytes"] / 2.0 / 1e6 and rows[6]["pct_of_copy"] == rows[6]["gbps"] / 1000.0
 
 
 def kernels_available_on_cpu() -> bool:

@@ -140,3 +140,50 @@ def test_the_models_norm_and_shared_swiglu_take_the_kernels_for_prefill_sized_st
     if torch.cuda.is_available():
         g = wide.cuda()
         assert L.fused(g) == (dtype != torch.float32) and not L.fused(g[:L.FUSED_MIN_ROWS - 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layer_i", [0, 1])  # a dense layer, a MoE layer
+def test_a_layers_residual_adds_in_its_norm_and_combine_give_the_separate_adds_bits(layer_i, dtype, device, monkeypatch):
+    """DecoderLayer.finish on one rank: h = x + W_o(o) inside the post-attention norm's pass, and (MoE layers)
+    the shared expert's output and h inside the experts' combine. Bitwise the output of the separate adds
+    (h = x + W_o(o); routed + shared; h + that) over the same kernels; x is never written."""
+    import test_model
+    from peregrine.kernels import moe_prefill
+    from peregrine.models import layers as L, moe as M
+    if not kernels_available(device):
+        pytest.skip("triton kernels unavailable")
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("the interpreter's FP32 -> BF16 cast truncates (the norm kernel's stored sum): the GPU pass runs it")
+    monkeypatch.setattr(L, "FUSED", True)
+    cfg, m = test_model.tiny()
+    layer = m.layers[layer_i].to(device=device, dtype=dtype)
+    assert layer.is_moe == (layer_i == 1) and layer.is_kda
+    D = cfg.hidden_size
+    x = _rand((70, D), dtype, device, 21)
+    o = _rand((70, layer.attn.o_proj.shape[1]), dtype, device, 22)
+    x0 = x.clone()
+    calls = []
+    for mod, name in ((norm, "add_rms_norm"), (moe_prefill, "combine")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _f=real, _n=name, **k: calls.append((_n, len(k.get("add", ())))) or _f(*a, **k))
+    with torch.inference_mode():
+        got = layer.finish(x, o, None)
+        h = x + layer.attn.post(o, None)
+        n = layer.post_attention_layernorm(h)
+        if layer.is_moe:
+            p = layer.mlp
+            ids, w = M.route_logits(p.router_logits(n), p.bias, cfg.num_experts_per_token, cfg.moe_renormalize,
+                                    cfg.routed_scaling_factor, n)
+            want = h + (M.grouped_experts(n, p.w13, p.w2, ids, w, p.act) + p.shared(n))
+        else:
+            want = h + layer.mlp(n)
+    assert torch.equal(x, x0)
+    assert not got.isnan().any() and torch.equal(got, want)
+    assert calls[0] == ("add_rms_norm", 0)
+    assert (("combine", 2) in calls) == layer.is_moe  # the shared expert's output and the residual
+
+
+def kernels_available(device) -> bool:
+    from peregrine import kernels
+    return kernels.available(device)

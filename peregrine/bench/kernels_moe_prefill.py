@@ -67,12 +67,27 @@ def _combine_case(P: int):
     return fused, [lambda ys=ys: torch_form(ys) for ys in yss], per
 
 
+def _combine_add_case(P: int):
+    """The combine with the shared expert's output and the residual added in it, against the combine and the
+    two adds it replaces (models/moe.py, models/kimi.py)."""
+    N = P // TOP_K
+    per = P * D * 2 + P * 8 + 3 * N * D * 2  # ys, inv, two addends read, out written
+    n = _copies(per)
+    yss = [torch.randn(P, D, device=DEVICE).to(DTYPE) for _ in range(n)]
+    adds = [tuple(torch.randn(N, D, device=DEVICE).to(DTYPE) for _ in range(2)) for _ in range(n)]
+    inv = torch.randperm(P, device=DEVICE)
+    outs = [torch.empty(N, D, device=DEVICE, dtype=DTYPE) for _ in range(n)]
+    fused = [lambda ys=ys, a=a, o=o: combine(ys, inv, TOP_K, out=o, add=a) for ys, a, o in zip(yss, adds, outs)]
+    chain = [lambda ys=ys, a=a, o=o: a[1] + (combine(ys, inv, TOP_K, out=o) + a[0]) for ys, a, o in zip(yss, adds, outs)]
+    return fused, chain, per
+
+
 def run(copy_gbps: float, full: bool = True, iters: int = 20) -> list[dict]:
     rows = []
     for tokens in TOKENS if full else TOKENS[:1]:
         P = tokens * TOP_K
         for kernel, case in (("gather_pairs", _gather_case), ("swiglu_weighted", _swiglu_case),
-                             ("combine", _combine_case)):
+                             ("combine", _combine_case), ("combine_add2", _combine_add_case)):
             fused, torch_form, nbytes, *tiles = case(P)
             t, samples = graph_time(fused, iters)
             tt, _ = graph_time(torch_form, iters)
@@ -92,8 +107,10 @@ def compile_check() -> list[dict]:
     bf, n, c = "*bf16", (lambda v: ("i32", v)), (lambda v: ("constexpr", v))
     sw = compile_sm90(K._swiglu_weighted_kernel, dict(gu_ptr=(bf, 0), w_ptr=("*fp32", 0), h_ptr=(bf, 0), I=n(I),
                                                       stride_gu=n(2 * I), stride_h=n(I), BLOCK=c(K.BLOCK_I), BF16=c(True)), 4, 1)
-    cb = compile_sm90(K._combine_kernel, dict(ys_ptr=(bf, 0), inv_ptr=("*i64", 0), out_ptr=(bf, 0), D=n(D), stride_ys=n(D),
-                                              stride_out=n(D), K=c(TOP_K), BLOCK=c(K.BLOCK_D), BF16=c(True)), 4, 1)
+    cb = compile_sm90(K._combine_kernel, dict(ys_ptr=(bf, 0), inv_ptr=("*i64", 0), out_ptr=(bf, 0), a1_ptr=(bf, 0),
+                                              a2_ptr=(bf, 0), D=n(D), stride_ys=n(D), stride_out=n(D), stride_a1=n(D),
+                                              stride_a2=n(D), K=c(TOP_K), N_ADD=c(K.MAX_ADDENDS), BLOCK=c(K.BLOCK_D),
+                                              BF16=c(True)), 4, 1)
     ga = compile_sm90(K._gather_pairs_kernel, dict(x_ptr=(bf, 0), order_ptr=("*i64", 0), xs_ptr=(bf, 0), P=n(8 * 1024),
                                                    D=n(D), stride_x=n(D), stride_xs=n(D), K=c(TOP_K), ROWS=c(K.gather_tile(D, 2)[0]),
                                                    BLOCK=c(K.gather_tile(D, 2)[1])), 4, 1)

@@ -50,8 +50,8 @@ def _swiglu_weighted_kernel(gu_ptr, w_ptr, h_ptr, I, stride_gu, stride_h, BLOCK:
 
 
 @triton.jit
-def _combine_kernel(ys_ptr, inv_ptr, out_ptr, D, stride_ys, stride_out, K: tl.constexpr, BLOCK: tl.constexpr,
-                    BF16: tl.constexpr):
+def _combine_kernel(ys_ptr, inv_ptr, out_ptr, a1_ptr, a2_ptr, D, stride_ys, stride_out, stride_a1, stride_a2,
+                    K: tl.constexpr, N_ADD: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < D
@@ -59,7 +59,12 @@ def _combine_kernel(ys_ptr, inv_ptr, out_ptr, D, stride_ys, stride_out, K: tl.co
     for j in tl.static_range(K):  # a fixed order: bitwise reproducible
         row = tl.load(inv_ptr + n * K + j).to(tl.int64)
         acc += tl.load(ys_ptr + row * stride_ys + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + n * stride_out + cols, _rounded(acc, BF16).to(out_ptr.dtype.element_ty), mask=ok)
+    acc = _rounded(acc, BF16)  # each addend after the sum's rounding: the unfused chain's `y + a` adds
+    if N_ADD >= 1:
+        acc = _rounded(acc + tl.load(a1_ptr + n * stride_a1 + cols, mask=ok, other=0.0).to(tl.float32), BF16)
+    if N_ADD >= 2:
+        acc = _rounded(acc + tl.load(a2_ptr + n * stride_a2 + cols, mask=ok, other=0.0).to(tl.float32), BF16)
+    tl.store(out_ptr + n * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -115,16 +120,26 @@ def swiglu_weighted(gu: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None 
     return h
 
 
-def combine(ys: torch.Tensor, inv: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """ys [N·k, D] (rows in any order), inv [N·k] (pair n·k + j's row in ys) -> [N, D] in ys's dtype."""
+MAX_ADDENDS = 2  # the shared expert's output and the layer's residual
+
+
+def combine(ys: torch.Tensor, inv: torch.Tensor, k: int, out: torch.Tensor | None = None,
+            add: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    """ys [N·k, D] (rows in any order), inv [N·k] (pair n·k + j's row in ys) -> [N, D] in ys's dtype; then each
+    of `add` ([N, D] in ys's dtype, rows contiguous) added in order, rounding after every add as `y + a` would:
+    the separate adds' reads and writes of the [N, D] output saved, bitwise the same result."""
     P, D = ys.shape
     assert ys.stride(1) == 1 and inv.shape == (P,) and P % k == 0, (ys.shape, inv.shape, k)
     N = P // k
+    assert len(add) <= MAX_ADDENDS and all(a.shape == (N, D) and a.stride(1) == 1 and a.dtype == ys.dtype for a in add), \
+        [(a.shape, a.dtype) for a in add]
     y = torch.empty(N, D, dtype=ys.dtype, device=ys.device) if out is None else out
     assert y.shape == (N, D) and y.stride(1) == 1
     if N:
-        _combine_kernel[(N, triton.cdiv(D, BLOCK_D))](ys, inv.contiguous(), y, D, ys.stride(0), y.stride(0),
-                                                       K=k, BLOCK=min(BLOCK_D, triton.next_power_of_2(D)),
+        a1, a2 = (tuple(add) + (y, y))[:2]  # unused slots: any pointer (N_ADD keeps them unread)
+        _combine_kernel[(N, triton.cdiv(D, BLOCK_D))](ys, inv.contiguous(), y, a1, a2, D, ys.stride(0), y.stride(0),
+                                                       a1.stride(0), a2.stride(0), K=k, N_ADD=len(add),
+                                                       BLOCK=min(BLOCK_D, triton.next_power_of_2(D)),
                                                        BF16=y.dtype == torch.bfloat16)
     return y
 
@@ -136,9 +151,12 @@ def swiglu_weighted_ref(gu: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (a.float() * w.float()[:, None]).to(gu.dtype)
 
 
-def combine_ref(ys: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
+def combine_ref(ys: torch.Tensor, inv: torch.Tensor, k: int, add: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
     rows = ys.float()[inv].view(-1, k, ys.shape[1])
     acc = rows[:, 0].clone()
     for j in range(1, k):
         acc += rows[:, j]
-    return acc.to(ys.dtype)
+    y = acc.to(ys.dtype)
+    for a in add:
+        y = (y.float() + a.float()).to(ys.dtype)
+    return y

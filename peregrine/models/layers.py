@@ -48,6 +48,17 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (y * w.float()).to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + a), x + a), the sum rounded to the model dtype before the norm. A prefill-sized GPU step takes
+    one kernel pass that writes the sum over `a` (a temporary the caller owns); x is never written."""
+    if (x.shape == a.shape and a.dim() == 2 and a.is_contiguous() and x.stride(-1) == 1 and x.dtype == a.dtype
+            and fused(a)):
+        from ..kernels.norm import add_rms_norm as one_pass
+        return one_pass(x, a, w.contiguous(), eps)
+    h = x + a
+    return rms_norm(h, w, eps), h
+
+
 def swiglu(gu: torch.Tensor) -> torch.Tensor:
     g, u = gu.float().chunk(2, dim=-1)
     return (F.silu(g) * u).to(gu.dtype)

@@ -86,8 +86,9 @@ def route_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormali
     return select(logits, bias, top_k, renormalize, scaling)
 
 
-def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None) -> torch.Tensor:
-    """Σ_k w[n,k]·E_ids[n,k](x[n]) with each used expert's weights read once per step.
+def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None, add: tuple = ()) -> torch.Tensor:
+    """Σ_k w[n,k]·E_ids[n,k](x[n]) with each used expert's weights read once per step; then each tensor of `add`
+    ([N, D] in x's dtype) added in order, rounded after each add (the fused glue adds them in its combine pass).
 
     Token-expert pairs are sorted by expert and run as one grouped GEMM (no host
     sync, so a decode step can be graph-captured). The routing weight scales each pair's
@@ -128,11 +129,14 @@ def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None) -> tor
     if fused:  # each pair's row among the sorted ones, then the sum over k straight from them
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)
-        return combine(ys, inv, k)
+        return combine(ys, inv, k, add=tuple(add))
     y = torch.empty_like(ys)
     y[order] = ys
     # the sum over k in FP32 and a fixed order (bitwise reproducible), read straight from the model dtype
-    return y.view(N, k, -1).sum(1, dtype=torch.float32).to(x.dtype)
+    y = y.view(N, k, -1).sum(1, dtype=torch.float32).to(x.dtype)
+    for a in add:
+        y = y + a
+    return y
 
 
 MX_CHUNK = 8  # experts (or token-expert pairs) dequantized at a time: ~1 GB of BF16 temporaries at K3 widths
@@ -235,17 +239,24 @@ class MoE(nn.Module):
         logits = router_gemm(x, self.gate_w)
         return self.tp.all_gather(logits, -1) if self.router_sliced else logits
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual (one rank only: with tensor parallelism the caller adds it after the all-reduce): added to
+        the output, as the layer's `h + mlp(...)`, in the experts' combine pass where that runs."""
         c = self.cfg
         ids, w = route_logits(self.router_logits(x), self.bias, c.num_experts_per_token, c.moe_renormalize,
                               c.routed_scaling_factor, x)
         self.last_ids = ids
         z = x @ self.down.T if self.latent else x
+        after = tuple(t for t in (self.shared(x) if self.shared is not None else None, residual) if t is not None)
         if self.mx:
             y = mxfp4_experts(z, self.w13_q, self.w13_s, self.w2_q, self.w2_s, ids, w, self.act)
+        elif not self.latent:  # the shared expert's output and the residual go into the combine
+            return grouped_experts(z, self.w13, self.w2, ids, w, self.act, add=after)
         else:
             y = grouped_experts(z, self.w13, self.w2, ids, w, self.act)
         if self.latent:
             lo, hi = self.tp.span(self.norm.shape[0])
             y = rms_norm(self.tp.all_reduce(y), self.norm, c.rms_norm_eps)[:, lo:hi] @ self.up.T
-        return y + self.shared(x) if self.shared is not None else y
+        for t in after:
+            y = y + t
+        return y
