@@ -136,7 +136,7 @@ def test_the_models_norm_and_shared_swiglu_take_the_kernels_for_prefill_sized_st
         assert out[True][k].dtype == dtype and not out[True][k].isnan().any(), k
         assert_close(out[True][k], out[False][k], TOL[dtype]), k
     monkeypatch.setattr(L, "FUSED", None)
-    assert not L.fused(wide)  # the CPU (or the interpreter): the torch forms
+    assert not L.fused(wide.cpu())  # the CPU (or the interpreter): the torch forms
     if torch.cuda.is_available():
         g = wide.cuda()
         assert L.fused(g) == (dtype != torch.float32) and not L.fused(g[:L.FUSED_MIN_ROWS - 1])
