@@ -323,7 +323,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1             # ranks, one process (one GPU) each
     pdl: bool = True                          # specialized path: Programmatic Dependent Launch on Hopper (H200: B=1 step 3.06 -> 2.74 ms)
     # specialized path: each attention in-projection takes its residual add + RMSNorm in its GEMM's prologue
-    # (kernels/norm_gemm.py; one launch instead of two a layer). Off until a GPU run shows it faster
+    # (kernels/norm_gemm.py; one launch instead of two a layer). Off: slower than the chain on the H200 (session 12)
     decode_fused_norm: bool = False
     tp_allreduce: str = "auto"                # specialized path: "auto" (one-shot symmetric memory, else NCCL) or "nccl"
     # TP: router logits and MLA latent/q-down projections as a slice per rank + all-gather (true), or

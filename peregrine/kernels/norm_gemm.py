@@ -13,8 +13,10 @@ of N tile 0 and split 0 only, to a buffer other than the one read: other program
 Where it helps: the attention in-projections (KDA and MLA) are the only readers of their norm's output, so
 the 27 add_rms_norm launches before them can go (B = 1: the norm kernel is launch- and latency-bound).
 The MoE's norm feeds the router, the experts and the shared expert, so it stays. The decode step takes it
-with {"decode_fused_norm": true} (decode/specialized.py _step_fused; off until timed):
-`python -m peregrine.bench.kernels_norm_gemm` times it against the two-kernel chain.
+with {"decode_fused_norm": true} (decode/specialized.py _norm_in_proj; off):
+`python -m peregrine.bench.kernels_norm_gemm` times it against the two-kernel chain. Measured on the H200
+(63b08d0, results/2026-12-02-session12): slower than the chain at every in-projection shape and B = 1..8
+(B = 1 KDA 23.2 vs 19.6 µs; bench decode 2.706 vs 2.561 ms), so the flag stays off.
 """
 from __future__ import annotations
 
