@@ -250,7 +250,7 @@ class MoE(nn.Module):
         after = tuple(t for t in (self.shared(x) if self.shared is not None else None, residual) if t is not None)
         if self.mx:
             y = mxfp4_experts(z, self.w13_q, self.w13_s, self.w2_q, self.w2_s, ids, w, self.act)
-        elif not self.latent:  # the shared expert's output and the residual go into the combine
+        elif not self.latent and layers.FUSED_RESIDUAL:  # the shared expert's output and the residual go into the combine
             return grouped_experts(z, self.w13, self.w2, ids, w, self.act, add=after)
         else:
             y = grouped_experts(z, self.w13, self.w2, ids, w, self.act)
