@@ -152,9 +152,10 @@ def test_warm_up_runs_the_kda_row_kernel_over_one_token(monkeypatch):
     the cut takes no snapshot and leaves every live slot alone."""
     import peregrine.kernels.kda as kk
     import peregrine.models.kda as mk
-    monkeypatch.setattr(mk, "SHORT_ROWS_KERNEL", True)  # the GPU's choice for short rows, here in the interpreter
-    lens, real = [], kk.kda_decode
-    monkeypatch.setattr(kk, "kda_decode", lambda qkv, *a, **k: lens.append(qkv.shape[1]) or real(qkv, *a, **k))
+    monkeypatch.setattr(mk, "SHORT_ROWS_KERNEL", True)  # the GPU's choice for short rows
+    lens = []  # what the warm-up launches is the question here, not the kernel's math (tests/test_kernels_kda.py):
+    #   the stand-in records the segment length and writes zeros (the interpreter's kernel: ~80 s for this warm-up)
+    monkeypatch.setattr(kk, "kda_decode", lambda qkv, *a, out, **k: lens.append(qkv.shape[1]) or out.zero_())
     cfg, m = tiny()
     c = new_cache(cfg, blocks=40)
     snaps = c.snap_state.clone(), c.snap_conv.clone()
