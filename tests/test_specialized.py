@@ -122,7 +122,8 @@ def test_fused_norm_in_projections_equal_the_two_kernel_chain(model_dir):
     chain, lc = engine(model_dir, "latency_specialized", **eager)
     fused, lf = engine(model_dir, "latency_specialized", decode_fused_norm=True, **eager)
     assert fused.runner.fused_norm and not chain.runner.fused_norm
-    a, b = chain.generate(ps, greedy(STEPS)), fused.generate(ps, greedy(STEPS))
+    n = STEPS if FULL_SHAPES else 8  # an off-by-default path (slower on the H200): a few steps cover its layers in CI
+    a, b = chain.generate(ps, greedy(n)), fused.generate(ps, greedy(n))
     assert [p for p, _ in lf][1:] == ["latency_specialized"] * (len(lf) - 1)
     div = [first_divergence(x, y) for x, y in zip(a, b)]
     if DEVICE == "cpu":
