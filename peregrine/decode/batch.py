@@ -19,6 +19,7 @@ def _long(xs: list[int]) -> torch.Tensor:
     long list: a cold 32K prompt's step pays this conversion on the host before its first kernel."""
     return torch.frombuffer(array.array("q", xs), dtype=torch.long) if xs else torch.empty(0, dtype=torch.long)
 
+
 @dataclass
 class StepInput:
     input_ids: torch.Tensor      # [N] long, new tokens of every sequence back to back

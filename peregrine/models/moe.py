@@ -248,15 +248,14 @@ class MoE(nn.Module):
         self.last_ids = ids
         z = x @ self.down.T if self.latent else x
         after = tuple(t for t in (self.shared(x) if self.shared is not None else None, residual) if t is not None)
+        fold = not (self.mx or self.latent) and layers.FUSED_RESIDUAL  # the experts' combine adds `after` itself
         if self.mx:
             y = mxfp4_experts(z, self.w13_q, self.w13_s, self.w2_q, self.w2_s, ids, w, self.act)
-        elif not self.latent and layers.FUSED_RESIDUAL:  # the shared expert's output and the residual go into the combine
-            return grouped_experts(z, self.w13, self.w2, ids, w, self.act, add=after)
         else:
-            y = grouped_experts(z, self.w13, self.w2, ids, w, self.act)
+            y = grouped_experts(z, self.w13, self.w2, ids, w, self.act, add=after if fold else ())
         if self.latent:
             lo, hi = self.tp.span(self.norm.shape[0])
             y = rms_norm(self.tp.all_reduce(y), self.norm, c.rms_norm_eps)[:, lo:hi] @ self.up.T
-        for t in after:
+        for t in () if fold else after:
             y = y + t
         return y
