@@ -111,6 +111,60 @@ def idle_gaps(prof, log) -> dict:
     return out
 
 
+HOST_PHASES = ("_schedule", "_build_step", "_forward", "_complete", "_after_forward", "_sample", "_accept")
+SYNC_FRAMES = 4  # innermost frames of this project or fla shown per host sync
+
+
+def host_phases(eng, prompt, log) -> dict:
+    """One cold first token, unprofiled, with each engine phase's host wall time (where the host waits on
+    the GPU shows as a long phase), then again under torch's sync debug mode: each op that made the host
+    wait for the device, with the innermost frames of this project (or fla) that issued it."""
+    import traceback
+    import warnings
+    acc = collections.defaultdict(float)
+    saved = {n: getattr(eng, n) for n in HOST_PHASES}
+
+    def timed(name, fn):
+        def inner(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[name] += (time.perf_counter() - t0) * 1e3
+        return inner
+    for n, fn in saved.items():
+        setattr(eng, n, timed(n, fn))
+    try:
+        total = first_token_s(eng, prompt) * 1e3
+    finally:
+        for n in saved:
+            delattr(eng, n)  # the class's methods again
+    log(f"host phases of one cold first token ({total:.1f} ms; nested phases overlap): "
+        + ", ".join(f"{n.strip('_')} {v:.2f}" for n, v in acc.items()))
+    syncs = []
+    if not torch.cuda.is_available():
+        return {"total_ms": total, "phases_ms": dict(acc), "syncs": None}
+    show = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "peregrine/" in f.filename or "/fla/" in f.filename]
+        syncs.append({"op": str(message).splitlines()[0][:120],
+                      "at": [f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in frames[-SYNC_FRAMES:]]})
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            first_token_s(eng, prompt[1:] + prompt[:1])  # another prompt: no prefix hit
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = show
+    log(f"host syncs in one cold first token: {len(syncs)}")
+    for s in syncs:
+        log(f"  {s['op']}\n      " + "\n      ".join(reversed(s["at"])))
+    return {"total_ms": total, "phases_ms": dict(acc), "syncs": syncs}
+
+
 def main(argv=None) -> int:
     from ..config import EngineConfig
     from ..engine.build import build_engine
@@ -129,6 +183,9 @@ def main(argv=None) -> int:
                          "in one process (same machine, same moment), then a profile of each (default 0: eager only)")
     ap.add_argument("--shapes", action="store_true", help="also list aten ops by their own GPU time per input shapes")
     ap.add_argument("--stacks", action="store_true", help="record Python stacks: GPU idle gaps name the host code in them")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="per chunk, also the engine's host phases of an unprofiled cold first token and every op "
+                         "that made the host wait for the GPU (torch's sync debug mode), with where it was issued")
     a = ap.parse_args(argv)
     chunks = [int(c) for c in a.chunks.split(",")]
     log = print
@@ -156,6 +213,8 @@ def main(argv=None) -> int:
             eng.runner.prefill = pg
             log(f"cold prefill of one {n}-token prompt in steps of ≤ {eng.scheduler.max_num_batched_tokens} tokens ({mode})")
             cold[f"{n} {mode}"] = profile_call(lambda: first_token_s(eng, random_prompt(n, V, 2)), log, a.shapes, a.stacks)
+            if a.sync_debug:
+                cold[f"{n} {mode}"]["host"] = host_phases(eng, random_prompt(n, V, 6), log)
     eng.runner.prefill = graphs
     if not a.context:
         path = write_result(result_path(a.model, "profile-prefill", a.results_dir),
