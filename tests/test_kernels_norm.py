@@ -103,6 +103,40 @@ def test_references_agree(device):
     assert r.dtype == torch.bfloat16 and torch.equal(r, (res.float() + x).to(torch.bfloat16))
 
 
+def ref_gated(o, r, w, eps=EPS):
+    """FP64: per head RMSNorm(o)·w ⊙ σ(r), flattened over heads."""
+    T, H, d = o.shape
+    return (ref_norm(o.reshape(T * H, d), w, eps).double().view(T, H, d)
+            * torch.sigmoid(r.double()).view(T, H, d)).flatten(1).float()
+
+
+GATED = [(1, 4, 64), (37, 3, 100), (70, 32, 128)] + ([(4097, 32, 128), (33, 64, 128)] if FULL_SHAPES else [])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H,d", GATED)
+def test_gated_rms_norm_reads_strided_rows_and_writes_only_its_slice(T, H, d, dtype, device):
+    """KDA's output norm (fla rows' W_o input): o rows of a larger buffer, r a column slice of a projection,
+    out a block of a sentinel-filled buffer (its neighbours untouched); odd T, H and d (masked tails)."""
+    ob = _rand((T, H + 1, d), dtype, device, 20, 2.0)
+    o = ob[:, 1:]  # each row's heads contiguous, row stride (H + 1)·d
+    rb = _rand((T, H * d + 24), dtype, device, 21, 3.0)
+    r = rb[:, 16:16 + H * d]
+    w = _rand((d,), dtype, device, 22)
+    buf = torch.full((T + 2, H * d + 8), SENTINEL, dtype=dtype, device=device)
+    before = buf.clone()
+    out = buf[1:T + 1, 8:]
+    got = norm.gated_rms_norm(o, r, w, EPS, out=out)
+    assert got is out
+    assert_close(out, ref_gated(o, r, w), TOL[dtype])
+    keep = torch.ones_like(buf, dtype=torch.bool)
+    keep[1:T + 1, 8:] = False
+    assert torch.equal(buf[keep], before[keep])
+    assert_close(norm.gated_rms_norm_ref(o, r, w, EPS), ref_gated(o, r, w), 1e-6, "reference")
+    fresh = norm.gated_rms_norm(o, r, w, EPS)
+    assert fresh.dtype == dtype and torch.equal(fresh, out)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_models_norm_and_shared_swiglu_take_the_kernels_for_prefill_sized_steps(dtype, device, monkeypatch):
     """models/layers.py: rms_norm (2-D rows, a strided column slice as MLA's latent norm reads, 3-D) and the
@@ -192,3 +226,21 @@ def test_a_layers_residual_adds_in_its_norm_and_combine_give_the_separate_adds_b
 def kernels_available(device) -> bool:
     from peregrine import kernels
     return kernels.available(device)
+
+
+def test_gated_norm_bench_smoke_on_cpu(monkeypatch):
+    """The norm microbenchmark's gated rows at tiny widths (fake clock): the row is there, its bytes count
+    o and r read and out written, and its % of copy follows from them."""
+    from peregrine import kernels
+    from peregrine.bench import kernels_norm as bench
+    if torch.cuda.is_available() or not kernels.available("cpu"):
+        pytest.skip("the GPU pass runs the real benchmark")
+    for name, val in dict(DEVICE="cpu", GATED_T=(70,), GATED_H=3, GATED_D=16, GATED_R_STRIDE=53, TAIL=5,
+                          DTYPE=torch.float32, DS=(100,), MS=(1, 16), MAX_COPIES=1).items():
+        monkeypatch.setattr(bench, name, val)
+    (name, calls, nbytes), *_ = bench._gated_cases(70)
+    assert name == "gated_rms_norm" and nbytes == 3 * 70 * 48 * 2
+    monkeypatch.setattr(bench, "graph_time", lambda calls, iters: ([c() for c in calls], (2.0, [2.0]))[-1])
+    rows = bench.run(1000.0)
+    gated = [r for r in rows if r["kernel"] == "gated_rms_norm"]
+    assert len(gated) == 1 and gated[0]["M"] == 70 and gated[0]["pct_of_copy"] == nbytes / 2.0 / 1e6 / 1000.0

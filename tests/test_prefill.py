@@ -279,26 +279,33 @@ def test_kda_rows_sharing_one_fla_call_keep_each_rows_state_window_and_snapshot(
         assert rel_rmse(c.snap_state[kl, snap], S) < 1e-5 and torch.equal(c.snap_conv[kl, snap], w)
 
 
+@pytest.mark.parametrize("norm_kernel", [True, False], ids=["norm-kernel", "fla-norm"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
 @pytest.mark.parametrize("conv_kernel", [True, False], ids=["conv-kernel", "fla-conv"])
-def test_one_kda_row_through_fla_with_cuts_keeps_its_state_window_and_snapshots(conv_kernel, lower_bound, monkeypatch):
+def test_one_kda_row_through_fla_with_cuts_keeps_its_state_window_and_snapshots(conv_kernel, lower_bound, norm_kernel,
+                                                                                 monkeypatch):
     """KDA.prefill_fla (one row, an fla call per segment between snapshot cuts) through torch_fla_ops:
-    its output, final state, conv window and each cut's snapshot equal the recurrent form's (both short convs)."""
+    its W_o input (written piece by piece into its rows of the step's), final state, conv window and each
+    cut's snapshot equal the recurrent form's (both short convs; the gated-norm kernel or fla's norm)."""
     K, cfg, layer, c = fla_path_layer(monkeypatch, conv_kernel, lower_bound, slots=2)
+    monkeypatch.setattr(K, "GATED_NORM_KERNEL", norm_kernel)
     kl, W1 = c.kda_index[layer.layer], cfg.kda_conv_size - 1
     g = torch.Generator().manual_seed(10)
     S0, w0 = torch.randn(c.state.shape[2:], generator=g) * 0.1, torch.randn(c.conv.shape[2:], generator=g)
-    qkv, f, b, _ = layer.project(torch.randn(41, cfg.hidden_size, generator=g))
+    qkv, f, b, r = layer.project(torch.randn(41, cfg.hidden_size, generator=g))
     ext = torch.cat([w0[None], qkv[None]], 1)
     y, S, want, snaps = K.causal_conv(ext, layer.conv_w), S0[None].clone(), [], {}
     for lo, hi, snap in ((0, 9, 0), (9, 30, 1), (30, 41, None)):
         want.append(layer.mix(y[:, lo:hi], f[None, lo:hi], b[None, lo:hi], S))
         if snap is not None:
             snaps[snap] = (S[0].clone(), ext[0, hi:hi + W1])
+    want = layer.gate_norm(torch.cat(want, 1)[0], r, qkv.dtype)
+    buf = torch.full((45, r.shape[1]), float("nan"))  # the row's W_o input lands in rows 2..42 only
     with torch.inference_mode():
         S1 = S0[None].clone()
-        o, win = layer.prefill_fla(torch_fla_ops(K), qkv, f, b, S1, w0, [(9, 0), (30, 1), (41, None)], c, kl)
-    assert rel_rmse(o, torch.cat(want, 1)[0]) < 1e-5 and rel_rmse(S1, S) < 1e-5 and torch.equal(win, ext[0, -W1:])
+        win = layer.prefill_fla(torch_fla_ops(K), qkv, f, b, r, S1, w0, [(9, 0), (30, 1), (41, None)], c, kl, buf[2:43])
+    assert buf[:2].isnan().all() and buf[43:].isnan().all()
+    assert rel_rmse(buf[2:43], want) < 1e-5 and rel_rmse(S1, S) < 1e-5 and torch.equal(win, ext[0, -W1:])
     for snap, (Ss, w) in snaps.items():
         assert rel_rmse(c.snap_state[kl, snap], Ss) < 1e-5 and torch.equal(c.snap_conv[kl, snap], w)
 

@@ -1,4 +1,6 @@
-"""RMSNorm / fused add + RMSNorm microbenchmark (BENCHMARKS.md §2).
+"""RMSNorm / fused add + RMSNorm microbenchmark (BENCHMARKS.md §2), and KDA's gated output norm at
+prefill sizes against the fla path it replaced (r made contiguous, fla's rms_norm_gated, the cat of a
+row's two pieces at its snapshot cut).
 
 Timed as CUDA graphs rotating over enough input copies to exceed the 60 MB L2.
     python -m peregrine.bench.kernels_norm
@@ -11,7 +13,7 @@ import torch
 
 from peregrine.bench.gpu import graph_time
 from peregrine.bench.kernels_gemm import ROTATE_BYTES
-from peregrine.kernels.norm import add_rms_norm, rms_norm
+from peregrine.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
 
 DS = (2304, 7168)  # Kimi-Linear and K3 hidden sizes
 MS = (1, 2, 4, 8, 16)
@@ -19,6 +21,10 @@ MAX_COPIES = 512  # a 4.6 KB row needs thousands of copies to leave L2; this bou
 EPS = 1e-5
 DTYPE = torch.bfloat16
 DEVICE = "cuda"  # a module constant so the bench logic can be smoke-tested on CPU
+GATED_T = (1024, 8192, 32768)  # prefill rows of a cold prompt
+GATED_H, GATED_D = 32, 128     # Kimi-Linear's KDA heads
+GATED_R_STRIDE = 4 * GATED_H * GATED_D + 2 * GATED_H  # r is a column slice of the fused in-projection's rows
+TAIL = 64  # the second piece of a row cut at its last block end
 
 
 def _case(kind: str, m: int, d: int):
@@ -36,8 +42,36 @@ def _case(kind: str, m: int, d: int):
     return calls, per + d * size
 
 
+def _gated_cases(T: int):
+    """(name, calls, bytes) of one row's gated norm: the kernel writing in place, and the replaced fla path."""
+    Hd = GATED_H * GATED_D
+    o = torch.randn(T, GATED_H, GATED_D, device=DEVICE).to(DTYPE)
+    r = torch.randn(T, GATED_R_STRIDE, device=DEVICE).to(DTYPE)[:, :Hd]
+    w = torch.randn(GATED_D, device=DEVICE).to(DTYPE)
+    out = torch.empty(T, Hd, device=DEVICE, dtype=DTYPE)
+    nbytes = 3 * T * Hd * 2  # o and r read, out written
+    cases = [("gated_rms_norm", [lambda: gated_rms_norm(o, r, w, EPS, out=out)], nbytes)]
+    try:
+        from fla.modules.fused_norm_gate import rms_norm_gated
+    except Exception:  # fla absent: the kernel alone
+        return cases
+    cut = T - TAIL
+
+    def fla_path():
+        a = torch.cat([o[:cut], o[cut:]])  # the row's two chunk_kda outputs, joined
+        rms_norm_gated(a.view(-1, GATED_D), r.reshape(-1, GATED_D).contiguous(), w, None, activation="sigmoid", eps=EPS)
+    return cases + [("fla_gated+cat", [fla_path], nbytes)]
+
+
 def run(copy_gbps: float, full: bool = True, iters: int = 30) -> list[dict]:
     rows = []
+    for T in GATED_T if full else GATED_T[:1]:
+        for name, calls, nbytes in _gated_cases(T):
+            t, samples = graph_time(calls, iters)
+            gbps = nbytes / t / 1e6
+            rows.append({"kernel": name, "D": GATED_H * GATED_D, "M": T, "time_ms": t, "bytes": nbytes, "gbps": gbps,
+                         "pct_of_copy": gbps / copy_gbps, "samples_ms": samples})
+        torch.cuda.empty_cache()
     for kind, d, m in itertools.product(("rms_norm", "add_rms_norm"), DS, MS if full else (1, 16)):
         calls, nbytes = _case(kind, m, d)
         t, samples = graph_time(calls, iters)
@@ -51,9 +85,9 @@ def run(copy_gbps: float, full: bool = True, iters: int = 30) -> list[dict]:
 
 def main():
     from peregrine.bench.gpu import family_main
-    family_main("norm", run, lambda r: f"{r['kernel']:>13} {r['D']:>5} {r['M']:>3} {1e3 * r['time_ms']:>7.2f} "
+    family_main("norm", run, lambda r: f"{r['kernel']:>14} {r['D']:>5} {r['M']:>5} {1e3 * r['time_ms']:>7.2f} "
                 f"{r['gbps']:>7.0f} {100 * r['pct_of_copy']:>5.1f}%",
-                header=f"{'kernel':>13} {'D':>5} {'M':>3} {'us':>7} {'GB/s':>7} {'%copy':>6}", doc=__doc__)
+                header=f"{'kernel':>14} {'D':>5} {'M':>5} {'us':>7} {'GB/s':>7} {'%copy':>6}", doc=__doc__)
 
 
 if __name__ == "__main__":

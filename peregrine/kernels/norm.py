@@ -1,10 +1,12 @@
-"""RMSNorm and fused residual-add + RMSNorm, computed in FP32.
+"""RMSNorm, fused residual-add + RMSNorm, and KDA's gated per-head RMSNorm, computed in FP32.
 
 y = x · rsqrt(mean(x²) + eps) · w. One program per row: rows up to MAX_BLOCK
 wide are held in registers (one read); wider rows take two passes.
 add_rms_norm first rounds residual + x to the residual's dtype and stores it,
 then normalises that rounded value, so the norm sees exactly what the next
 residual add will read.
+gated_rms_norm is KDA's output norm over heads: y[t, h] = RMSNorm(o[t, h])·w ⊙ σ(r[t, h]), reading
+strided rows and writing into a strided destination (no copies around it).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import triton.language as tl
 from .pdl import launch_kwargs, pdl_wait
 
 MAX_BLOCK = 8192  # widest row kept in registers (K3 hidden 7168 fits); wider rows loop
+GATED_ROWS = 32  # tokens per gated-norm program: [32, 128] FP32 tiles, 32 values per thread at 4 warps
 
 
 @triton.jit
@@ -114,3 +117,43 @@ def add_rms_norm_ref(x, residual, w, eps) -> tuple[torch.Tensor, torch.Tensor]:
     """FP32 reference; returns (normed, new residual in residual's dtype) without mutating."""
     r = (residual.float() + x.float()).to(residual.dtype)
     return rms_norm_ref(r, w, eps), r
+
+
+@triton.jit
+def _gated_rms_norm_kernel(o_ptr, r_ptr, w_ptr, y_ptr, T, H, D, stride_o, stride_r, stride_y, eps,
+                           ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    h = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    ok = (t < T)[:, None] & (cols < D)[None, :]
+    t64 = t.to(tl.int64)[:, None]
+    c = h * D + cols[None, :]
+    v = tl.load(o_ptr + t64 * stride_o + c, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(r_ptr + t64 * stride_r + c, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
+    y = v * rstd[:, None] * w[None, :] * tl.sigmoid(g)
+    tl.store(y_ptr + t64 * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def gated_rms_norm(o: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """o [T, H, d] (each row's H·d values contiguous, any row stride), r [T, H·d] and `out` [T, H·d] (unit
+    inner stride, any row stride) -> out = RMSNorm(o[t, h])·w ⊙ σ(r[t, h]), rounded once to out's dtype
+    (default o's)."""
+    T, H, D = o.shape
+    assert o.stride(2) == 1 and o.stride(1) == D, "o must be [T, H, d] with each row's heads contiguous"
+    assert r.shape == (T, H * D) and r.stride(1) == 1, "r must be [T, H·d] with a unit inner stride"
+    assert w.shape == (D,) and w.is_contiguous(), "w must be [d] contiguous"
+    y = out if out is not None else torch.empty(T, H * D, dtype=o.dtype, device=o.device)
+    assert y.shape == (T, H * D) and y.stride(1) == 1, "out must be [T, H·d] with a unit inner stride"
+    if T:
+        _gated_rms_norm_kernel[(triton.cdiv(T, GATED_ROWS), H)](
+            o, r, w, y, T, H, D, o.stride(0), r.stride(0), y.stride(0), eps,
+            ROWS=GATED_ROWS, BLOCK=triton.next_power_of_2(D), num_warps=4)
+    return y
+
+
+def gated_rms_norm_ref(o: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """FP32 reference: [T, H·d]."""
+    return (rms_norm_ref(o, w, eps) * torch.sigmoid(r.float()).view(o.shape)).flatten(1)

@@ -32,6 +32,8 @@ SHORT_ROWS_KERNEL: bool | None = None  # None: on the GPU outside FP32 runs (as 
 #                                         under the interpreter (tests); False: never
 CONV_KERNEL = True  # fla rows' short conv, L2 norms and q/k/v split in one pass (kernels/kda_conv.py) wherever the
 #   kernels run (the GPU; the CPU under the interpreter); False: fla's conv and copies (A/B)
+GATED_NORM_KERNEL = os.environ.get("PEREGRINE_KDA_GATED_NORM", "1") != "0"  # fla rows' output norm through
+#   kernels/norm.py's gated_rms_norm, written in place (where the kernels run); 0: fla's norm, then a copy (A/B)
 VARLEN_BOUNDED_GATE = False  # K3's bounded gate in that shared call too: off until its GPU case
 #   (test_gpu_kda_rows_of_one_step_share_a_varlen_fla_call[k3-shared]) has passed
 FLA_VARLEN = os.environ.get("PEREGRINE_KDA_VARLEN", "1") != "0"  # long rows of one step whose
@@ -235,33 +237,39 @@ class KDA(nn.Module):
                     use_beta_sigmoid_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
                     **(dict(safe_gate=True, lower_bound=lb) if lb is not None else {}))
 
-    def fla_out(self, ops, o: torch.Tensor, r: torch.Tensor, dtype) -> torch.Tensor:
-        """fla's gated RMSNorm: o [T, H, d], r [T, Hd] -> RMSNorm(o)·w ⊙ σ(r) [T, Hd] in dtype (as gate_norm)."""
-        return ops.rms_norm_gated(o.reshape(-1, self.d), r.reshape(-1, self.d).contiguous(), self.o_norm, None,
-                                  activation="sigmoid", eps=self.cfg.rms_norm_eps).view(r.shape[0], -1).to(dtype)
+    def fla_out(self, ops, o: torch.Tensor, r: torch.Tensor, out: torch.Tensor) -> None:
+        """An fla row's W_o input: o [T, H, d], r [T, Hd] -> out [T, Hd] := RMSNorm(o)·w ⊙ σ(r) (as gate_norm).
+        The gated-norm kernel reads o and r's strided rows and writes out's rows in place: no copy of r, no
+        cat of a row's pieces (~5 ms of a cold 32K prompt); fla's norm and copies where the kernels do not run."""
+        if GATED_NORM_KERNEL and kernels.available(o.device):
+            from ..kernels.norm import gated_rms_norm
+            gated_rms_norm(o, r, self.o_norm, self.cfg.rms_norm_eps, out=out)
+            return
+        out.copy_(ops.rms_norm_gated(o.reshape(-1, self.d), r.reshape(-1, self.d).contiguous(), self.o_norm, None,
+                                     activation="sigmoid", eps=self.cfg.rms_norm_eps).view(r.shape[0], -1))
 
-    def prefill_fla(self, ops, qkv: torch.Tensor, f, b, S, conv_state, cuts, cache, kl) -> tuple[torch.Tensor, torch.Tensor]:
-        """One prefill row through fla on the GPU: qkv [T, 3Hd], f [T, Hd], b [T, H] raw projections (model
-        dtype), S [1, H, K, V] FP32 updated in place, conv_state [W-1, C] -> (o [T, H, d] model dtype, the
-        new conv window). The conv and q/k L2 norms run in conv_qkv, the gate and β inside fla's kernels (the
-        same math as causal_conv / l2norm / kda_gate here); cuts: (offset, snapshot) states taken on the way."""
+    def prefill_fla(self, ops, qkv: torch.Tensor, f, b, r, S, conv_state, cuts, cache, kl, out) -> torch.Tensor:
+        """One prefill row through fla on the GPU: qkv [T, 3Hd], f [T, Hd], b [T, H], r [T, Hd] raw projections
+        (model dtype), S [1, H, K, V] FP32 updated in place, conv_state [W-1, C]; out [T, Hd] receives W_o's
+        input, piece by piece -> the new conv window. The conv and q/k L2 norms run in conv_qkv, the gate and β
+        inside fla's kernels (the same math as causal_conv / l2norm / kda_gate here); cuts: (offset, snapshot)
+        states taken on the way."""
         T, H, d, W1 = qkv.shape[0], self.H, self.d, self.cfg.kda_conv_size - 1
         y, normed = self.conv_qkv(ops, qkv, conv_state)
         q, k, v = (t.unsqueeze(0) for t in y.unbind(0))
         fg, bb = f.view(1, T, H, d).contiguous(), b.reshape(1, T, H).contiguous()
         window = lambda hi: torch.cat([conv_state, qkv[max(0, hi - W1):hi]])[-W1:]  # noqa: E731  inputs before hi
-        outs, lo = [], 0
+        lo = 0
         for hi, snap in cuts:
             o, S_end = ops.chunk_kda(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], fg[:, lo:hi], bb[:, lo:hi],
                                      initial_state=S, **self.fla_gates(normed))
             S.copy_(S_end)
-            outs.append(o)
+            self.fla_out(ops, o[0], r[lo:hi], out[lo:hi])
             if snap is not None:
                 cache.snap_state[kl, snap] = S[0]
                 cache.snap_conv[kl, snap] = window(hi)
             lo = hi
-        o = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
-        return o[0], window(T)
+        return window(T)
 
     def prefill_fla_rows(self, ops, rows, qkv, f, b, r, state, conv, cache, kl, out) -> None:
         """Several rows' heads through one varlen chunk_kda call (the conv per row; the gated norm once):
@@ -270,11 +278,11 @@ class KDA(nn.Module):
         H, d, W1 = self.H, self.d, self.cfg.kda_conv_size - 1
         T = sum(m - a for a, m, _, _ in rows)
         y = qkv.new_empty(3, T, H, d)  # every row's conv output lands in its rows of the q, k, v planes
-        fs, bs, rs, wins, at = [], [], [], [], 0
+        fs, bs, wins, at = [], [], [], 0
         for a, m, s, _ in rows:
             c = conv[s][0]
             normed = self.conv_qkv(ops, qkv[a:m], c, out=y[:, at:at + m - a])[1]
-            fs.append(f[a:m]), bs.append(b[a:m]), rs.append(r[a:m])
+            fs.append(f[a:m]), bs.append(b[a:m])
             wins.append(torch.cat([c, qkv[max(a, m - W1):m]])[-W1:])  # the W-1 inputs before the head's end
             at += m - a
         q, k, v = (t.unsqueeze(0) for t in y.unbind(0))
@@ -286,14 +294,13 @@ class KDA(nn.Module):
         o, S_end = ops.chunk_kda(q, k, v, fg, bb, initial_state=state[slots], cu_seqlens=cu, use_graph=True,
                                  **self.fla_gates(normed))
         state[slots] = S_end
-        o = self.fla_out(ops, o[0], torch.cat(rs), out.dtype)
         at = 0
         for j, (a, m, s, snap) in enumerate(rows):
             conv[s] = wins[j].unsqueeze(0)
             if snap is not None:
                 cache.snap_state[kl, snap] = S_end[j]
                 cache.snap_conv[kl, snap] = wins[j]
-            out[a:m] = o[at:at + m - a]
+            self.fla_out(ops, o[0, at:at + m - a], r[a:m], out[a:m])  # each row's W_o input in its own rows
             at += m - a
 
     def gate_norm(self, o: torch.Tensor, r: torch.Tensor, dtype) -> torch.Tensor:
@@ -395,13 +402,9 @@ class KDA(nn.Module):
                 pass
             elif ops is not None:  # long rows: fla's few kernels (chunked) beat a per-token loop at any length
                 S = state[s]
-                o, conv[s] = self.prefill_fla(ops, qkv[a:m], f[a:m], b[a:m], S, conv[s][0], head, cache, kl)
+                conv[s] = self.prefill_fla(ops, qkv[a:m], f[a:m], b[a:m], r[a:m], S, conv[s][0], head, cache, kl,
+                                           out[a:m])
                 state[s] = S
-                o = self.fla_out(ops, o, r[a:m], dt)
-                if m - a == N:  # the step's one row, all through fla: its output as it is (no copy)
-                    out = o
-                else:
-                    out[a:m] = o
             else:
                 x_ext = torch.cat([conv[s], qkv[a:m].unsqueeze(0).to(conv.dtype)], 1)
                 conv[s] = x_ext[:, -W1:]
