@@ -132,16 +132,18 @@ class PrefixCache:
             self._free_snap(s)
 
     # ---- registration and lookup ----
-    def register(self, blocks: list[int], hashes: list[int], token_ids: list[int], n_cached: int) -> None:
+    def register(self, blocks: list[int], hashes: list[int], token_ids: list[int], n_cached: int,
+                 known: list[int] = ()) -> None:
         """Register every full block of a sequence's first n_cached tokens not yet registered.
-        hashes (the sequence's chain so far) is extended in place."""
+        hashes (the sequence's chain so far) is extended in place, from `known` (the prompt's chain as far
+        as its admission's lookup made it) where that reaches."""
         if not self.enabled:
             return
         bs = self.bs
         while (len(hashes) + 1) * bs <= n_cached:
             i = len(hashes)
             toks = tuple(token_ids[i * bs:(i + 1) * bs])
-            h = self.hash_fn(hashes[-1] if hashes else ROOT_HASH, toks)
+            h = known[i] if i < len(known) else self.hash_fn(hashes[-1] if hashes else ROOT_HASH, toks)
             hashes.append(h)
             b = blocks[i]
             if b in self.meta:  # a block this sequence reused
@@ -162,27 +164,30 @@ class PrefixCache:
                 return b
         return None
 
-    def chain(self, token_ids: list[int], limit: int) -> list[int]:
-        """Chain hashes of the full blocks of the first `limit` tokens (a waiting prompt keeps its own:
-        its admission is checked every step)."""
-        out, h, bs = [], ROOT_HASH, self.bs
-        for i in range(limit // bs):
-            h = self.hash_fn(h, tuple(token_ids[i * bs:(i + 1) * bs]))
-            out.append(h)
+    def chain(self, token_ids: list[int], limit: int, hashes: list[int] | None = None) -> list[int]:
+        """Chain hashes of the full blocks of the first `limit` tokens: `hashes` (a prefix of that chain)
+        extended in place, or a new list."""
+        out, bs = (hashes if hashes is not None else []), self.bs
+        for i in range(len(out), limit // bs):
+            out.append(self.hash_fn(out[-1] if out else ROOT_HASH, tuple(token_ids[i * bs:(i + 1) * bs])))
         return out
 
     def match(self, token_ids: list[int], limit: int, hashes: list[int] | None = None) -> Match:
         """The longest reusable prefix of at most `limit` tokens (whole blocks; for a KDA model it ends
-        at a block with a snapshot). hashes: chain(token_ids, limit), if known. Pure lookup: nothing
-        is referenced or moved."""
+        at a block with a snapshot). hashes: a prefix of chain(token_ids, limit), extended in place only
+        as far as the lookup goes (a cold prompt's first block misses: its other blocks are hashed when
+        they are registered, after its forward is queued, not before its first kernel). Pure lookup:
+        nothing is referenced or moved."""
         if not self.enabled:
             return Match()
         bs, parent_uid = self.bs, ROOT_UID
-        hs = hashes if hashes is not None else self.chain(token_ids, limit)
+        hs = hashes if hashes is not None else []
         blocks, best = [], (0, None)
-        for i, h in enumerate(hs[:limit // bs]):
+        for i in range(limit // bs):
             toks = tuple(token_ids[i * bs:(i + 1) * bs])
-            b = self._find(h, toks, parent_uid)
+            if i == len(hs):
+                hs.append(self.hash_fn(hs[-1] if hs else ROOT_HASH, toks))
+            b = self._find(hs[i], toks, parent_uid)
             if b is None:
                 break
             blocks.append(b)

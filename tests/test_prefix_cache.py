@@ -198,3 +198,31 @@ def test_a_stale_decode_snapshot_never_frees_a_slot_someone_else_holds():
     pc.drop(*mine)                           # A replaces its (stale) decode snapshot
     assert pc.attach(other, blocks[2])       # the new owner keeps the slot
     assert pc.snap_of[blocks[2]] == other and other not in pc.free_snaps
+
+
+def test_a_cold_prompt_is_hashed_once_and_only_its_first_block_before_its_forward():
+    """Admission looks up a cold prompt's blocks only until the first miss (one hash before its first
+    forward, not one per block), registration then hashes each further block once, and a repeat's
+    lookup walks the whole chain: the reuse is the same as with the full chain hashed up front."""
+    from peregrine.prefix_cache import chain_hash
+    calls = []
+
+    def counting(parent, tokens):
+        calls.append(tokens)
+        return chain_hash(parent, tokens)
+    eng, runner, cache = make(max_num_batched_tokens=64, hash_fn=counting)
+    a = toks(41, 11)  # 10 full blocks before the last prompt token (always computed)
+    seen = []
+    real_forward = runner.forward
+
+    def forward(step):
+        seen.append(len(calls))
+        return real_forward(step)
+    runner.forward = forward
+    run(eng, runner, a, max_tokens=1)
+    assert seen[0] == 1  # the first block's lookup missed: nothing else hashed before the forward
+    assert sorted(calls) == sorted(tuple(a[i:i + BS]) for i in range(0, 40, BS))  # each full block once
+    calls.clear()
+    run(eng, runner, a, max_tokens=1)
+    assert hits(eng) == 40 and len(calls) == 10  # the repeat: its 10 lookups hit, each block hashed once
+    check_clean(eng, runner, cache)

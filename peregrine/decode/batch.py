@@ -14,6 +14,12 @@ import torch
 LOOP_TOKENS = 256  # rows up to this long build their positions in Python; longer ones with tensor ops
 
 
+def _to_device(host: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A small CPU tensor on the device through pinned memory, without blocking: a pageable host-to-device
+    copy makes the host wait for every kernel already queued, so it could no longer run ahead of the GPU."""
+    return host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
+
+
 def _long(xs: list[int]) -> torch.Tensor:
     """A CPU int64 tensor of a list of ints through array.array, several times faster than torch.tensor on a
     long list: a cold 32K prompt's step pays this conversion on the host before its first kernel."""
@@ -46,17 +52,14 @@ class StepInput:
 
     def decode_rows(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """Rows of a mixed step that add one token: (rows, their token index in the flat list, the
-        same rows as an index), on the device, made once per step and shared by every layer. Copied
-        from pinned memory without blocking: a pageable host-to-device copy would make the host wait
-        for the layers already queued, so it could no longer run ahead of the GPU."""
+        same rows as an index), on the device, made once per step and shared by every layer (copied
+        without blocking: _to_device)."""
         if getattr(self, "_decode_rows", None) is None:
             rows = [i for i, q in enumerate(self.q_lens) if q == 1]
             offs = [0]
             for q in self.q_lens:
                 offs.append(offs[-1] + q)
-            host = torch.tensor([offs[i] for i in rows] + rows, dtype=torch.long)
-            dev = self.input_ids.device
-            t = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host
+            t = _to_device(torch.tensor([offs[i] for i in rows] + rows, dtype=torch.long), self.input_ids.device)
             self._decode_rows = (rows, t[:len(rows)], t[len(rows):])
         return self._decode_rows
 
@@ -71,14 +74,19 @@ class StepInput:
 
     @property
     def logits_indices(self) -> torch.Tensor:
-        """Index of each sequence's last new token in the flat token list (or the verify step's choice)."""
+        """Index of each sequence's last new token in the flat token list (or the verify step's choice), made
+        once per step. Copied without blocking (_to_device): it is needed after the last layer is queued, and
+        a blocking copy there made the host wait for the whole forward before the engine's bookkeeping after
+        it (the GPU idle ~4 ms at the end of a cold 32K prompt's step)."""
         if self.logits_idx is not None:
             return self.logits_idx
-        idx, acc = [], 0
-        for q in self.q_lens:
-            acc += q
-            idx.append(acc - 1)
-        return torch.tensor(idx, dtype=torch.long, device=self.input_ids.device)
+        if getattr(self, "_last_rows", None) is None:
+            idx, acc = [], 0
+            for q in self.q_lens:
+                acc += q
+                idx.append(acc - 1)
+            self._last_rows = _to_device(torch.tensor(idx, dtype=torch.long), self.input_ids.device)
+        return self._last_rows
 
     @staticmethod
     def build(seqs: list[tuple[list[int], int, int, list[int]]], block_size: int, device,

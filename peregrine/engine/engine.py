@@ -455,7 +455,7 @@ class LLMEngine:
                 for _, snap in plan.get(i, []):
                     pc.unplan(snap)
                 continue
-            pc.register(seq.blocks, seq.block_hashes, seq.token_ids, seq.num_cached)
+            pc.register(seq.blocks, seq.block_hashes, seq.token_ids, seq.num_cached, seq.prompt_hashes or ())
             if not pc.needs_state:
                 continue
             for p, snap in plan.get(i, []):

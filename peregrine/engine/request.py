@@ -116,7 +116,7 @@ class Sequence:
         self.kda_slot: int | None = None
         self.blocks: list[int] = []       # reserved for the whole life of the request (a reused prefix first)
         self.block_hashes: list[int] = []  # prefix-cache chain hash of each full cached block, in order
-        self.prompt_hashes: list[int] | None = None  # the prompt's chain hashes, made once while it waits
+        self.prompt_hashes: list[int] | None = None  # the prompt's chain hashes as far as a lookup needed them
         self.decode_snap: tuple[int, int] | None = None  # (snapshot, block) of its latest decode-time snapshot
         self.generator: torch.Generator | None = None  # made on first sample, on the logits device
         self.finish_reason: str | None = None

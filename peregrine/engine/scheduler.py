@@ -53,8 +53,8 @@ class Scheduler:
             hit = Match()  # prompt logprobs need the logits of every prompt position: compute them all
         else:
             limit = seq.prompt_len - 1  # the last prompt token is always computed
-            if seq.prompt_hashes is None and self.pc.enabled:
-                seq.prompt_hashes = self.pc.chain(seq.token_ids, limit)
+            if seq.prompt_hashes is None:
+                seq.prompt_hashes = []  # extended by each lookup as far as it goes
             hit = self.pc.match(seq.token_ids, limit, seq.prompt_hashes)
         if not self.pc.can_allocate(self.blocks_needed(seq) - hit.num_blocks, hit.blocks):
             return None

@@ -154,7 +154,8 @@ class KimiModel(nn.Module):
     def _logits(self, h: torch.Tensor, step) -> torch.Tensor:
         if step.is_decode:
             return self.compute_logits(h)
-        return self.compute_logits(h[step.logits_indices], step.logits_indices)
+        idx = step.logits_indices
+        return self.compute_logits(h[idx], idx)
 
     def segment(self, j: int, x, o=None, pre=None):
         """Token-parallel segment j of a forward (no AttnRes): j = 0 embeds the ids `x`; j > 0 finishes layer
