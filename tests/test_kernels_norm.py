@@ -243,4 +243,5 @@ def test_gated_norm_bench_smoke_on_cpu(monkeypatch):
     monkeypatch.setattr(bench, "graph_time", lambda calls, iters: ([c() for c in calls], (2.0, [2.0]))[-1])
     rows = bench.run(1000.0)
     gated = [r for r in rows if r["kernel"] == "gated_rms_norm"]
-    assert len(gated) == 1 and gated[0]["M"] == 70 and gated[0]["pct_of_copy"] == nbytes / 2.0 / 1e6 / 1000.0
+    assert len(gated) == 1 and gated[0]["shape"] == "70 tokens x 3 heads x 16"
+    assert gated[0]["pct_of_copy"] == nbytes / 2.0 / 1e6 / 1000.0 and "fla_ms" in gated[0]

@@ -43,7 +43,8 @@ def _case(kind: str, m: int, d: int):
 
 
 def _gated_cases(T: int):
-    """(name, calls, bytes) of one row's gated norm: the kernel writing in place, and the replaced fla path."""
+    """(name, calls, bytes) of one row's gated norm: the kernel writing in place, then (where fla is installed)
+    the fla path it replaced, timed as the row's fla_ms."""
     Hd = GATED_H * GATED_D
     o = torch.randn(T, GATED_H, GATED_D, device=DEVICE).to(DTYPE)
     r = torch.randn(T, GATED_R_STRIDE, device=DEVICE).to(DTYPE)[:, :Hd]
@@ -66,17 +67,18 @@ def _gated_cases(T: int):
 def run(copy_gbps: float, full: bool = True, iters: int = 30) -> list[dict]:
     rows = []
     for T in GATED_T if full else GATED_T[:1]:
-        for name, calls, nbytes in _gated_cases(T):
-            t, samples = graph_time(calls, iters)
-            gbps = nbytes / t / 1e6
-            rows.append({"kernel": name, "D": GATED_H * GATED_D, "M": T, "time_ms": t, "bytes": nbytes, "gbps": gbps,
-                         "pct_of_copy": gbps / copy_gbps, "samples_ms": samples})
+        (name, calls, nbytes), *fla = _gated_cases(T)
+        t, samples = graph_time(calls, iters)
+        gbps = nbytes / t / 1e6
+        rows.append({"kernel": name, "shape": f"{T} tokens x {GATED_H} heads x {GATED_D}", "D": GATED_H * GATED_D,
+                     "M": T, "time_ms": t, "bytes": nbytes, "gbps": gbps, "pct_of_copy": gbps / copy_gbps,
+                     "samples_ms": samples, "fla_ms": graph_time(fla[0][1], iters)[0] if fla else None})
         torch.cuda.empty_cache()
     for kind, d, m in itertools.product(("rms_norm", "add_rms_norm"), DS, MS if full else (1, 16)):
         calls, nbytes = _case(kind, m, d)
         t, samples = graph_time(calls, iters)
         gbps = nbytes / t / 1e6
-        rows.append({"kernel": kind, "D": d, "M": m, "time_ms": t, "bytes": nbytes, "gbps": gbps,
+        rows.append({"kernel": kind, "shape": f"M={m} D={d}", "D": d, "M": m, "time_ms": t, "bytes": nbytes, "gbps": gbps,
                      "pct_of_copy": gbps / copy_gbps, "samples_ms": samples})
         del calls
     torch.cuda.empty_cache()
