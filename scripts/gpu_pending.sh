@@ -6,17 +6,18 @@
 # - k3-slice at all 6 layers, FP32, TP = 2 vs TP = 1 (its first 4 layers passed at 1571ff5)
 # On the eight-GPU kind (#11): TP=8 STEPS='check decode k3' bash scripts/tp_gpu_run.sh
 # On one H200 (export TRITON_CACHE_AUTOTUNING=1 first: fla's first autotune is minutes on a fresh machine).
-# Queued after session 12 (session 11's queue ran except the K3 test; results/README.md "Session 12"):
-# - the residual-add fusions (886bddd) A/B on one machine (their ~4 ms at 32K is inside the machine spread), in one call:
+# Queued after session 13 (Poisson serving ran at 65cc9be; results/README.md "Session 13"). Mind the 8 files a call
+# returns: gpu_prefill.sh's bundles carry the whole results/ tree, so write logs to $OUT and tar the rest once.
+# - the new GPU test, never verified (at 65cc9be it had two rows, a varlen call whose autotune outran the step;
+#   now one row, the shapes test_gpu_prefill_kernels_equal_the_pytorch_forms autotunes first):
+#   python3 -m pytest -v -m gpu tests/test_prefill.py -k "prefill_kernels_equal or never_makes_the_host_wait"
+# - the residual-add fusions (886bddd) A/B on one machine, still not run (and PEREGRINE_KDA_GATED_NORM=0 likewise):
 #   for v in 1 0 1; do PEREGRINE_FUSED_RESIDUAL=$v OUT=$OUT/r$v STEPS=ttft LENGTHS=32768 RUNS=5 T_ttft=300 bash scripts/gpu_prefill.sh; done
-#   (the first run pays fla's autotune on a fresh machine; compare the 2nd and 3rd; StepInput.build's array.array
-#   conversion, 5788a4f, is in all three)
-# - serving c = 8 with Poisson arrivals at 4/s at the head (last run at d260716):
-#   RATE=4 STEPS=serve CONC=8 BACKENDS="latency_specialized@6" T_serve=200 bash scripts/gpu_prefill.sh
-#   (grep WARNING in the server log: the compile log now prints each later compile's specialization)
-# - K3's bounded gate in the shared varlen fla call (VARLEN_BOUNDED_GATE, off; cut twice by fla's first autotune
-#   on a fresh machine, so give it ~300 s): STEPS=tests TESTS="tests/test_prefill.py tests/test_kernels_norm.py"
-#   K="k3-shared or prefill_sized" T_tests=400 bash scripts/gpu_prefill.sh
+#   (the first run pays fla's autotune on a fresh machine: compare the 2nd and 3rd)
+# - serving c = 8, 40 requests at once, at the head (last at 886bddd): STEPS=serve CONC=8 BACKENDS="latency_specialized@6"
+# - `bench decode` at the head (last at 63b08d0, before f1d399d's kernel decorator): PARTS=decode bash scripts/gpu_decode.sh
+# - K3's bounded gate in the shared varlen fla call (VARLEN_BOUNDED_GATE, off; cut three times by fla's autotune
+#   of K3's shapes on a fresh machine, so give it ~300 s): python3 -m pytest -v -m gpu tests/test_prefill.py -k "k3-shared or k3-per-row"
 # - #20's MXFP4 experts against OpenAI's triton_kernels MXFP4 MoE on k3-slice shapes: not started
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"

@@ -235,7 +235,7 @@ def test_gated_norm_bench_smoke_on_cpu(monkeypatch):
     from peregrine.bench import kernels_norm as bench
     if torch.cuda.is_available() or not kernels.available("cpu"):
         pytest.skip("the GPU pass runs the real benchmark")
-    for name, val in dict(DEVICE="cpu", GATED_T=(70,), GATED_H=3, GATED_D=16, GATED_R_STRIDE=53, TAIL=5,
+    for name, val in dict(DEVICE="cpu", GATED_T=(70,), GATED_H=3, GATED_D=16, TAIL=5,
                           DTYPE=torch.float32, DS=(100,), MS=(1, 16), MAX_COPIES=1).items():
         monkeypatch.setattr(bench, name, val)
     (name, calls, nbytes), *_ = bench._gated_cases(70)
