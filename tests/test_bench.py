@@ -405,3 +405,16 @@ def test_engine_phases_are_named_ranges_in_a_profile():
     names = {ev.name for ev in prof.events() if ev.name.startswith("peregrine.")}
     assert {"peregrine.schedule", "peregrine.build_step", "peregrine.forward", "peregrine.after_forward",
             "peregrine.complete", "peregrine.accept"} <= names
+
+
+def test_ttft_markdown_says_when_its_second_run_was_not_graphed():
+    """A 32K breakdown's second run is eager too (no bucket holds a 32K step): the report must not call it
+    'with prefill graphs'. Input: a recorded ttft payload (session 13), its flag set both ways."""
+    import json
+    from pathlib import Path
+    from peregrine.bench.ttft import markdown
+    p = json.loads(next(Path(__file__).parent.parent.glob("results/2026-12-02-session13/*-ttft-65cc9be.json")).read_text())
+    p["breakdown"]["graphs_serve"] = False
+    assert "prefill graphs do not serve" in markdown(p) and "ms with prefill graphs" not in markdown(p)
+    p["breakdown"]["graphs_serve"] = True
+    assert "579.0 ms with prefill graphs" in markdown(p)

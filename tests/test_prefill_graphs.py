@@ -228,4 +228,4 @@ def test_gpu_ttft_breakdown_sees_every_layer_type_with_prefill_graphs_on():
     assert all(b["types"][k]["ms"] > 0 for k in ("kda", "mla", "moe")), b["types"]
     timed = sum(v["ms"] for k, v in b["types"].items() if k != "other")
     assert timed <= b["total_ms"], (timed, b["total_ms"])  # one timed prefill, counted once (no warm-up in it)
-    assert b["graphed_ms"] > 0 and e.runner.prefill is pg and pg.replays > 0
+    assert b["graphed_ms"] > 0 and b["graphs_serve"] and e.runner.prefill is pg and pg.replays > 0
