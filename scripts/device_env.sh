@@ -6,6 +6,9 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 [ -f .commit ] && export PEREGRINE_COMMIT=${PEREGRINE_COMMIT:-$(cat .commit)}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# autotune results kept on disk: fla's first autotune on a fresh machine takes minutes; later processes of the
+# same call reuse its choices instead of benchmarking the configs again
+export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 OUT=${OUT:-/tmp/peregrine-out}
 mkdir -p "$OUT" results
 if [ -d .whl ] && [ -z "${PEREGRINE_WHEELS_DONE:-}" ]; then  # wheels the GPU image lacks

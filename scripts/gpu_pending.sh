@@ -5,7 +5,7 @@
 #   the FP32 TP = 2 check with --graphs must now finish and write its JSON well inside its limit
 # - k3-slice at all 6 layers, FP32, TP = 2 vs TP = 1 (its first 4 layers passed at 1571ff5)
 # On the eight-GPU kind (#11): TP=8 STEPS='check decode k3' bash scripts/tp_gpu_run.sh
-# On one H200 (export TRITON_CACHE_AUTOTUNING=1 first: fla's first autotune is minutes on a fresh machine).
+# On one H200 (device_env.sh sets TRITON_CACHE_AUTOTUNING=1: fla's first autotune is minutes on a fresh machine, once).
 # Queued after session 13 (Poisson serving ran at 65cc9be; results/README.md "Session 13"). Mind the 8 files a call
 # returns: gpu_prefill.sh's bundles carry the whole results/ tree, so write logs to $OUT and tar the rest once.
 # - the new GPU test, never verified (at 65cc9be it had two rows, a varlen call whose autotune outran the step;

@@ -4,13 +4,15 @@
 #   files) and K (a pytest -k filter) for tests; hf: the transformers conformance test; MODEL (kimi-linear-48b-a3b);
 #   LENGTHS (1024,8192,32768,131072); CHUNKS/CONTEXT/AB (interleaved eager vs prefill-graph runs)/BUDGET (tokens per step)/SHAPES=1/STACKS=1 (Python stacks in the idle-gap listing)/SYNC=1 (host phases and every host sync of a cold first token) for profile; pmoe: #20's persistent MoE tests and bench; RUNS (3); CONC (1,4,8); T_<step> seconds per step (a killed step
 #   still leaves its log and the bundle); BACKEND, PG (true: prefill graphs; e.g. "false true"), BREAKDOWN (32768; 0: none), MNBT (tokens per step, e.g. "8192 32768") for ttft
-# Results go to results/, logs to $OUT/logs; both come back as $OUT/bundle.tgz (the device returns 8 files).
+# Results go to results/, logs to $OUT/logs; both come back as $OUT/bundle.tgz, with only the results files this run
+#   wrote (the device returns 8 files a call: give each run its own OUT and keep the count down).
 source "$(dirname "$0")/device_env.sh"
 TOP=$OUT; OUT=$OUT/logs; mkdir -p "$OUT"
 STEPS=${STEPS:-"tests kernels ttft serve"}
 MODEL=${MODEL:-kimi-linear-48b-a3b}
 LENGTHS=${LENGTHS:-1024,8192,32768,131072}
 rc=0
+touch "$TOP/.t0"  # the bundle takes only the results files this run writes (the tree's old ones stay out)
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import fla, torch, triton; print('fla', fla.__version__, 'torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$OUT/gpu.txt"
 for step in $STEPS; do
@@ -53,5 +55,6 @@ for step in $STEPS; do
   esac
   echo "== $step: $(( $(date +%s) - t0 ))s" | tee -a "$TOP/steps.txt"
 done
-tar czf "$TOP/bundle.tgz" -C "$TOP" logs -C "$PWD" results && rm -rf "$OUT"
+find results -type f -newer "$TOP/.t0" > "$TOP/new-results.txt"
+tar czf "$TOP/bundle.tgz" -C "$TOP" logs -C "$PWD" -T "$TOP/new-results.txt" && rm -rf "$OUT" "$TOP/.t0" "$TOP/new-results.txt"
 exit $rc
