@@ -418,3 +418,18 @@ def test_ttft_markdown_says_when_its_second_run_was_not_graphed():
     assert "prefill graphs do not serve" in markdown(p) and "ms with prefill graphs" not in markdown(p)
     p["breakdown"]["graphs_serve"] = True
     assert "579.0 ms with prefill graphs" in markdown(p)
+
+
+def test_profile_prefill_host_phases_time_the_engine_and_give_its_methods_back():
+    """profile_prefill --sync-debug's phase timing: each engine phase of one cold first token gets a wall
+    time (the forward's inside the whole), and the engine's own methods are back afterwards."""
+    import random
+    from peregrine.bench.profile_prefill import HOST_PHASES, host_phases
+    from peregrine.config import EngineConfig
+    from peregrine.engine.build import build_engine
+    e, _ = build_engine("tiny-kimi-linear", EngineConfig(max_model_len=128, max_num_seqs=2), dummy_weights=True,
+                        log=lambda m: None)
+    r = host_phases(e, [random.Random(1).randrange(256) for _ in range(40)], lambda m: None)
+    assert 0 < r["phases_ms"]["_forward"] < r["total_ms"] and r["phases_ms"]["_build_step"] > 0
+    assert set(r["phases_ms"]) <= set(HOST_PHASES) and r["syncs"] is None  # no CUDA here: no sync listing
+    assert all(n not in vars(e) for n in HOST_PHASES)  # the class's methods again, not the timing wrappers
