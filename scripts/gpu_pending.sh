@@ -10,9 +10,10 @@
 # returns: gpu_prefill.sh's bundles carry the whole results/ tree, so write logs to $OUT and tar the rest once.
 # - the new GPU test, never verified (at 65cc9be it had two rows, a varlen call whose autotune outran the step;
 #   now one row, the shapes test_gpu_prefill_kernels_equal_the_pytorch_forms autotunes first):
-#   python3 -m pytest -v -m gpu tests/test_prefill.py -k "prefill_kernels_equal or never_makes_the_host_wait or engine_step_waits"
-#   and the 32K profile's sync count since the engine builds steps without blocking (after 65cc9be: expect 1, the token):
-#   python3 -m peregrine.bench.profile_prefill --model kimi-linear-48b-a3b --dummy-weights --chunks 32768 --context 0 --sync-debug
+#   python3 -m pytest -v -m gpu tests/test_prefill.py -k "prefill_kernels_equal or never_makes_the_host_wait"
+# - an idea, not in the code: the engine's step input built without blocking (c50f5ab, reverted in 386df6c because
+#   it changed every step, decode included, with no GPU run behind it); it needs `bench decode`, a c = 8 serving
+#   run and the 32K --sync-debug profile (1 host sync expected) against the blocking build on one machine
 # - the residual-add fusions (886bddd) A/B on one machine, still not run (and PEREGRINE_KDA_GATED_NORM=0 likewise):
 #   for v in 1 0 1; do PEREGRINE_FUSED_RESIDUAL=$v OUT=$OUT/r$v STEPS=ttft LENGTHS=32768 RUNS=5 T_ttft=300 bash scripts/gpu_prefill.sh; done
 #   (the first run pays fla's autotune on a fresh machine: compare the 2nd and 3rd)

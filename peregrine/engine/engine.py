@@ -365,8 +365,7 @@ class LLMEngine:
             start = seq.num_cached
             table = seq.blocks[: -(-(start + n) // bs)]  # only the blocks this step can touch
             seqs.append((seq.token_ids[start:start + n], start, seq.kda_slot, table))
-        # without blocking: a pageable copy would wait for whatever is still queued (a prefill piece in flight)
-        step = StepInput.build(seqs, bs, self.device, non_blocking=True)
+        step = StepInput.build(seqs, bs, self.device)
         step.logits_idx, last = logprobs.prompt_rows(batch, self.device)
         return step, last, self._plan_snapshots(batch, step)
 
