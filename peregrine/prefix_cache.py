@@ -143,7 +143,7 @@ class PrefixCache:
         while (len(hashes) + 1) * bs <= n_cached:
             i = len(hashes)
             toks = tuple(token_ids[i * bs:(i + 1) * bs])
-            h = known[i] if i < len(known) else self.hash_fn(hashes[-1] if hashes else ROOT_HASH, toks)
+            h = known[i] if i < len(known) else self._next_hash(hashes, toks)
             hashes.append(h)
             b = blocks[i]
             if b in self.meta:  # a block this sequence reused
@@ -164,17 +164,13 @@ class PrefixCache:
                 return b
         return None
 
-    def chain(self, token_ids: list[int], limit: int, hashes: list[int] | None = None) -> list[int]:
-        """Chain hashes of the full blocks of the first `limit` tokens: `hashes` (a prefix of that chain)
-        extended in place, or a new list."""
-        out, bs = (hashes if hashes is not None else []), self.bs
-        for i in range(len(out), limit // bs):
-            out.append(self.hash_fn(out[-1] if out else ROOT_HASH, tuple(token_ids[i * bs:(i + 1) * bs])))
-        return out
+    def _next_hash(self, hashes: list[int], toks: tuple[int, ...]) -> int:
+        """The chain hash of the block after `hashes` (a chain from the root), holding toks."""
+        return self.hash_fn(hashes[-1] if hashes else ROOT_HASH, toks)
 
     def match(self, token_ids: list[int], limit: int, hashes: list[int] | None = None) -> Match:
         """The longest reusable prefix of at most `limit` tokens (whole blocks; for a KDA model it ends
-        at a block with a snapshot). hashes: a prefix of chain(token_ids, limit), extended in place only
+        at a block with a snapshot). hashes: a prefix of the blocks' chain hashes, extended in place only
         as far as the lookup goes (a cold prompt's first block misses: its other blocks are hashed when
         they are registered, after its forward is queued, not before its first kernel). Pure lookup:
         nothing is referenced or moved."""
@@ -186,7 +182,7 @@ class PrefixCache:
         for i in range(limit // bs):
             toks = tuple(token_ids[i * bs:(i + 1) * bs])
             if i == len(hs):
-                hs.append(self.hash_fn(hs[-1] if hs else ROOT_HASH, toks))
+                hs.append(self._next_hash(hs, toks))
             b = self._find(hs[i], toks, parent_uid)
             if b is None:
                 break
