@@ -128,10 +128,7 @@ class StepInput:
         else:
             rows = lambda rs: [r if isinstance(r, torch.Tensor) else _long(r) for r in rs]  # noqa: E731
             host = torch.cat([_long(ids), *rows(pos_rows), *rows(slot_rows), _long(kslots + ctx + tables)])
-        if non_blocking and torch.device(device).type == "cuda":
-            flat = host.pin_memory().to(device, non_blocking=True)
-        else:
-            flat = host.to(device)
+        flat = _to_device(host, torch.device(device)) if non_blocking else host.to(device)
         a = flat[:N], flat[N:2 * N], flat[2 * N:3 * N]
         kst, ctt = flat[3 * N:3 * N + S], flat[3 * N + S:3 * N + 2 * S]
         bt = flat[3 * N + 2 * S:].view(S, max_blocks)
