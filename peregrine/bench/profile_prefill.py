@@ -144,7 +144,6 @@ def host_phases(eng, prompt, log) -> dict:
     syncs = []
     if not torch.cuda.is_available():
         return {"total_ms": total, "phases_ms": dict(acc), "syncs": None}
-    show = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
         frames = [f for f in traceback.extract_stack()[:-1] if "peregrine/" in f.filename or "/fla/" in f.filename]
@@ -152,13 +151,12 @@ def host_phases(eng, prompt, log) -> dict:
                       "at": [f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in frames[-SYNC_FRAMES:]]})
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # restores showwarning and the filters on the way out
             warnings.simplefilter("always")
             warnings.showwarning = record
             first_token_s(eng, prompt[1:] + prompt[:1])  # another prompt: no prefix hit
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = show
     log(f"host syncs in one cold first token: {len(syncs)}")
     for s in syncs:
         log(f"  {s['op']}\n      " + "\n      ".join(reversed(s["at"])))
