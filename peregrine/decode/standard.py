@@ -133,8 +133,9 @@ class GraphCache:
         return out
 
     @torch.inference_mode()  # the static buffers are inference tensors when captured under it
-    def replay_time(self, B: int, iters: int = 100) -> float | None:
-        """Median ms of `iters` replays of B's most-used graph, timed with CUDA events, on scratch inputs."""
+    def scratch_replay(self, B: int):
+        """B's most-used graph, its static inputs pointed at the scratch slot and block: its `replay`
+        (None without a graph for B). For timing and profiling; it never touches a live sequence."""
         keys = [k for k in self.graphs if k[0] == B]
         if not keys:
             return None
@@ -145,8 +146,15 @@ class GraphCache:
         st.kda_slots.fill_(c.scratch_slot)
         st.block_tables.fill_(c.scratch_block)
         st.context_lens_t.fill_(key[1] * c.block_size)
+        return g.replay
+
+    def replay_time(self, B: int, iters: int = 100) -> float | None:
+        """Median ms of `iters` replays of B's most-used graph, timed with CUDA events, on scratch inputs."""
+        replay = self.scratch_replay(B)
+        if replay is None:
+            return None
         from ..bench.gpu import time_fn
-        ms = time_fn(g.replay, iters=iters, warmup=5)
+        ms = time_fn(replay, iters=iters, warmup=5)
         return sorted(ms)[len(ms) // 2]
 
 
