@@ -20,6 +20,10 @@ VARIANTS = {
     "plain_fma": dict(kernel="plain", BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=2, dot=False),
     "splitk_dot": dict(kernel="splitk", BLOCK_N=32, BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=2, dot=True),
     "splitk_fma": dict(kernel="splitk", BLOCK_N=16, BLOCK_K=64, SPLIT_K=3, num_warps=4, num_stages=2, dot=False),
+    "inline_dot": dict(kernel="splitk", BLOCK_N=32, BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=2, dot=True,
+                       reduce="inline"),
+    "inline_fma": dict(kernel="splitk", BLOCK_N=8, BLOCK_K=64, SPLIT_K=3, num_warps=2, num_stages=2, dot=False,
+                       reduce="inline"),
 }
 
 
@@ -56,7 +60,7 @@ def test_variants(variant, mnk, dtype, device):
     assert_close(out, ref(x, w), TOL[dtype], variant)
 
 
-@pytest.mark.parametrize("variant", ["plain_dot", "splitk_fma"])
+@pytest.mark.parametrize("variant", ["plain_dot", "splitk_fma", "inline_fma"])
 def test_out_slice_and_strided_x(variant, device):
     m, n, k = 3, 100, 130
     x_big, w = _inputs(m, 1, k + 7, torch.bfloat16, device)[0], _inputs(m, n, k, torch.bfloat16, device)[1]
@@ -78,6 +82,22 @@ def test_splitk_bitwise_reproducible(dtype, device):
     a = skinny_gemm(x, w, config=cfg)
     b = skinny_gemm(x, w, out=poisoned(a.shape, dtype, device), config=cfg)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mnk", [(1, 100, 257), (5, 64, 2048), (3, 300, 700)])
+def test_inline_reduce_equals_the_reduce_kernel_bit_for_bit_and_resets_its_counters(mnk, dtype, device):
+    """The last-arrival sum is the reduce kernel's sum in the same order; every launch leaves its
+    arrival counters at zero (else the next launch's last program would never see its count)."""
+    x, w = _inputs(*mnk, dtype, device, seed=3)
+    for name in ("splitk_fma", "splitk_dot"):
+        base = VARIANTS[name] | {"SPLIT_K": 4}
+        want = skinny_gemm(x, w, config=base)
+        for _ in range(3):  # repeated launches reuse counters other launches reset
+            got = skinny_gemm(x, w, out=poisoned(want.shape, dtype, device), config=base | {"reduce": "inline"})
+            assert torch.equal(got, want), name
+    buf, _ = gemm._counters[str(torch.device(device))]
+    assert int(buf.count_nonzero()) == 0
 
 
 def test_plan_entries_valid_and_fallback():
@@ -103,3 +123,21 @@ def test_cublas_plan_entry_into_strided_out(device, dtype):
     skinny_gemm(x, w, out=y, config=gemm.heuristic(3, 40, 100) | {"kernel": "torch"})
     assert_close(y, gemm.skinny_gemm_ref(x, w), 1e-5 if dtype == torch.float32 else 1e-2)
     assert (buf[:, :8] == SENTINEL).all() and (buf[:, 48:] == SENTINEL).all()
+
+
+def test_the_wide_decode_sweep_yields_valid_configs_that_compute_the_product(device):
+    from peregrine.bench import kernels_gemm as kg
+    for (n, k), m in [(s, m) for s in kg.DECODE_48B for m in (1, 2, 4, 8)]:
+        cfgs = list(kg.wide_candidates(m, n, k))
+        assert cfgs, (m, n, k)
+        for c in cfgs:
+            grid, k_per, _ = gemm.tiling(m, n, k, c)
+            assert gemm.NUM_SMS // 2 <= grid[0] * grid[1] and k_per * (grid[1] - 1) < k, (m, n, k, c)
+            assert c["dot"] or m <= gemm.FMA_MAX_ROWS
+    x, w = _inputs(2, 600, 1100, torch.bfloat16, device, seed=4)
+    cfgs = list(kg.wide_candidates(2, 600, 1100))
+    picks = [next(c for c in cfgs if c["BLOCK_N"] == 4), next(c for c in cfgs if c["dot"]),
+             next(c for c in cfgs if c["reduce"] == "inline")]
+    for c in picks:
+        assert_close(skinny_gemm(x, w, out=poisoned((2, 600), torch.bfloat16, device), config=c), ref(x, w),
+                     TOL[torch.bfloat16], str(c))

@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from pathlib import Path
 
 import torch
 
 from peregrine.bench.gpu import graph_time
 from peregrine.kernels import gemm
+from peregrine.kernels.pdl import pdl_enabled
 
 # Weight shapes (N, K) of the decode step.
 SHAPES = [
@@ -33,6 +35,10 @@ SHAPES = [
     (12288, 7168), (7168, 12288), (2112, 7168), (18432, 1536), (3584, 7168), (7168, 3584), (6144, 7168),
 ]
 QUICK = [(12576, 2304), (2304, 4096), (256, 2304), (163840, 2304), (7168, 12288)]
+# The 48B decode step's GEMMs with more than one call per step (the dense layer's and lm_head's run once)
+DECODE_48B = [(12576, 2304), (2304, 4096), (4096, 128), (6720, 2304), (2048, 2304), (2304, 1024)]
+SHAPE_SETS = {"all": SHAPES, "quick": QUICK, "decode48b": DECODE_48B}
+BYTES_PER_THREAD = 64  # weight bytes each thread loads per K step in the wide sweep: 4 x 16-byte vectors
 MS = (1, 2, 4, 8, 16)
 L2_BYTES = 60 << 20
 ROTATE_BYTES = 3 * L2_BYTES  # working set that cannot stay in L2
@@ -67,12 +73,12 @@ def _cublas(case):
 
 
 def run(copy_gbps: float, full: bool = True, tune: bool = False, iters: int = 30, plan: dict | None = None,
-        ms=MS) -> list[dict]:
+        ms=MS, shapes=None) -> list[dict]:
     """One row per (shape, M): ours (plan config, or freshly tuned with tune=True) vs cuBLAS."""
     rows = []
     if tune and plan is None:
-        plan = tune_plan(copy_gbps, full, ms)
-    for (n, k), m in itertools.product(SHAPES if full else QUICK, ms):
+        plan = tune_plan(copy_gbps, full, ms, shapes=shapes)
+    for (n, k), m in itertools.product(shapes or (SHAPES if full else QUICK), ms):
         case = Case(m, n, k)
         cfg = plan[gemm.plan_key(m, n, k)] if plan else gemm.lookup(m, n, k)
         cfg = {key: v for key, v in cfg.items() if key != "measured"}
@@ -103,6 +109,29 @@ def candidates(m: int, n: int, k: int):
                    "SPLIT_K": split, "num_warps": warps, "num_stages": 2, "dot": dot}
 
 
+def wide_candidates(m: int, n: int, k: int):
+    """The decode sweep: narrow N tiles too (4, 8 rows: more programs for small N), the warps sized to
+    the tile, split K with the inline (last-arrival) reduce; between one and sixteen waves of programs."""
+    dot_only = m > gemm.FMA_MAX_ROWS
+    bm = min(1 << (m - 1).bit_length(), gemm.FMA_MAX_ROWS)
+    tiles = [(True, bn, bk) for bn in (16, 32) for bk in (128, 256)]
+    if not dot_only:
+        tiles += [(False, bn, bk) for bn in (4, 8, 16) for bk in ((256, 512) if k < 2048 else (512, 1024))]
+    for dot, bn, bk in tiles:
+        bk = min(bk, max(gemm.DOT_MIN_ROWS, 1 << (k - 1).bit_length()))
+        warps = 4 if dot else max(1, min(8, bn * bk * 2 // (32 * BYTES_PER_THREAD)))
+        if not dot and bm * bn * bk > gemm.FMA_ACC_REGS * 32 * warps:
+            continue  # the FMA accumulator would spill
+        if dot and bn * bk > 64 * 256:
+            continue
+        for split in (1, 2, 4, 8):
+            programs = -(-n // bn) * split
+            if k < split * bk or not gemm.NUM_SMS // 2 <= programs <= 16 * gemm.NUM_SMS:
+                continue
+            yield {"kernel": "splitk" if split > 1 else "plain", "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
+                   "num_warps": warps, "num_stages": 2, "dot": dot, "reduce": "inline" if split > 1 else "kernel"}
+
+
 def fast_candidates(m: int, n: int, k: int):
     """The heuristic tile with and without tensor cores, and cuBLAS: a plan in seconds per shape."""
     heur = gemm.heuristic(m, n, k)
@@ -112,12 +141,13 @@ def fast_candidates(m: int, n: int, k: int):
     yield heur | {"kernel": "torch"}
 
 
-def tune_one(m, n, k, copy_gbps: float, iters: int = 10, fast: bool = False) -> dict:
+def tune_one(m, n, k, copy_gbps: float, iters: int = 10, fast: bool = False, wide: bool = False) -> dict:
     case = Case(m, n, k)
     ref = gemm.skinny_gemm_ref(case.x, case.ws[0])
     results = []
     heur = gemm.heuristic(m, n, k)
-    cfgs = list(fast_candidates(m, n, k) if fast else candidates(m, n, k)) + ([] if fast else [heur | {"kernel": "torch"}])
+    sweep = fast_candidates if fast else wide_candidates if wide else candidates
+    cfgs = list(sweep(m, n, k)) + ([] if fast else [heur | {"kernel": "torch"}])
     for cfg in cfgs + ([heur] if heur not in cfgs else []):
         try:
             case.y.zero_()
@@ -133,22 +163,26 @@ def tune_one(m, n, k, copy_gbps: float, iters: int = 10, fast: bool = False) -> 
     results.sort(key=lambda r: r[0])
     t, best = results[0]
     t_heur = next((r[0] for r in results if r[1] == heur), None)
+    t_torch = next((r[0] for r in results if r[1]["kernel"] == "torch"), None)
     gbps = case.bytes / t / 1e6
     return best | {"measured": {"time_ms": t, "gbps": gbps, "pct_of_copy": gbps / copy_gbps,
                                 "runner_up_ms": results[1][0] if len(results) > 1 else None,
-                                "heuristic_ms": t_heur, "candidates": len(results)}}
+                                "heuristic_ms": t_heur, "cublas_ms": t_torch, "candidates": len(results),
+                                "pdl": pdl_enabled()}}
 
 
-def tune_plan(copy_gbps: float, full: bool = True, ms=MS, fast: bool = False) -> dict:
+def tune_plan(copy_gbps: float, full: bool = True, ms=MS, fast: bool = False, shapes=None, wide: bool = False) -> dict:
     plan = {}
-    for (n, k), m in itertools.product(SHAPES if full else QUICK, ms):
-        plan[gemm.plan_key(m, n, k)] = tune_one(m, n, k, copy_gbps, fast=fast)
-        print(gemm.plan_key(m, n, k), plan[gemm.plan_key(m, n, k)])
+    for (n, k), m in itertools.product(shapes or (SHAPES if full else QUICK), ms):
+        plan[gemm.plan_key(m, n, k)] = tune_one(m, n, k, copy_gbps, fast=fast, wide=wide)
+        print(gemm.plan_key(m, n, k), plan[gemm.plan_key(m, n, k)], flush=True)
     return plan
 
 
 def write_plan(plan: dict, meta: dict, path=gemm.PLAN_PATH) -> None:
-    old = json.loads(path.read_text()) if path.exists() else {}
+    """Merge `plan` into `path`'s entries (a new file starts from gemm_plan.json's)."""
+    base = path if path.exists() else gemm.PLAN_PATH
+    old = json.loads(base.read_text()) if base.exists() else {}
     entries = old.get("entries", {}) | plan
     path.write_text(json.dumps({"meta": meta, "entries": entries}, indent=1, sort_keys=True) + "\n")
     gemm.load_plan.cache_clear()
@@ -173,6 +207,9 @@ def main():
     ap.add_argument("--fast", action="store_true", help="with --tune: only heuristic tile (FMA / tensor-core) vs cuBLAS")
     ap.add_argument("--ms", default="1,2,4,8,16", help="row counts M, comma separated")
     ap.add_argument("--pdl", action="store_true", help="launch with Programmatic Dependent Launch (tune for {\"pdl\": true})")
+    ap.add_argument("--shapes", choices=sorted(SHAPE_SETS), help="a named shape set (overrides --quick)")
+    ap.add_argument("--wide", action="store_true", help="with --tune: the decode sweep (narrow tiles, inline split-K reduce)")
+    ap.add_argument("--plan-out", help="with --write-plan: merge into this file instead of gemm_plan.json")
     ap.add_argument("--results-dir", default="results")
     a = ap.parse_args()
     from peregrine.kernels.pdl import set_pdl
@@ -180,10 +217,12 @@ def main():
     ms = tuple(int(v) for v in a.ms.split(","))
     copy = copy_bandwidth()
     meta = run_metadata() | {"copy_gbps": copy["gbps"], "copy_samples_ms": copy["samples_ms"], "pdl": a.pdl}
-    plan = tune_plan(copy["gbps"], not a.quick, ms, fast=a.fast) if a.tune else None
+    shapes = SHAPE_SETS[a.shapes] if a.shapes else None
+    plan = tune_plan(copy["gbps"], not a.quick, ms, fast=a.fast, shapes=shapes, wide=a.wide) if a.tune else None
     if plan and a.write_plan:
-        write_plan(plan, {k: meta[k] for k in ("commit", "gpu", "torch", "triton", "time_utc", "copy_gbps")})
-    rows = run(copy["gbps"], full=not a.quick, plan=plan, ms=ms)
+        write_plan(plan, {k: meta[k] for k in ("commit", "gpu", "torch", "triton", "time_utc", "copy_gbps", "pdl")},
+                   Path(a.plan_out) if a.plan_out else gemm.PLAN_PATH)
+    rows = run(copy["gbps"], full=not a.quick, plan=plan, ms=ms, shapes=shapes)
     path = write_result(result_path("kernels", "gemm", a.results_dir), {"meta": meta, "plan": plan, "rows": rows})
     print(f"copy bandwidth {copy['gbps']:.0f} GB/s\n{table(rows)}\n-> {path}")
 

@@ -5,8 +5,10 @@ of N, reads its rows of w exactly once and produces all M rows from that one
 load. Two variants share one kernel body:
   plain   grid (N tiles, 1, M tiles), writes y directly;
   splitk  grid (N tiles, SPLIT_K, M tiles), writes FP32 partials to a
-          workspace, then a second kernel sums them in a fixed order (no
-          atomics: bitwise reproducible run to run).
+          workspace, then a second kernel sums them in a fixed order
+          (bitwise reproducible run to run); with "reduce": "inline" the
+          last program of a tile to arrive (an arrival counter, reset by it
+          for the next launch) sums them in the same order: one launch less.
 Inner product either on tensor cores (tl.dot, rows padded to 16) or as FMAs
 into a [BM, BN, BK] accumulator reduced once at the end (cheap for M <= 4).
 gemm_plan.json maps "M,N,K" -> config, measured on the GPU by
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -56,8 +59,10 @@ def _mac(acc, xk, wk, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
 
 @triton.jit
 def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys, k_per_split,
+                 out_ptr, stride_om, count_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+                 USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, INLINE_REDUCE: tl.constexpr = False,
+                 USE_PDL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -90,7 +95,21 @@ def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, 
     if not USE_DOT:
         acc = tl.sum(acc, axis=2)
     y_ptrs = y_ptr + pid_s.to(tl.int64) * stride_ys + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    ok = m_ok[:, None] & n_ok[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    if INLINE_REDUCE:  # y is the FP32 workspace; the tile's last program to arrive writes out
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        c_ptr = count_ptr + pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(c_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(1) - 1:
+            tl.debug_barrier()
+            ws_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+            tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(tl.num_programs(1)):  # fixed order: the same bits as the reduce kernel
+                tot += tl.load(ws_ptrs + s * stride_ys, mask=ok, other=0.0, cache_modifier=".cg")
+            o_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+            tl.store(o_ptrs, tot.to(out_ptr.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(c_ptr, 0)  # ready for the next launch (graph replays included)
 
 
 @triton.jit
@@ -107,6 +126,23 @@ def _splitk_reduce_kernel(ws_ptr, y_ptr, N, stride_ws_s, stride_ws_m, stride_ym,
 
 
 REDUCE_BLOCK = 1024  # the reduction is tiny (SPLIT_K * M * N floats); one wide tile per program
+COUNTERS = 1 << 20  # arrival counters per device (4 MB); launches take consecutive ranges, wrapping
+_counters: dict = {}
+
+
+def _arrival_counters(device, tiles: int) -> torch.Tensor:
+    """`tiles` zeroed int32 counters no launch still in flight uses: the next range of a per-device
+    ring (each launch's last arrivals reset theirs). A step's launches, a side stream's among them,
+    take ranges far apart; a CUDA graph keeps the ranges it captured, and replays run one at a time."""
+    assert tiles <= COUNTERS // 64, f"{tiles} output tiles: too many for the inline split-K reduce"
+    key = str(device)
+    if key not in _counters:
+        _counters[key] = [torch.zeros(COUNTERS, dtype=torch.int32, device=device), 0]
+    buf, at = _counters[key]
+    if at + tiles > COUNTERS:
+        at = 0
+    _counters[key][1] = at + tiles
+    return buf[at:at + tiles]
 
 
 def skinny_gemm_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -134,12 +170,15 @@ def heuristic(M: int, N: int, K: int) -> dict:
     while tiles * split < 2 * NUM_SMS and K >= split * 2 * 2 * block_k and split < MAX_SPLIT_K:
         split *= 2
     return {"kernel": "splitk" if split > 1 else "plain", "BLOCK_N": block_n, "BLOCK_K": block_k,
-            "SPLIT_K": split, "num_warps": warps, "num_stages": 2, "dot": dot}
+            "SPLIT_K": split, "num_warps": warps, "num_stages": 2, "dot": dot, "reduce": "kernel"}
+
+
+PLAN_ENV = "PEREGRINE_GEMM_PLAN"  # another plan file, for A/B runs of a freshly tuned plan
 
 
 @functools.cache
 def load_plan(path: str | None = None) -> dict:
-    p = Path(path) if path else PLAN_PATH
+    p = Path(path or os.environ.get(PLAN_ENV) or PLAN_PATH)
     if not p.exists():
         return {}
     return json.loads(p.read_text()).get("entries", {})
@@ -217,10 +256,15 @@ def launch(x, w, y, cfg: dict) -> None:
     split = grid[1]
     meta = dict(tile, IEEE=_use_ieee(x, w), **launch_kwargs(x.device))
     if split == 1:
-        _gemm_kernel[grid](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), 0, k_per, **meta)
+        _gemm_kernel[grid](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), 0, k_per, y, 0, y, **meta)
         return
     ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-    _gemm_kernel[grid](x, w, ws, M, N, K, x.stride(0), w.stride(0), N, M * N, k_per, **meta)
+    if cfg.get("reduce") == "inline":
+        count = _arrival_counters(x.device, grid[0] * grid[2])
+        _gemm_kernel[grid](x, w, ws, M, N, K, x.stride(0), w.stride(0), N, M * N, k_per, y, y.stride(0), count,
+                           INLINE_REDUCE=True, **meta)
+        return
+    _gemm_kernel[grid](x, w, ws, M, N, K, x.stride(0), w.stride(0), N, M * N, k_per, y, 0, ws, **meta)
     rgrid = (triton.cdiv(N, REDUCE_BLOCK), M)
     _splitk_reduce_kernel[rgrid](ws, y, N, M * N, N, y.stride(0), SPLIT_K=split, BLOCK=REDUCE_BLOCK, num_warps=4,
                                  **launch_kwargs(x.device))
