@@ -256,6 +256,38 @@ def test_experts_bitwise_reproducible_and_batch_invariant(variant):
     assert torch.equal(shuf, a[perm]), "a token's output depends on its position in the batch"
 
 
+SHARED_CASES = [(1, TINY, BF16, "default"), (3, ODD, F32, "split_swap"), (16, TINY, BF16, "fused_wide"),
+                (5, ODD, BF16, "fused")]
+if FULL_SHAPES:
+    SHARED_CASES += [(B, REAL, BF16, v) for B in (1, 2, 4, 8) for v in ("default", "split_swap")]
+
+
+@pytest.mark.parametrize("B,shape,dtype,variant", SHARED_CASES)
+def test_shared_slot_serves_the_shared_expert_as_one_more_expert(B, shape, dtype, variant):
+    """router_topk's shared slot (id E, weight 1) and the expert launches' shared weights give the
+    reference's routed experts plus the shared expert, the latter taken as expert E of a stack that
+    holds it after the routed ones; the k routed slots are the plain top-k's ids and weights."""
+    D, I, E, k = shape["D"], shape["I"], shape["E"], shape["k"]
+    cfg = EXPERT_VARIANTS[variant]
+    w13, w2 = make_weights(D, I, E, dtype, seed=0 if shape is REAL else B)
+    g = torch.Generator(device=DEVICE).manual_seed(99)
+    s13 = (torch.randn(2 * I, D, generator=g, device=DEVICE) / D**0.5).to(dtype)
+    s2 = (torch.randn(D, I, generator=g, device=DEVICE) / I**0.5).to(dtype)
+    x = make_x(B, D, dtype, seed=B, strided=B % 2 == 1)
+    gate_w = (torch.randn(E, D, generator=g, device=DEVICE) / D**0.5).to(dtype)
+    bias = torch.randn(E, generator=g, device=DEVICE) * 0.1
+    ids, w = moe_route(x, gate_w, bias, k, True, 2.5)
+    ids_s, w_s = moe_route(x, gate_w, bias, k, True, 2.5, shared_slot=True)
+    assert ids_s.shape == (B, k + 1) and torch.equal(ids_s[:, :k], ids) and torch.equal(w_s[:, :k], w)
+    assert (ids_s[:, k] == E).all() and (w_s[:, k] == 1).all()
+    part = poisoned(moe.partials_shape(cfg, B, D, I, k + 1), F32, DEVICE)
+    moe_expert_partials(x, w13, w2, ids_s, config=cfg, partials=part, shared=(s13, s2))
+    assert torch.isfinite(part).all(), "a (tile, token, slot) partial row was never written"
+    out = moe_combine(part, w_s, dtype=dtype, out=poisoned((B, D), dtype, DEVICE))
+    want = experts_ref(x, torch.cat([w13, s13[None]]), torch.cat([w2, s2[None]]), ids_s, w_s, "swiglu")
+    assert_close(out, want, TOL[dtype], f"shared slot B={B} {variant}")
+
+
 def test_combine_adds_in_fp32_and_leaves_neighbours():
     """The shared expert rides along in the combine; a strided out slice keeps its neighbours."""
     B, D, I, E, k = 3, 100, 48, 5, 2

@@ -213,8 +213,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from peregrine.kernels import gemm, norm, moe
 jobs = {
-    "gemm": (gemm._gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16"},
-             dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, USE_DOT=True, IEEE=False, EVEN_K=True)),
+    "gemm": (gemm._gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "out_ptr": "*bf16",
+                                 "count_ptr": "*i32"},
+             dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, USE_DOT=True, IEEE=False, EVEN_K=True, INLINE_REDUCE=False)),
+    "gemm_inline": (gemm._gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp32", "out_ptr": "*bf16",
+                                        "count_ptr": "*i32"},
+                    dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, USE_DOT=False, IEEE=False, EVEN_K=True, INLINE_REDUCE=True)),
     "norm": (norm._rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
                                      "eps": "fp32"}, dict(HAS_RES=True, BLOCK=4096, SINGLE=True)),
     "combine": (moe._combine_kernel, {"part_ptr": "*fp32", "tw_ptr": "*fp32", "add_ptr": "*bf16", "out_ptr": "*bf16"},

@@ -134,6 +134,36 @@ def test_fused_norm_in_projections_equal_the_two_kernel_chain(model_dir):
                 assert (x[r] - y[r]).norm() / x[r].norm() < TOL, f"request {r} step {i}"
 
 
+def test_shared_expert_in_the_expert_launches_equals_the_dense_shared_expert(model_dir, monkeypatch):
+    """The shared expert as one more slot of the routed-expert launches (the default) against it as a
+    dense MLP added in the combine (PEREGRINE_SHARED_SLOT=0): the fused form is the one taken, every
+    decode step's logits within tolerance up to the first differing token (none in FP32)."""
+    from peregrine.decode import specialized
+    ps = prompts(2, 7)
+    eager = dict(cuda_graphs=False) if DEVICE == "cuda" else {}
+    calls = []
+    real = specialized.moe_expert_partials
+    monkeypatch.setattr(specialized, "moe_expert_partials", lambda *a, **k: calls.append(k.get("shared")) or real(*a, **k))
+    slot, ls = engine(model_dir, "latency_specialized", **eager)
+    monkeypatch.setenv(specialized.SHARED_SLOT_ENV, "0")
+    dense, ld = engine(model_dir, "latency_specialized", **eager)
+    assert slot.runner.shared_in_experts and not dense.runner.shared_in_experts
+    n = STEPS if FULL_SHAPES else 8
+    a = slot.generate(ps, greedy(n))
+    assert calls and all(c is not None for c in calls), "the shared expert did not ride in the expert launches"
+    calls.clear()
+    b = dense.generate(ps, greedy(n))
+    assert calls and all(c is None for c in calls)
+    assert [p for p, _ in ls][1:] == ["latency_specialized"] * (len(ls) - 1)
+    div = [first_divergence(x, y) for x, y in zip(a, b)]
+    if DEVICE == "cpu":
+        assert div == [None, None], f"FP32 greedy tokens differ at {div}"
+    for i, ((_, x), (_, y)) in enumerate(zip(ls, ld)):
+        for r in range(len(ps)):
+            if div[r] is None or i <= div[r]:
+                assert (x[r] - y[r]).norm() / x[r].norm() < TOL, f"request {r} step {i}"
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
 def test_graph_replay_equals_eager(model_dir):
     """The captured step replays exactly what the eager specialized step computes: same tokens, logits

@@ -15,6 +15,7 @@ to the standard runner over the same caches; each reason is counted and logged o
 """
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import torch
@@ -34,6 +35,7 @@ from ..parallel.group import SINGLE
 from .standard import GraphCache
 
 MAX_DECODE_BATCH = 16  # the skinny GEMMs are written for M ≤ 16 rows
+SHARED_SLOT_ENV = "PEREGRINE_SHARED_SLOT"  # "0": the shared expert as a dense MLP on the side stream (A/B runs)
 
 
 def _mm(x, w, out=None):
@@ -56,6 +58,8 @@ class SpecializedRunner:
         self.cfg = model.cfg
         self.pdl = pdl  # Programmatic Dependent Launch for this runner's kernels (captured into its graphs)
         self.fused_norm = fused_norm  # attention in-projections with their residual add + RMSNorm fused in (_norm_in_proj)
+        # the shared expert served by the routed-expert launches as one more slot (_moe); 0: on the side stream
+        self.shared_in_experts = os.environ.get(SHARED_SLOT_ENV, "1") != "0"
         self.last_path = self.name
         self.fallback_reasons: Counter = Counter()
         self.greedy_tokens = None  # argmax of the last specialized step (the engine skips its own)
@@ -268,18 +272,36 @@ class SpecializedRunner:
         with torch.cuda.stream(self.side):
             return mlp(moe.shared, h)
 
-    def _route(self, moe, h):
+    def _route(self, moe, h, shared_slot: bool = False):
         """The fused router; under TP slicing its logits kernel runs on the rank's experts and the
-        partials are gathered before the top-k (the same FP32 bits on every rank: the same choice)."""
+        partials are gathered before the top-k (the same FP32 bits on every rank: the same choice).
+        shared_slot: one more slot per token for the shared expert (kernels/moe.py router_topk)."""
         cfg = self.cfg
         if not moe.router_sliced:
             return moe_route(h, moe.gate_w, moe.bias, cfg.num_experts_per_token, cfg.moe_renormalize,
-                             cfg.routed_scaling_factor)
+                             cfg.routed_scaling_factor, shared_slot=shared_slot)
         part = router_partials(h, moe.gate_w, num_experts=cfg.num_experts)
         return router_topk(self.tp.all_gather_stacked(part), moe.bias, cfg.num_experts_per_token,
-                           cfg.moe_renormalize, cfg.routed_scaling_factor)
+                           cfg.moe_renormalize, cfg.routed_scaling_factor, shared_slot=shared_slot)
+
+    def _shared_weights(self, moe):
+        """(gate_up, down) of a shared expert the routed-expert launches can serve as one more expert
+        (the routed experts' shape and dtype, contiguous), else None: it then runs as a dense MLP."""
+        sh = moe.shared
+        if not self.shared_in_experts or sh is None:
+            return None
+        gu, dn = sh.gate_up, sh.down
+        fits = (gu.shape == moe.w13.shape[1:] and dn.shape == moe.w2.shape[1:] and gu.dtype == dn.dtype == moe.w13.dtype
+                and gu.is_contiguous() and dn.is_contiguous())
+        return (gu, dn) if fits else None
 
     def _moe(self, moe, h):
+        fused = self._shared_weights(moe)
+        if fused is not None:  # router -> experts + shared -> combine: no side stream, no dense-MLP launches
+            ids, w = self._route(moe, h, shared_slot=True)
+            moe.last_ids = ids[:, :-1]
+            part = moe_expert_partials(h, moe.w13, moe.w2, ids, shared=fused)
+            return moe_combine(part, w, dtype=h.dtype, out=self._rbuf(h))
         shared = self._shared(moe, h, self._dense)
         ids, w = self._route(moe, h)
         moe.last_ids = ids

@@ -189,7 +189,7 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, B, E, D, stride_xb, chunk,
 def _router_topk_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, logits_ptr, B, E, E_SLAB, scaling,
                         SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                         RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_LOGITS: tl.constexpr,
-                        USE_PDL: tl.constexpr = False):
+                        SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)  # the partial logits come from the previous kernel
     b = tl.program_id(0)
     offs = tl.arange(0, E_PAD)
@@ -218,17 +218,23 @@ def _router_topk_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, logits_ptr, B, E, E_
         choice = tl.where(hit, float("-inf"), choice)
     if RENORM:
         ws = ws / tl.sum(ws, axis=0)
-    tl.store(ids_ptr + b * TOP_K + slots, ids, mask=slots < TOP_K)
-    tl.store(w_ptr + b * TOP_K + slots, ws * scaling, mask=slots < TOP_K)
+    K_OUT: tl.constexpr = TOP_K + 1 if SHARED else TOP_K
+    tl.store(ids_ptr + b * K_OUT + slots, ids, mask=slots < TOP_K)
+    tl.store(w_ptr + b * K_OUT + slots, ws * scaling, mask=slots < TOP_K)
+    if SHARED:  # one more slot per token: id E (the shared expert), weight 1
+        tl.store(ids_ptr + b * K_OUT + TOP_K, E)
+        tl.store(w_ptr + b * K_OUT + TOP_K, 1.0)
 
 
 def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, top_k: int,
               renormalize: bool = True, scaling: float = 1.0, *, config: dict | None = None,
-              logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              logits_out: torch.Tensor | None = None, shared_slot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, D], gate_w [E, D], bias [E] FP32 or None -> (topk_ids [B, k] int32, topk_w [B, k] FP32).
-    config overrides the plan; logits_out (FP32 [B, E]) also receives the router logits."""
+    config overrides the plan; logits_out (FP32 [B, E]) also receives the router logits; shared_slot:
+    see router_topk."""
     part = router_partials(x, gate_w, config=config)
-    return router_topk(part.unsqueeze(0), bias, top_k, renormalize, scaling, logits_out=logits_out)
+    return router_topk(part.unsqueeze(0), bias, top_k, renormalize, scaling, logits_out=logits_out,
+                       shared_slot=shared_slot)
 
 
 def router_partials(x: torch.Tensor, gate_w: torch.Tensor, *, config: dict | None = None,
@@ -253,21 +259,25 @@ def router_partials(x: torch.Tensor, gate_w: torch.Tensor, *, config: dict | Non
 
 
 def router_topk(parts: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool = True,
-                scaling: float = 1.0, *, logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                scaling: float = 1.0, *, logits_out: torch.Tensor | None = None,
+                shared_slot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k over the partials of R slabs of experts, [R, D chunks, B, E/R] (R ranks' router_partials
-    stacked in rank order; R = 1 for the whole router): chunks summed in a fixed order, then as moe_route."""
+    stacked in rank order; R = 1 for the whole router): chunks summed in a fixed order, then as moe_route.
+    shared_slot: [B, k + 1] results, slot k holding id E and weight 1 (the shared expert, for
+    moe_expert_partials' `shared`)."""
     R, split, B, E_slab = parts.shape
     E = R * E_slab
     assert parts.dtype == torch.float32 and parts.is_contiguous() and 0 < top_k <= E
     if logits_out is not None:
         assert logits_out.shape == (B, E) and logits_out.dtype == torch.float32 and logits_out.is_contiguous()
-    ids = torch.empty(B, top_k, dtype=torch.int32, device=parts.device)
-    w = torch.empty(B, top_k, dtype=torch.float32, device=parts.device)
+    k_out = top_k + bool(shared_slot)
+    ids = torch.empty(B, k_out, dtype=torch.int32, device=parts.device)
+    w = torch.empty(B, k_out, dtype=torch.float32, device=parts.device)
     b = bias.float().contiguous() if bias is not None else parts  # dummy pointer when absent
     _router_topk_kernel[(B,)](parts, b, ids, w, logits_out if logits_out is not None else parts, B, E, E_slab,
                               float(scaling), SPLIT=split, TOP_K=top_k, K_PAD=_pow2(top_k), E_PAD=_pow2(E),
                               RENORM=bool(renormalize), HAS_BIAS=bias is not None, STORE_LOGITS=logits_out is not None,
-                              num_warps=TOPK_WARPS, **launch_kwargs(parts.device))
+                              SHARED=bool(shared_slot), num_warps=TOPK_WARPS, **launch_kwargs(parts.device))
     return ids, w
 
 
@@ -291,13 +301,22 @@ def _token_slots(ids_ptr, e, B, TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD:
 
 
 @triton.jit
+def _expert_base(w_ptr, s_ptr, e, E, size):
+    """Expert e's weight block: its slice of the stack, or the shared expert's tensor when e == E."""
+    if e == E:
+        return s_ptr
+    return w_ptr + e.to(tl.int64) * size
+
+
+@triton.jit
 def _gate_up(x_ptr, w13_ptr, e, chose, offs_i, i_ok, D, I, stride_xb,
              B_PAD: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, ACT: tl.constexpr,
              DOT_T: tl.constexpr, PREC: tl.constexpr, BETA: tl.constexpr, BETA_L: tl.constexpr):
-    """act(W1_e x, W3_e x) for rows offs_i of the expert, all padded tokens: FP32 [B_PAD, BLOCK_I]."""
+    """act(W1_e x, W3_e x) for rows offs_i of the expert, all padded tokens: FP32 [B_PAD, BLOCK_I].
+    w13_ptr: the expert's own [2I, D] block."""
     offs_b = tl.arange(0, B_PAD)
     offs_d = tl.arange(0, BLOCK_D)
-    g_rows = w13_ptr + e.to(tl.int64) * 2 * I * D + offs_i.to(tl.int64)[:, None] * D
+    g_rows = w13_ptr + offs_i.to(tl.int64)[:, None] * D
     u_rows = g_rows + I * D
     acc_g = tl.zeros([B_PAD, BLOCK_I], tl.float32)
     acc_u = tl.zeros([B_PAD, BLOCK_I], tl.float32)
@@ -321,7 +340,7 @@ def _gate_up(x_ptr, w13_ptr, e, chose, offs_i, i_ok, D, I, stride_xb,
 
 
 @triton.jit
-def _expert_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, B, D, I, stride_xb,
+def _expert_up_kernel(x_ptr, w13_ptr, s13_ptr, ids_ptr, h_ptr, B, E, D, I, stride_xb,
                       TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
                       BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, ACT: tl.constexpr,
                       DOT_T: tl.constexpr, PREC: tl.constexpr, BETA: tl.constexpr, BETA_L: tl.constexpr,
@@ -333,8 +352,8 @@ def _expert_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, B, D, I, stride_xb,
         chose, slot = _token_slots(ids_ptr, e, B, TOP_K, B_PAD, K_PAD)
         offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         i_ok = offs_i < I
-        h = _gate_up(x_ptr, w13_ptr, e, chose, offs_i, i_ok, D, I, stride_xb, B_PAD, BLOCK_I, BLOCK_D, ACT,
-                     DOT_T, PREC, BETA, BETA_L)
+        h = _gate_up(x_ptr, _expert_base(w13_ptr, s13_ptr, e, E, 2 * I * D), e, chose, offs_i, i_ok, D, I, stride_xb,
+                     B_PAD, BLOCK_I, BLOCK_D, ACT, DOT_T, PREC, BETA, BETA_L)
         offs_b = tl.arange(0, B_PAD)
         # h is kept in the weight dtype, as the standard path's activations are
         tl.store(h_ptr + (offs_b[:, None] * TOP_K + slot[:, None]) * I + offs_i[None, :],
@@ -342,7 +361,7 @@ def _expert_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, B, D, I, stride_xb,
 
 
 @triton.jit
-def _expert_down_kernel(h_ptr, w2_ptr, ids_ptr, part_ptr, B, D, I,
+def _expert_down_kernel(h_ptr, w2_ptr, s2_ptr, ids_ptr, part_ptr, B, E, D, I,
                         TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, SWAP: tl.constexpr,
                         DOT_T: tl.constexpr, PREC: tl.constexpr,
@@ -357,7 +376,7 @@ def _expert_down_kernel(h_ptr, w2_ptr, ids_ptr, part_ptr, B, D, I,
         offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
         row = offs_b * TOP_K + slot
-        w_rows = w2_ptr + e.to(tl.int64) * D * I + offs_d.to(tl.int64)[:, None] * I
+        w_rows = _expert_base(w2_ptr, s2_ptr, e, E, D * I) + offs_d.to(tl.int64)[:, None] * I
         h_rows = h_ptr + row[:, None] * I
         if SWAP:  # weight rows as the M side: [BLOCK_D, tokens] (wgmma-eligible at BLOCK_D >= 64)
             acc = tl.zeros([BLOCK_D, B_PAD], tl.float32)
@@ -379,7 +398,7 @@ def _expert_down_kernel(h_ptr, w2_ptr, ids_ptr, part_ptr, B, D, I,
 
 
 @triton.jit
-def _expert_fused_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, part_ptr, B, D, I, stride_xb,
+def _expert_fused_kernel(x_ptr, w13_ptr, w2_ptr, s13_ptr, s2_ptr, ids_ptr, part_ptr, B, E, D, I, stride_xb,
                          TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
                          BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr, ACT: tl.constexpr,
                          DOT_T: tl.constexpr, PREC: tl.constexpr, BETA: tl.constexpr, BETA_L: tl.constexpr,
@@ -393,12 +412,12 @@ def _expert_fused_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, part_ptr, B, D, I, str
         j = tl.program_id(1)
         offs_i = j * BLOCK_I + tl.arange(0, BLOCK_I)
         i_ok = offs_i < I
-        h = _gate_up(x_ptr, w13_ptr, e, chose, offs_i, i_ok, D, I, stride_xb, B_PAD, BLOCK_I, BLOCK_D, ACT,
-                     DOT_T, PREC, BETA, BETA_L)
+        h = _gate_up(x_ptr, _expert_base(w13_ptr, s13_ptr, e, E, 2 * I * D), e, chose, offs_i, i_ok, D, I, stride_xb,
+                     B_PAD, BLOCK_I, BLOCK_D, ACT, DOT_T, PREC, BETA, BETA_L)
         h = h.to(w2_ptr.dtype.element_ty).to(DOT_T)  # rounded like the split path's workspace
         offs_b = tl.arange(0, B_PAD)
         offs_do = tl.arange(0, BLOCK_DO)
-        w_cols = w2_ptr + e.to(tl.int64) * D * I + offs_i[None, :]
+        w_cols = _expert_base(w2_ptr, s2_ptr, e, E, D * I) + offs_i[None, :]
         out_rows = part_ptr + (j * B * TOP_K + offs_b * TOP_K + slot).to(tl.int64)[:, None] * D
         for d0 in range(0, D, BLOCK_DO):
             d = d0 + offs_do
@@ -454,10 +473,12 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
 
 
 def moe_expert_partials(x, w13, w2, topk_ids, *, activation: str = "swiglu", workspace=None, config=None,
-                        partials=None) -> torch.Tensor:
+                        partials=None, shared=None) -> torch.Tensor:
     """The expert launches without the combine: FP32 partials [I tiles, B·k, D] (unweighted), row
     b·k + slot holding token b's slot-th expert output (over one I tile for the fused variant).
-    workspace: optional [B, k, I] in the weight dtype for h (split variant); partials: optional output."""
+    workspace: optional [B, k, I] in the weight dtype for h (split variant); partials: optional output.
+    shared: (gate_up [2I, D], down [D, I]) of a shared expert of the routed experts' shape, served
+    wherever topk_ids holds E (router_topk's shared_slot): one more expert in the same launches."""
     B, D = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
@@ -465,7 +486,11 @@ def moe_expert_partials(x, w13, w2, topk_ids, *, activation: str = "swiglu", wor
     assert w13.shape == (E, 2 * I, D) and w2.shape == (E, D, I) and w13.dtype == w2.dtype
     assert w13.is_contiguous() and w2.is_contiguous() and x.stride(1) == 1
     assert topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() and topk_ids.shape[0] == B
-    cfg = config or experts_config(E, D, I, k, w13.dtype, B)
+    s13, s2 = shared if shared is not None else (w13, w2)  # never read without a shared slot (no id is E)
+    if shared is not None:
+        assert s13.shape == (2 * I, D) and s2.shape == (D, I), "the shared expert must have the routed experts' shape"
+        assert s13.dtype == s2.dtype == w13.dtype and s13.is_contiguous() and s2.is_contiguous()
+    cfg = config or experts_config(E, D, I, k - (shared is not None), w13.dtype, B)
     assert valid_experts(cfg), f"bad experts config {cfg}"
     pshape = partials_shape(cfg, B, D, I, k)
     part = partials if partials is not None else torch.empty(pshape, dtype=torch.float32, device=x.device)
@@ -478,14 +503,14 @@ def moe_expert_partials(x, w13, w2, topk_ids, *, activation: str = "swiglu", wor
         h = workspace if workspace is not None else torch.empty(B, k, I, dtype=w13.dtype, device=x.device)
         assert h.shape == (B, k, I) and h.dtype == w13.dtype and h.is_contiguous()
         _expert_up_kernel[(B * k, triton.cdiv(I, cfg["UP_BLOCK_I"]))](
-            x, w13, topk_ids, h, B, D, I, x.stride(0), BLOCK_I=cfg["UP_BLOCK_I"], BLOCK_D=cfg["UP_BLOCK_D"],
+            x, w13, s13, topk_ids, h, B, E, D, I, x.stride(0), BLOCK_I=cfg["UP_BLOCK_I"], BLOCK_D=cfg["UP_BLOCK_D"],
             num_warps=cfg["up_warps"], num_stages=cfg["up_stages"], **act, **meta)
         _expert_down_kernel[(B * k, triton.cdiv(D, cfg["DOWN_BLOCK_D"]))](
-            h, w2, topk_ids, part, B, D, I, BLOCK_D=cfg["DOWN_BLOCK_D"], BLOCK_I=cfg["DOWN_BLOCK_I"],
+            h, w2, s2, topk_ids, part, B, E, D, I, BLOCK_D=cfg["DOWN_BLOCK_D"], BLOCK_I=cfg["DOWN_BLOCK_I"],
             SWAP=bool(cfg.get("SWAP", False)), num_warps=cfg["down_warps"], num_stages=cfg["down_stages"], **meta)
     else:
         _expert_fused_kernel[(B * k, pshape[0])](
-            x, w13, w2, topk_ids, part, B, D, I, x.stride(0), BLOCK_I=cfg["BLOCK_I"], BLOCK_D=cfg["BLOCK_D"],
+            x, w13, w2, s13, s2, topk_ids, part, B, E, D, I, x.stride(0), BLOCK_I=cfg["BLOCK_I"], BLOCK_D=cfg["BLOCK_D"],
             BLOCK_DO=cfg["BLOCK_DO"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **act, **meta)
     return part
 
