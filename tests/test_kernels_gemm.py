@@ -96,7 +96,7 @@ def test_inline_reduce_equals_the_reduce_kernel_bit_for_bit_and_resets_its_count
         for _ in range(3):  # repeated launches reuse counters other launches reset
             got = skinny_gemm(x, w, out=poisoned(want.shape, dtype, device), config=base | {"reduce": "inline"})
             assert torch.equal(got, want), name
-    buf, _ = gemm._counters[str(torch.device(device))]
+    buf, _ = gemm._counters[str(x.device)]
     assert int(buf.count_nonzero()) == 0
 
 

@@ -468,3 +468,9 @@ def test_every_variant_compiles_for_sm90_without_spills():
     downs = {"'SWAP': True" in row["kernel"]: row for row in rows if row["kernel"].startswith("down")}
     assert downs[True]["wgmma"] > 0, "the swapped down tile (64 weight rows as M) should use wgmma"
     assert downs[False]["mma"] > 0 and downs[False]["cp_async"] > 0, "down: tensor cores fed by pipelined copies"
+    # software-pipelined weight loads: shared memory for two stages' tiles or more (one stage: a
+    # weight address the compiler could not prove aligned, which cost the experts 2x on the H200)
+    d = moe.DEFAULT_EXPERTS
+    up = next(row for row in rows if row["kernel"].startswith("up") and "'SWAP': True" not in row["kernel"])
+    assert up["smem"] >= 2 * 2 * (moe.B_MAX + 2 * d["UP_BLOCK_I"]) * d["UP_BLOCK_D"], up
+    assert downs[False]["smem"] >= 2 * 2 * (moe.B_MAX + d["DOWN_BLOCK_D"]) * d["DOWN_BLOCK_I"], downs[False]

@@ -137,16 +137,19 @@ def test_fused_norm_in_projections_equal_the_two_kernel_chain(model_dir):
 def test_shared_expert_in_the_expert_launches_equals_the_dense_shared_expert(model_dir, monkeypatch):
     """The shared expert as one more slot of the routed-expert launches (the default) against it as a
     dense MLP added in the combine (PEREGRINE_SHARED_SLOT=0): the fused form is the one taken, every
-    decode step's logits within tolerance up to the first differing token (none in FP32)."""
+    decode step's logits within tolerance up to the first differing token or routed-expert set (none
+    in FP32; in BF16 the two forms round h differently, so a near-tie in a router may flip: that step
+    may differ by more, and nothing after it is compared, as in test_logits_close_and_tokens_identical)."""
     from peregrine.decode import specialized
     ps = prompts(2, 7)
     eager = dict(cuda_graphs=False) if DEVICE == "cuda" else {}
     calls = []
     real = specialized.moe_expert_partials
     monkeypatch.setattr(specialized, "moe_expert_partials", lambda *a, **k: calls.append(k.get("shared")) or real(*a, **k))
-    slot, ls = engine(model_dir, "latency_specialized", **eager)
+    rs, rd = [], []
+    slot, ls = engine(model_dir, "latency_specialized", routing=rs, **eager)
     monkeypatch.setenv(specialized.SHARED_SLOT_ENV, "0")
-    dense, ld = engine(model_dir, "latency_specialized", **eager)
+    dense, ld = engine(model_dir, "latency_specialized", routing=rd, **eager)
     assert slot.runner.shared_in_experts and not dense.runner.shared_in_experts
     n = STEPS if FULL_SHAPES else 8
     a = slot.generate(ps, greedy(n))
@@ -156,12 +159,18 @@ def test_shared_expert_in_the_expert_launches_equals_the_dense_shared_expert(mod
     assert calls and all(c is None for c in calls)
     assert [p for p, _ in ls][1:] == ["latency_specialized"] * (len(ls) - 1)
     div = [first_divergence(x, y) for x, y in zip(a, b)]
+    flips = [None] * len(ps)
+    for i, (x, y) in enumerate(zip(rs, rd)):
+        for r in range(len(ps)):
+            if x is not None and flips[r] is None and not torch.equal(x[:, r], y[:, r]):
+                flips[r] = i
     if DEVICE == "cpu":
-        assert div == [None, None], f"FP32 greedy tokens differ at {div}"
+        assert div == [None, None] and flips == [None, None], f"FP32: tokens differ at {div}, routing at {flips}"
     for i, ((_, x), (_, y)) in enumerate(zip(ls, ld)):
         for r in range(len(ps)):
-            if div[r] is None or i <= div[r]:
-                assert (x[r] - y[r]).norm() / x[r].norm() < TOL, f"request {r} step {i}"
+            if div[r] is not None and i > div[r] or flips[r] is not None and i >= flips[r]:
+                continue
+            assert (x[r] - y[r]).norm() / x[r].norm() < TOL, f"request {r} step {i} (routing flips {flips})"
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")

@@ -369,7 +369,7 @@ def compile_check(router_cfgs, expert_cfgs, B: int = 3) -> list[dict]:
     bf, f32, i32, c = "*bf16", "*fp32", "*i32", lambda v: ("constexpr", v)
     n = lambda v: ("i32", v)  # noqa: E731
     meta = dict(TOP_K=c(TOP_K), B_PAD=c(moe.B_MAX), K_PAD=c(TOP_K), N_PAD=c(moe.B_MAX * TOP_K),
-                DOT_T=c(tl.bfloat16), PREC=c("tf32"))
+                DOT_T=c(tl.bfloat16), PREC=c("tf32"), ALIGN=c(moe.MAX_ALIGN))  # the 48B's blocks: multiples of 16
     act = dict(ACT=c(0), BETA=c(moe.SITU_BETA), BETA_L=c(moe.SITU_LINEAR_BETA))
     dims = dict(B=n(B), E=n(E), D=n(D), I=n(I))
     jobs = [("combine", moe._combine_kernel, dict(part_ptr=(f32, 0), tw_ptr=(f32, 0), add_ptr=(bf, 0), out_ptr=(bf, 0),
@@ -387,15 +387,15 @@ def compile_check(router_cfgs, expert_cfgs, B: int = 3) -> list[dict]:
     for e in expert_cfgs:
         if e["variant"] == "split":
             jobs.append((f"up {e}", moe._expert_up_kernel, dict(
-                x_ptr=(bf, 0), w13_ptr=(bf, 0), s13_ptr=(bf, 0), ids_ptr=(i32, 0), h_ptr=(bf, 0), **dims, stride_xb=n(D),
+                x_ptr=(bf, 0), w13_ptr=(bf, 0), s13_off=("i64", 0), ids_ptr=(i32, 0), h_ptr=(bf, 0), **dims, stride_xb=n(D),
                 BLOCK_I=c(e["UP_BLOCK_I"]), BLOCK_D=c(e["UP_BLOCK_D"]), **act, **meta), e["up_warps"], e["up_stages"]))
             jobs.append((f"down {e}", moe._expert_down_kernel, dict(
-                h_ptr=(bf, 0), w2_ptr=(bf, 0), s2_ptr=(bf, 0), ids_ptr=(i32, 0), part_ptr=(f32, 0), **dims,
+                h_ptr=(bf, 0), w2_ptr=(bf, 0), s2_off=("i64", 0), ids_ptr=(i32, 0), part_ptr=(f32, 0), **dims,
                 BLOCK_D=c(e["DOWN_BLOCK_D"]),
                 BLOCK_I=c(e["DOWN_BLOCK_I"]), SWAP=c(bool(e["SWAP"])), **meta), e["down_warps"], e["down_stages"]))
         else:
             jobs.append((f"fused {e}", moe._expert_fused_kernel, dict(
-                x_ptr=(bf, 0), w13_ptr=(bf, 0), w2_ptr=(bf, 0), s13_ptr=(bf, 0), s2_ptr=(bf, 0), ids_ptr=(i32, 0),
+                x_ptr=(bf, 0), w13_ptr=(bf, 0), w2_ptr=(bf, 0), s13_off=("i64", 0), s2_off=("i64", 0), ids_ptr=(i32, 0),
                 part_ptr=(f32, 0), **dims,
                 stride_xb=n(D), BLOCK_I=c(e["BLOCK_I"]), BLOCK_D=c(e["BLOCK_D"]), BLOCK_DO=c(e["BLOCK_DO"]), **act,
                 **meta), e["num_warps"], e["num_stages"]))

@@ -28,6 +28,7 @@ one order class per shape and, per B, the fastest tiles within it.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from pathlib import Path
 
@@ -45,6 +46,7 @@ COMBINE_BLOCK_D = 256  # columns per combine program; fixed (never tuned) so its
 TOPK_WARPS = 1         # top-k is 3k tiny reductions over E: one warp does each with shuffles, no smem barriers
 SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0  # SiTU bounds (MODELS.md)
 ACTIVATIONS = {"swiglu": 0, "situ": 1}
+MAX_ALIGN = 16  # elements: the most the expert kernels are told their weight blocks' offsets are multiples of
 
 # Defaults for shapes the plan does not cover. Router: 16 experts x 256 columns (8 KB
 # BF16) per program in two loads, ~150 programs for Kimi-Linear. Experts: the up tiles
@@ -301,11 +303,11 @@ def _token_slots(ids_ptr, e, B, TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD:
 
 
 @triton.jit
-def _expert_base(w_ptr, s_ptr, e, E, size):
-    """Expert e's weight block: its slice of the stack, or the shared expert's tensor when e == E."""
-    if e == E:
-        return s_ptr
-    return w_ptr + e.to(tl.int64) * size
+def _expert_base(w_ptr, s_off, e, E, size, ALIGN: tl.constexpr):
+    """Expert e's weight block: its slice of the stack, or (e == E) the shared expert's tensor, s_off
+    elements from the stack's start. A selected offset, stated a multiple of ALIGN (the host checks):
+    without the hint the compiler cannot prove the loads aligned and stops pipelining them (2x slower)."""
+    return w_ptr + tl.multiple_of(tl.where(e == E, s_off, e.to(tl.int64) * size), ALIGN)
 
 
 @triton.jit
@@ -340,11 +342,11 @@ def _gate_up(x_ptr, w13_ptr, e, chose, offs_i, i_ok, D, I, stride_xb,
 
 
 @triton.jit
-def _expert_up_kernel(x_ptr, w13_ptr, s13_ptr, ids_ptr, h_ptr, B, E, D, I, stride_xb,
+def _expert_up_kernel(x_ptr, w13_ptr, s13_off, ids_ptr, h_ptr, B, E, D, I, stride_xb,
                       TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
                       BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, ACT: tl.constexpr,
                       DOT_T: tl.constexpr, PREC: tl.constexpr, BETA: tl.constexpr, BETA_L: tl.constexpr,
-                      USE_PDL: tl.constexpr = False):
+                      ALIGN: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)  # the expert ids come from the router: no weight address is known before
     n = tl.program_id(0)
     e = tl.load(ids_ptr + n)
@@ -352,7 +354,7 @@ def _expert_up_kernel(x_ptr, w13_ptr, s13_ptr, ids_ptr, h_ptr, B, E, D, I, strid
         chose, slot = _token_slots(ids_ptr, e, B, TOP_K, B_PAD, K_PAD)
         offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         i_ok = offs_i < I
-        h = _gate_up(x_ptr, _expert_base(w13_ptr, s13_ptr, e, E, 2 * I * D), e, chose, offs_i, i_ok, D, I, stride_xb,
+        h = _gate_up(x_ptr, _expert_base(w13_ptr, s13_off, e, E, 2 * I * D, ALIGN), e, chose, offs_i, i_ok, D, I, stride_xb,
                      B_PAD, BLOCK_I, BLOCK_D, ACT, DOT_T, PREC, BETA, BETA_L)
         offs_b = tl.arange(0, B_PAD)
         # h is kept in the weight dtype, as the standard path's activations are
@@ -361,11 +363,11 @@ def _expert_up_kernel(x_ptr, w13_ptr, s13_ptr, ids_ptr, h_ptr, B, E, D, I, strid
 
 
 @triton.jit
-def _expert_down_kernel(h_ptr, w2_ptr, s2_ptr, ids_ptr, part_ptr, B, E, D, I,
+def _expert_down_kernel(h_ptr, w2_ptr, s2_off, ids_ptr, part_ptr, B, E, D, I,
                         TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, SWAP: tl.constexpr,
                         DOT_T: tl.constexpr, PREC: tl.constexpr,
-                        USE_PDL: tl.constexpr = False):
+                        ALIGN: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)  # the expert ids come from the router: no weight address is known before
     n = tl.program_id(0)
     e = tl.load(ids_ptr + n)
@@ -376,7 +378,7 @@ def _expert_down_kernel(h_ptr, w2_ptr, s2_ptr, ids_ptr, part_ptr, B, E, D, I,
         offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
         row = offs_b * TOP_K + slot
-        w_rows = _expert_base(w2_ptr, s2_ptr, e, E, D * I) + offs_d.to(tl.int64)[:, None] * I
+        w_rows = _expert_base(w2_ptr, s2_off, e, E, D * I, ALIGN) + offs_d.to(tl.int64)[:, None] * I
         h_rows = h_ptr + row[:, None] * I
         if SWAP:  # weight rows as the M side: [BLOCK_D, tokens] (wgmma-eligible at BLOCK_D >= 64)
             acc = tl.zeros([BLOCK_D, B_PAD], tl.float32)
@@ -398,11 +400,11 @@ def _expert_down_kernel(h_ptr, w2_ptr, s2_ptr, ids_ptr, part_ptr, B, E, D, I,
 
 
 @triton.jit
-def _expert_fused_kernel(x_ptr, w13_ptr, w2_ptr, s13_ptr, s2_ptr, ids_ptr, part_ptr, B, E, D, I, stride_xb,
+def _expert_fused_kernel(x_ptr, w13_ptr, w2_ptr, s13_off, s2_off, ids_ptr, part_ptr, B, E, D, I, stride_xb,
                          TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
                          BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr, ACT: tl.constexpr,
                          DOT_T: tl.constexpr, PREC: tl.constexpr, BETA: tl.constexpr, BETA_L: tl.constexpr,
-                         USE_PDL: tl.constexpr = False):
+                         ALIGN: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
     """Up and down for one I tile: its h never leaves registers; writes part[I tile, b, slot, :]."""
     pdl_wait(USE_PDL)  # the expert ids come from the router: no weight address is known before
     n = tl.program_id(0)
@@ -412,12 +414,12 @@ def _expert_fused_kernel(x_ptr, w13_ptr, w2_ptr, s13_ptr, s2_ptr, ids_ptr, part_
         j = tl.program_id(1)
         offs_i = j * BLOCK_I + tl.arange(0, BLOCK_I)
         i_ok = offs_i < I
-        h = _gate_up(x_ptr, _expert_base(w13_ptr, s13_ptr, e, E, 2 * I * D), e, chose, offs_i, i_ok, D, I, stride_xb,
+        h = _gate_up(x_ptr, _expert_base(w13_ptr, s13_off, e, E, 2 * I * D, ALIGN), e, chose, offs_i, i_ok, D, I, stride_xb,
                      B_PAD, BLOCK_I, BLOCK_D, ACT, DOT_T, PREC, BETA, BETA_L)
         h = h.to(w2_ptr.dtype.element_ty).to(DOT_T)  # rounded like the split path's workspace
         offs_b = tl.arange(0, B_PAD)
         offs_do = tl.arange(0, BLOCK_DO)
-        w_cols = _expert_base(w2_ptr, s2_ptr, e, E, D * I) + offs_i[None, :]
+        w_cols = _expert_base(w2_ptr, s2_off, e, E, D * I, ALIGN) + offs_i[None, :]
         out_rows = part_ptr + (j * B * TOP_K + offs_b * TOP_K + slot).to(tl.int64)[:, None] * D
         for d0 in range(0, D, BLOCK_DO):
             d = d0 + offs_do
@@ -472,6 +474,13 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
     return moe_combine(part, topk_w, out=out, add=add, dtype=x.dtype)
 
 
+def _elements_between(base: torch.Tensor, t: torch.Tensor) -> int:
+    """t's start as an element offset from base's (one flat device address space; may be negative)."""
+    d = t.data_ptr() - base.data_ptr()
+    assert d % base.element_size() == 0
+    return d // base.element_size()
+
+
 def moe_expert_partials(x, w13, w2, topk_ids, *, activation: str = "swiglu", workspace=None, config=None,
                         partials=None, shared=None) -> torch.Tensor:
     """The expert launches without the combine: FP32 partials [I tiles, B·k, D] (unweighted), row
@@ -486,10 +495,14 @@ def moe_expert_partials(x, w13, w2, topk_ids, *, activation: str = "swiglu", wor
     assert w13.shape == (E, 2 * I, D) and w2.shape == (E, D, I) and w13.dtype == w2.dtype
     assert w13.is_contiguous() and w2.is_contiguous() and x.stride(1) == 1
     assert topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() and topk_ids.shape[0] == B
-    s13, s2 = shared if shared is not None else (w13, w2)  # never read without a shared slot (no id is E)
+    s13_off = s2_off = 0  # never used without a shared slot (no id is E)
     if shared is not None:
+        s13, s2 = shared
         assert s13.shape == (2 * I, D) and s2.shape == (D, I), "the shared expert must have the routed experts' shape"
         assert s13.dtype == s2.dtype == w13.dtype and s13.is_contiguous() and s2.is_contiguous()
+        assert s13.device == w13.device and s2.device == w2.device
+        s13_off, s2_off = _elements_between(w13, s13), _elements_between(w2, s2)
+    align = math.gcd(MAX_ALIGN, 2 * I * D, D * I, s13_off, s2_off)  # gcd(16, ...): a power of two
     cfg = config or experts_config(E, D, I, k - (shared is not None), w13.dtype, B)
     assert valid_experts(cfg), f"bad experts config {cfg}"
     pshape = partials_shape(cfg, B, D, I, k)
@@ -497,20 +510,20 @@ def moe_expert_partials(x, w13, w2, topk_ids, *, activation: str = "swiglu", wor
     assert part.shape == pshape and part.dtype == torch.float32 and part.is_contiguous()
     B_PAD = _token_pad(B)
     meta = dict(TOP_K=k, B_PAD=B_PAD, K_PAD=_pow2(k), N_PAD=_pow2(B_PAD * k), **_dot_meta(w13.dtype),
-                **launch_kwargs(x.device))
+                ALIGN=align, **launch_kwargs(x.device))
     act = dict(ACT=ACTIVATIONS[activation], BETA=SITU_BETA, BETA_L=SITU_LINEAR_BETA)
     if cfg["variant"] == "split":
         h = workspace if workspace is not None else torch.empty(B, k, I, dtype=w13.dtype, device=x.device)
         assert h.shape == (B, k, I) and h.dtype == w13.dtype and h.is_contiguous()
         _expert_up_kernel[(B * k, triton.cdiv(I, cfg["UP_BLOCK_I"]))](
-            x, w13, s13, topk_ids, h, B, E, D, I, x.stride(0), BLOCK_I=cfg["UP_BLOCK_I"], BLOCK_D=cfg["UP_BLOCK_D"],
+            x, w13, s13_off, topk_ids, h, B, E, D, I, x.stride(0), BLOCK_I=cfg["UP_BLOCK_I"], BLOCK_D=cfg["UP_BLOCK_D"],
             num_warps=cfg["up_warps"], num_stages=cfg["up_stages"], **act, **meta)
         _expert_down_kernel[(B * k, triton.cdiv(D, cfg["DOWN_BLOCK_D"]))](
-            h, w2, s2, topk_ids, part, B, E, D, I, BLOCK_D=cfg["DOWN_BLOCK_D"], BLOCK_I=cfg["DOWN_BLOCK_I"],
+            h, w2, s2_off, topk_ids, part, B, E, D, I, BLOCK_D=cfg["DOWN_BLOCK_D"], BLOCK_I=cfg["DOWN_BLOCK_I"],
             SWAP=bool(cfg.get("SWAP", False)), num_warps=cfg["down_warps"], num_stages=cfg["down_stages"], **meta)
     else:
         _expert_fused_kernel[(B * k, pshape[0])](
-            x, w13, w2, s13, s2, topk_ids, part, B, E, D, I, x.stride(0), BLOCK_I=cfg["BLOCK_I"], BLOCK_D=cfg["BLOCK_D"],
+            x, w13, w2, s13_off, s2_off, topk_ids, part, B, E, D, I, x.stride(0), BLOCK_I=cfg["BLOCK_I"], BLOCK_D=cfg["BLOCK_D"],
             BLOCK_DO=cfg["BLOCK_DO"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **act, **meta)
     return part
 
