@@ -388,7 +388,8 @@ def compile_check(router_cfgs, expert_cfgs, B: int = 3) -> list[dict]:
         if e["variant"] == "split":
             jobs.append((f"up {e}", moe._expert_up_kernel, dict(
                 x_ptr=(bf, 0), w13_ptr=(bf, 0), s13_off=("i64", 0), ids_ptr=(i32, 0), h_ptr=(bf, 0), **dims, stride_xb=n(D),
-                BLOCK_I=c(e["UP_BLOCK_I"]), BLOCK_D=c(e["UP_BLOCK_D"]), **act, **meta), e["up_warps"], e["up_stages"]))
+                BLOCK_I=c(e["UP_BLOCK_I"]), BLOCK_D=c(e["UP_BLOCK_D"]), SHARED=c(True), **act, **meta), e["up_warps"],
+            e["up_stages"]))
             jobs.append((f"down {e}", moe._expert_down_kernel, dict(
                 h_ptr=(bf, 0), w2_ptr=(bf, 0), s2_off=("i64", 0), ids_ptr=(i32, 0), part_ptr=(f32, 0), **dims,
                 BLOCK_D=c(e["DOWN_BLOCK_D"]),

@@ -346,20 +346,30 @@ def _expert_up_kernel(x_ptr, w13_ptr, s13_off, ids_ptr, h_ptr, B, E, D, I, strid
                       TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
                       BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, ACT: tl.constexpr,
                       DOT_T: tl.constexpr, PREC: tl.constexpr, BETA: tl.constexpr, BETA_L: tl.constexpr,
-                      ALIGN: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
-    pdl_wait(USE_PDL)  # the expert ids come from the router: no weight address is known before
+                      ALIGN: tl.constexpr = 1, SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     n = tl.program_id(0)
-    e = tl.load(ids_ptr + n)
-    if _first_use(ids_ptr, n, e, B * TOP_K, N_PAD):
-        chose, slot = _token_slots(ids_ptr, e, B, TOP_K, B_PAD, K_PAD)
-        offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-        i_ok = offs_i < I
-        h = _gate_up(x_ptr, _expert_base(w13_ptr, s13_off, e, E, 2 * I * D, ALIGN), e, chose, offs_i, i_ok, D, I, stride_xb,
-                     B_PAD, BLOCK_I, BLOCK_D, ACT, DOT_T, PREC, BETA, BETA_L)
-        offs_b = tl.arange(0, B_PAD)
-        # h is kept in the weight dtype, as the standard path's activations are
-        tl.store(h_ptr + (offs_b[:, None] * TOP_K + slot[:, None]) * I + offs_i[None, :],
-                 h.to(h_ptr.dtype.element_ty), mask=chose[:, None] & i_ok[None, :])
+    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_ok = offs_i < I
+    offs_b = tl.arange(0, B_PAD)
+    if SHARED and n % TOP_K == TOP_K - 1:  # a shared slot (the last of each token's): known without the router
+        if n == TOP_K - 1:  # token 0's serves every token
+            # x is the router's own input, complete before this launch: the shared expert streams in while
+            # the router runs, and only the store (h's memory may be a buffer the router still reads) waits
+            h = _gate_up(x_ptr, w13_ptr + tl.multiple_of(s13_off, ALIGN), E, offs_b < B, offs_i, i_ok, D, I, stride_xb,
+                         B_PAD, BLOCK_I, BLOCK_D, ACT, DOT_T, PREC, BETA, BETA_L)
+            pdl_wait(USE_PDL)
+            tl.store(h_ptr + (offs_b[:, None] * TOP_K + TOP_K - 1) * I + offs_i[None, :],
+                     h.to(h_ptr.dtype.element_ty), mask=(offs_b < B)[:, None] & i_ok[None, :])
+    else:
+        pdl_wait(USE_PDL)  # the expert ids come from the router: no weight address is known before
+        e = tl.load(ids_ptr + n)
+        if _first_use(ids_ptr, n, e, B * TOP_K, N_PAD):
+            chose, slot = _token_slots(ids_ptr, e, B, TOP_K, B_PAD, K_PAD)
+            h = _gate_up(x_ptr, _expert_base(w13_ptr, s13_off, e, E, 2 * I * D, ALIGN), e, chose, offs_i, i_ok, D, I,
+                         stride_xb, B_PAD, BLOCK_I, BLOCK_D, ACT, DOT_T, PREC, BETA, BETA_L)
+            # h is kept in the weight dtype, as the standard path's activations are
+            tl.store(h_ptr + (offs_b[:, None] * TOP_K + slot[:, None]) * I + offs_i[None, :],
+                     h.to(h_ptr.dtype.element_ty), mask=chose[:, None] & i_ok[None, :])
 
 
 @triton.jit
@@ -517,6 +527,7 @@ def moe_expert_partials(x, w13, w2, topk_ids, *, activation: str = "swiglu", wor
         assert h.shape == (B, k, I) and h.dtype == w13.dtype and h.is_contiguous()
         _expert_up_kernel[(B * k, triton.cdiv(I, cfg["UP_BLOCK_I"]))](
             x, w13, s13_off, topk_ids, h, B, E, D, I, x.stride(0), BLOCK_I=cfg["UP_BLOCK_I"], BLOCK_D=cfg["UP_BLOCK_D"],
+            SHARED=shared is not None,
             num_warps=cfg["up_warps"], num_stages=cfg["up_stages"], **act, **meta)
         _expert_down_kernel[(B * k, triton.cdiv(D, cfg["DOWN_BLOCK_D"]))](
             h, w2, s2_off, topk_ids, part, B, E, D, I, BLOCK_D=cfg["DOWN_BLOCK_D"], BLOCK_I=cfg["DOWN_BLOCK_I"],
