@@ -18,6 +18,9 @@ that chose e (the padded token tile is one tl.dot operand), so W_e is read once.
          down grid (B·k, D tiles)  part[b, slot] = W2_e h (optionally as W2·hᵀ, "SWAP")
   fused: grid (B·k, I tiles): h tile, then its slice of W2 -> part[I tile, b, slot]
 then a combine launch: out[b] = Σ_slot w[b, slot] Σ_itile part (+ add), fixed order.
+A shared expert of the routed experts' shape can ride along as slot k of every token (router_topk's
+shared_slot writes id E, weight 1; the launches read E's weights from its own tensors): its up
+programs need no router output, so they stream its weights before the PDL wait.
 
 Batch invariance: token rows are padded to B_MAX (one compile, one tile shape for
 every B ≤ 16) and a tl.dot accumulator chain adds K in order whatever the tile
