@@ -8,9 +8,7 @@
 # On one H200 (device_env.sh sets TRITON_CACHE_AUTOTUNING=1: fla's first autotune is minutes on a fresh machine, once).
 # Queued after session 13 (Poisson serving ran at 65cc9be; results/README.md "Session 13"). Mind the 8 files a call
 # returns: gpu_prefill.sh's bundles carry the whole results/ tree, so write logs to $OUT and tar the rest once.
-# - the new GPU test, never verified (at 65cc9be it had two rows, a varlen call whose autotune outran the step;
-#   now one row, the shapes test_gpu_prefill_kernels_equal_the_pytorch_forms autotunes first):
-#   python3 -m pytest -v -m gpu tests/test_prefill.py -k "prefill_kernels_equal or never_makes_the_host_wait"
+# - carry: tracked files + all of .whl exceed the 64 MiB a call carries; carry a .whl with only what the run needs
 # - an idea, not in the code: the engine's step input built without blocking (c50f5ab, reverted in 386df6c because
 #   it changed every step, decode included, with no GPU run behind it); it needs `bench decode`, a c = 8 serving
 #   run and the 32K --sync-debug profile (1 host sync expected) against the blocking build on one machine
