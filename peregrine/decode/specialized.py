@@ -296,11 +296,11 @@ class SpecializedRunner:
         return (gu, dn) if fits else None
 
     def _moe(self, moe, h):
-        fused = self._shared_weights(moe)
-        if fused is not None:  # router -> experts + shared -> combine: no side stream, no dense-MLP launches
+        shared_w = self._shared_weights(moe)
+        if shared_w is not None:  # router -> experts + shared -> combine: no side stream, no dense-MLP launches
             ids, w = self._route(moe, h, shared_slot=True)
             moe.last_ids = ids[:, :-1]
-            part = moe_expert_partials(h, moe.w13, moe.w2, ids, shared=fused)
+            part = moe_expert_partials(h, moe.w13, moe.w2, ids, shared=shared_w)
             return moe_combine(part, w, dtype=h.dtype, out=self._rbuf(h))
         shared = self._shared(moe, h, self._dense)
         ids, w = self._route(moe, h)

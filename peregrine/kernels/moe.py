@@ -314,7 +314,7 @@ def _expert_base(w_ptr, s_off, e, E, size, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _gate_up(x_ptr, w13_ptr, e, chose, offs_i, i_ok, D, I, stride_xb,
+def _gate_up(x_ptr, w13_ptr, chose, offs_i, i_ok, D, I, stride_xb,
              B_PAD: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, ACT: tl.constexpr,
              DOT_T: tl.constexpr, PREC: tl.constexpr, BETA: tl.constexpr, BETA_L: tl.constexpr):
     """act(W1_e x, W3_e x) for rows offs_i of the expert, all padded tokens: FP32 [B_PAD, BLOCK_I].
@@ -358,7 +358,7 @@ def _expert_up_kernel(x_ptr, w13_ptr, s13_off, ids_ptr, h_ptr, B, E, D, I, strid
         if n == TOP_K - 1:  # token 0's serves every token
             # x is the router's own input, complete before this launch: the shared expert streams in while
             # the router runs, and only the store (h's memory may be a buffer the router still reads) waits
-            h = _gate_up(x_ptr, w13_ptr + tl.multiple_of(s13_off, ALIGN), E, offs_b < B, offs_i, i_ok, D, I, stride_xb,
+            h = _gate_up(x_ptr, w13_ptr + tl.multiple_of(s13_off, ALIGN), offs_b < B, offs_i, i_ok, D, I, stride_xb,
                          B_PAD, BLOCK_I, BLOCK_D, ACT, DOT_T, PREC, BETA, BETA_L)
             pdl_wait(USE_PDL)
             tl.store(h_ptr + (offs_b[:, None] * TOP_K + TOP_K - 1) * I + offs_i[None, :],
@@ -368,7 +368,7 @@ def _expert_up_kernel(x_ptr, w13_ptr, s13_off, ids_ptr, h_ptr, B, E, D, I, strid
         e = tl.load(ids_ptr + n)
         if _first_use(ids_ptr, n, e, B * TOP_K, N_PAD):
             chose, slot = _token_slots(ids_ptr, e, B, TOP_K, B_PAD, K_PAD)
-            h = _gate_up(x_ptr, _expert_base(w13_ptr, s13_off, e, E, 2 * I * D, ALIGN), e, chose, offs_i, i_ok, D, I,
+            h = _gate_up(x_ptr, _expert_base(w13_ptr, s13_off, e, E, 2 * I * D, ALIGN), chose, offs_i, i_ok, D, I,
                          stride_xb, B_PAD, BLOCK_I, BLOCK_D, ACT, DOT_T, PREC, BETA, BETA_L)
             # h is kept in the weight dtype, as the standard path's activations are
             tl.store(h_ptr + (offs_b[:, None] * TOP_K + slot[:, None]) * I + offs_i[None, :],
@@ -427,7 +427,7 @@ def _expert_fused_kernel(x_ptr, w13_ptr, w2_ptr, s13_off, s2_off, ids_ptr, part_
         j = tl.program_id(1)
         offs_i = j * BLOCK_I + tl.arange(0, BLOCK_I)
         i_ok = offs_i < I
-        h = _gate_up(x_ptr, _expert_base(w13_ptr, s13_off, e, E, 2 * I * D, ALIGN), e, chose, offs_i, i_ok, D, I, stride_xb,
+        h = _gate_up(x_ptr, _expert_base(w13_ptr, s13_off, e, E, 2 * I * D, ALIGN), chose, offs_i, i_ok, D, I, stride_xb,
                      B_PAD, BLOCK_I, BLOCK_D, ACT, DOT_T, PREC, BETA, BETA_L)
         h = h.to(w2_ptr.dtype.element_ty).to(DOT_T)  # rounded like the split path's workspace
         offs_b = tl.arange(0, B_PAD)
