@@ -19,6 +19,8 @@
 # - #20 after session 14 (bench decode at bf18fd8: 2.426 / 3.283 / 4.608 / 6.985 ms): re-tune moe_plan.json for the
 #   shared slot (k + 1 = 9 slots: the up kernel's grid is 9 x I tiles), the KDA decode (7.5 us a layer) with f_b / g_b
 #   folded in, router logits + top-k in one launch, the MLA layers' glue (~50 us a layer); then bench decode again
+# - the whole turn at the head (not measured since 65cc9be): STEPS="ttft serve" LENGTHS=1024,8192,32768 RUNS=3 CONC=8 RATE=4
+#   BACKENDS="latency_specialized@6" bash scripts/gpu_prefill.sh
 # - K3's bounded gate in the shared varlen fla call (VARLEN_BOUNDED_GATE, off; cut three times by fla's autotune
 #   of K3's shapes on a fresh machine, so give it ~300 s): python3 -m pytest -v -m gpu tests/test_prefill.py -k "k3-shared or k3-per-row"
 # - #20's MXFP4 experts against OpenAI's triton_kernels MXFP4 MoE on k3-slice shapes: not started
