@@ -454,6 +454,39 @@ def test_tuner_smoke_on_cpu(monkeypatch):
     assert "AssertionError" in res["records"]["router"][1]["skipped"]  # BLOCK_E 8 cannot feed tl.dot
 
 
+def test_tuner_shared_slot_tunes_its_own_entry(monkeypatch, tmp_path):
+    """--shared: the experts are checked against a reference that holds the shared expert as expert E,
+    tuned under their own '+shared' key (no router sweep), and that entry is what the shared-slot
+    launches read; a plan without it leaves them on the routed-only entry."""
+    from peregrine.bench import kernels_moe as km
+    if DEVICE != "cpu":
+        pytest.skip("the GPU pass runs the real tuner")
+    for name, v in dict(DEVICE="cpu", D=64, I=32, E=8, TOP_K=2, REPS=2, DTYPE=F32, SHARED=True).items():
+        monkeypatch.setattr(km, name, v)
+    monkeypatch.setattr(km, "UP_CANDS", [])
+    monkeypatch.setattr(km, "DOWN_CANDS", [])
+    monkeypatch.setattr(km, "FUSED_CANDS", [EXPERT_VARIANTS["fused"]])
+    monkeypatch.setattr(km.Family, "time", lambda self, cfg, case: {"fused": 1.0}.get(cfg["variant"], 3.0) + case.B)
+    res = km.tune(1000.0, bs=(1, 3), budget_s=600, log=lambda *a: None)
+    assert res["records"]["router"] == []
+    key = moe.experts_key(8, 64, 32, 2, F32, shared=True)
+    assert list(res["entries"]) == [key] and key.split(",")[4] == "2+shared"
+    assert all("group" in r for r in res["records"]["experts"]), res["records"]["experts"]  # all agreed with the ref
+    assert res["entries"][key]["B"]["1"]["variant"] == "fused"
+    plain = moe.experts_key(8, 64, 32, 2, F32)
+    plan = tmp_path / "plan.json"
+    monkeypatch.setattr(moe, "PLAN_PATH", plan)
+    split_cfg = moe.DEFAULT_EXPERTS | {"UP_BLOCK_I": 16}
+    for entries, want in (({plain: {"B": {"1": split_cfg}}}, split_cfg["UP_BLOCK_I"]),
+                          ({plain: {"B": {"1": split_cfg}}, key: res["entries"][key]}, None)):
+        plan.write_text(json.dumps({"entries": entries}))
+        moe.clear_plan_cache()
+        cfg = moe.experts_config(8, 64, 32, 2, F32, 1, shared=True)
+        assert (cfg.get("UP_BLOCK_I") == want) if want else cfg["variant"] == "fused"
+        assert moe.experts_config(8, 64, 32, 2, F32, 1) == {k: v for k, v in split_cfg.items()}
+    moe.clear_plan_cache()
+
+
 # --------------------------------------------------------------------------- compiled code (no GPU needed)
 def test_every_variant_compiles_for_sm90_without_spills():
     """The interpreter cannot catch compile errors: compile each variant for sm_90 (ptxas included)."""

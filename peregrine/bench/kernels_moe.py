@@ -38,6 +38,7 @@ DEVICE = "cuda"   # a module constant so the tuning logic can be smoke-tested on
 TUNE_ITERS = 8    # replays per candidate while tuning (each replay is REPS calls)
 TUNE_BUDGET_S = 170  # stop timing new candidates past this (the whole tune should stay under ~3 min)
 EXPERT_TOL, LOGIT_TOL = 1e-2, 1e-5  # relative RMSE vs the FP32/FP64 references (BF16 h; FP32 router)
+SHARED = False    # --shared: time and tune the experts with the shared expert as slot k (the decode path's form)
 
 # Candidates. Compile count, not run time, bounds the sweep (~45 compiles in all).
 ROUTER_CANDS = [moe.DEFAULT_ROUTER] + [
@@ -71,8 +72,29 @@ class Weights:
         self.w2 = r(E, D, I, scale=I ** -0.5)
         self.gate_w = r(E, D, scale=D ** -0.5)
         self.bias = torch.randn(E, device=DEVICE, generator=g) * 0.02
+        self.s13, self.s2 = r(2 * I, D, scale=D ** -0.5), r(D, I, scale=I ** -0.5)  # the shared expert
         self.dtype = dtype
         self.esz = torch.finfo(dtype).bits // 8
+
+
+def experts(w: Weights, x, ids, tw, cfg, out):
+    """The expert launches + combine into out; ids/tw carry slot k = the shared expert under SHARED."""
+    part = moe.moe_expert_partials(x, w.w13, w.w2, ids, config=cfg, shared=(w.s13, w.s2) if SHARED else None)
+    return moe.moe_combine(part, tw, out=out, dtype=x.dtype)
+
+
+def experts_ref(w: Weights, x, ids, tw):
+    """FP32 reference; under SHARED the last slot's id E is the shared expert, stacked as expert E."""
+    if not SHARED:
+        return moe.moe_experts_ref(x, w.w13, w.w2, ids, tw)
+    return moe.moe_experts_ref(x, torch.cat([w.w13, w.s13[None]]), torch.cat([w.w2, w.s2[None]]), ids, tw)
+
+
+def with_shared(ids, tw):
+    """[B, k] routing -> [B, k + 1] with the shared slot (id E, weight 1), as router_topk's shared_slot."""
+    B = ids.shape[0]
+    return (torch.cat([ids, torch.full((B, 1), E, dtype=ids.dtype, device=ids.device)], 1).contiguous(),
+            torch.cat([tw, torch.ones(B, 1, dtype=tw.dtype, device=tw.device)], 1).contiguous())
 
 
 class Case:
@@ -82,9 +104,9 @@ class Case:
         g = torch.Generator(device=DEVICE).manual_seed(1000 + B)
         self.w, self.B = wts, B
         self.xs = [torch.randn(B, D, device=DEVICE, generator=g).to(wts.dtype) for _ in range(REPS)]
-        self.routes = [moe.moe_route(x, wts.gate_w, wts.bias, TOP_K, True, SCALING, config=moe.DEFAULT_ROUTER)
-                       for x in self.xs]
-        self.distinct = statistics.mean(ids.unique().numel() for ids, _ in self.routes)
+        self.routes = [moe.moe_route(x, wts.gate_w, wts.bias, TOP_K, True, SCALING, config=moe.DEFAULT_ROUTER,
+                                     shared_slot=SHARED) for x in self.xs]
+        self.distinct = statistics.mean(ids.unique().numel() for ids, _ in self.routes)  # the shared one counts
         self.out = torch.empty(B, D, device=DEVICE, dtype=wts.dtype)
         self.expert_bytes = self.distinct * 3 * I * D * wts.esz + 2 * B * D * wts.esz
         self.router_bytes = E * D * wts.gate_w.element_size() + B * D * wts.esz
@@ -94,8 +116,8 @@ class Case:
                            for x in self.xs], iters)
 
     def time_experts(self, cfg, iters):
-        return graph_time([lambda x=x, r=r: moe.moe_experts(x, self.w.w13, self.w.w2, r[0], r[1], out=self.out,
-                                                            config=cfg) for x, r in zip(self.xs, self.routes)], iters)
+        return graph_time([lambda x=x, r=r: experts(self.w, x, r[0], r[1], cfg, self.out)
+                           for x, r in zip(self.xs, self.routes)], iters)
 
     def time_standard(self, iters):
         """(router ms, experts ms) of the standard path: graph replay if it captures, else eager."""
@@ -127,13 +149,13 @@ def run(copy_gbps: float, full: bool = True, iters: int = 30, bs=None, entries: 
     for B in bs or (BS if full else QUICK_BS):
         case = Case(wts, B)
         rcfg = moe.router_config(E, D, wts.gate_w.dtype, B)
-        ecfg = moe.experts_config(E, D, I, TOP_K, wts.dtype, B)
+        ecfg = moe.experts_config(E, D, I, TOP_K, wts.dtype, B, shared=SHARED)
         if entries:
             rcfg = moe.pick(entries.get(moe.router_key(E, D, wts.gate_w.dtype)), B, moe.valid_router) or rcfg
-            ecfg = moe.pick(entries.get(moe.experts_key(E, D, I, TOP_K, wts.dtype)), B, moe.valid_experts) or ecfg
+            ecfg = moe.pick(entries.get(moe.experts_key(E, D, I, TOP_K, wts.dtype, SHARED)), B, moe.valid_experts) or ecfg
         (tr, sr), (te, se) = case.time_router(rcfg, iters), case.time_experts(ecfg, iters)
         std_r, std_e = case.time_standard(iters)
-        shape = f"B={B} D={D} I={I} E={E} k={TOP_K}"
+        shape = f"B={B} D={D} I={I} E={E} k={TOP_K}{'+shared' if SHARED else ''}"
         for kernel, t, s, nbytes, cfg, std in (("moe_router", tr, sr, case.router_bytes, rcfg, std_r),
                                                ("moe_experts", te, se, case.expert_bytes, ecfg, std_e)):
             gbps = nbytes / t / 1e6
@@ -175,7 +197,9 @@ class Probe:
         self.ids = torch.stack([base[torch.randperm(3 * TOP_K, device=DEVICE, generator=g)[:TOP_K]]
                                 for _ in range(B)]).to(torch.int32).contiguous()
         self.tw = torch.rand(B, TOP_K, device=DEVICE, generator=g) + 0.1
-        self.ref = moe.moe_experts_ref(self.x, wts.w13, wts.w2, self.ids, self.tw)
+        if SHARED:
+            self.ids, self.tw = with_shared(self.ids, self.tw)
+        self.ref = experts_ref(wts, self.x, self.ids, self.tw)
         self.logits_ref = self.x.double() @ wts.gate_w.double().t()
 
 
@@ -195,8 +219,7 @@ class Family:
             moe.moe_route(x, w.gate_w, w.bias, TOP_K, True, SCALING, config=cfg, logits_out=lo)
             return lo
         out = torch.full((x.shape[0], D), float("nan"), device=DEVICE, dtype=w.dtype)
-        moe.moe_experts(x, w.w13, w.w2, ids, tw, out=out, config=cfg)
-        return out
+        return experts(w, x, ids, tw, cfg, out)
 
     def probe_out(self, cfg, B=moe.B_MAX):
         p = self.probe
@@ -208,7 +231,7 @@ class Family:
     def check(self, cfg, case) -> float:
         x, (ids, tw) = case.xs[0], case.routes[0]
         if case.B not in self.refs:
-            self.refs[case.B] = (moe.moe_experts_ref(x, self.w.w13, self.w.w2, ids, tw) if self.kind == "experts"
+            self.refs[case.B] = (experts_ref(self.w, x, ids, tw) if self.kind == "experts"
                                  else x.double() @ self.w.gate_w.double().t())
         return _rel(self.output(cfg, x, ids, tw), self.refs[case.B])
 
@@ -308,13 +331,14 @@ def tune(copy_gbps: float, bs=BS, budget_s: float = TUNE_BUDGET_S, log=print) ->
     probe = Probe(wts)
     cases = {B: Case(wts, B) for B in bs}
     router, experts = Family("router", wts, probe), Family("experts", wts, probe)
-    r_recs = [measure(router, c, cases, deadline, log) for c in ROUTER_CANDS]
+    # the router is the same with or without the shared slot: --shared tunes the experts only
+    r_recs = [] if SHARED else [measure(router, c, cases, deadline, log) for c in ROUTER_CANDS]
     e_recs = [measure(experts, moe.DEFAULT_EXPERTS | u, cases, deadline, log) for u in [{}] + UP_CANDS]
     up = _best_overall(e_recs, bs) or moe.DEFAULT_EXPERTS
     e_recs += [measure(experts, c, cases, deadline, log) for c in [up | d for d in DOWN_CANDS] + FUSED_CANDS]
     entries = {}
     for fam, recs, key in ((router, r_recs, moe.router_key(E, D, wts.gate_w.dtype)),
-                           (experts, e_recs, moe.experts_key(E, D, I, TOP_K, wts.dtype))):
+                           (experts, e_recs, moe.experts_key(E, D, I, TOP_K, wts.dtype, SHARED)))[SHARED:]:
         entry = select(fam, recs, bs, log)
         if entry:
             entries[key] = entry
@@ -428,9 +452,13 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=TUNE_BUDGET_S, help="stop timing new candidates after this")
     ap.add_argument("--out", default=None, help="result JSON (default results/<date>-<gpu>-...-kernels-moe.json)")
     ap.add_argument("--results-dir", default="results")
+    ap.add_argument("--shared", action="store_true", help="experts with the shared expert as slot k of every token "
+                    "(the decode path's launches); --tune then writes the plan's '+shared' entry")
     ap.add_argument("--compile-check", action="store_true", help="no GPU needed: compile every candidate for sm_90, "
                                                                  "print registers / spills / shared memory, exit")
     args = ap.parse_args()
+    global SHARED
+    SHARED = args.shared
     if args.compile_check:
         rows = compile_check(ROUTER_CANDS, [moe.DEFAULT_EXPERTS | u for u in UP_CANDS] +
                              [moe.DEFAULT_EXPERTS | d for d in DOWN_CANDS] + [moe.DEFAULT_EXPERTS] + FUSED_CANDS)
@@ -452,8 +480,8 @@ def main() -> None:
             print(f"wrote plan {args.plan}")
     entries = tuned["entries"] if tuned and args.dry_run else None  # dry run: time the fresh configs anyway
     rows = run(copy["gbps"], full=not args.quick, entries=entries)
-    out = Path(args.out) if args.out else result_path("kimi-linear-48b-a3b", "kernels-moe" + ("-tune" if args.tune
-                                                                                               else ""), args.results_dir)
+    out = Path(args.out) if args.out else result_path("kimi-linear-48b-a3b", "kernels-moe" + ("-shared" if SHARED else "")
+                                                    + ("-tune" if args.tune else ""), args.results_dir)
     path = write_result(out, {"meta": meta, "copy": copy, "tune": tuned, "plan": moe.load_plan(), "rows": rows})
     print(table(rows))
     print("wrote", path)

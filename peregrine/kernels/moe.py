@@ -84,8 +84,9 @@ def router_key(E: int, D: int, dtype: torch.dtype) -> str:
     return f"router,{E},{D},{str(dtype).removeprefix('torch.')}"
 
 
-def experts_key(E: int, D: int, I: int, k: int, dtype: torch.dtype) -> str:
-    return f"experts,{E},{D},{I},{k},{str(dtype).removeprefix('torch.')}"
+def experts_key(E: int, D: int, I: int, k: int, dtype: torch.dtype, shared: bool = False) -> str:
+    """shared: k routed slots plus the shared expert's (k + 1 assignments a token: its own tiles)."""
+    return f"experts,{E},{D},{I},{k}{'+shared' if shared else ''},{str(dtype).removeprefix('torch.')}"
 
 
 def _is_pow2(v) -> bool:
@@ -137,8 +138,12 @@ def router_config(E: int, D: int, dtype: torch.dtype, B: int) -> dict:
     return dict(_lookup("router", router_key(E, D, dtype), B))
 
 
-def experts_config(E: int, D: int, I: int, k: int, dtype: torch.dtype, B: int) -> dict:
-    return dict(_lookup("experts", experts_key(E, D, I, k, dtype), B))
+def experts_config(E: int, D: int, I: int, k: int, dtype: torch.dtype, B: int, shared: bool = False) -> dict:
+    """shared: the shared-slot launches' entry where the plan has one, else the routed-only entry's."""
+    key = experts_key(E, D, I, k, dtype, shared)
+    if shared and key not in load_plan():
+        key = experts_key(E, D, I, k, dtype)
+    return dict(_lookup("experts", key, B))
 
 
 def clear_plan_cache() -> None:
@@ -516,7 +521,7 @@ def moe_expert_partials(x, w13, w2, topk_ids, *, activation: str = "swiglu", wor
         assert s13.device == w13.device and s2.device == w2.device
         s13_off, s2_off = _elements_between(w13, s13), _elements_between(w2, s2)
     align = math.gcd(MAX_ALIGN, 2 * I * D, D * I, s13_off, s2_off)  # gcd(16, ...): a power of two
-    cfg = config or experts_config(E, D, I, k - (shared is not None), w13.dtype, B)
+    cfg = config or experts_config(E, D, I, k - (shared is not None), w13.dtype, B, shared=shared is not None)
     assert valid_experts(cfg), f"bad experts config {cfg}"
     pshape = partials_shape(cfg, B, D, I, k)
     part = partials if partials is not None else torch.empty(pshape, dtype=torch.float32, device=x.device)
