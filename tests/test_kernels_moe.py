@@ -185,6 +185,65 @@ def test_sliced_router_gathered_equals_whole(ranks, B, shape, dtype, variant):
     assert torch.equal(ids.long().sort(-1).values, rid.sort(-1).values)
 
 
+# (B, shape, dtype, variant, bias, shared slot): one chunk and many, B = 1 and the padded-tile edge
+FUSED_ROUTER_CASES = [(1, TINY, F32, "default", True, False), (3, ODD, BF16, "fma", False, True),
+                      (16, TINY, F32, "dot_chunk32", True, True), (5, dict(D=100, E=50, k=6), F32, "fma_one_chunk",
+                                                                      True, False)]
+
+
+@pytest.mark.parametrize("B,shape,dtype,variant,with_bias,shared", FUSED_ROUTER_CASES)
+def test_fused_router_is_one_launch_with_the_two_launch_bits(monkeypatch, B, shape, dtype, variant, with_bias, shared):
+    """The logits kernel's last program does the top-k: no second launch, ids / weights / logits
+    bit-identical to router_partials + router_topk, and the arrival counter back at 0 (for replays)."""
+    D, E, k = shape["D"], shape["E"], shape["k"]
+    g = torch.Generator().manual_seed(B * 7 + E)
+    x = torch.randn(B, D, generator=g).to(dtype).to(DEVICE)
+    gate_w = (torch.randn(E, D, generator=g) / D**0.5).to(dtype).to(DEVICE)
+    bias = (torch.randn(E, generator=g) * 0.05).to(DEVICE) if with_bias else None
+    cfg = ROUTER_VARIANTS[variant]
+    monkeypatch.setenv(moe.FUSED_ROUTER_ENV, "0")
+    two_logits = poisoned((B, E), F32, DEVICE)
+    two = moe_route(x, gate_w, bias, k, True, 2.446, config=cfg, logits_out=two_logits, shared_slot=shared)
+    monkeypatch.setenv(moe.FUSED_ROUTER_ENV, "1")
+    taken = []
+    monkeypatch.setattr(moe, "arrival_counters", lambda dev, n: taken.append(torch.zeros(n, dtype=torch.int32,
+                                                                                         device=dev)) or taken[-1])
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("the fused router launched the top-k kernel")
+    monkeypatch.setattr(moe, "_router_topk_kernel", NoLaunch())
+    logits = poisoned((B, E), F32, DEVICE)
+    ids, w = moe_route(x, gate_w, bias, k, True, 2.446, config=cfg, logits_out=logits, shared_slot=shared)
+    assert torch.equal(ids, two[0]) and torch.equal(w, two[1]) and torch.equal(logits, two_logits)
+    assert len(taken) == 1 and taken[0].tolist() == [0], "the arrival counter was not reset"
+    rid, rw, rlogits = route_ref(x, gate_w, bias if with_bias else torch.zeros(E, device=DEVICE), k, True, 2.446)
+    assert torch.equal(ids[:, :k].long().sort(-1).values, rid.sort(-1).values)  # and it is the router
+    assert (not shared) or (ids[:, k] == E).all() and (w[:, k] == 1).all()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+def test_fused_router_replays_in_a_cuda_graph():
+    """Replays reuse one captured counter: it must be reset by each launch's last program."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 2304, generator=g).to(BF16).to(DEVICE)
+    gate_w = (torch.randn(256, 2304, generator=g) / 48).to(BF16).to(DEVICE)
+    bias = (torch.randn(256, generator=g) * 0.05).to(DEVICE)
+    want = moe_route(x, gate_w, bias, 8, True, 2.446, shared_slot=True)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        moe_route(x, gate_w, bias, 8, True, 2.446, shared_slot=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            got = moe_route(x, gate_w, bias, 8, True, 2.446, shared_slot=True)
+    for _ in range(3):
+        got[0].fill_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_router_partials_use_the_whole_routers_plan(monkeypatch):
     """A rank's slice looks up the plan entry of num_experts, not of its own row count."""
     seen = []
@@ -494,7 +553,7 @@ def test_every_variant_compiles_for_sm90_without_spills():
             f"print(json.dumps(km.compile_check([moe.DEFAULT_ROUTER, {ROUTER_VARIANTS['fma']!r}], "
             f"[moe.DEFAULT_EXPERTS, moe.DEFAULT_EXPERTS | {{'SWAP': True}}, {EXPERT_VARIANTS['fused_wide']!r}])))")
     rows = run_aot(code, timeout=600)
-    assert len(rows) == 1 + 2 * 2 + 2 * 2 + 1  # combine, (logits + top-k) x 2, (up + down) x 2, fused
+    assert len(rows) == 1 + 2 * 3 + 2 * 2 + 1  # combine, (logits, logits+top-k, top-k) x 2, (up + down) x 2, fused
     for row in rows:
         assert "error" not in row, row
         assert row["spill"] == 0 and 0 < row["regs"] <= 255, row

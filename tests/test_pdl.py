@@ -11,6 +11,7 @@ import torch
 
 from conftest import DEVICE, run_aot
 from peregrine.config import ConfigError, EngineConfig
+from peregrine.kernels import moe as moe_kernels
 from peregrine.kernels import pdl as P
 from peregrine.kernels.gemm import skinny_gemm
 from peregrine.kernels.kda import KdaConfig, kda_decode
@@ -138,8 +139,10 @@ ROUTER_CFGS = {
 
 
 @needs_interpreter
+@pytest.mark.parametrize("fused", ["1", "0"], ids=["one_launch", "two_launches"])
 @pytest.mark.parametrize("variant", list(ROUTER_CFGS))
-def test_router(monkeypatch, variant):
+def test_router(monkeypatch, variant, fused):
+    monkeypatch.setenv(moe_kernels.FUSED_ROUTER_ENV, fused)
     B, E, D, k = 3, 20, 100, 4
     x, gw, bias = rnd(B, D, seed=1), rnd(E, D, seed=2, scale=0.1), rnd(E, seed=3, scale=0.01)
     res = {}
@@ -221,6 +224,11 @@ jobs = {
                     dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, USE_DOT=False, IEEE=False, EVEN_K=True, INLINE_REDUCE=True)),
     "norm": (norm._rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
                                      "eps": "fp32"}, dict(HAS_RES=True, BLOCK=4096, SINGLE=True)),
+    "router_fused": (moe._router_logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32",
+                                                 "bias_ptr": "*fp32", "ids_ptr": "*i32", "tw_ptr": "*fp32",
+                                                 "logits_ptr": "*fp32", "count_ptr": "*i32", "scaling": "fp32"},
+                     dict(B_PAD=16, BLOCK_E=16, BLOCK_K=128, DOT=True, TOPK=True, TOPK_ROWS=1, TOP_K=8, K_PAD=8,
+                          E_PAD=256, RENORM=True, HAS_BIAS=True, STORE_LOGITS=False, SHARED=True)),
     "combine": (moe._combine_kernel, {"part_ptr": "*fp32", "tw_ptr": "*fp32", "add_ptr": "*bf16", "out_ptr": "*bf16"},
                 dict(TOP_K=8, K_PAD=8, BLOCK_D=256, HAS_ADD=True)),
 }

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import statistics
 import time
 
@@ -111,9 +112,16 @@ class Case:
         self.expert_bytes = self.distinct * 3 * I * D * wts.esz + 2 * B * D * wts.esz
         self.router_bytes = E * D * wts.gate_w.element_size() + B * D * wts.esz
 
-    def time_router(self, cfg, iters):
-        return graph_time([lambda x=x: moe.moe_route(x, self.w.gate_w, self.w.bias, TOP_K, True, SCALING, config=cfg)
-                           for x in self.xs], iters)
+    def time_router(self, cfg, iters, fused: bool = True):
+        """fused: the one-launch router (moe_route's default); False: logits and top-k launches
+        (read at capture time, so the graphs hold the chosen form)."""
+        prev = os.environ.get(moe.FUSED_ROUTER_ENV)
+        os.environ[moe.FUSED_ROUTER_ENV] = "1" if fused else "0"
+        try:
+            return graph_time([lambda x=x: moe.moe_route(x, self.w.gate_w, self.w.bias, TOP_K, True, SCALING,
+                                                         config=cfg) for x in self.xs], iters)
+        finally:
+            os.environ.pop(moe.FUSED_ROUTER_ENV) if prev is None else os.environ.update({moe.FUSED_ROUTER_ENV: prev})
 
     def time_experts(self, cfg, iters):
         return graph_time([lambda x=x, r=r: experts(self.w, x, r[0], r[1], cfg, self.out)
@@ -154,9 +162,11 @@ def run(copy_gbps: float, full: bool = True, iters: int = 30, bs=None, entries: 
             rcfg = moe.pick(entries.get(moe.router_key(E, D, wts.gate_w.dtype)), B, moe.valid_router) or rcfg
             ecfg = moe.pick(entries.get(moe.experts_key(E, D, I, TOP_K, wts.dtype, SHARED)), B, moe.valid_experts) or ecfg
         (tr, sr), (te, se) = case.time_router(rcfg, iters), case.time_experts(ecfg, iters)
+        tr2, sr2 = case.time_router(rcfg, iters, fused=False)
         std_r, std_e = case.time_standard(iters)
         shape = f"B={B} D={D} I={I} E={E} k={TOP_K}{'+shared' if SHARED else ''}"
         for kernel, t, s, nbytes, cfg, std in (("moe_router", tr, sr, case.router_bytes, rcfg, std_r),
+                                               ("router_2launch", tr2, sr2, case.router_bytes, rcfg, std_r),
                                                ("moe_experts", te, se, case.expert_bytes, ecfg, std_e)):
             gbps = nbytes / t / 1e6
             rows.append({"kernel": kernel, "shape": shape, "B": B, "config": cfg, "order_class": moe.order_class(cfg),
@@ -399,11 +409,16 @@ def compile_check(router_cfgs, expert_cfgs, B: int = 3) -> list[dict]:
     jobs = [("combine", moe._combine_kernel, dict(part_ptr=(f32, 0), tw_ptr=(f32, 0), add_ptr=(bf, 0), out_ptr=(bf, 0),
                                                   B=n(B), D=n(D), NJ=n(1), stride_ob=n(D), stride_ab=n(D), TOP_K=c(TOP_K),
                                                   K_PAD=c(TOP_K), BLOCK_D=c(moe.COMBINE_BLOCK_D), HAS_ADD=c(True)), 4, 2)]
+    topk = dict(TOPK_ROWS=c(8), TOP_K=c(TOP_K), K_PAD=c(TOP_K), E_PAD=c(E), RENORM=c(True), HAS_BIAS=c(True),
+                STORE_LOGITS=c(False), SHARED=c(True))
     for r in router_cfgs:
-        jobs.append((f"router {r}", moe._router_logits_kernel, dict(
-            x_ptr=(bf, 0), w_ptr=(bf, 0), part_ptr=(f32, 0), B=n(B), E=n(E), D=n(D), stride_xb=n(D), chunk=n(r["CHUNK"]),
-            B_PAD=c(moe.B_MAX), BLOCK_E=c(r["BLOCK_E"]), BLOCK_K=c(r["BLOCK_K"]), DOT=c(r["variant"] == "dot")),
-            r["num_warps"], r["num_stages"]))
+        for fused in (False, True):  # moe_route's one launch, and router_partials' logits alone
+            jobs.append((f"router{'+topk' if fused else ''} {r}", moe._router_logits_kernel, dict(
+                x_ptr=(bf, 0), w_ptr=(bf, 0), part_ptr=(f32, 0), B=n(B), E=n(E), D=n(D), stride_xb=n(D),
+                chunk=n(r["CHUNK"]), bias_ptr=(f32, 0), ids_ptr=(i32, 0), tw_ptr=(f32, 0), logits_ptr=(f32, 0),
+                count_ptr=(i32, 0), scaling=("fp32", 0), B_PAD=c(moe.B_MAX), BLOCK_E=c(r["BLOCK_E"]),
+                BLOCK_K=c(r["BLOCK_K"]), DOT=c(r["variant"] == "dot"), TOPK=c(fused), **topk),
+                r["num_warps"], r["num_stages"]))
         jobs.append((f"topk split={-(-D // r['CHUNK'])}", moe._router_topk_kernel, dict(
             part_ptr=(f32, 0), bias_ptr=(f32, 0), ids_ptr=(i32, 0), w_ptr=(f32, 0), logits_ptr=(f32, 0), B=n(B),
             E=n(E), E_SLAB=n(E), scaling=("fp32", 0), SPLIT=c(-(-D // r["CHUNK"])), TOP_K=c(TOP_K), K_PAD=c(TOP_K), E_PAD=c(E),

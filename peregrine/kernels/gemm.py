@@ -130,7 +130,7 @@ COUNTERS = 1 << 20  # arrival counters per device (4 MB); launches take consecut
 _counters: dict = {}
 
 
-def _arrival_counters(device, tiles: int) -> torch.Tensor:
+def arrival_counters(device, tiles: int) -> torch.Tensor:
     """`tiles` zeroed int32 counters no launch still in flight uses: the next range of a per-device
     ring (each launch's last arrivals reset theirs). A step's launches, a side stream's among them,
     take ranges far apart; a CUDA graph keeps the ranges it captured, and replays run one at a time."""
@@ -260,7 +260,7 @@ def launch(x, w, y, cfg: dict) -> None:
         return
     ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     if cfg.get("reduce") == "inline":
-        count = _arrival_counters(x.device, grid[0] * grid[2])
+        count = arrival_counters(x.device, grid[0] * grid[2])
         _gemm_kernel[grid](x, w, ws, M, N, K, x.stride(0), w.stride(0), N, M * N, k_per, y, y.stride(0), count,
                            INLINE_REDUCE=True, **meta)
         return

@@ -1,13 +1,15 @@
 """Fused MoE decode (MODELS.md "MoE layer"): FP32 sigmoid router with top-k,
 then the routed experts, each chosen expert's weights read once per step.
-No host sync (CUDA-graph capturable), no atomics.
+No host sync (CUDA-graph capturable).
 
-Router, two launches: (1) split-D partial logits, grid (E tiles, D chunks), each
+Router: (1) split-D partial logits, grid (E tiles, D chunks), each
 program loads its whole W_r tile at once (the 1-2 MB matrix is latency bound, so
 many programs with one big load each); exact FP32 products, either an IEEE dot
 (sequential FMA chain) or a token loop over the tile held in registers.
 (2) one program per token sums the chunks in a fixed order and picks top-k of
 σ(logit) + bias (ties -> lowest expert index, like a stable descending sort).
+Unsliced, (2) is done by the last program of (1) to arrive (an arrival counter, reset
+by it): one launch, the same bits (PEREGRINE_ROUTER_FUSED=0: two launches).
 Tensor parallel with slicing: (1) runs on the rank's E/N experts, the partials are
 all-gathered (stacked in rank order) and (2) reads the N slabs as one row of E logits.
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import warnings
 from pathlib import Path
 
@@ -40,12 +43,14 @@ import triton
 import triton.language as tl
 
 from . import interpreting, read_plan_entries
+from .gemm import arrival_counters
 from .pdl import launch_kwargs, pdl_wait
 
 PLAN_PATH = Path(__file__).with_name("moe_plan.json")
 B_MAX = 16             # decode batches up to 16 share one padded token tile: one compile, batch-invariant bits
 MIN_DOT_ROWS = 16      # tl.dot needs M, N, K >= 16
 COMBINE_BLOCK_D = 256  # columns per combine program; fixed (never tuned) so its sum order never changes
+FUSED_ROUTER_ENV = "PEREGRINE_ROUTER_FUSED"  # "0": the top-k in its own launch (A/B runs)
 TOPK_WARPS = 1         # top-k is 3k tiny reductions over E: one warp does each with shuffles, no smem barriers
 SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0  # SiTU bounds (MODELS.md)
 ACTIVATIONS = {"swiglu": 0, "situ": 1}
@@ -168,8 +173,52 @@ def _router_mac(acc, w, x_ptr, d, d_ok, offs_b, b_ok, B, stride_xb, DOT: tl.cons
 
 
 @triton.jit
+def _topk_rows(logit, bias_ptr, ids_ptr, w_ptr, rows, r_ok, E, scaling, TOP_K: tl.constexpr,
+               K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+               SHARED: tl.constexpr):
+    """Top-k of [R, E_PAD] FP32 logits (rows `rows` of the outputs). Every step is exact or in a
+    fixed order (max/min, one-hot sums, the renorm sum over k in slot order), so the bits do not
+    depend on R or on the launch's layout: the fused and the two-launch router agree exactly."""
+    offs = tl.arange(0, E_PAD)
+    ok = offs < E
+    s = tl.sigmoid(logit)
+    choice = s
+    if HAS_BIAS:
+        choice = s + tl.load(bias_ptr + offs, mask=ok, other=0.0)[None, :]
+    choice = tl.where(ok[None, :], choice, float("-inf"))
+    slots = tl.arange(0, K_PAD)[None, :]
+    ids = tl.zeros([logit.shape[0], K_PAD], tl.int32)
+    ws = tl.zeros([logit.shape[0], K_PAD], tl.float32)
+    tot = tl.zeros([logit.shape[0]], tl.float32)
+    for k in tl.static_range(TOP_K):  # k rounds of argmax; ties -> lowest index
+        best = tl.max(choice, axis=1)
+        idx = tl.min(tl.where(choice == best[:, None], offs[None, :], E_PAD), axis=1)
+        hit = offs[None, :] == idx[:, None]
+        wk = tl.sum(tl.where(hit, s, 0.0), axis=1)
+        ids = tl.where(slots == k, idx[:, None], ids)
+        ws = tl.where(slots == k, wk[:, None], ws)
+        tot += wk
+        choice = tl.where(hit, float("-inf"), choice)
+    if RENORM:
+        ws = ws / tot[:, None]
+    K_OUT: tl.constexpr = TOP_K + 1 if SHARED else TOP_K
+    out = rows[:, None] * K_OUT + slots
+    m = r_ok[:, None] & (slots < TOP_K)
+    tl.store(ids_ptr + out, ids, mask=m)
+    tl.store(w_ptr + out, ws * scaling, mask=m)
+    if SHARED:  # one more slot per token: id E (the shared expert), weight 1
+        tl.store(ids_ptr + rows * K_OUT + TOP_K, tl.zeros_like(rows) + E, mask=r_ok)
+        tl.store(w_ptr + rows * K_OUT + TOP_K, tl.full(rows.shape, 1.0, tl.float32), mask=r_ok)
+
+
+@triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, part_ptr, B, E, D, stride_xb, chunk,
+                          bias_ptr, ids_ptr, tw_ptr, logits_ptr, count_ptr, scaling,
                           B_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+                          TOPK: tl.constexpr = False, TOPK_ROWS: tl.constexpr = 1, TOP_K: tl.constexpr = 1,
+                          K_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1, RENORM: tl.constexpr = False,
+                          HAS_BIAS: tl.constexpr = False,
+                          STORE_LOGITS: tl.constexpr = False, SHARED: tl.constexpr = False,
                           USE_PDL: tl.constexpr = False):
     s = tl.program_id(1)
     offs_b = tl.arange(0, B_PAD)
@@ -193,6 +242,24 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, B, E, D, stride_xb, chunk,
         w = tl.load(w_rows + d[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         acc = _router_mac(acc, w, x_ptr, d, d_ok, offs_b, b_ok, B, stride_xb, DOT)
     tl.store(part_ptr + (s * B + offs_b[:, None]) * E + offs_e[None, :], acc, mask=b_ok[:, None] & e_ok[None, :])
+    if TOPK:  # the last program to arrive sums every chunk's partials and picks the experts: no 2nd launch
+        tl.debug_barrier()  # every thread's partials are stored before the release below
+        arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+            tl.debug_barrier()
+            rows = tl.arange(0, TOPK_ROWS)  # next_pow2(B), not B_PAD: no top-k work on padding rows
+            r_ok = rows < B
+            oe = tl.arange(0, E_PAD)
+            m = r_ok[:, None] & (oe < E)[None, :]
+            p = part_ptr + rows[:, None] * E + oe[None, :]
+            logit = tl.load(p, mask=m, other=0.0, cache_modifier=".cg")
+            for c in range(1, tl.num_programs(1)):  # fixed order over the D chunks, as _router_topk_kernel
+                logit += tl.load(p + c * B * E, mask=m, other=0.0, cache_modifier=".cg")
+            if STORE_LOGITS:
+                tl.store(logits_ptr + rows[:, None] * E + oe[None, :], logit, mask=m)
+            _topk_rows(logit, bias_ptr, ids_ptr, tw_ptr, rows, r_ok, E, scaling, TOP_K, K_PAD, E_PAD, RENORM,
+                       HAS_BIAS, SHARED)
+            tl.atomic_xchg(count_ptr, 0)  # ready for the next launch (graph replays included)
 
 
 @triton.jit
@@ -211,29 +278,13 @@ def _router_topk_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, logits_ptr, B, E, E_
         logit += tl.load(part_ptr + (c * B + b) * E_SLAB + col, mask=ok, other=0.0)
     if STORE_LOGITS:
         tl.store(logits_ptr + b * E + offs, logit, mask=ok)
-    s = tl.sigmoid(logit)
-    choice = s
-    if HAS_BIAS:
-        choice = s + tl.load(bias_ptr + offs, mask=ok, other=0.0)
-    choice = tl.where(ok, choice, float("-inf"))
-    slots = tl.arange(0, K_PAD)
-    ids = tl.zeros([K_PAD], tl.int32)
-    ws = tl.zeros([K_PAD], tl.float32)
-    for k in tl.static_range(TOP_K):  # k rounds of argmax; ties -> lowest index
-        best = tl.max(choice, axis=0)
-        idx = tl.min(tl.where(choice == best, offs, E_PAD), axis=0)
-        hit = offs == idx
-        ids = tl.where(slots == k, idx, ids)
-        ws = tl.where(slots == k, tl.sum(tl.where(hit, s, 0.0), axis=0), ws)
-        choice = tl.where(hit, float("-inf"), choice)
-    if RENORM:
-        ws = ws / tl.sum(ws, axis=0)
-    K_OUT: tl.constexpr = TOP_K + 1 if SHARED else TOP_K
-    tl.store(ids_ptr + b * K_OUT + slots, ids, mask=slots < TOP_K)
-    tl.store(w_ptr + b * K_OUT + slots, ws * scaling, mask=slots < TOP_K)
-    if SHARED:  # one more slot per token: id E (the shared expert), weight 1
-        tl.store(ids_ptr + b * K_OUT + TOP_K, E)
-        tl.store(w_ptr + b * K_OUT + TOP_K, 1.0)
+    row = tl.zeros([1], tl.int32) + b
+    _topk_rows(logit[None, :], bias_ptr, ids_ptr, w_ptr, row, row < B, E, scaling, TOP_K, K_PAD, E_PAD, RENORM,
+               HAS_BIAS, SHARED)
+
+
+def _fused_router() -> bool:
+    return os.environ.get(FUSED_ROUTER_ENV, "1") != "0"
 
 
 def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, top_k: int,
@@ -241,19 +292,40 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
               logits_out: torch.Tensor | None = None, shared_slot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, D], gate_w [E, D], bias [E] FP32 or None -> (topk_ids [B, k] int32, topk_w [B, k] FP32).
     config overrides the plan; logits_out (FP32 [B, E]) also receives the router logits; shared_slot:
-    see router_topk."""
-    part = router_partials(x, gate_w, config=config)
-    return router_topk(part.unsqueeze(0), bias, top_k, renormalize, scaling, logits_out=logits_out,
-                       shared_slot=shared_slot)
+    see router_topk. One launch (the logits kernel's last program does the top-k) up to B_MAX tokens
+    unless PEREGRINE_ROUTER_FUSED=0; else router_partials + router_topk, with the same bits."""
+    if not _fused_router() or x.shape[0] > B_MAX:
+        part = router_partials(x, gate_w, config=config)
+        return router_topk(part.unsqueeze(0), bias, top_k, renormalize, scaling, logits_out=logits_out,
+                           shared_slot=shared_slot)
+    B, E = x.shape[0], gate_w.shape[0]
+    ids, w = _route_outputs(B, E, top_k, logits_out, shared_slot, x.device)
+    b = bias.float().contiguous() if bias is not None else w  # dummy pointer when absent
+    router_partials(x, gate_w, config=config, topk=dict(
+        bias_ptr=b, ids_ptr=ids, tw_ptr=w, logits_ptr=logits_out if logits_out is not None else w,
+        count_ptr=arrival_counters(x.device, 1), scaling=float(scaling), TOPK=True, TOPK_ROWS=_pow2(B), TOP_K=top_k,
+        K_PAD=_pow2(top_k), E_PAD=_pow2(E), RENORM=bool(renormalize), HAS_BIAS=bias is not None,
+        STORE_LOGITS=logits_out is not None, SHARED=bool(shared_slot)))
+    return ids, w
+
+
+def _route_outputs(B, E, top_k, logits_out, shared_slot, device):
+    assert 0 < top_k <= E
+    if logits_out is not None:
+        assert logits_out.shape == (B, E) and logits_out.dtype == torch.float32 and logits_out.is_contiguous()
+    k_out = top_k + bool(shared_slot)
+    return (torch.empty(B, k_out, dtype=torch.int32, device=device),
+            torch.empty(B, k_out, dtype=torch.float32, device=device))
 
 
 def router_partials(x: torch.Tensor, gate_w: torch.Tensor, *, config: dict | None = None,
-                    num_experts: int | None = None) -> torch.Tensor:
+                    num_experts: int | None = None, topk: dict | None = None) -> torch.Tensor:
     """Split-D partial logits of gate_w's experts: FP32 [D chunks, B, gate_w rows].
 
     Under TP slicing gate_w is a rank's slice of the num_experts rows: the plan entry (chunks,
     tiles) of the whole router is used, so every expert's partials are the bits the whole-router
-    launch computes, and the gathered partials give router_topk the replicated path's exact logits."""
+    launch computes, and the gathered partials give router_topk the replicated path's exact logits.
+    topk: moe_route's fused top-k arguments (outputs, counter, flags)."""
     B, D = x.shape
     E = gate_w.shape[0]
     assert gate_w.shape[1] == D and x.stride(1) == 1 and gate_w.is_contiguous()
@@ -261,10 +333,11 @@ def router_partials(x: torch.Tensor, gate_w: torch.Tensor, *, config: dict | Non
     assert valid_router(cfg), f"bad router config {cfg}"
     split = triton.cdiv(D, cfg["CHUNK"])
     part = torch.empty(split, B, E, dtype=torch.float32, device=x.device)
+    fused = topk or dict(bias_ptr=part, ids_ptr=part, tw_ptr=part, logits_ptr=part, count_ptr=part, scaling=1.0)
     _router_logits_kernel[(triton.cdiv(E, cfg["BLOCK_E"]), split)](
         x, gate_w, part, B, E, D, x.stride(0), cfg["CHUNK"], B_PAD=_token_pad(B), BLOCK_E=cfg["BLOCK_E"],
         BLOCK_K=cfg["BLOCK_K"], DOT=cfg["variant"] == "dot", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **launch_kwargs(x.device))
+        **fused, **launch_kwargs(x.device))
     return part
 
 
@@ -277,12 +350,8 @@ def router_topk(parts: torch.Tensor, bias: torch.Tensor | None, top_k: int, reno
     moe_expert_partials' `shared`)."""
     R, split, B, E_slab = parts.shape
     E = R * E_slab
-    assert parts.dtype == torch.float32 and parts.is_contiguous() and 0 < top_k <= E
-    if logits_out is not None:
-        assert logits_out.shape == (B, E) and logits_out.dtype == torch.float32 and logits_out.is_contiguous()
-    k_out = top_k + bool(shared_slot)
-    ids = torch.empty(B, k_out, dtype=torch.int32, device=parts.device)
-    w = torch.empty(B, k_out, dtype=torch.float32, device=parts.device)
+    assert parts.dtype == torch.float32 and parts.is_contiguous()
+    ids, w = _route_outputs(B, E, top_k, logits_out, shared_slot, parts.device)
     b = bias.float().contiguous() if bias is not None else parts  # dummy pointer when absent
     _router_topk_kernel[(B,)](parts, b, ids, w, logits_out if logits_out is not None else parts, B, E, E_slab,
                               float(scaling), SPLIT=split, TOP_K=top_k, K_PAD=_pow2(top_k), E_PAD=_pow2(E),
