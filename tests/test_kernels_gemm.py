@@ -60,6 +60,27 @@ def test_variants(variant, mnk, dtype, device):
     assert_close(out, ref(x, w), TOL[dtype], variant)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("mnk", [(1, 100, 257), (3, 33, 1024), (2, 40, 64)])
+def test_prefetch_keeps_the_bits(variant, mnk, dtype, device, monkeypatch):
+    """The weight prefetch only moves loads earlier: the same products in the same order, so the
+    same bits, on even and ragged K, one K step per split (nothing to prefetch) and many."""
+    x, w = _inputs(*mnk, dtype, device, seed=4)
+    want = skinny_gemm(x, w, config=VARIANTS[variant])
+    seen, kernel = [], gemm._gemm_kernel
+
+    class Spy:  # the config's flag must reach the kernel, else this test compares a kernel with itself
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append(kw["PREFETCH"]) or kernel[grid](*a, **kw)
+    monkeypatch.setattr(gemm, "_gemm_kernel", Spy())
+    got = poisoned(want.shape, dtype, device)
+    skinny_gemm(x, w, out=got, config=VARIANTS[variant] | {"prefetch": True})
+    assert seen == [True], seen
+    assert torch.equal(got, want), variant
+    assert_close(got, ref(x, w), TOL[dtype], variant)
+
+
 @pytest.mark.parametrize("variant", ["plain_dot", "splitk_fma", "inline_fma"])
 def test_out_slice_and_strided_x(variant, device):
     m, n, k = 3, 100, 130

@@ -99,6 +99,10 @@ GEMM_CFGS = {
     "splitk_dot": dict(kernel="splitk", BLOCK_N=32, BLOCK_K=64, SPLIT_K=4, num_warps=4, num_stages=2, dot=True),
     "splitk_fma": dict(kernel="splitk", BLOCK_N=16, BLOCK_K=64, SPLIT_K=3, num_warps=4, num_stages=2, dot=False),
     "one_tile": dict(kernel="plain", BLOCK_N=16, BLOCK_K=512, SPLIT_K=1, num_warps=4, num_stages=2, dot=False),
+    "prefetch_fma": dict(kernel="plain", BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=2, dot=False,
+                         prefetch=True),
+    "prefetch_splitk_dot": dict(kernel="splitk", BLOCK_N=32, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=2,
+                                dot=True, prefetch=True),
 }
 
 
@@ -218,10 +222,16 @@ from peregrine.kernels import gemm, norm, moe
 jobs = {
     "gemm": (gemm._gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "out_ptr": "*bf16",
                                  "count_ptr": "*i32"},
-             dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, USE_DOT=True, IEEE=False, EVEN_K=True, INLINE_REDUCE=False)),
+             dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, USE_DOT=True, IEEE=False, EVEN_K=True, INLINE_REDUCE=False,
+                  PREFETCH=False)),
     "gemm_inline": (gemm._gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp32", "out_ptr": "*bf16",
                                         "count_ptr": "*i32"},
-                    dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, USE_DOT=False, IEEE=False, EVEN_K=True, INLINE_REDUCE=True)),
+                    dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, USE_DOT=False, IEEE=False, EVEN_K=True, INLINE_REDUCE=True,
+                         PREFETCH=False)),
+    "gemm_prefetch": (gemm._gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "out_ptr": "*bf16",
+                                          "count_ptr": "*i32"},
+                      dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, USE_DOT=False, IEEE=False, EVEN_K=False, INLINE_REDUCE=False,
+                           PREFETCH=True)),
     "norm": (norm._rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
                                      "eps": "fp32"}, dict(HAS_RES=True, BLOCK=4096, SINGLE=True)),
     "router_fused": (moe._router_logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32",

@@ -111,7 +111,8 @@ def candidates(m: int, n: int, k: int):
 
 def wide_candidates(m: int, n: int, k: int):
     """The decode sweep: narrow N tiles too (4, 8 rows: more programs for small N), the warps sized to
-    the tile, split K with the inline (last-arrival) reduce; between one and sixteen waves of programs."""
+    the tile, split K with the inline (last-arrival) reduce, with and without the weight prefetch;
+    between one and sixteen waves of programs."""
     dot_only = m > gemm.FMA_MAX_ROWS
     bm = min(1 << (m - 1).bit_length(), gemm.FMA_MAX_ROWS)
     tiles = [(True, bn, bk) for bn in (16, 32) for bk in (128, 256)]
@@ -128,8 +129,10 @@ def wide_candidates(m: int, n: int, k: int):
             programs = -(-n // bn) * split
             if k < split * bk or not gemm.NUM_SMS // 2 <= programs <= 16 * gemm.NUM_SMS:
                 continue
-            yield {"kernel": "splitk" if split > 1 else "plain", "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
-                   "num_warps": warps, "num_stages": 2, "dot": dot, "reduce": "inline" if split > 1 else "kernel"}
+            for prefetch in (False, True):  # one weight tile in flight per program, or two
+                yield {"kernel": "splitk" if split > 1 else "plain", "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
+                       "num_warps": warps, "num_stages": 2, "dot": dot, "reduce": "inline" if split > 1 else "kernel",
+                       "prefetch": prefetch}
 
 
 def fast_candidates(m: int, n: int, k: int):

@@ -9,6 +9,8 @@ load. Two variants share one kernel body:
           (bitwise reproducible run to run); with "reduce": "inline" the
           last program of a tile to arrive (an arrival counter, reset by it
           for the next launch) sums them in the same order: one launch less.
+With "prefetch" each program keeps two weight tiles in flight (the next step's load is issued
+before this step's math), not one: Triton does not pipeline these loads itself.
 Inner product either on tensor cores (tl.dot, rows padded to 16) or as FMAs
 into a [BM, BN, BK] accumulator reduced once at the end (cheap for M <= 4).
 gemm_plan.json maps "M,N,K" -> config, measured on the GPU by
@@ -46,6 +48,14 @@ def _tile(ptrs, row_ok, kk, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _tile_if(ptrs, row_ok, kk, K, live, EVEN_K: tl.constexpr):
+    """_tile, or zeros with nothing read when `live` is false (the prefetch past a split's last step)."""
+    if EVEN_K:
+        return tl.load(ptrs, mask=row_ok[:, None] & live, other=0.0)
+    return tl.load(ptrs, mask=row_ok[:, None] & (kk < K)[None, :] & live, other=0.0)
+
+
+@triton.jit
 def _mac(acc, xk, wk, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
     if USE_DOT:
         if IEEE:  # FP32 operands: exact FP32 products, not TF32 (see _use_ieee)
@@ -62,7 +72,7 @@ def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, 
                  out_ptr, stride_om, count_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, INLINE_REDUCE: tl.constexpr = False,
-                 USE_PDL: tl.constexpr = False):
+                 PREFETCH: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -79,19 +89,31 @@ def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, 
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_start = 0
-    if USE_PDL:  # first step peeled: its weight tile streams in before the predecessor is done
+    if USE_PDL:  # first step peeled: its weight tile (and the next, prefetching) streams in before the wait
         wk = _tile(w_ptrs, n_ok, k0 + rk, K, EVEN_K)
+        if PREFETCH:
+            wn = _tile_if(w_ptrs + BLOCK_K, n_ok, k0 + BLOCK_K + rk, K, BLOCK_K < k_per_split, EVEN_K)
         pdl_wait(USE_PDL)
         acc = _mac(acc, _tile(x_ptrs, m_ok, k0 + rk, K, EVEN_K), wk, USE_DOT, IEEE)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         k_start = BLOCK_K
-    for k in range(k_start, k_per_split, BLOCK_K):
-        xk = _tile(x_ptrs, m_ok, k0 + k + rk, K, EVEN_K)
-        wk = _tile(w_ptrs, n_ok, k0 + k + rk, K, EVEN_K)
-        acc = _mac(acc, xk, wk, USE_DOT, IEEE)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    elif PREFETCH:
+        wn = _tile(w_ptrs, n_ok, k0 + rk, K, EVEN_K)
+    if PREFETCH:  # register double buffer: two weight tiles in flight per program, not one
+        for k in range(k_start, k_per_split, BLOCK_K):
+            wk = wn
+            wn = _tile_if(w_ptrs + BLOCK_K, n_ok, k0 + k + BLOCK_K + rk, K, k + BLOCK_K < k_per_split, EVEN_K)
+            acc = _mac(acc, _tile(x_ptrs, m_ok, k0 + k + rk, K, EVEN_K), wk, USE_DOT, IEEE)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    else:
+        for k in range(k_start, k_per_split, BLOCK_K):
+            xk = _tile(x_ptrs, m_ok, k0 + k + rk, K, EVEN_K)
+            wk = _tile(w_ptrs, n_ok, k0 + k + rk, K, EVEN_K)
+            acc = _mac(acc, xk, wk, USE_DOT, IEEE)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     if not USE_DOT:
         acc = tl.sum(acc, axis=2)
     y_ptrs = y_ptr + pid_s.to(tl.int64) * stride_ys + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
@@ -170,7 +192,7 @@ def heuristic(M: int, N: int, K: int) -> dict:
     while tiles * split < 2 * NUM_SMS and K >= split * 2 * 2 * block_k and split < MAX_SPLIT_K:
         split *= 2
     return {"kernel": "splitk" if split > 1 else "plain", "BLOCK_N": block_n, "BLOCK_K": block_k,
-            "SPLIT_K": split, "num_warps": warps, "num_stages": 2, "dot": dot, "reduce": "kernel"}
+            "SPLIT_K": split, "num_warps": warps, "num_stages": 2, "dot": dot, "reduce": "kernel", "prefetch": False}
 
 
 PLAN_ENV = "PEREGRINE_GEMM_PLAN"  # another plan file, for A/B runs of a freshly tuned plan
@@ -254,7 +276,7 @@ def launch(x, w, y, cfg: dict) -> None:
         return
     grid, k_per, tile = tiling(M, N, K, cfg)
     split = grid[1]
-    meta = dict(tile, IEEE=_use_ieee(x, w), **launch_kwargs(x.device))
+    meta = dict(tile, IEEE=_use_ieee(x, w), PREFETCH=bool(cfg.get("prefetch", False)), **launch_kwargs(x.device))
     if split == 1:
         _gemm_kernel[grid](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), 0, k_per, y, 0, y, **meta)
         return
