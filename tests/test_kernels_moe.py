@@ -200,7 +200,8 @@ def test_fused_router_is_one_launch_with_the_two_launch_bits(monkeypatch, B, sha
     x = torch.randn(B, D, generator=g).to(dtype).to(DEVICE)
     gate_w = (torch.randn(E, D, generator=g) / D**0.5).to(dtype).to(DEVICE)
     bias = (torch.randn(E, generator=g) * 0.05).to(DEVICE) if with_bias else None
-    cfg = ROUTER_VARIANTS[variant]
+    cfg = ROUTER_VARIANTS[variant] | {"num_warps": moe.TOPK_WARPS}  # the configs that fuse
+    assert moe.fuses_topk(cfg, B) and not moe.fuses_topk(cfg | {"num_warps": 4}, B)
     monkeypatch.setenv(moe.FUSED_ROUTER_ENV, "0")
     two_logits = poisoned((B, E), F32, DEVICE)
     two = moe_route(x, gate_w, bias, k, True, 2.446, config=cfg, logits_out=two_logits, shared_slot=shared)
@@ -229,14 +230,16 @@ def test_fused_router_replays_in_a_cuda_graph():
     x = torch.randn(4, 2304, generator=g).to(BF16).to(DEVICE)
     gate_w = (torch.randn(256, 2304, generator=g) / 48).to(BF16).to(DEVICE)
     bias = (torch.randn(256, generator=g) * 0.05).to(DEVICE)
-    want = moe_route(x, gate_w, bias, 8, True, 2.446, shared_slot=True)
+    cfg = ROUTER_VARIANTS["fma"] | {"num_warps": moe.TOPK_WARPS}
+    route = functools.partial(moe_route, x, gate_w, bias, 8, True, 2.446, config=cfg, shared_slot=True)
+    want = route()
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
-        moe_route(x, gate_w, bias, 8, True, 2.446, shared_slot=True)
+        route()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=s):
-            got = moe_route(x, gate_w, bias, 8, True, 2.446, shared_slot=True)
+            got = route()
     for _ in range(3):
         got[0].fill_(-1)
         graph.replay()

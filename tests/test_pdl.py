@@ -151,8 +151,11 @@ def test_router(monkeypatch, variant, fused):
     x, gw, bias = rnd(B, D, seed=1), rnd(E, D, seed=2, scale=0.1), rnd(E, seed=3, scale=0.01)
     res = {}
 
+    cfg = ROUTER_CFGS[variant] | ({"num_warps": moe_kernels.TOPK_WARPS} if fused == "1" else {})
+    assert moe_kernels.fuses_topk(cfg, B) == (fused == "1")
+
     def call():
-        res["ids"], res["w"] = moe_route(x, gw, bias, k, config=ROUTER_CFGS[variant], logits_out=logits)
+        res["ids"], res["w"] = moe_route(x, gw, bias, k, config=cfg, logits_out=logits)
         ids.copy_(res["ids"])
         tw.copy_(res["w"])
     logits = poisoned((B, E), F32, DEVICE)

@@ -8,8 +8,8 @@ many programs with one big load each); exact FP32 products, either an IEEE dot
 (sequential FMA chain) or a token loop over the tile held in registers.
 (2) one program per token sums the chunks in a fixed order and picks top-k of
 σ(logit) + bias (ties -> lowest expert index, like a stable descending sort).
-Unsliced, (2) is done by the last program of (1) to arrive (an arrival counter, reset
-by it): one launch, the same bits (PEREGRINE_ROUTER_FUSED=0: two launches).
+Unsliced with a one-warp config, (2) is done by the last program of (1) to arrive (an
+arrival counter, reset by it): one launch, the same bits (PEREGRINE_ROUTER_FUSED=0: two).
 Tensor parallel with slicing: (1) runs on the rank's E/N experts, the partials are
 all-gathered (stacked in rank order) and (2) reads the N slabs as one row of E logits.
 
@@ -50,7 +50,7 @@ PLAN_PATH = Path(__file__).with_name("moe_plan.json")
 B_MAX = 16             # decode batches up to 16 share one padded token tile: one compile, batch-invariant bits
 MIN_DOT_ROWS = 16      # tl.dot needs M, N, K >= 16
 COMBINE_BLOCK_D = 256  # columns per combine program; fixed (never tuned) so its sum order never changes
-FUSED_ROUTER_ENV = "PEREGRINE_ROUTER_FUSED"  # "0": the top-k in its own launch (A/B runs)
+FUSED_ROUTER_ENV = "PEREGRINE_ROUTER_FUSED"  # "0": the top-k in its own launch always (A/B runs)
 TOPK_WARPS = 1         # top-k is 3k tiny reductions over E: one warp does each with shuffles, no smem barriers
 SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0  # SiTU bounds (MODELS.md)
 ACTIVATIONS = {"swiglu": 0, "situ": 1}
@@ -283,8 +283,11 @@ def _router_topk_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, logits_ptr, B, E, E_
                HAS_BIAS, SHARED)
 
 
-def _fused_router() -> bool:
-    return os.environ.get(FUSED_ROUTER_ENV, "1") != "0"
+def fuses_topk(cfg: dict, B: int) -> bool:
+    """Whether moe_route does the top-k inside the logits launch. Only for one-warp configs: with more
+    warps each of its 3k reductions crosses warps through shared memory, and the tail costs more
+    than the launch it saves (H200, 4 warps: +4.4 us a layer)."""
+    return os.environ.get(FUSED_ROUTER_ENV, "1") != "0" and B <= B_MAX and cfg["num_warps"] == TOPK_WARPS
 
 
 def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, top_k: int,
@@ -292,16 +295,17 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
               logits_out: torch.Tensor | None = None, shared_slot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, D], gate_w [E, D], bias [E] FP32 or None -> (topk_ids [B, k] int32, topk_w [B, k] FP32).
     config overrides the plan; logits_out (FP32 [B, E]) also receives the router logits; shared_slot:
-    see router_topk. One launch (the logits kernel's last program does the top-k) up to B_MAX tokens
-    unless PEREGRINE_ROUTER_FUSED=0; else router_partials + router_topk, with the same bits."""
-    if not _fused_router() or x.shape[0] > B_MAX:
-        part = router_partials(x, gate_w, config=config)
+    see router_topk. One launch (the logits kernel's last program does the top-k) where fuses_topk;
+    else router_partials + router_topk, with the same bits."""
+    B, E = x.shape[0], gate_w.shape[0]
+    cfg = config or router_config(E, x.shape[1], gate_w.dtype, B)
+    if not fuses_topk(cfg, B):
+        part = router_partials(x, gate_w, config=cfg)
         return router_topk(part.unsqueeze(0), bias, top_k, renormalize, scaling, logits_out=logits_out,
                            shared_slot=shared_slot)
-    B, E = x.shape[0], gate_w.shape[0]
     ids, w = _route_outputs(B, E, top_k, logits_out, shared_slot, x.device)
     b = bias.float().contiguous() if bias is not None else w  # dummy pointer when absent
-    router_partials(x, gate_w, config=config, topk=dict(
+    router_partials(x, gate_w, config=cfg, topk=dict(
         bias_ptr=b, ids_ptr=ids, tw_ptr=w, logits_ptr=logits_out if logits_out is not None else w,
         count_ptr=arrival_counters(x.device, 1), scaling=float(scaling), TOPK=True, TOPK_ROWS=_pow2(B), TOP_K=top_k,
         K_PAD=_pow2(top_k), E_PAD=_pow2(E), RENORM=bool(renormalize), HAS_BIAS=bias is not None,
