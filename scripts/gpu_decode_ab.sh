@@ -32,7 +32,7 @@ done
 first=1
 for v in ${AB:-base}; do
   envs=(); [ "$v" != base ] && IFS=, read -ra envs <<< "$v"
-  dir="$OUT/decode-$(echo "$v" | tr '=,' '-_')"
+  dir="$OUT/decode-$(echo "$v" | tr "=,/" "-__")"
   env "${envs[@]}" timeout 240 python3 -m peregrine.cli bench decode --model kimi-linear-48b-a3b --dummy-weights \
     --backends latency_specialized --batch-sizes 1,2,4,8 --input-len 1 --prompt-sets 2 --runs 1 --output-len 256 \
     --results-dir "$dir" > "$dir.log" 2>&1
