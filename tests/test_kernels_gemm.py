@@ -5,7 +5,7 @@ import torch
 from conftest import FULL_SHAPES
 from peregrine.bench.kernels_gemm import SHAPES
 from peregrine.kernels import gemm
-from peregrine.kernels.gemm import skinny_gemm
+from peregrine.kernels.gemm import grouped_gemm, skinny_gemm
 from peregrine.testing import SENTINEL, assert_close, poisoned
 
 pytestmark = pytest.mark.gpu
@@ -162,3 +162,57 @@ def test_the_wide_decode_sweep_yields_valid_configs_that_compute_the_product(dev
     for c in picks:
         assert_close(skinny_gemm(x, w, out=poisoned((2, 600), torch.bfloat16, device), config=c), ref(x, w),
                      TOL[torch.bfloat16], str(c))
+
+
+# grouped_gemm: (M, N per group, K, G); small odd K, odd M, K long enough to split; B=16 rows
+GROUPED = [(3, 48, 40, 2), (1, 96, 300, 3), (16, 32, 257, 2)]
+GROUPED_CASES = [(s, v) for s in GROUPED for v in [None, *VARIANTS]
+                 if v is None or s[1] % VARIANTS[v]["BLOCK_N"] == 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mnkg,variant", GROUPED_CASES)
+def test_grouped_equals_separate_gemms_bit_for_bit(mnkg, variant, dtype, device):
+    """Each group's columns: the bits of its own skinny_gemm with the same config, within tolerance of
+    an FP32 reference; x a row-strided view, out a column slice whose neighbours stay untouched."""
+    m, n, k, g = mnkg
+    cfg = VARIANTS[variant] if variant else None
+    gen = torch.Generator(device=device).manual_seed(5)
+    x = torch.randn(m, g * k + 9, generator=gen, device=device).to(dtype)[:, 4:4 + g * k]
+    w = (torch.randn(g * n, k, generator=gen, device=device) / k ** 0.5).to(dtype)
+    buf = poisoned((m, g * n + 7), dtype, device)
+    out = buf[:, 3:3 + g * n]
+    assert grouped_gemm(x, w, g, out=out, config=cfg) is out
+    assert buf[:, :3].isnan().all() and buf[:, 3 + g * n:].isnan().all(), "neighbours of out were written"
+    for i in range(g):
+        xs, ws, cols = x[:, i * k:(i + 1) * k], w[i * n:(i + 1) * n], slice(i * n, (i + 1) * n)
+        assert_close(out[:, cols], ref(xs, ws), TOL[dtype], f"group {i}")
+        sep = skinny_gemm(xs, ws, config=cfg or gemm.lookup(m, n, k))
+        assert torch.equal(out[:, cols], sep), f"group {i} differs from its own GEMM"
+    assert torch.equal(grouped_gemm(x, w, g, config=cfg), out), "allocated result differs from out="
+
+
+def test_grouped_cublas_config_and_shape_checks(device):
+    x, w = torch.randn(3, 80, device=device), torch.randn(96, 40, device=device)
+    y = grouped_gemm(x, w, 2, config=gemm.heuristic(3, 48, 40) | {"kernel": "torch"})
+    assert_close(y, torch.cat([ref(x[:, :40], w[:48]), ref(x[:, 40:], w[48:])], 1), TOL[torch.float32])
+    with pytest.raises(AssertionError, match="straddle"):
+        grouped_gemm(x, w, 2, config=VARIANTS["plain_dot"])  # BLOCK_N 32 does not divide 48
+    with pytest.raises(AssertionError, match="groups"):
+        grouped_gemm(x, w, 3)
+
+
+def test_grouped_bench_parses_and_runs_on_cpu(monkeypatch, device):
+    """`kernels_gemm --grouped` parses on CPU; its row (tiny widths, fake clock) times both forms on the
+    same bits and counts the stacked weight, x and y once."""
+    from peregrine.bench import kernels_gemm as kg
+    a = kg.parser().parse_args(["--grouped", "--pdl"])
+    assert a.grouped and a.pdl and a.ms is None and kg.GROUPED_MS == (1, 2, 4, 8)
+    if device != "cpu":
+        pytest.skip("the GPU pass runs the real benchmark")
+    for name, val in dict(DEVICE="cpu", DTYPE=torch.float32, ROTATE_BYTES=1, REPS=1).items():
+        monkeypatch.setattr(kg, name, val)
+    monkeypatch.setattr(kg, "graph_time", lambda calls, iters: ([c() for c in calls], (2.0, [2.0]))[-1])
+    (row,) = kg.run_grouped(1000.0, ms=(3,), n=48, k=40, g=2)
+    assert row["identical"] and row["time_ms"] == row["separate_ms"] == 2.0
+    assert row["bytes"] == (2 * 48 * 40 + 3 * 80 + 3 * 96) * 4 and row["pct_of_copy"] == row["bytes"] / 2.0 / 1e6 / 1000.0

@@ -13,7 +13,7 @@ from conftest import DEVICE, run_aot
 from peregrine.config import ConfigError, EngineConfig
 from peregrine.kernels import moe as moe_kernels
 from peregrine.kernels import pdl as P
-from peregrine.kernels.gemm import skinny_gemm
+from peregrine.kernels.gemm import grouped_gemm, skinny_gemm
 from peregrine.kernels.kda import KdaConfig, kda_decode
 from peregrine.kernels.mla import mla_decode
 from peregrine.kernels.moe import moe_experts, moe_route
@@ -114,6 +114,15 @@ def test_gemm(monkeypatch, variant, mnk, dtype):
     x, w = rnd(m, k, dtype=dtype, seed=1), rnd(n, k, dtype=dtype, seed=2, scale=k ** -0.5)
     y = poisoned((m, n), dtype, DEVICE)
     run_deferred(monkeypatch, lambda: skinny_gemm(x, w, out=y, config=GEMM_CFGS[variant]), [x], [y])
+    assert torch.isfinite(y).all()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("variant", ["plain_fma", "splitk_dot"])
+def test_grouped_gemm(monkeypatch, variant):
+    x, w = rnd(3, 2 * 130, dtype=BF16, seed=1), rnd(2 * 48, 130, dtype=BF16, seed=2, scale=130 ** -0.5)
+    y = poisoned((3, 96), BF16, DEVICE)
+    run_deferred(monkeypatch, lambda: grouped_gemm(x, w, 2, out=y, config=GEMM_CFGS[variant] | {"BLOCK_N": 16}), [x], [y])
     assert torch.isfinite(y).all()
 
 
@@ -235,6 +244,11 @@ jobs = {
                                           "count_ptr": "*i32"},
                       dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, USE_DOT=False, IEEE=False, EVEN_K=False, INLINE_REDUCE=False,
                            PREFETCH=True)),
+    # grouped_gemm's launch: the KDA gates' plan tile (M = 1, FMA, BLOCK_N 8, K 128) with group_n a runtime arg
+    "gemm_grouped": (gemm._gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "out_ptr": "*bf16",
+                                         "count_ptr": "*i32", "group_n": "i32"},
+                     dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=128, USE_DOT=False, IEEE=False, EVEN_K=True, INLINE_REDUCE=False,
+                          PREFETCH=False)),
     "norm": (norm._rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
                                      "eps": "fp32"}, dict(HAS_RES=True, BLOCK=4096, SINGLE=True)),
     "router_fused": (moe._router_logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32",

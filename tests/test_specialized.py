@@ -173,6 +173,30 @@ def test_shared_expert_in_the_expert_launches_equals_the_dense_shared_expert(mod
             assert (x[r] - y[r]).norm() / x[r].norm() < TOL, f"request {r} step {i} (routing flips {flips})"
 
 
+def test_kda_grouped_gates_equal_the_two_launches_bit_for_bit(model_dir, monkeypatch):
+    """Both KDA gate up-projections in one grouped launch (the default) against two skinny GEMMs
+    (PEREGRINE_KDA_GROUPED_GATES=0): the same tiles and configs, so every step's logits are identical."""
+    from peregrine.decode import specialized
+    ps = prompts(2, 9)
+    calls = []
+    real = specialized.grouped_gemm
+    monkeypatch.setattr(specialized, "grouped_gemm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    grouped, lg = engine(model_dir, "latency_specialized")
+    monkeypatch.setenv(specialized.GROUPED_GATES_ENV, "0")
+    chain, lc = engine(model_dir, "latency_specialized")
+    kda = [l.attn.layer for l in grouped.runner.model.layers if l.is_kda]
+    assert sorted(grouped.runner.gate_w) == kda and chain.runner.gate_w == {}
+    n = STEPS if FULL_SHAPES else 6
+    a = grouped.generate(ps, greedy(n))
+    # eager (CPU): every decode step's KDA layers; on the GPU the graphs captured them at build time
+    assert calls and (DEVICE == "cuda" or len(calls) == len(kda) * (len(lg) - 1)), "the grouped launch was not taken"
+    calls.clear()
+    assert chain.generate(ps, greedy(n)) == a and not calls
+    assert [p for p, _ in lg][1:] == ["latency_specialized"] * (len(lg) - 1) and len(lg) == len(lc)
+    for i, ((_, x), (_, y)) in enumerate(zip(lg, lc)):
+        assert torch.equal(x, y), f"step {i}: logits differ"
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
 def test_graph_replay_equals_eager(model_dir):
     """The captured step replays exactly what the eager specialized step computes: same tokens, logits

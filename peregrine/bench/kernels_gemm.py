@@ -4,6 +4,7 @@ Each case is timed as a CUDA graph of REPS calls that rotate over enough weight
 copies to exceed the 60 MB L2, so every call streams its weight from HBM and
 the Python launch cost stays out of the number (the decode step is a graph too).
     python -m peregrine.bench.kernels_gemm [--quick] [--tune [--write-plan]]
+    python -m peregrine.bench.kernels_gemm --grouped [--pdl]   # KDA gates: one grouped launch vs two
 """
 from __future__ import annotations
 
@@ -92,6 +93,47 @@ def run(copy_gbps: float, full: bool = True, tune: bool = False, iters: int = 30
         del case
     torch.cuda.empty_cache()
     return rows
+
+
+GROUPED = (4096, 128, 2)  # (N, K, G): KDA's f_b and g_b, the two low-rank gate up-projections of a layer
+GROUPED_MS = (1, 2, 4, 8)
+
+
+def run_grouped(copy_gbps: float, ms=GROUPED_MS, n: int = GROUPED[0], k: int = GROUPED[1], g: int = GROUPED[2],
+                iters: int = 30) -> list[dict]:
+    """grouped_gemm of G (N, K) problems against G skinny_gemm launches on the same columns, both with
+    the plan's config of the single problem (the same tiles: `identical` checks the bits)."""
+    rows = []
+    for m in ms:
+        case = Case(m, g * n, k, DTYPE)  # rotated copies of the stacked weight [G·N, K]
+        x = torch.randn(m, g * k, device=DEVICE).to(DTYPE)
+        y, y2 = case.y, torch.empty_like(case.y)
+        cols = [(slice(i * k, (i + 1) * k), slice(i * n, (i + 1) * n)) for i in range(g)]
+        grouped = lambda w: gemm.grouped_gemm(x, w, g, out=y)  # noqa: E731
+        separate = lambda w, out=y: [gemm.skinny_gemm(x[:, a], w[b], out=out[:, b]) for a, b in cols]  # noqa: E731
+        grouped(case.ws[0]), separate(case.ws[0], y2)
+        identical = bool(torch.equal(y, y2))  # before the timed graphs overwrite y
+        t, samples = case.time(grouped, iters)
+        ts, sep_samples = case.time(separate, iters)
+        nbytes = (g * n * k + m * g * k + m * g * n) * DTYPE.itemsize
+        gbps, gbps_s = nbytes / t / 1e6, nbytes / ts / 1e6
+        rows.append({"kernel": "grouped", "config": gemm.lookup(m, n, k), "M": m, "N": n, "K": k, "G": g,
+                     "time_ms": t, "separate_ms": ts, "saved_us": 1e3 * (ts - t), "bytes": nbytes,
+                     "gbps": gbps, "pct_of_copy": gbps / copy_gbps, "separate_gbps": gbps_s,
+                     "separate_pct_of_copy": gbps_s / copy_gbps, "identical": identical,
+                     "samples_ms": samples, "separate_samples_ms": sep_samples})
+        del case
+    return rows
+
+
+def grouped_table(rows) -> str:
+    lines = [f"{'M':>3} {'N':>5} {'K':>4} {'G':>2} {'grouped us':>10} {'GB/s':>6} {'%copy':>6} "
+             f"{'separate us':>11} {'GB/s':>6} {'%copy':>6} {'saved us':>8} identical"]
+    for r in rows:
+        lines.append(f"{r['M']:>3} {r['N']:>5} {r['K']:>4} {r['G']:>2} {1e3 * r['time_ms']:>10.2f} {r['gbps']:>6.0f} "
+                     f"{100 * r['pct_of_copy']:>5.1f}% {1e3 * r['separate_ms']:>11.2f} {r['separate_gbps']:>6.0f} "
+                     f"{100 * r['separate_pct_of_copy']:>5.1f}% {r['saved_us']:>8.2f} {r['identical']}")
+    return "\n".join(lines)
 
 
 def candidates(m: int, n: int, k: int):
@@ -201,25 +243,35 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def main():
-    from peregrine.bench.gpu import copy_bandwidth, result_path, run_metadata, write_result
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="five representative shapes only")
     ap.add_argument("--tune", action="store_true", help="sweep configs per shape before timing")
     ap.add_argument("--write-plan", action="store_true", help="with --tune: merge the winners into gemm_plan.json")
     ap.add_argument("--fast", action="store_true", help="with --tune: only heuristic tile (FMA / tensor-core) vs cuBLAS")
-    ap.add_argument("--ms", default="1,2,4,8,16", help="row counts M, comma separated")
+    ap.add_argument("--ms", help="row counts M, comma separated (default 1,2,4,8,16; with --grouped 1,2,4,8)")
     ap.add_argument("--pdl", action="store_true", help="launch with Programmatic Dependent Launch (tune for {\"pdl\": true})")
     ap.add_argument("--shapes", choices=sorted(SHAPE_SETS), help="a named shape set (overrides --quick)")
     ap.add_argument("--wide", action="store_true", help="with --tune: the decode sweep (narrow tiles, inline split-K reduce)")
     ap.add_argument("--plan-out", help="with --write-plan: merge into this file instead of gemm_plan.json")
+    ap.add_argument("--grouped", action="store_true", help="only KDA's two gate up-projections: one grouped launch vs two")
     ap.add_argument("--results-dir", default="results")
-    a = ap.parse_args()
+    return ap
+
+
+def main(argv=None):
+    from peregrine.bench.gpu import copy_bandwidth, result_path, run_metadata, write_result
+    a = parser().parse_args(argv)
     from peregrine.kernels.pdl import set_pdl
     set_pdl(a.pdl)  # back-to-back calls in the timed graphs then overlap as in a PDL decode step
-    ms = tuple(int(v) for v in a.ms.split(","))
+    ms = tuple(int(v) for v in a.ms.split(",")) if a.ms else GROUPED_MS if a.grouped else MS
     copy = copy_bandwidth()
     meta = run_metadata() | {"copy_gbps": copy["gbps"], "copy_samples_ms": copy["samples_ms"], "pdl": a.pdl}
+    if a.grouped:
+        rows = run_grouped(copy["gbps"], ms=ms)
+        path = write_result(result_path("kernels", "gemm-grouped", a.results_dir), {"meta": meta, "rows": rows})
+        print(f"copy bandwidth {copy['gbps']:.0f} GB/s\n{grouped_table(rows)}\n-> {path}")
+        return
     shapes = SHAPE_SETS[a.shapes] if a.shapes else None
     plan = tune_plan(copy["gbps"], not a.quick, ms, fast=a.fast, shapes=shapes, wide=a.wide) if a.tune else None
     if plan and a.write_plan:

@@ -9,8 +9,8 @@ position its own row over the sequence's block table, with the length up to itse
 within the draft; the cache is read T times, cheap at decode lengths). One graph per (B, T).
 
 It reads the model's parameters in place — the model already stores them fused
-(one input projection per attention layer, stacked experts), so nothing is
-re-packed and the standard runner shares every tensor. Steps it cannot serve go
+(one input projection per attention layer, stacked experts), so the standard runner
+shares every tensor; the one copy is each KDA layer's f_b | g_b stacked for one launch. Steps it cannot serve go
 to the standard runner over the same caches; each reason is counted and logged once.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections import Counter
 import torch
 
 from .. import kernels
-from ..kernels.gemm import skinny_gemm
+from ..kernels.gemm import groupable, grouped_gemm, skinny_gemm
 from ..kernels.kda import kda_decode
 from ..kernels.mla import mla_decode
 from ..kernels.moe import moe_combine, moe_expert_partials, moe_experts, moe_route, router_partials, router_topk
@@ -36,6 +36,7 @@ from .standard import GraphCache
 
 MAX_DECODE_BATCH = 16  # the skinny GEMMs are written for M ≤ 16 rows
 SHARED_SLOT_ENV = "PEREGRINE_SHARED_SLOT"  # "0": the shared expert as a dense MLP on the side stream (A/B runs)
+GROUPED_GATES_ENV = "PEREGRINE_KDA_GROUPED_GATES"  # "0": KDA's f_b and g_b up-projections as two launches
 
 
 def _mm(x, w, out=None):
@@ -68,6 +69,8 @@ class SpecializedRunner:
         self._graph_args = (cuda_graphs and dev.type == "cuda", max_blocks)
         self.unavailable = kernels.why_unavailable(dev)
         self._k3 = self.cfg.is_k3 or self.cfg.expert_quant is not None  # served by _step_k3
+        # per KDA layer: [f_b; g_b] stacked, both gate up-projections in one grouped launch (_gates)
+        self.gate_w = self._stack_gates(model) if os.environ.get(GROUPED_GATES_ENV, "1") != "0" else {}
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         # tensor parallel: row-parallel outputs are written straight into the one-shot all-reduce's
         # symmetric buffer when there is one (NCCL all-reduce otherwise)
@@ -82,7 +85,8 @@ class SpecializedRunner:
         log(f"latency_specialized: decode B ≤ {max_batch} via fused kernels"
             + (f", CUDA graphs per batch size" if self.graphs else ", no graphs")
             + (", programmatic dependent launch on" if pdl else "")
-            + "; weights shared with the standard path in place (0 bytes re-packed)"
+            + "; weights shared with the standard path in place"
+            + f" (re-packed: only the KDA gate up-projections stacked, {self._gate_bytes() / 2**20:.1f} MiB)"
             + (f"; kernels unavailable here ({self.unavailable}): every step falls back" if self.unavailable else ""))
         if self.graphs is not None and max_blocks is not None and not self.unavailable:
             self.graphs.capture_all()
@@ -212,13 +216,39 @@ class SpecializedRunner:
             return self.oneshot.all_reduce(x)
         return self.tp.all_reduce(x)
 
+    def _stack_gates(self, model) -> dict:
+        """{layer: cat([f_b, g_b])} for the KDA layers whose two low-rank gate up-projections can share a
+        grouped launch: same shape and dtype, inputs f_a | g_a adjacent in the in-projection (a copy:
+        the standard path keeps reading f_b and g_b; 2 MB per layer at 48B widths)."""
+        out = {}
+        for layer in model.layers:
+            if not layer.is_kda or self.unavailable or layer.attn.g_b is None:
+                continue
+            a, fb, gb = layer.attn, layer.attn.f_b, layer.attn.g_b
+            if fb.shape == gb.shape and fb.dtype == gb.dtype and a.splits[1] == a.splits[2] == fb.shape[1]:
+                out[a.layer] = torch.cat([fb, gb]).contiguous()
+        return out
+
+    def _gate_bytes(self) -> int:
+        return sum(w.numel() * w.element_size() for w in self.gate_w.values())
+
+    def _gates(self, attn, proj, fa, ga):
+        """(f, r): f_a @ f_b.T and g_a @ g_b.T (r = g_a for a full-rank gate); one grouped launch when
+        the layer's weights are stacked and the plan's tile fits, giving the two launches' bits."""
+        w = self.gate_w.get(attn.layer)
+        n, k = attn.f_b.shape
+        if w is not None and proj.shape[0] <= MAX_DECODE_BATCH and groupable(proj.shape[0], n, k):
+            lo = attn.splits[0]
+            fr = grouped_gemm(proj[:, lo:lo + 2 * k], w, 2)
+            return fr[:, :n], fr[:, n:]  # column views: kda_decode reads strided rows
+        return _mm(fa, attn.f_b), ga if attn.g_b is None else _mm(ga, attn.g_b)
+
     def _kda(self, attn, h, step, T=1, proj=None):
         """proj: the in-projection already applied (_step's _norm_in_proj); else h @ in_proj.T here."""
         proj = _mm(h, attn.in_proj) if proj is None else proj
         N, B = proj.shape[0], proj.shape[0] // T
         qkv, fa, ga, b = proj.split(attn.splits, dim=-1)
-        f = _mm(fa, attn.f_b)
-        r = ga if attn.g_b is None else _mm(ga, attn.g_b)
+        f, r = self._gates(attn, proj, fa, ga)
         k = self.cache.kda_index[attn.layer]
         lb = self.cfg.kda_gate_lower_bound
         ck = step.kda_ckpt if T > 1 else None  # verify: the state after each position, for rollback

@@ -11,6 +11,8 @@ load. Two variants share one kernel body:
           for the next launch) sums them in the same order: one launch less.
 With "prefetch" each program keeps two weight tiles in flight (the next step's load is issued
 before this step's math), not one: Triton does not pipeline these loads itself.
+grouped_gemm runs G independent products side by side (block-diagonal w) in
+the same launch: each N tile reads its group's K columns of x.
 Inner product either on tensor cores (tl.dot, rows padded to 16) or as FMAs
 into a [BM, BN, BK] accumulator reduced once at the end (cheap for M <= 4).
 gemm_plan.json maps "M,N,K" -> config, measured on the GPU by
@@ -69,7 +71,7 @@ def _mac(acc, xk, wk, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
 
 @triton.jit
 def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys, k_per_split,
-                 out_ptr, stride_om, count_ptr,
+                 out_ptr, stride_om, count_ptr, group_n,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  USE_DOT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, INLINE_REDUCE: tl.constexpr = False,
                  PREFETCH: tl.constexpr = False, USE_PDL: tl.constexpr = False):
@@ -82,7 +84,10 @@ def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, 
     k0 = pid_s * k_per_split
     m_ok = rm < M
     n_ok = rn < N
-    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :]
+    # grouped_gemm: the tile's group (BLOCK_N divides group_n) reads its own K columns of x; 0: ungrouped.
+    # Arithmetic, not a branch between pointers (that once cost the loads their pipelining)
+    x_col = tl.where(group_n > 0, (pid_n * BLOCK_N) // tl.maximum(group_n, 1) * K, 0)
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (x_col + k0 + rk)[None, :]
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :]
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -247,6 +252,39 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     return y.reshape(*lead, N) if out is None and len(lead) != 1 else y
 
 
+def grouped_gemm(x: torch.Tensor, w: torch.Tensor, groups: int, out: torch.Tensor | None = None,
+                 config: dict | None = None) -> torch.Tensor:
+    """G = `groups` skinny GEMMs in one launch: x [M, G·K] (G inputs side by side), w [G·N, K]
+    (their weights stacked) -> y [M, G·N], y[:, gN:(g+1)N] = x[:, gK:(g+1)K] @ w[gN:(g+1)N].T.
+    The single problem's config (plan entry of (M, N, K)), so the bits equal G skinny_gemm calls."""
+    M, GK = x.shape
+    GN, K = w.shape
+    N = GN // groups
+    assert GK == groups * K and GN == groups * N, f"x {tuple(x.shape)}, w {tuple(w.shape)}: not {groups} groups"
+    _check_2d(x, "x")
+    _check_2d(w, "w")
+    assert w.is_contiguous(), "w must be contiguous"
+    y = out if out is not None else torch.empty((M, GN), dtype=x.dtype, device=x.device)
+    assert y.shape == (M, GN), f"out shape {tuple(y.shape)} != {(M, GN)}"
+    _check_2d(y, "out")
+    if M == 0:
+        return y
+    cfg = config or lookup(M, N, K)
+    if cfg["kernel"] == "torch":  # cuBLAS has no such layout: one call per group, as the separate path
+        for g in range(groups):
+            launch(x[:, g * K:(g + 1) * K], w[g * N:(g + 1) * N], y[:, g * N:(g + 1) * N], cfg)
+        return y
+    assert N % cfg["BLOCK_N"] == 0, f"BLOCK_N {cfg['BLOCK_N']} must divide N {N}: a tile would straddle two groups"
+    launch(x, w, y, cfg, group_n=N)
+    return y
+
+
+def groupable(M: int, N: int, K: int) -> bool:
+    """Whether grouped_gemm can take groups of (N, K) at M rows with the plan's config."""
+    cfg = lookup(M, N, K)
+    return cfg["kernel"] == "torch" or N % cfg["BLOCK_N"] == 0
+
+
 def _use_ieee(x, w) -> bool:
     # FP32 operands need an IEEE dot (Triton's default is TF32). The Triton 3.6 interpreter
     # returns garbage for BF16 tl.dot, so there BF16 operands are widened to FP32 (exact).
@@ -265,10 +303,12 @@ def tiling(M: int, N: int, K: int, cfg: dict) -> tuple[tuple[int, int, int], int
     return (triton.cdiv(N, bn), split, triton.cdiv(M, bm)), k_per, meta
 
 
-def launch(x, w, y, cfg: dict) -> None:
-    M, K = x.shape
+def launch(x, w, y, cfg: dict, group_n: int = 0) -> None:
+    """y = x @ w.T by `cfg`; group_n > 0: block-diagonal, N tiles of group g read x's g-th K columns."""
+    M, K = x.shape[0], w.shape[1]
     N = w.shape[0]
     if cfg["kernel"] == "torch":  # the plan picked cuBLAS: it measured faster for this shape
+        assert group_n == 0, "grouped_gemm runs cuBLAS configs one group at a time"
         if y.is_contiguous():
             torch.matmul(x, w.t(), out=y)
         else:
@@ -278,15 +318,15 @@ def launch(x, w, y, cfg: dict) -> None:
     split = grid[1]
     meta = dict(tile, IEEE=_use_ieee(x, w), PREFETCH=bool(cfg.get("prefetch", False)), **launch_kwargs(x.device))
     if split == 1:
-        _gemm_kernel[grid](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), 0, k_per, y, 0, y, **meta)
+        _gemm_kernel[grid](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), 0, k_per, y, 0, y, group_n, **meta)
         return
     ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     if cfg.get("reduce") == "inline":
         count = arrival_counters(x.device, grid[0] * grid[2])
         _gemm_kernel[grid](x, w, ws, M, N, K, x.stride(0), w.stride(0), N, M * N, k_per, y, y.stride(0), count,
-                           INLINE_REDUCE=True, **meta)
+                           group_n, INLINE_REDUCE=True, **meta)
         return
-    _gemm_kernel[grid](x, w, ws, M, N, K, x.stride(0), w.stride(0), N, M * N, k_per, y, 0, ws, **meta)
+    _gemm_kernel[grid](x, w, ws, M, N, K, x.stride(0), w.stride(0), N, M * N, k_per, y, 0, ws, group_n, **meta)
     rgrid = (triton.cdiv(N, REDUCE_BLOCK), M)
     _splitk_reduce_kernel[rgrid](ws, y, N, M * N, N, y.stride(0), SPLIT_K=split, BLOCK=REDUCE_BLOCK, num_warps=4,
                                  **launch_kwargs(x.device))
