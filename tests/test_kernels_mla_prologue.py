@@ -133,3 +133,49 @@ def test_fp8_all_zero_entry_takes_the_minimum_scale():
 def test_block_r_heuristic():
     assert pick_block_r(512) == 64 and 32 * (512 // pick_block_r(512)) == 256  # 48B at B=1: 256 programs
     assert pick_block_r(40) == 16 and pick_block_r(8) == 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """test_specialized's model: the micro config on CPU, the tiny preset on the GPU."""
+    import json
+    from conftest import dummy_model_dir
+    from peregrine.config import PRESET_DIR
+    from test_specialized import MICRO
+    raw = json.loads((PRESET_DIR / "tiny-kimi-linear.json").read_text())
+    if not FULL_SHAPES:
+        raw.update(MICRO)
+    return dummy_model_dir(tmp_path_factory, raw, "model", seed=3)
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_specialized_fused_glue_equals_the_chain(model_dir, monkeypatch, kv):
+    """latency_specialized with the fused prologue (the default) against PEREGRINE_MLA_FUSED_GLUE=0 (the
+    five-op chain): the prologue is what runs, every decode step's logits within tolerance up to the first
+    differing token (none in FP32), the same greedy tokens in FP32; with the model-dtype cache and an FP8 one."""
+    from test_specialized import STEPS, TOL, engine, first_divergence, greedy, prompts
+    from peregrine.decode import specialized
+    d = model_dir
+    calls = []
+    real = specialized.mla_prologue
+    monkeypatch.setattr(specialized, "mla_prologue", lambda *a, **k: calls.append(1) or real(*a, **k))
+    eager = dict(cuda_graphs=False) if DEVICE == "cuda" else {}
+    ps = prompts(2, 13)
+    fused, lf = engine(d, "latency_specialized", kv_cache_dtype=kv, **eager)
+    monkeypatch.setenv(specialized.FUSED_GLUE_ENV, "0")
+    chain, lc = engine(d, "latency_specialized", kv_cache_dtype=kv, **eager)
+    assert fused.runner.fused_glue and not chain.runner.fused_glue
+    n = STEPS if FULL_SHAPES else 8
+    a = fused.generate(ps, greedy(n))
+    assert calls, "the fused prologue never ran"
+    calls.clear()
+    b = chain.generate(ps, greedy(n))
+    assert not calls, "PEREGRINE_MLA_FUSED_GLUE=0 still ran the prologue"
+    assert [p for p, _ in lf][1:] == ["latency_specialized"] * (len(lf) - 1)
+    div = [first_divergence(x, y) for x, y in zip(a, b)]
+    if DEVICE == "cpu":
+        assert div == [None, None], f"FP32 greedy tokens differ at {div}"
+    for i, ((_, x), (_, y)) in enumerate(zip(lf, lc)):
+        for r in range(len(ps)):
+            if div[r] is None or i <= div[r]:
+                assert (x[r] - y[r]).norm() / x[r].norm() < TOL, f"request {r} step {i}"
