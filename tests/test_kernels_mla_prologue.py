@@ -135,6 +135,13 @@ def test_block_r_heuristic():
     assert pick_block_r(40) == 16 and pick_block_r(8) == 16
 
 
+def test_bench_parses_args_on_cpu():
+    from peregrine.bench import kernels_mla_prologue as b
+    a = b.parse_args(["--quick", "--batches", "1,3", "--results-dir", "x"])
+    assert a.quick and a.batches == [1, 3] and a.results_dir == "x"
+    assert b.case_bytes(1, "bf16") > 4 * 2 ** 20  # W_UK alone is 4 MB in BF16
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """test_specialized's model: the micro config on CPU, the tiny preset on the GPU."""
