@@ -158,8 +158,10 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_specialized_fused_glue_equals_the_chain(model_dir, monkeypatch, kv):
     """latency_specialized with the fused prologue (the default) against PEREGRINE_MLA_FUSED_GLUE=0 (the
-    five-op chain): the prologue is what runs, every decode step's logits within tolerance up to the first
-    differing token (none in FP32), the same greedy tokens in FP32; with the model-dtype cache and an FP8 one."""
+    five-op chain), with the model-dtype cache and an FP8 one: the prologue is what runs; in FP32 the same
+    greedy tokens and routed experts; every decode step's logits within tolerance up to the first differing
+    token or routed-expert set (in BF16 the absorbed q̂ is summed in another order, so a near-tie may flip,
+    as in test_specialized's shared-slot test)."""
     from test_specialized import STEPS, TOL, engine, first_divergence, greedy, prompts
     from peregrine.decode import specialized
     d = model_dir
@@ -168,9 +170,10 @@ def test_specialized_fused_glue_equals_the_chain(model_dir, monkeypatch, kv):
     monkeypatch.setattr(specialized, "mla_prologue", lambda *a, **k: calls.append(1) or real(*a, **k))
     eager = dict(cuda_graphs=False) if DEVICE == "cuda" else {}
     ps = prompts(2, 13)
-    fused, lf = engine(d, "latency_specialized", kv_cache_dtype=kv, **eager)
+    rf, rc = [], []
+    fused, lf = engine(d, "latency_specialized", routing=rf, kv_cache_dtype=kv, **eager)
     monkeypatch.setenv(specialized.FUSED_GLUE_ENV, "0")
-    chain, lc = engine(d, "latency_specialized", kv_cache_dtype=kv, **eager)
+    chain, lc = engine(d, "latency_specialized", routing=rc, kv_cache_dtype=kv, **eager)
     assert fused.runner.fused_glue and not chain.runner.fused_glue
     n = STEPS if FULL_SHAPES else 8
     a = fused.generate(ps, greedy(n))
@@ -180,9 +183,15 @@ def test_specialized_fused_glue_equals_the_chain(model_dir, monkeypatch, kv):
     assert not calls, "PEREGRINE_MLA_FUSED_GLUE=0 still ran the prologue"
     assert [p for p, _ in lf][1:] == ["latency_specialized"] * (len(lf) - 1)
     div = [first_divergence(x, y) for x, y in zip(a, b)]
+    flips = [None] * len(ps)  # first decode step whose routed experts differ, per request
+    for i, (x, y) in enumerate(zip(rf, rc)):
+        for r in range(len(ps)):
+            if x is not None and flips[r] is None and not torch.equal(x[:, r], y[:, r]):
+                flips[r] = i
     if DEVICE == "cpu":
-        assert div == [None, None], f"FP32 greedy tokens differ at {div}"
+        assert div == [None, None] and flips == [None, None], f"FP32: tokens differ at {div}, routing at {flips}"
     for i, ((_, x), (_, y)) in enumerate(zip(lf, lc)):
         for r in range(len(ps)):
-            if div[r] is None or i <= div[r]:
-                assert (x[r] - y[r]).norm() / x[r].norm() < TOL, f"request {r} step {i}"
+            if div[r] is not None and i > div[r] or flips[r] is not None and i >= flips[r]:
+                continue  # histories (or this step's experts) differ: nothing left to compare
+            assert (x[r] - y[r]).norm() / x[r].norm() < TOL, f"request {r} step {i} (routing flips {flips})"
