@@ -49,9 +49,9 @@ def _rne_mantissa(x, DROP: tl.constexpr):
 
 @triton.jit
 def _to_cache(x, dst_ty: tl.constexpr, FP8: tl.constexpr, EXACT: tl.constexpr):
-    """FP32 -> the cache dtype, rounded to nearest even as torch's casts are. The compiled casts are
-    (cvt.rn); the interpreter's truncate, so there (EXACT) the value is first rounded to one the cast
-    represents exactly: 16 dropped bits for BF16; for e4m3, 20 above its normal floor, else steps of 2^-9."""
+    """FP32 -> the cache dtype, rounded to nearest even as torch's casts are. Compiled casts do that
+    (cvt.rn); the interpreter's truncate, so there (EXACT) x is first rounded to a value the cast keeps
+    exactly: 16 mantissa bits dropped for BF16; for e4m3 20 above its normal floor, else steps of 2^-9."""
     if EXACT:
         if FP8:
             x = tl.where(tl.abs(x) >= E4M3_MIN_NORMAL, _rne_mantissa(x, 20),
