@@ -16,6 +16,7 @@ from peregrine.kernels import pdl as P
 from peregrine.kernels.gemm import grouped_gemm, skinny_gemm
 from peregrine.kernels.kda import KdaConfig, kda_decode
 from peregrine.kernels.mla import mla_decode
+from peregrine.kernels.mla_prologue import mla_prologue
 from peregrine.kernels.moe import moe_experts, moe_route
 from peregrine.kernels.norm import add_rms_norm, rms_norm
 from peregrine.kernels.sampling import argmax
@@ -212,6 +213,19 @@ def test_mla(monkeypatch, num_splits):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("N", [3, 19])  # one row chunk; a verify step's B·T rows over two
+def test_mla_prologue(monkeypatch, fp8, N):
+    from test_kernels_mla_prologue import ODD, make_case
+    q, kva, w_uk, kv_norm, lat, scale, slots = make_case(N, **ODD, dtype=BF16,
+                                                         cache_dtype=torch.float8_e4m3fn if fp8 else BF16)
+    out = poisoned((N, ODD["H"], ODD["r"] + ODD["rope"]), BF16, DEVICE)
+    outs = [out, lat] + ([scale] if fp8 else [])
+    run_deferred(monkeypatch, lambda: mla_prologue(q, kva, w_uk, kv_norm, 1e-6, lat, scale, slots, out=out),
+                 [q, kva, slots] + outs[1:], outs)
+
+
+@needs_interpreter
 def test_bench_chain_on_cpu():
     """The benchmark's chain (tiny dims) runs and gives the same bits with PDL on and off."""
     from peregrine.bench.pdl import Chain
@@ -230,7 +244,7 @@ import json, os, re
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from peregrine.kernels import gemm, norm, moe
+from peregrine.kernels import gemm, norm, moe, mla_prologue as mp
 jobs = {
     "gemm": (gemm._gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "out_ptr": "*bf16",
                                  "count_ptr": "*i32"},
@@ -258,6 +272,13 @@ jobs = {
                           E_PAD=256, RENORM=True, HAS_BIAS=True, STORE_LOGITS=False, SHARED=True)),
     "combine": (moe._combine_kernel, {"part_ptr": "*fp32", "tw_ptr": "*fp32", "add_ptr": "*bf16", "out_ptr": "*bf16"},
                 dict(TOP_K=8, K_PAD=8, BLOCK_D=256, HAS_ADD=True)),
+    **{f"mla_prologue_{c}": (mp._mla_prologue_kernel,
+                             {"q_ptr": "*bf16", "kva_ptr": "*bf16", "wuk_ptr": "*bf16", "kvw_ptr": "*bf16",
+                              "qh_ptr": "*bf16", "lat_ptr": "*fp8e4nv" if c == "fp8" else "*bf16",
+                              "scale_ptr": "*fp32", "slot_ptr": "*i64", "eps": "fp32"},
+                             dict(H=32, NOPE=128, R=512, ROPE=64, NRB=8, BLOCK_B=16, BLOCK_K=128, BLOCK_R=64,
+                                  BLOCK_RR=512, BLOCK_ROPE=64, FP8=c == "fp8", EXACT=False, CDT=tl.bfloat16,
+                                  PREC="tf32")) for c in ("bf16", "fp8")},
 }
 res = {}
 for name, (fn, ptr, ce) in jobs.items():

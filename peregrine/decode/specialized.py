@@ -24,6 +24,8 @@ from .. import kernels
 from ..kernels.gemm import groupable, grouped_gemm, skinny_gemm
 from ..kernels.kda import kda_decode
 from ..kernels.mla import mla_decode
+from ..kernels.mla_prologue import mla_prologue
+from ..kernels.mla_prologue import why_not as prologue_why_not
 from ..kernels.moe import moe_combine, moe_expert_partials, moe_experts, moe_route, router_partials, router_topk
 from ..kernels.moe_mxfp4 import moe_mxfp4_experts
 from ..kernels.norm import add_rms_norm, rms_norm
@@ -37,6 +39,7 @@ from .standard import GraphCache
 MAX_DECODE_BATCH = 16  # the skinny GEMMs are written for M ≤ 16 rows
 SHARED_SLOT_ENV = "PEREGRINE_SHARED_SLOT"  # "0": the shared expert as a dense MLP on the side stream (A/B runs)
 GROUPED_GATES_ENV = "PEREGRINE_KDA_GROUPED_GATES"  # "0": KDA's f_b and g_b up-projections as two launches
+FUSED_GLUE_ENV = "PEREGRINE_MLA_FUSED_GLUE"  # "0": MLA's kv norm, cache write and W_UK absorption as the 5-op chain
 
 
 def _mm(x, w, out=None):
@@ -61,6 +64,7 @@ class SpecializedRunner:
         self.fused_norm = fused_norm  # attention in-projections with their residual add + RMSNorm fused in (_norm_in_proj)
         # the shared expert served by the routed-expert launches as one more slot (_moe); 0: on the side stream
         self.shared_in_experts = os.environ.get(SHARED_SLOT_ENV, "1") != "0"
+        self.fused_glue = os.environ.get(FUSED_GLUE_ENV, "1") != "0"  # _mla_attend's prologue in one launch
         self.last_path = self.name
         self.fallback_reasons: Counter = Counter()
         self.greedy_tokens = None  # argmax of the last specialized step (the engine skips its own)
@@ -273,12 +277,16 @@ class SpecializedRunner:
         """Write this step's latents, then absorbed attention over the paged cache: [B, H·v]."""
         B, c = q.shape[0], self.cache
         q = q.view(B, attn.H, -1)
-        entries = torch.cat([rms_norm(kva[:, : attn.r], attn.kv_norm, self.cfg.mla_norm_eps), kva[:, attn.r:]], -1)
-        c.write_latent(attn.layer, step.slot_mapping, entries)
         w_uk, w_uv = attn.w_uk_uv
-        q_lat = torch.bmm(q[..., : attn.nope].transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, r]
-        qh = torch.cat([q_lat, q[..., attn.nope:]], -1)
         mi = c.mla_index[attn.layer]
+        if self.fused_glue and prologue_why_not(q, kva, w_uk, c.latent[mi]) is None:
+            qh = mla_prologue(q, kva, w_uk, attn.kv_norm, self.cfg.mla_norm_eps, c.latent[mi],
+                              c.scale[mi] if c.fp8 else None, step.slot_mapping)
+        else:  # the chain: norm, cat, cache write, bmm, cat
+            entries = torch.cat([rms_norm(kva[:, : attn.r], attn.kv_norm, self.cfg.mla_norm_eps), kva[:, attn.r:]], -1)
+            c.write_latent(attn.layer, step.slot_mapping, entries)
+            q_lat = torch.bmm(q[..., : attn.nope].transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, r]
+            qh = torch.cat([q_lat, q[..., attn.nope:]], -1)
         tables, lens = step.block_tables, step.context_lens_t
         if T > 1:  # verify: query t of a sequence is its own row, attending to the cache up to itself
             S = B // T  # expand, not repeat_interleave: no host sync inside a graph capture
