@@ -6,7 +6,8 @@
 # TUNE_SHARED=1  re-tune moe_plan.json's '+shared' experts entry first (the device's plan file, copied to $OUT)
 # GEMM_TUNE=1    re-tune the 48B decode GEMMs under PDL into $OUT/gemm_plan_pdl.json (not the tree's plan:
 #                an AB variant selects it with PEREGRINE_GEMM_PLAN=$OUT/gemm_plan_pdl.json)
-# MICRO  microbenchmark modules run after (e.g. "kernels_moe --shared --quick"), each logged to $OUT
+# ROUTER_TUNE=1  re-tune the router (kernels_moe --tune: also the routed-only experts entry) into the tree's plan
+# MICRO  microbenchmark modules, ';'-separated (e.g. "kernels_moe --shared --quick;kernels_gemm --grouped"), logged to $OUT
 # AB     variants of `bench decode`, each "name" or "NAME=value[,NAME=value]" env settings; one results dir each
 # TIMELINE=1  step_timeline at B = 1, 8 for the first variant (the profile of graph replays)
 source "$(dirname "$0")/device_env.sh"
@@ -25,9 +26,15 @@ if [ "${GEMM_TUNE:-0}" = 1 ]; then  # merged into a copy of the tree's plan: the
   timeout 240 python3 -m peregrine.bench.kernels_gemm --tune --wide --pdl --shapes decode48b --ms 1,2,4,8 --write-plan \
     --plan-out "$OUT/gemm_plan_pdl.json" --results-dir "$OUT/micro" > "$OUT/tune-gemm.log" 2>&1; echo "tune-gemm rc=$?"
 fi
-for m in ${MICRO:+"$MICRO"}; do
+if [ "${ROUTER_TUNE:-0}" = 1 ]; then  # the router (and the routed-only experts entry) into the tree's plan
+  timeout 200 python3 -m peregrine.bench.kernels_moe --tune --results-dir "$OUT/micro" > "$OUT/tune-router.log" 2>&1
+  echo "tune-router rc=$?"; cp peregrine/kernels/moe_plan.json "$OUT/moe_plan.json"
+fi
+IFS=';' read -ra micros <<< "${MICRO:-}"
+for m in "${micros[@]}"; do
   name=$(echo "$m" | tr ' -' '__')
   timeout 200 python3 -m peregrine.bench.$m --results-dir "$OUT/micro" > "$OUT/micro-$name.log" 2>&1; echo "$m rc=$?"
+  tail -n 14 "$OUT/micro-$name.log"
 done
 first=1
 for v in ${AB:-base}; do
