@@ -22,6 +22,7 @@ ENTRY_TOL = {F32: 1e-6, BF16: 1e-2, FP8: 4e-2}      # written entries (dequantis
 # vs write_latent's: the norm's own BF16 rounding at most (an ulp there can move an FP8 row's scale,
 # flipping some e4m3 roundings); with FP32 inputs the bytes themselves are checked
 WRITE_TOL = {F32: 1e-6, BF16: 6e-3, FP8: 3e-2}
+SCALE_ULP = 2.0 ** -23  # one FP32 ulp, relative: the FP8 scales against the chain on CUDA (see the test)
 PAGE, BLOCKS = 16, 4                                # a small paged cache: 64 flat slots
 
 
@@ -109,7 +110,7 @@ def test_more_rows_than_one_dot():
 @pytest.mark.parametrize("cache_dtype", [BF16, FP8])
 def test_cache_bits_equal_the_chain(cache_dtype):
     """BF16 model: the entries written are the chain's to the bit (rms_norm's rounding, then the cast or
-    quantize_fp8), since the norm is the same expression and the FP8 divisions are IEEE."""
+    quantize_fp8), since the norm is the same expression; the FP8 scales within an ulp."""
     q, kva, w_uk, kv_norm, latent, scale, slots = make_case(3, **REAL, dtype=BF16, cache_dtype=cache_dtype, seed=2)
     lat0, sc0 = latent.clone(), None if scale is None else scale.clone()
     r = REAL["r"]
@@ -117,8 +118,9 @@ def test_cache_bits_equal_the_chain(cache_dtype):
     lat_w, sc_w = write_ref(lat0, sc0, slots, entries)
     mla_prologue(q, kva, w_uk, kv_norm, EPS, latent, scale, slots)
     assert torch.equal(latent.view(torch.uint8), lat_w.view(torch.uint8))
-    if scale is not None:
-        assert torch.equal(scale, sc_w)
+    if scale is not None:  # amax / 448: torch on CUDA divides by a Python scalar as a multiply by its
+        # reciprocal (H200 run: some scales 1 ulp off the kernel's IEEE division; the FP8 bytes still equal)
+        assert torch.allclose(scale, sc_w, rtol=SCALE_ULP, atol=0)
 
 
 def test_fp8_all_zero_entry_takes_the_minimum_scale():
