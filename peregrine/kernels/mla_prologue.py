@@ -15,7 +15,8 @@ Two kinds of program share one 1-D grid:
   row programs, N of them: the kv RMSNorm of one row (FP32, the same expression as rms_norm, its
     result rounded to the model dtype as the chain's rms_norm output is), then the entry's write at
     its flat cache slot: cast to the cache dtype, or FP8 e4m3 with a per-row FP32 scale exactly as
-    cache.quantize_fp8 computes it (IEEE divisions, as torch's).
+    cache.quantize_fp8 computes it (IEEE divisions; torch on CUDA divides amax by FP8_MAX as a
+    multiply by its reciprocal, so a scale can be an ulp from the chain's; the FP8 bytes agree).
 """
 from __future__ import annotations
 
