@@ -10,6 +10,7 @@ from peregrine.kernels.mla_prologue import mla_prologue, mla_prologue_ref, pick_
 from peregrine.kernels.norm import rms_norm
 from peregrine.testing import SENTINEL, assert_close, poisoned
 from tests.conftest import DEVICE, FULL_SHAPES
+from test_specialized import model_dir  # noqa: F401  (the fixture: test_specialized's model, built once)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(DEVICE), reason="triton kernels unavailable")]
 
@@ -142,19 +143,6 @@ def test_bench_parses_args_on_cpu():
     a = b.parse_args(["--quick", "--batches", "1,3", "--results-dir", "x"])
     assert a.quick and a.batches == [1, 3] and a.results_dir == "x"
     assert b.case_bytes(1, "bf16") > 4 * 2 ** 20  # W_UK alone is 4 MB in BF16
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """test_specialized's model: the micro config on CPU, the tiny preset on the GPU."""
-    import json
-    from conftest import dummy_model_dir
-    from peregrine.config import PRESET_DIR
-    from test_specialized import MICRO
-    raw = json.loads((PRESET_DIR / "tiny-kimi-linear.json").read_text())
-    if not FULL_SHAPES:
-        raw.update(MICRO)
-    return dummy_model_dir(tmp_path_factory, raw, "model", seed=3)
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
