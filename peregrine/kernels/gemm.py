@@ -230,6 +230,14 @@ def _check_2d(t: torch.Tensor, name: str) -> None:
     assert t.dtype in SUPPORTED, f"{name}: dtype {t.dtype} not supported"
 
 
+def _output(out, M: int, N: int, x: torch.Tensor) -> torch.Tensor:
+    """`out` checked as a [M, N] unit-stride destination, or a new one in x's dtype."""
+    y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
+    assert y.shape == (M, N), f"out shape {tuple(y.shape)} != {(M, N)}"
+    _check_2d(y, "out")
+    return y
+
+
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
                 config: dict | None = None) -> torch.Tensor:
     """y = x @ w.T, FP32 accumulation, y in x.dtype (or written into `out`, which may be
@@ -242,9 +250,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     assert w.shape[1] == K, f"K mismatch: x {tuple(x.shape)}, w {tuple(w.shape)}"
     _check_2d(x, "x")
     _check_2d(w, "w")
-    y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
-    assert y.shape == (M, N), f"out shape {tuple(y.shape)} != {(M, N)}"
-    _check_2d(y, "out")
+    y = _output(out, M, N, x)
     if M == 0:
         return y
     cfg = config or lookup(M, N, K)
@@ -264,9 +270,7 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, groups: int, out: torch.Tenso
     _check_2d(x, "x")
     _check_2d(w, "w")
     assert w.is_contiguous(), "w must be contiguous"
-    y = out if out is not None else torch.empty((M, GN), dtype=x.dtype, device=x.device)
-    assert y.shape == (M, GN), f"out shape {tuple(y.shape)} != {(M, GN)}"
-    _check_2d(y, "out")
+    y = _output(out, M, GN, x)
     if M == 0:
         return y
     cfg = config or lookup(M, N, K)
