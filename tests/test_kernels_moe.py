@@ -146,6 +146,33 @@ def test_route_ties_pick_lowest_index_and_no_renorm():
     assert ids.tolist() == [[0, 1, 2], [0, 1, 2]]
 
 
+@pytest.mark.parametrize("packed", ["1", "0"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_route_orders_negative_and_tied_choices(monkeypatch, B, packed):
+    """The top-k compares packed integer keys: choices below zero (a negative bias), ties among them
+    and among positive ones, and a column padded past E must still come out as a stable descending sort
+    (packed "0": the two-reduction rounds it replaced, kept for A/B runs)."""
+    monkeypatch.setenv(moe.PACKED_TOPK_ENV, packed)
+    D, E, k = 16, 40, 7
+    g = torch.Generator().manual_seed(21)
+    levels = torch.tensor([-3.0, -1.0, 0.0, 0.5, 2.0])
+    gate_w = torch.zeros(E, D)
+    gate_w[:, 0] = levels[torch.randint(0, len(levels), (E,), generator=g)]  # x = e_0: logit = gate_w[:, 0] exactly
+    bias = torch.where(torch.rand(E, generator=g) < 0.5, -1.5, 0.25) * (torch.rand(E, generator=g) < 0.8)
+    x = torch.zeros(B, D)
+    x[:, 0] = 1.0
+    for renorm in (True, False):
+        ids, w = moe_route(x.to(DEVICE), gate_w.to(DEVICE), bias.to(DEVICE), k, renormalize=renorm, scaling=2.0)
+        rid, rw, _ = route_ref(x, gate_w, bias, k, renorm, 2.0)
+        choice = torch.sigmoid(gate_w[:, 0]) + bias
+        assert (choice < 0).sum() >= k and (choice > 0).sum() >= k, "the case must mix signs"
+        assert ids.cpu().tolist() == rid.tolist(), "slot order differs from a stable descending sort"
+        assert torch.allclose(w.cpu(), rw, atol=1e-6, rtol=0)
+    neg = bias - 10.0  # every choice negative: the order among negatives decides all k picks
+    ids, _ = moe_route(x.to(DEVICE), gate_w.to(DEVICE), neg.to(DEVICE), k, renormalize=False)
+    assert ids.cpu().tolist() == route_ref(x, gate_w, neg, k, False, 1.0)[0].tolist()
+
+
 @pytest.mark.parametrize("variant", ["dot_chunk32", "fma"])
 def test_route_logits_batch_invariant(variant):
     D, E = 100, 20
@@ -157,6 +184,23 @@ def test_route_logits_batch_invariant(variant):
     moe_route(x, gate_w, None, 2, config=cfg, logits_out=full)
     moe_route(x[4:5], gate_w, None, 2, config=cfg, logits_out=alone)
     assert torch.equal(alone[0], full[4]), "a token's router logits depend on the rest of its batch"
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_packed_topk_gives_the_two_reduction_bits(monkeypatch, fused):
+    """The A/B switch changes how a round finds its pick, never the result: ids and weights bit-equal."""
+    B, D, E, k = 5, 128, 256, 8
+    g = torch.Generator().manual_seed(33)
+    x = torch.randn(B, D, generator=g).to(DEVICE)
+    gate_w = (torch.randn(E, D, generator=g) / D**0.5).to(DEVICE)
+    bias = (torch.randn(E, generator=g) * 0.05).to(DEVICE)
+    cfg = ROUTER_VARIANTS["fma"] | {"num_warps": moe.TOPK_WARPS if fused else 4}
+    assert moe.fuses_topk(cfg, B) == fused
+    out = {}
+    for packed in ("1", "0"):
+        monkeypatch.setenv(moe.PACKED_TOPK_ENV, packed)
+        out[packed] = moe_route(x, gate_w, bias, k, renormalize=True, scaling=2.446, config=cfg, shared_slot=True)
+    assert torch.equal(out["1"][0], out["0"][0]) and torch.equal(out["1"][1], out["0"][1])
 
 
 # (ranks, B, shape, dtype, variant): E = 16 in 2/4/8 slabs, an E/N (10/5) below one BLOCK_E tile
