@@ -6,10 +6,10 @@
 # TUNE_SHARED=1  re-tune moe_plan.json's '+shared' experts entry first (the device's plan file, copied to $OUT)
 # GEMM_TUNE=1    re-tune the 48B decode GEMMs under PDL into $OUT/gemm_plan_pdl.json (not the tree's plan:
 #                an AB variant selects it with PEREGRINE_GEMM_PLAN=$OUT/gemm_plan_pdl.json)
-# ROUTER_TUNE=1  re-tune the router (kernels_moe --tune: also the routed-only experts entry) into the tree's plan
+# ROUTER_TUNE=1  re-tune the router alone (kernels_moe --tune --router-only) into the tree's plan
 # MICRO  microbenchmark modules, ';'-separated (e.g. "kernels_moe --shared --quick;kernels_gemm --grouped"), logged to $OUT
 # AB     variants of `bench decode`, each "name" or "NAME=value[,NAME=value]" env settings; one results dir each
-# TIMELINE=1  step_timeline at B = 1, 8 for the first variant (the profile of graph replays)
+# TIMELINE=1  step_timeline for the first variant (the profile of graph replays) at TIMELINE_BS (default 1,8)
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
@@ -26,8 +26,8 @@ if [ "${GEMM_TUNE:-0}" = 1 ]; then  # merged into a copy of the tree's plan: the
   timeout 240 python3 -m peregrine.bench.kernels_gemm --tune --wide --pdl --shapes decode48b --ms 1,2,4,8 --write-plan \
     --plan-out "$OUT/gemm_plan_pdl.json" --results-dir "$OUT/micro" > "$OUT/tune-gemm.log" 2>&1; echo "tune-gemm rc=$?"
 fi
-if [ "${ROUTER_TUNE:-0}" = 1 ]; then  # the router (and the routed-only experts entry) into the tree's plan
-  timeout 200 python3 -m peregrine.bench.kernels_moe --tune --results-dir "$OUT/micro" > "$OUT/tune-router.log" 2>&1
+if [ "${ROUTER_TUNE:-0}" = 1 ]; then  # the router's entry into the tree's plan
+  timeout 200 python3 -m peregrine.bench.kernels_moe --tune --router-only --results-dir "$OUT/micro" > "$OUT/tune-router.log" 2>&1
   echo "tune-router rc=$?"; cp peregrine/kernels/moe_plan.json "$OUT/moe_plan.json"
 fi
 IFS=';' read -ra micros <<< "${MICRO:-}"
@@ -45,7 +45,7 @@ for v in ${AB:-base}; do
     --results-dir "$dir" > "$dir.log" 2>&1
   echo "decode $v rc=$?"; tail -n 8 "$dir.log"
   if [ "$first" = 1 ] && [ "${TIMELINE:-0}" = 1 ]; then
-    env "${envs[@]}" timeout 200 python3 -m peregrine.bench.step_timeline --dummy-weights --batch-sizes 1,8 --results-dir "$OUT/timeline" \
+    env "${envs[@]}" timeout 200 python3 -m peregrine.bench.step_timeline --dummy-weights --batch-sizes "${TIMELINE_BS:-1,8}" --results-dir "$OUT/timeline" \
       > "$OUT/timeline.log" 2>&1; echo "timeline rc=$?"
   fi
   first=0

@@ -558,6 +558,9 @@ def test_tuner_smoke_on_cpu(monkeypatch):
     assert ents[ekey]["B"]["1"]["variant"] == "fused" and ents[ekey]["batch_invariant"] == "yes"
     assert ents[rkey]["B"]["3"]["variant"] == "fma"
     assert "AssertionError" in res["records"]["router"][1]["skipped"]  # BLOCK_E 8 cannot feed tl.dot
+    only = km.tune(1000.0, bs=(1, 3), budget_s=600, log=lambda *a: None, router_only=True)  # --router-only
+    assert list(only["entries"]) == [rkey] and only["records"]["experts"] == []
+    assert only["entries"][rkey]["B"] == ents[rkey]["B"]
 
 
 def test_tuner_shared_slot_tunes_its_own_entry(monkeypatch, tmp_path):

@@ -335,9 +335,10 @@ def _best_overall(recs, bs) -> dict | None:
     return min(full, key=lambda r: sum(r["times_ms"][B] for B in bs))["config"] if full else None
 
 
-def tune(copy_gbps: float, bs=BS, budget_s: float = TUNE_BUDGET_S, log=print) -> dict:
+def tune(copy_gbps: float, bs=BS, budget_s: float = TUNE_BUDGET_S, log=print, router_only: bool = False) -> dict:
     """Router configs, then experts: an up-tile sweep (default down), a down sweep on the best up,
-    the fused variant; one choice over everything measured."""
+    the fused variant; one choice over everything measured. router_only: the router's entry alone
+    (the experts' sweep is most of the time; their entries stay as they are)."""
     t0 = time.time()
     deadline = t0 + budget_s
     wts = Weights()
@@ -346,12 +347,15 @@ def tune(copy_gbps: float, bs=BS, budget_s: float = TUNE_BUDGET_S, log=print) ->
     router, experts = Family("router", wts, probe), Family("experts", wts, probe)
     # the router is the same with or without the shared slot: --shared tunes the experts only
     r_recs = [] if SHARED else [measure(router, c, cases, deadline, log) for c in ROUTER_CANDS]
-    e_recs = [measure(experts, moe.DEFAULT_EXPERTS | u, cases, deadline, log) for u in [{}] + UP_CANDS]
-    up = _best_overall(e_recs, bs) or moe.DEFAULT_EXPERTS
-    e_recs += [measure(experts, c, cases, deadline, log) for c in [up | d for d in DOWN_CANDS] + FUSED_CANDS]
+    e_recs = []
+    if not router_only:
+        e_recs = [measure(experts, moe.DEFAULT_EXPERTS | u, cases, deadline, log) for u in [{}] + UP_CANDS]
+        up = _best_overall(e_recs, bs) or moe.DEFAULT_EXPERTS
+        e_recs += [measure(experts, c, cases, deadline, log) for c in [up | d for d in DOWN_CANDS] + FUSED_CANDS]
     entries = {}
-    for fam, recs, key in ((router, r_recs, moe.router_key(E, D, wts.gate_w.dtype)),
-                           (experts, e_recs, moe.experts_key(E, D, I, TOP_K, wts.dtype, SHARED)))[SHARED:]:
+    families = ((router, r_recs, moe.router_key(E, D, wts.gate_w.dtype)),
+                (experts, e_recs, moe.experts_key(E, D, I, TOP_K, wts.dtype, SHARED)))
+    for fam, recs, key in families[SHARED:2 - router_only]:
         entry = select(fam, recs, bs, log)
         if entry:
             entries[key] = entry
@@ -468,6 +472,8 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="sweep configs per B, write the winners to the plan")
     ap.add_argument("--dry-run", action="store_true", help="with --tune: do not write moe_plan.json")
     ap.add_argument("--plan", default=str(moe.PLAN_PATH), help="plan file --tune writes")
+    ap.add_argument("--router-only", action="store_true", help="with --tune: the router's entry only (the experts' "
+                    "sweep is most of a tune's time)")
     ap.add_argument("--budget-s", type=float, default=TUNE_BUDGET_S, help="stop timing new candidates after this")
     ap.add_argument("--out", default=None, help="result JSON (default results/<date>-<gpu>-...-kernels-moe.json)")
     ap.add_argument("--results-dir", default="results")
@@ -489,7 +495,9 @@ def main() -> None:
     print(f"copy bandwidth {copy['gbps']:.0f} GB/s (same run)")
     tuned = None
     if args.tune:
-        tuned = tune(copy["gbps"], BS if not args.quick else QUICK_BS, args.budget_s)
+        if args.router_only and SHARED:
+            ap.error("--router-only tunes the router, which --shared leaves alone: give one of them")
+        tuned = tune(copy["gbps"], BS if not args.quick else QUICK_BS, args.budget_s, router_only=args.router_only)
         if not args.dry_run and tuned["entries"]:
             write_plan(tuned["entries"], {k: meta[k] for k in ("commit", "gpu", "torch", "triton", "time_utc",
                                                                 "copy_gbps")}, Path(args.plan))
