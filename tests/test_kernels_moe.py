@@ -146,13 +146,10 @@ def test_route_ties_pick_lowest_index_and_no_renorm():
     assert ids.tolist() == [[0, 1, 2], [0, 1, 2]]
 
 
-@pytest.mark.parametrize("packed", ["1", "0"])
 @pytest.mark.parametrize("B", [1, 3])
-def test_route_orders_negative_and_tied_choices(monkeypatch, B, packed):
-    """The top-k compares packed integer keys: choices below zero (a negative bias), ties among them
-    and among positive ones, and a column padded past E must still come out as a stable descending sort
-    (packed "0": the two-reduction rounds it replaced, kept for A/B runs)."""
-    monkeypatch.setenv(moe.PACKED_TOPK_ENV, packed)
+def test_route_orders_negative_and_tied_choices(B):
+    """Choices below zero (a negative bias), ties among them and among positive ones, and a column
+    padded past E must still come out as a stable descending sort."""
     D, E, k = 16, 40, 7
     g = torch.Generator().manual_seed(21)
     levels = torch.tensor([-3.0, -1.0, 0.0, 0.5, 2.0])
@@ -184,23 +181,6 @@ def test_route_logits_batch_invariant(variant):
     moe_route(x, gate_w, None, 2, config=cfg, logits_out=full)
     moe_route(x[4:5], gate_w, None, 2, config=cfg, logits_out=alone)
     assert torch.equal(alone[0], full[4]), "a token's router logits depend on the rest of its batch"
-
-
-@pytest.mark.parametrize("fused", [True, False])
-def test_packed_topk_gives_the_two_reduction_bits(monkeypatch, fused):
-    """The A/B switch changes how a round finds its pick, never the result: ids and weights bit-equal."""
-    B, D, E, k = 5, 128, 256, 8
-    g = torch.Generator().manual_seed(33)
-    x = torch.randn(B, D, generator=g).to(DEVICE)
-    gate_w = (torch.randn(E, D, generator=g) / D**0.5).to(DEVICE)
-    bias = (torch.randn(E, generator=g) * 0.05).to(DEVICE)
-    cfg = ROUTER_VARIANTS["fma"] | {"num_warps": moe.TOPK_WARPS if fused else 4}
-    assert moe.fuses_topk(cfg, B) == fused
-    out = {}
-    for packed in ("1", "0"):
-        monkeypatch.setenv(moe.PACKED_TOPK_ENV, packed)
-        out[packed] = moe_route(x, gate_w, bias, k, renormalize=True, scaling=2.446, config=cfg, shared_slot=True)
-    assert torch.equal(out["1"][0], out["0"][0]) and torch.equal(out["1"][1], out["0"][1])
 
 
 # (ranks, B, shape, dtype, variant): E = 16 in 2/4/8 slabs, an E/N (10/5) below one BLOCK_E tile

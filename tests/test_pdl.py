@@ -269,7 +269,7 @@ jobs = {
                                                  "bias_ptr": "*fp32", "ids_ptr": "*i32", "tw_ptr": "*fp32",
                                                  "logits_ptr": "*fp32", "count_ptr": "*i32", "scaling": "fp32"},
                      dict(B_PAD=16, BLOCK_E=16, BLOCK_K=128, DOT=True, TOPK=True, TOPK_ROWS=1, TOP_K=8, K_PAD=8,
-                          E_PAD=256, RENORM=True, HAS_BIAS=True, STORE_LOGITS=False, SHARED=True, PACKED=True)),
+                          E_PAD=256, RENORM=True, HAS_BIAS=True, STORE_LOGITS=False, SHARED=True)),
     "combine": (moe._combine_kernel, {"part_ptr": "*fp32", "tw_ptr": "*fp32", "add_ptr": "*bf16", "out_ptr": "*bf16"},
                 dict(TOP_K=8, K_PAD=8, BLOCK_D=256, HAS_ADD=True)),
     **{f"mla_prologue_{c}": (mp._mla_prologue_kernel,

@@ -417,7 +417,7 @@ def compile_check(router_cfgs, expert_cfgs, B: int = 3) -> list[dict]:
                                                   B=n(B), D=n(D), NJ=n(1), stride_ob=n(D), stride_ab=n(D), TOP_K=c(TOP_K),
                                                   K_PAD=c(TOP_K), BLOCK_D=c(moe.COMBINE_BLOCK_D), HAS_ADD=c(True)), 4, 2)]
     topk = dict(TOPK_ROWS=c(8), TOP_K=c(TOP_K), K_PAD=c(TOP_K), E_PAD=c(E), RENORM=c(True), HAS_BIAS=c(True),
-                STORE_LOGITS=c(False), SHARED=c(True), PACKED=c(moe.packed_topk()))
+                STORE_LOGITS=c(False), SHARED=c(True))
     for r in router_cfgs:
         for fused in (False, True):  # moe_route's one launch, and router_partials' logits alone
             jobs.append((f"router{'+topk' if fused else ''} {r}", moe._router_logits_kernel, dict(
@@ -429,8 +429,7 @@ def compile_check(router_cfgs, expert_cfgs, B: int = 3) -> list[dict]:
         jobs.append((f"topk split={-(-D // r['CHUNK'])}", moe._router_topk_kernel, dict(
             part_ptr=(f32, 0), bias_ptr=(f32, 0), ids_ptr=(i32, 0), w_ptr=(f32, 0), logits_ptr=(f32, 0), B=n(B),
             E=n(E), E_SLAB=n(E), scaling=("fp32", 0), SPLIT=c(-(-D // r["CHUNK"])), TOP_K=c(TOP_K), K_PAD=c(TOP_K), E_PAD=c(E),
-            RENORM=c(True), HAS_BIAS=c(True), STORE_LOGITS=c(False), SHARED=c(True), PACKED=c(moe.packed_topk())),
-            moe.TOPK_WARPS, 2))
+            RENORM=c(True), HAS_BIAS=c(True), STORE_LOGITS=c(False), SHARED=c(True)), moe.TOPK_WARPS, 2))
     for e in expert_cfgs:
         if e["variant"] == "split":
             jobs.append((f"up {e}", moe._expert_up_kernel, dict(

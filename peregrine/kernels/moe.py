@@ -50,10 +50,8 @@ PLAN_PATH = Path(__file__).with_name("moe_plan.json")
 B_MAX = 16             # decode batches up to 16 share one padded token tile: one compile, batch-invariant bits
 MIN_DOT_ROWS = 16      # tl.dot needs M, N, K >= 16
 COMBINE_BLOCK_D = 256  # columns per combine program; fixed (never tuned) so its sum order never changes
-PACKED_TOPK_ENV = "PEREGRINE_TOPK_PACKED"  # "0": the two-reduction top-k round (A/B runs)
 FUSED_ROUTER_ENV = "PEREGRINE_ROUTER_FUSED"  # "0": the top-k in its own launch always (A/B runs)
-TOPK_WARPS = 1         # top-k is k tiny reductions over E: one warp does each with shuffles, no smem barriers
-KEY_NONE = tl.constexpr(-(2**63))  # top-k key of a padding column or an expert already picked: below every real key
+TOPK_WARPS = 1         # top-k is 3k tiny reductions over E: one warp does each with shuffles, no smem barriers
 SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0  # SiTU bounds (MODELS.md)
 ACTIVATIONS = {"swiglu": 0, "situ": 1}
 MAX_ALIGN = 16  # elements: the most the expert kernels are told their weight blocks' offsets are multiples of
@@ -175,26 +173,12 @@ def _router_mac(acc, w, x_ptr, d, d_ok, offs_b, b_ok, B, stride_xb, DOT: tl.cons
 
 
 @triton.jit
-def _order_keys(choice, offs, E_PAD: tl.constexpr):
-    """int64 keys that order like (choice, -index): one max per round finds the largest choice and,
-    among equal ones, the lowest index. The FP32 bits are mapped to an int32 that orders like the
-    float (negative floats: flip all but the sign bit), after +0.0 turns -0 into +0 so the two tie
-    as they do under a float max."""
-    bits = (choice + 0.0).to(tl.int32, bitcast=True)
-    mono = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return (mono.to(tl.int64) << 32) | (E_PAD - 1 - offs[None, :]).to(tl.int64)
-
-
-@triton.jit
 def _topk_rows(logit, bias_ptr, ids_ptr, w_ptr, rows, r_ok, E, scaling, TOP_K: tl.constexpr,
                K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-               SHARED: tl.constexpr, PACKED: tl.constexpr = True):
+               SHARED: tl.constexpr):
     """Top-k of [R, E_PAD] FP32 logits (rows `rows` of the outputs). Every step is exact or in a
-    fixed order (an integer max, one-hot sums, the renorm sum over k in slot order), so the bits do
-    not depend on R or on the launch's layout: the fused and the two-launch router agree exactly.
-    PACKED: each round is ONE max over packed keys and marks its pick's slot in `sel`; the weights
-    come after, from k independent one-hot sums, and are scattered to their slots. (Building [R, k]
-    tiles inside the rounds made triton 3.6 give every thread the whole row: a 5x longer kernel.)"""
+    fixed order (max/min, one-hot sums, the renorm sum over k in slot order), so the bits do not
+    depend on R or on the launch's layout: the fused and the two-launch router agree exactly."""
     offs = tl.arange(0, E_PAD)
     ok = offs < E
     s = tl.sigmoid(logit)
@@ -202,45 +186,26 @@ def _topk_rows(logit, bias_ptr, ids_ptr, w_ptr, rows, r_ok, E, scaling, TOP_K: t
     if HAS_BIAS:
         choice = s + tl.load(bias_ptr + offs, mask=ok, other=0.0)[None, :]
     choice = tl.where(ok[None, :], choice, float("-inf"))
+    slots = tl.arange(0, K_PAD)[None, :]
+    ids = tl.zeros([logit.shape[0], K_PAD], tl.int32)
+    ws = tl.zeros([logit.shape[0], K_PAD], tl.float32)
+    tot = tl.zeros([logit.shape[0]], tl.float32)
+    for k in tl.static_range(TOP_K):  # k rounds of argmax; ties -> lowest index
+        best = tl.max(choice, axis=1)
+        idx = tl.min(tl.where(choice == best[:, None], offs[None, :], E_PAD), axis=1)
+        hit = offs[None, :] == idx[:, None]
+        wk = tl.sum(tl.where(hit, s, 0.0), axis=1)
+        ids = tl.where(slots == k, idx[:, None], ids)
+        ws = tl.where(slots == k, wk[:, None], ws)
+        tot += wk
+        choice = tl.where(hit, float("-inf"), choice)
+    if RENORM:
+        ws = ws / tot[:, None]
     K_OUT: tl.constexpr = TOP_K + 1 if SHARED else TOP_K
-    if PACKED:
-        key = tl.where(ok[None, :], _order_keys(choice, offs, E_PAD), KEY_NONE)
-        sel = tl.full(logit.shape, -1, tl.int32)  # each expert's slot, -1: not picked
-        for k in tl.static_range(TOP_K):  # k rounds of argmax; ties -> lowest index (in the key)
-            best = tl.max(key, axis=1)
-            hit = key == best[:, None]  # one column: the index is part of the key
-            key = tl.where(hit, KEY_NONE, key)
-            sel = tl.where(hit, k, sel)
-        w = s
-        if RENORM:
-            tot = tl.zeros([logit.shape[0]], tl.float32)
-            for k in tl.static_range(TOP_K):  # slot order; the one-hot sums are independent of each other
-                tot += tl.sum(tl.where(sel == k, s, 0.0), axis=1)
-            w = s / tot[:, None]
-        picked = (sel >= 0) & r_ok[:, None]
-        out = rows[:, None] * K_OUT + sel
-        tl.store(ids_ptr + out, tl.zeros_like(sel) + offs[None, :], mask=picked)
-        tl.store(w_ptr + out, w * scaling, mask=picked)
-    else:  # the A/B baseline: a float max, then an index min (two serial reductions a round)
-        slots = tl.arange(0, K_PAD)[None, :]
-        ids = tl.zeros([logit.shape[0], K_PAD], tl.int32)
-        ws = tl.zeros([logit.shape[0], K_PAD], tl.float32)
-        tot = tl.zeros([logit.shape[0]], tl.float32)
-        for k in tl.static_range(TOP_K):
-            best = tl.max(choice, axis=1)
-            idx = tl.min(tl.where(choice == best[:, None], offs[None, :], E_PAD), axis=1)
-            hit = offs[None, :] == idx[:, None]
-            wk = tl.sum(tl.where(hit, s, 0.0), axis=1)
-            ids = tl.where(slots == k, idx[:, None], ids)
-            ws = tl.where(slots == k, wk[:, None], ws)
-            tot += wk
-            choice = tl.where(hit, float("-inf"), choice)
-        if RENORM:
-            ws = ws / tot[:, None]
-        out = rows[:, None] * K_OUT + slots
-        m = r_ok[:, None] & (slots < TOP_K)
-        tl.store(ids_ptr + out, ids, mask=m)
-        tl.store(w_ptr + out, ws * scaling, mask=m)
+    out = rows[:, None] * K_OUT + slots
+    m = r_ok[:, None] & (slots < TOP_K)
+    tl.store(ids_ptr + out, ids, mask=m)
+    tl.store(w_ptr + out, ws * scaling, mask=m)
     if SHARED:  # one more slot per token: id E (the shared expert), weight 1
         tl.store(ids_ptr + rows * K_OUT + TOP_K, tl.zeros_like(rows) + E, mask=r_ok)
         tl.store(w_ptr + rows * K_OUT + TOP_K, tl.full(rows.shape, 1.0, tl.float32), mask=r_ok)
@@ -254,7 +219,7 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, B, E, D, stride_xb, chunk,
                           K_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1, RENORM: tl.constexpr = False,
                           HAS_BIAS: tl.constexpr = False,
                           STORE_LOGITS: tl.constexpr = False, SHARED: tl.constexpr = False,
-                          PACKED: tl.constexpr = True, USE_PDL: tl.constexpr = False):
+                          USE_PDL: tl.constexpr = False):
     s = tl.program_id(1)
     offs_b = tl.arange(0, B_PAD)
     offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -293,7 +258,7 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, B, E, D, stride_xb, chunk,
             if STORE_LOGITS:
                 tl.store(logits_ptr + rows[:, None] * E + oe[None, :], logit, mask=m)
             _topk_rows(logit, bias_ptr, ids_ptr, tw_ptr, rows, r_ok, E, scaling, TOP_K, K_PAD, E_PAD, RENORM,
-                       HAS_BIAS, SHARED, PACKED)
+                       HAS_BIAS, SHARED)
             tl.atomic_xchg(count_ptr, 0)  # ready for the next launch (graph replays included)
 
 
@@ -301,7 +266,7 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, B, E, D, stride_xb, chunk,
 def _router_topk_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, logits_ptr, B, E, E_SLAB, scaling,
                         SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                         RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_LOGITS: tl.constexpr,
-                        SHARED: tl.constexpr = False, PACKED: tl.constexpr = True, USE_PDL: tl.constexpr = False):
+                        SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)  # the partial logits come from the previous kernel
     b = tl.program_id(0)
     offs = tl.arange(0, E_PAD)
@@ -315,13 +280,7 @@ def _router_topk_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, logits_ptr, B, E, E_
         tl.store(logits_ptr + b * E + offs, logit, mask=ok)
     row = tl.zeros([1], tl.int32) + b
     _topk_rows(logit[None, :], bias_ptr, ids_ptr, w_ptr, row, row < B, E, scaling, TOP_K, K_PAD, E_PAD, RENORM,
-               HAS_BIAS, SHARED, PACKED)
-
-
-def packed_topk() -> bool:
-    """One packed-key max a top-k round (default), or PEREGRINE_TOPK_PACKED=0: the float max + index min
-    it replaced (same picks, same bits; kept for A/B runs)."""
-    return os.environ.get(PACKED_TOPK_ENV, "1") != "0"
+               HAS_BIAS, SHARED)
 
 
 def fuses_topk(cfg: dict, B: int) -> bool:
@@ -350,7 +309,7 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
         bias_ptr=b, ids_ptr=ids, tw_ptr=w, logits_ptr=logits_out if logits_out is not None else w,
         count_ptr=arrival_counters(x.device, 1), scaling=float(scaling), TOPK=True, TOPK_ROWS=_pow2(B), TOP_K=top_k,
         K_PAD=_pow2(top_k), E_PAD=_pow2(E), RENORM=bool(renormalize), HAS_BIAS=bias is not None,
-        STORE_LOGITS=logits_out is not None, SHARED=bool(shared_slot), PACKED=packed_topk()))
+        STORE_LOGITS=logits_out is not None, SHARED=bool(shared_slot)))
     return ids, w
 
 
@@ -401,8 +360,7 @@ def router_topk(parts: torch.Tensor, bias: torch.Tensor | None, top_k: int, reno
     _router_topk_kernel[(B,)](parts, b, ids, w, logits_out if logits_out is not None else parts, B, E, E_slab,
                               float(scaling), SPLIT=split, TOP_K=top_k, K_PAD=_pow2(top_k), E_PAD=_pow2(E),
                               RENORM=bool(renormalize), HAS_BIAS=bias is not None, STORE_LOGITS=logits_out is not None,
-                              SHARED=bool(shared_slot), PACKED=packed_topk(), num_warps=TOPK_WARPS,
-                              **launch_kwargs(parts.device))
+                              SHARED=bool(shared_slot), num_warps=TOPK_WARPS, **launch_kwargs(parts.device))
     return ids, w
 
 
