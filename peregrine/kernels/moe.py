@@ -454,36 +454,49 @@ def _expert_up_kernel(x_ptr, w13_ptr, s13_off, ids_ptr, h_ptr, B, E, D, I, strid
 
 
 @triton.jit
+def _down_mac(acc, w, h_rows, i, i_ok, chose, SWAP: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr):
+    """acc += one [BLOCK_D, BLOCK_I] W2 tile times the tokens' h columns i (FP32, K in order)."""
+    h = tl.load(h_rows + i[None, :], mask=chose[:, None] & i_ok[None, :], other=0.0).to(DOT_T)
+    if SWAP:
+        acc = tl.dot(w, tl.trans(h), acc, input_precision=PREC)
+    else:
+        acc = tl.dot(h, tl.trans(w), acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
 def _expert_down_kernel(h_ptr, w2_ptr, s2_off, ids_ptr, part_ptr, B, E, D, I,
                         TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, SWAP: tl.constexpr,
                         DOT_T: tl.constexpr, PREC: tl.constexpr,
                         ALIGN: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
-    pdl_wait(USE_PDL)  # the expert ids come from the router: no weight address is known before
+    # The expert ids are two launches back (the router's top-k, then the up kernel): complete when this
+    # kernel starts (pdl.py), so the first W2 tile streams in before the wait, while the up kernel ends.
     n = tl.program_id(0)
     e = tl.load(ids_ptr + n)
-    if _first_use(ids_ptr, n, e, B * TOP_K, N_PAD):
-        chose, slot = _token_slots(ids_ptr, e, B, TOP_K, B_PAD, K_PAD)
-        offs_b = tl.arange(0, B_PAD)
-        offs_i = tl.arange(0, BLOCK_I)
-        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
-        row = offs_b * TOP_K + slot
-        w_rows = _expert_base(w2_ptr, s2_off, e, E, D * I, ALIGN) + offs_d.to(tl.int64)[:, None] * I
-        h_rows = h_ptr + row[:, None] * I
+    first = _first_use(ids_ptr, n, e, B * TOP_K, N_PAD)
+    chose, slot = _token_slots(ids_ptr, e, B, TOP_K, B_PAD, K_PAD)
+    offs_b = tl.arange(0, B_PAD)
+    offs_i = tl.arange(0, BLOCK_I)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    row = offs_b * TOP_K + slot
+    w_rows = _expert_base(w2_ptr, s2_off, e, E, D * I, ALIGN) + offs_d.to(tl.int64)[:, None] * I
+    h_rows = h_ptr + row[:, None] * I
+    i_ok = offs_i < I
+    w = tl.load(w_rows + offs_i[None, :], mask=first & d_ok[:, None] & i_ok[None, :], other=0.0).to(DOT_T)
+    pdl_wait(USE_PDL)  # h comes from the up kernel just before
+    if first:
         if SWAP:  # weight rows as the M side: [BLOCK_D, tokens] (wgmma-eligible at BLOCK_D >= 64)
             acc = tl.zeros([BLOCK_D, B_PAD], tl.float32)
         else:
             acc = tl.zeros([B_PAD, BLOCK_D], tl.float32)
-        for i0 in range(0, I, BLOCK_I):
+        acc = _down_mac(acc, w, h_rows, offs_i, i_ok, chose, SWAP, DOT_T, PREC)  # the tile loaded before the wait
+        for i0 in range(BLOCK_I, I, BLOCK_I):  # the rest, software-pipelined
             i = i0 + offs_i
             i_ok = i < I
             w = tl.load(w_rows + i[None, :], mask=d_ok[:, None] & i_ok[None, :], other=0.0).to(DOT_T)
-            h = tl.load(h_rows + i[None, :], mask=chose[:, None] & i_ok[None, :], other=0.0).to(DOT_T)
-            if SWAP:
-                acc = tl.dot(w, tl.trans(h), acc, input_precision=PREC)
-            else:
-                acc = tl.dot(h, tl.trans(w), acc, input_precision=PREC)
+            acc = _down_mac(acc, w, h_rows, i, i_ok, chose, SWAP, DOT_T, PREC)
         if SWAP:
             tl.store(part_ptr + row[None, :] * D + offs_d[:, None], acc, mask=chose[None, :] & d_ok[:, None])
         else:

@@ -11,6 +11,16 @@ every PDL kernel here waits before touching activations, caches or outputs, it i
 whoever its predecessor is (wait is a no-op for a normal launch). The edge is captured
 into CUDA graphs as a programmatic dependency (CUDA 12.3+).
 
+Two launches back. Every PDL kernel here triggers its dependents only from ``pdl_wait``, i.e. after
+its own wait returned (its predecessor complete), and every one has programs that reach it. So when
+kernel N + 1 starts, kernel N has passed its wait and kernel N - 1 has completed, its memory visible:
+before its wait, N + 1 may also read what N - 1 and earlier kernels wrote (expert ids of the router,
+two launches before the down projection; the KDA in-projection, with the gates' launch between).
+Such a kernel says so where it does it, and its caller must guarantee the launch in between (a normal
+launch between counts too: it starts only after its predecessor completes). A program that exits
+without reaching ``pdl_wait`` counts as triggering, so a kernel's early-exiting programs are fine as
+long as some program of it waits.
+
 Kernels take ``USE_PDL: tl.constexpr`` and call ``pdl_wait(USE_PDL)`` at their boundary;
 the launch sites add ``**launch_kwargs(device)``. Under the Triton interpreter (which has
 no inline asm) the gdc calls are no-ops, so the PDL code path - loads moved ahead of the
