@@ -8,6 +8,7 @@ from peregrine.kernels.mla import UvTiling, combine_uv, mla_decode, mla_decode_u
 from peregrine.testing import SENTINEL, assert_close, poisoned
 from tests.conftest import DEVICE, FULL_SHAPES
 from test_kernels_mla import SM_SCALE, SPLIT_TILING, make_case
+from test_specialized import model_dir  # noqa: F401  (the fixture: test_specialized's model, built once)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(DEVICE), reason="triton kernels unavailable")]
 
@@ -150,3 +151,34 @@ def test_why_not():
     assert "rows" in uv_why_not(torch.zeros(mla.UV_MAX_ROWS + 1, H, C + R, device=DEVICE), w, C)
     assert mla._uv_valid(UvTiling()) and not mla._uv_valid(UvTiling(block_b=3))
     assert not mla._uv_valid(UvTiling(block_c=64)) and mla._uv_valid(UvTiling(block_c=64, num_warps=8))  # registers
+
+
+def test_specialized_fused_uv_equals_the_bmm(model_dir, monkeypatch):
+    """latency_specialized with W_UV in the combine (the default) against PEREGRINE_MLA_FUSED_UV=0 (combine,
+    bmm, copy): the fused path is what runs; FP32: the same greedy tokens; every decode step's logits within
+    tolerance up to the first differing token (BF16: o is rounded at the same point, the sums differ in order)."""
+    from test_specialized import STEPS, TOL as STEP_TOL, engine, first_divergence, greedy, prompts
+    from peregrine.decode import specialized
+    calls = []
+    real = specialized.mla_decode
+    monkeypatch.setattr(specialized, "mla_decode", lambda *a, **k: calls.append(k.get("w_uv") is not None) or real(*a, **k))
+    eager = dict(cuda_graphs=False) if DEVICE == "cuda" else {}
+    ps = prompts(2, 17)
+    fused, lf = engine(model_dir, "latency_specialized", **eager)
+    monkeypatch.setenv(specialized.FUSED_UV_ENV, "0")
+    bmm, lb = engine(model_dir, "latency_specialized", **eager)
+    assert fused.runner.fused_uv and not bmm.runner.fused_uv
+    n = STEPS if FULL_SHAPES else 6
+    a = fused.generate(ps, greedy(n))
+    assert calls and all(calls), "the fused W_UV path never ran"
+    calls.clear()
+    b = bmm.generate(ps, greedy(n))
+    assert calls and not any(calls), "PEREGRINE_MLA_FUSED_UV=0 still ran the fused path"
+    assert [p for p, _ in lf][1:] == ["latency_specialized"] * (len(lf) - 1)
+    div = [first_divergence(x, y) for x, y in zip(a, b)]
+    if DEVICE == "cpu":
+        assert div == [None, None], f"FP32 greedy tokens differ at {div}"
+    for i, ((_, x), (_, y)) in enumerate(zip(lf, lb)):
+        for r in range(len(ps)):
+            if div[r] is None or i <= div[r]:
+                assert (x[r] - y[r]).norm() / x[r].norm() < STEP_TOL, f"request {r} step {i}"
