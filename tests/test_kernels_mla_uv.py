@@ -153,6 +153,14 @@ def test_why_not():
     assert not mla._uv_valid(UvTiling(block_c=64)) and mla._uv_valid(UvTiling(block_c=64, num_warps=8))  # registers
 
 
+def test_bench_parses_args_on_cpu():
+    from peregrine.bench import kernels_mla_uv as b
+    a = b.parse_args(["--quick", "--batches", "1,3", "--contexts", "1024", "--tilings", "128x32x16w4,64x32x4w4"])
+    assert a.quick and a.batches == [1, 3] and a.contexts == [1024]
+    assert a.tilings == [UvTiling(128, 32, 16, 4), UvTiling(64, 32, 4, 4)]
+    assert b.case_bytes(1, 1024, 16) > 4 * 2 ** 20  # W_UV alone is 4 MB in BF16
+
+
 def test_specialized_fused_uv_equals_the_bmm(model_dir, monkeypatch):
     """latency_specialized with W_UV in the combine (the default) against PEREGRINE_MLA_FUSED_UV=0 (combine,
     bmm, copy): the fused path is what runs; FP32: the same greedy tokens; every decode step's logits within
