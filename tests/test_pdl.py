@@ -213,6 +213,21 @@ def test_mla(monkeypatch, num_splits):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mla_combine_uv(monkeypatch, num_splits):
+    """The fused combine + W_UV alone (its W_UV tile loaded before the wait): the split kernel's partials,
+    lengths (and with one split its output) are wrong until the wait."""
+    from test_kernels_mla import SM_SCALE, SPLIT_TILING, make_case
+    from peregrine.kernels.mla import UvTiling, combine_uv, mla_partials
+    q, lat, scale, bt, lens = make_case([40, 7, 100], 3, 40, 8, 16, F32)
+    w = rnd(3, 24, 40, seed=9, scale=40 ** -0.5)
+    p = mla_partials(q, lat, scale, bt, lens, SM_SCALE, kv_lora_rank=40, num_splits=num_splits, tiling=SPLIT_TILING)
+    out = poisoned((3, 3 * 24), F32, DEVICE)
+    acts = [t for t in (p.part, p.lse, p.direct) if t is not None] + [lens]
+    run_deferred(monkeypatch, lambda: combine_uv(p, w, out=out, uv_tiling=UvTiling(block_c=16, block_b=2)), acts, [out])
+
+
+@needs_interpreter
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("N", [3, 19])  # one row chunk; a verify step's B·T rows over two
 def test_mla_prologue(monkeypatch, fp8, N):
@@ -244,7 +259,7 @@ import json, os, re
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from peregrine.kernels import gemm, norm, moe, mla_prologue as mp
+from peregrine.kernels import gemm, norm, moe, mla, mla_prologue as mp
 jobs = {
     "gemm": (gemm._gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "out_ptr": "*bf16",
                                  "count_ptr": "*i32"},
@@ -279,6 +294,11 @@ jobs = {
                              dict(H=32, NOPE=128, R=512, ROPE=64, NRB=8, BLOCK_B=16, BLOCK_K=128, BLOCK_R=64,
                                   BLOCK_RR=512, BLOCK_ROPE=64, FP8=c == "fp8", EXACT=False, CDT=tl.bfloat16,
                                   PREC="tf32")) for c in ("bf16", "fp8")},
+    # combine_uv at 48B's B = 1, 8K context (128 splits): 16 channel slices and the last-arrival sum
+    "mla_uv": (mla._mla_uv_kernel, {"part_ptr": "*fp32", "lse_ptr": "*fp32", "len_ptr": "*i32", "w_ptr": "*bf16",
+                                    "ws_ptr": "*fp32", "count_ptr": "*i32", "out_ptr": "*bf16"},
+               dict(C=512, BLOCK_S=128, BLOCK_SS=128, BLOCK_V=128, BLOCK_C=32, BLOCK_B=1, NC=16, BLOCK_NC=16,
+                    BLOCK_N=64, MIN_CHUNK=64, DIRECT=False)),
 }
 res = {}
 for name, (fn, ptr, ce) in jobs.items():

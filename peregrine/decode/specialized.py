@@ -23,7 +23,7 @@ import torch
 from .. import kernels
 from ..kernels.gemm import groupable, grouped_gemm, skinny_gemm
 from ..kernels.kda import kda_decode
-from ..kernels.mla import mla_decode
+from ..kernels.mla import mla_decode, uv_why_not
 from ..kernels.mla_prologue import mla_prologue
 from ..kernels.mla_prologue import why_not as prologue_why_not
 from ..kernels.moe import moe_combine, moe_expert_partials, moe_experts, moe_route, router_partials, router_topk
@@ -40,6 +40,7 @@ MAX_DECODE_BATCH = 16  # the skinny GEMMs are written for M ≤ 16 rows
 SHARED_SLOT_ENV = "PEREGRINE_SHARED_SLOT"  # "0": the shared expert as a dense MLP on the side stream (A/B runs)
 GROUPED_GATES_ENV = "PEREGRINE_KDA_GROUPED_GATES"  # "0": KDA's f_b and g_b up-projections as two launches
 FUSED_GLUE_ENV = "PEREGRINE_MLA_FUSED_GLUE"  # "0": MLA's kv norm, cache write and W_UK absorption as the 5-op chain
+FUSED_UV_ENV = "PEREGRINE_MLA_FUSED_UV"  # "0": MLA's split combine, then W_UV as a cuBLAS bmm (and a copy at B > 1)
 
 
 def _mm(x, w, out=None):
@@ -65,6 +66,7 @@ class SpecializedRunner:
         # the shared expert served by the routed-expert launches as one more slot (_moe); 0: on the side stream
         self.shared_in_experts = os.environ.get(SHARED_SLOT_ENV, "1") != "0"
         self.fused_glue = os.environ.get(FUSED_GLUE_ENV, "1") != "0"  # _mla_attend's prologue in one launch
+        self.fused_uv = os.environ.get(FUSED_UV_ENV, "1") != "0"  # _mla_attend's combine and W_UV in one launch
         self.last_path = self.name
         self.fallback_reasons: Counter = Counter()
         self.greedy_tokens = None  # argmax of the last specialized step (the engine skips its own)
@@ -292,8 +294,10 @@ class SpecializedRunner:
             S = B // T  # expand, not repeat_interleave: no host sync inside a graph capture
             tables = tables.unsqueeze(1).expand(S, T, tables.shape[1]).reshape(B, -1)
             lens = (lens.unsqueeze(1) - (T - 1) + torch.arange(T, device=lens.device, dtype=lens.dtype)).reshape(B)
-        o_lat = mla_decode(qh, c.latent[mi], c.scale[mi] if c.fp8 else None, tables,
-                           lens, attn.sm_scale, kv_lora_rank=attn.r)
+        args = (qh, c.latent[mi], c.scale[mi] if c.fp8 else None, tables, lens, attn.sm_scale)
+        if self.fused_uv and uv_why_not(qh, w_uv, attn.r) is None:  # W_UV in the combine: [B, H·v] directly
+            return mla_decode(*args, kv_lora_rank=attn.r, w_uv=w_uv)
+        o_lat = mla_decode(*args, kv_lora_rank=attn.r)
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(B, -1)
 
     def _dense(self, mlp, h, out=None):

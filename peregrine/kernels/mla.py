@@ -2,7 +2,9 @@
 
 Given the absorbed query q̂ [B, H, L] (L = kv_lora + rope) and one layer's latent cache,
     s[h,t] = <q̂[h], entry[t]> · sm_scale,  p = softmax_{t < len},  o[h] = Σ_t p[h,t] · entry[t][:kv_lora].
-The W_UK absorption before and the W_UV projection after are GEMMs outside this file.
+The W_UK absorption before is kernels/mla_prologue.py's. The W_UV projection after,
+out[b, h·v + j] = Σ_c W_UV[h, j, c] · o[b, h, c], can ride in the combine (combine_uv, mla_decode's
+w_uv=), which then writes the [B, H·v] input of o_proj directly: no o round trip, no bmm, no copy.
 
 Flash-decoding: grid (B, num_splits, head_groups). A program owns BLOCK_H heads of one
 sequence and one contiguous token range, so each cache entry is read once per
@@ -23,20 +25,28 @@ CUDA-graph friendliness: the grid depends only on static shapes — B, H and the
 capacity (max_blocks · block_size, the bound on the context) — never on context_lens.
 Each sequence divides its *actual* length over the fixed number of splits at run time;
 splits past its length exit at once and the combine reads only the active ones, so one
-captured graph serves every context length up to the table's capacity. No atomics:
-the result is deterministic. A sequence of length 0 yields zeros (padded graph rows).
+captured graph serves every context length up to the table's capacity. No atomics but
+combine_uv's arrival counters, whose last arrival sums in a fixed order: the result is
+deterministic. A sequence of length 0 yields zeros (padded graph rows).
+
+Why combine_uv splits the latent channels, not v: every out[b, h, :] needs all of o[b, h, :], so
+programs that split v would each re-read all of (b, h)'s FP32 partials (S · 2 KB: 256 KB at B = 1,
+8K context, 128 splits); a program per 32-channel slice reads its partials once and multiplies its
+[v, 32] W_UV tile, and the head's last slice to arrive adds the 16 FP32 [v] sums (8 KB a row).
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from . import interpreting, read_plan_entries
+from . import available, interpreting, read_plan_entries
+from .gemm import arrival_counters
 from .pdl import launch_kwargs, pdl_wait
 
 LOG2E = 1.4426950408889634  # scores go through exp2: fold log2(e) into the scale once
@@ -279,6 +289,88 @@ def _mla_combine_kernel(
     tl.store(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + oc, res.to(out_ptr.dtype.element_ty), mask=cm)
 
 
+@triton.jit
+def _combine_slice(part_ptr, lse_ptr, len_ptr, b, h, cc, cm, B, num_splits, s_pb, s_ph, s_ps, s_eb, s_eh,
+                   BLOCK_S: tl.constexpr, BLOCK_SS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
+                   MIN_CHUNK: tl.constexpr):
+    """_mla_combine_kernel's result for (sequence b, head h, channels cc) in FP32, the splits read
+    BLOCK_SS at a time (one tile, its exact expression, when BLOCK_SS == BLOCK_S). b >= B gives 0."""
+    n = tl.load(len_ptr + b, mask=b < B, other=0)
+    chunk, n_active = _split_bounds(n, num_splits, BLOCK_N, MIN_CHUNK)
+    e_row = lse_ptr + b.to(tl.int64) * s_eb + h * s_eh
+    p_row = part_ptr + b.to(tl.int64) * s_pb + h * s_ph
+    sp = tl.arange(0, BLOCK_S)
+    sm = sp < n_active  # inactive splits were never written: never read them
+    lse = tl.load(e_row + sp, mask=sm, other=float("-inf"))
+    top = tl.maximum(tl.max(lse, 0), -FLT_BIG)  # no -inf - -inf
+    wt = tl.where(sm, tl.exp2(lse - top), 0.0)
+    den = tl.maximum(tl.sum(wt, 0), L_FLOOR)
+    if BLOCK_SS == BLOCK_S:
+        o = tl.load(p_row + sp[:, None] * s_ps + cc[None, :], mask=sm[:, None] & cm[None, :], other=0.0)
+        acc = tl.sum(o * wt[:, None], 0)
+    else:
+        acc = tl.zeros([BLOCK_C], tl.float32)
+        for s0 in tl.static_range(0, BLOCK_S, BLOCK_SS):
+            ss = s0 + tl.arange(0, BLOCK_SS)
+            ssm = ss < n_active
+            wt = tl.where(ssm, tl.exp2(tl.load(e_row + ss, mask=ssm, other=float("-inf")) - top), 0.0)
+            o = tl.load(p_row + ss[:, None] * s_ps + cc[None, :], mask=ssm[:, None] & cm[None, :], other=0.0)
+            acc += tl.sum(o * wt[:, None], 0)
+    return acc / den
+
+
+@triton.jit
+def _mla_uv_kernel(
+    part_ptr, lse_ptr, len_ptr, w_ptr, ws_ptr, count_ptr, out_ptr, B, H, V, NV, num_splits,
+    s_pb, s_ph, s_ps, s_eb, s_eh, s_wh, s_wv, s_ob,
+    C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_SS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_B: tl.constexpr, NC: tl.constexpr, BLOCK_NC: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_CHUNK: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    """One (latent channel slice cj, head h and v-slice vj, row group): the combine of its channels for
+    each row, rounded to the output dtype (where the chain's combine stores o), times its W_UV tile.
+    NC > 1 slices: FP32 sums into the workspace; the last slice of (h, vj, rows) to arrive adds them
+    in slice order (the same bits whichever arrives last) and writes out[b, h·V + v]."""
+    cj = tl.program_id(0)
+    hv = tl.program_id(1)
+    bg = tl.program_id(2)
+    h = hv // NV
+    vv = (hv % NV) * BLOCK_V + tl.arange(0, BLOCK_V)
+    vm = vv < V
+    cc = cj * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = cc < C
+    w = tl.load(w_ptr + h.to(tl.int64) * s_wh + vv[:, None] * s_wv + cc[None, :],
+                mask=vm[:, None] & cm[None, :], other=0.0)  # a weight: ahead of the wait
+    pdl_wait(USE_PDL)
+    ty: tl.constexpr = out_ptr.dtype.element_ty
+    for i in tl.static_range(BLOCK_B):
+        b = bg * BLOCK_B + i
+        if DIRECT:  # one split: o is the split kernel's output, already in the model dtype
+            o = tl.load(part_ptr + b.to(tl.int64) * s_pb + h * s_ph + cc, mask=cm & (b < B), other=0.0)
+        else:
+            o = _combine_slice(part_ptr, lse_ptr, len_ptr, b, h, cc, cm, B, num_splits, s_pb, s_ph, s_ps,
+                               s_eb, s_eh, BLOCK_S, BLOCK_SS, BLOCK_C, BLOCK_N, MIN_CHUNK).to(ty)
+        y = tl.sum(w.to(tl.float32) * o.to(tl.float32)[None, :], 1)
+        if NC == 1:
+            tl.store(out_ptr + b.to(tl.int64) * s_ob + h * V + vv, y.to(ty), mask=vm & (b < B))
+        else:
+            tl.store(ws_ptr + ((b.to(tl.int64) * H + h) * NC + cj) * V + vv, y, mask=vm & (b < B))
+    if NC > 1:
+        tl.debug_barrier()  # every thread's sums are stored before the release below
+        c_ptr = count_ptr + bg * tl.num_programs(1) + hv
+        arrived = tl.atomic_add(c_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == NC - 1:
+            tl.debug_barrier()
+            j = tl.arange(0, BLOCK_NC)
+            for i in tl.static_range(BLOCK_B):
+                b = bg * BLOCK_B + i
+                ok = (j < NC)[:, None] & vm[None, :] & (b < B)
+                t = tl.load(ws_ptr + ((b.to(tl.int64) * H + h) * NC + j[:, None]) * V + vv[None, :], mask=ok,
+                            other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + b.to(tl.int64) * s_ob + h * V + vv, tl.sum(t, 0).to(ty), mask=vm & (b < B))
+            tl.atomic_xchg(c_ptr, 0)  # ready for the next launch (graph replays included)
+
+
 def resolve(B, H, capacity, latent_dtype, q_dtype, device, tiling=None, num_splits=None):
     """(tiling, num_splits) mla_decode uses: the plan on a GPU with a BF16 model (unless a tiling
     is given), else the default tiling for the cache dtype and pick_num_splits."""
@@ -294,8 +386,19 @@ def resolve(B, H, capacity, latent_dtype, q_dtype, device, tiling=None, num_spli
     return t, min(num_splits or S, MAX_SPLITS)
 
 
+class Partials(NamedTuple):
+    """What the split kernel leaves for the combine: FP32 partials [B, H, S, C] and their log2-sum-exps
+    [B, H, S] (None when S == 1: then `direct` holds the attention output o [B, H, C] itself)."""
+    part: torch.Tensor | None
+    lse: torch.Tensor | None
+    direct: torch.Tensor | None
+    context_lens: torch.Tensor
+    num_splits: int
+    tiling: MlaTiling
+
+
 def mla_decode(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lora_rank,
-               num_splits=None, out=None, tiling: MlaTiling | None = None):
+               num_splits=None, out=None, tiling: MlaTiling | None = None, w_uv=None, uv_tiling=None):
     """Attention of q [B, H, L] over the paged latent cache; returns o [B, H, kv_lora_rank] in q.dtype.
 
     latent [num_blocks, block_size, L] (model dtype or float8_e4m3fn), scale [num_blocks, block_size]
@@ -303,7 +406,33 @@ def mla_decode(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lor
     Tiling and split count come from the plan for (cache dtype, B, max_blocks · block_size), else
     the defaults and pick_num_splits; `tiling` / `num_splits` override. All of it depends only on
     static sizes, so it is safe under CUDA-graph replay with changing lengths.
+
+    w_uv [H, v, kv_lora_rank] (q.dtype, unit inner stride; see uv_why_not): the W_UV projection is
+    fused into the split combine (combine_uv) and the result is [B, H·v] in q.dtype (`out` that shape).
     """
+    B, H, _ = q.shape
+    if w_uv is not None:
+        why = uv_why_not(q, w_uv, kv_lora_rank)
+        assert why is None, why
+        o_lat = None
+    else:
+        if out is None:
+            out = torch.empty(B, H, kv_lora_rank, dtype=q.dtype, device=q.device)
+        assert out.shape == (B, H, kv_lora_rank) and out.dtype == q.dtype and out.stride(2) == 1
+        o_lat = out
+    p = mla_partials(q, latent, scale, block_tables, context_lens, sm_scale, kv_lora_rank=kv_lora_rank,
+                     num_splits=num_splits, tiling=tiling, direct_out=o_lat)
+    if w_uv is not None:
+        return combine_uv(p, w_uv, out=out, uv_tiling=uv_tiling)
+    if p.direct is None and B > 0:
+        combine(p, out)
+    return out
+
+
+def mla_partials(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lora_rank,
+                 num_splits=None, tiling: MlaTiling | None = None, direct_out=None) -> Partials:
+    """The split kernel of mla_decode (same arguments): its Partials. With one split it writes o itself,
+    into direct_out [B, H, C] when given."""
     B, H, L = q.shape
     C = kv_lora_rank
     R = L - C
@@ -313,23 +442,23 @@ def mla_decode(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lor
     fp8 = latent.dtype == torch.float8_e4m3fn
     assert (scale is not None) == fp8, "scale is required exactly for an FP8 cache"
     assert block_tables.shape[0] == B and context_lens.shape[0] == B
-    if out is None:
-        out = torch.empty(B, H, C, dtype=q.dtype, device=q.device)
-    assert out.shape == (B, H, C) and out.dtype == q.dtype and out.stride(2) == 1
-    if B == 0:
-        return out
-    t, S = resolve(B, H, block_tables.shape[1] * page, latent.dtype, q.dtype, q.device, tiling, num_splits)
-    block_h = _block_h(H, t)
-    block_c = max(MIN_DOT, triton.next_power_of_2(C))
-    block_r = max(MIN_DOT, triton.next_power_of_2(R))
+    t, S = resolve(max(B, 1), H, block_tables.shape[1] * page, latent.dtype, q.dtype, q.device, tiling, num_splits)
     direct = S == 1
     if direct:
+        out = direct_out if direct_out is not None else torch.empty(B, H, C, dtype=q.dtype, device=q.device)
         part = lse = out  # unused placeholders
         ps = es = (0, 0, 0)
     else:
+        out = q  # unused placeholder
         part = torch.empty(B, H, S, C, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
         ps, es = part.stride()[:3], lse.stride()[:2]
+    res = Partials(None if direct else part, None if direct else lse, out if direct else None, context_lens, S, t)
+    if B == 0:
+        return res
+    block_h = _block_h(H, t)
+    block_c = max(MIN_DOT, triton.next_power_of_2(C))
+    block_r = max(MIN_DOT, triton.next_power_of_2(R))
     sc = scale if fp8 else latent  # placeholder pointer when not FP8
     s_sblk, s_stok = (scale.stride(0), scale.stride(1)) if fp8 else (0, 0)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # FP32 tests need exact FP32 dots
@@ -349,16 +478,108 @@ def mla_decode(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lor
         MIN_CHUNK=t.min_split_tokens, PAGE=page, FP8=fp8, PV_LOG=fp16, DIRECT=direct, PREC=prec, CDT=cdt,
         num_warps=t.num_warps, num_stages=t.num_stages, **launch_kwargs(q.device),
     )
-    if not direct:
-        block_s = triton.next_power_of_2(S)
-        cc = max(MIN_DOT, min(COMBINE_MAX_C, triton.next_power_of_2(C), COMBINE_TILE // block_s))
-        _mla_combine_kernel[(B, H, triton.cdiv(C, cc))](
-            part, lse, context_lens, out, S,
-            ps[0], ps[1], ps[2], es[0], es[1], out.stride(0), out.stride(1),
-            C=C, BLOCK_S=block_s, BLOCK_CC=cc, BLOCK_N=t.block_n, MIN_CHUNK=t.min_split_tokens, num_warps=4,
-            **launch_kwargs(q.device),
-        )
+    return res
+
+
+def combine(p: Partials, out) -> torch.Tensor:
+    """The splits of p merged into out [B, H, C] (the attention output, out's dtype)."""
+    B, H, S, C = p.part.shape
+    ps, es = p.part.stride()[:3], p.lse.stride()[:2]
+    block_s = triton.next_power_of_2(S)
+    cc = max(MIN_DOT, min(COMBINE_MAX_C, triton.next_power_of_2(C), COMBINE_TILE // block_s))
+    _mla_combine_kernel[(B, H, triton.cdiv(C, cc))](
+        p.part, p.lse, p.context_lens, out, S,
+        ps[0], ps[1], ps[2], es[0], es[1], out.stride(0), out.stride(1),
+        C=C, BLOCK_S=block_s, BLOCK_CC=cc, BLOCK_N=p.tiling.block_n, MIN_CHUNK=p.tiling.min_split_tokens,
+        num_warps=4, **launch_kwargs(out.device),
+    )
     return out
+
+
+# ---- the combine with W_UV fused in: o_lat never leaves the kernel ----
+
+UV_MAX_ROWS = 16        # rows (B, or B·T in a verify step) combine_uv takes; more go to the bmm (cuBLAS streams well there)
+UV_THREAD_ELEMS = 32    # W_UV tile elements per thread: [128, 32] at 4 warps takes 56 registers, [128, 64] 167 (sm_90 ptxas)
+UV_ROW_SPLITS = 256     # rows x splits per program: the unrolled row loop keeps their partial loads in flight (<= 157 regs)
+UV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class UvTiling:
+    # a head's whole v (128) per program: no two programs of a row read the same partials
+    block_v: int = 128
+    # channels per program: 512 / 32 = 16 slices, 512 programs at H = 32 (about four per SM at B = 1)
+    block_c: int = 32
+    # most rows per program (also capped by UV_ROW_SPLITS): W_UV tiles are read once per row group
+    block_b: int = 16
+    num_warps: int = 4
+
+
+DEFAULT_UV_TILING = UvTiling()
+
+
+def uv_why_not(q, w_uv, kv_lora_rank: int) -> str | None:
+    """None when combine_uv can serve mla_decode(q, ..., w_uv=w_uv), else why the bmm must."""
+    if not available(q.device):
+        return "kernels unavailable"
+    if q.dtype not in UV_DTYPES or w_uv.dtype != q.dtype:
+        return f"dtypes {q.dtype}/{w_uv.dtype}"
+    if w_uv.dim() != 3 or w_uv.shape[0] != q.shape[1] or w_uv.shape[2] != kv_lora_rank:
+        return f"W_UV shape {tuple(w_uv.shape)} vs q {tuple(q.shape)}, kv_lora {kv_lora_rank}"
+    if w_uv.stride(2) != 1:
+        return "W_UV needs a unit inner stride"
+    if q.shape[0] > UV_MAX_ROWS:
+        return f"{q.shape[0]} rows > {UV_MAX_ROWS}"
+    return None
+
+
+def _uv_valid(u: UvTiling) -> bool:
+    pow2 = lambda x: isinstance(x, int) and x >= 1 and x & (x - 1) == 0  # noqa: E731
+    return (pow2(u.block_v) and pow2(u.block_c) and u.block_c >= MIN_DOT and pow2(u.num_warps)
+            and u.block_v * u.block_c <= UV_THREAD_ELEMS * 32 * u.num_warps and pow2(u.block_b) and u.block_b <= UV_MAX_ROWS)
+
+
+def combine_uv(p: Partials, w_uv, *, out=None, uv_tiling: UvTiling | None = None) -> torch.Tensor:
+    """out[b, h·v + j] = Σ_c W_UV[h, j, c] · o[b, h, c], o the combine of p rounded to w_uv's dtype (as the
+    chain's combine output is before its bmm), FP32 sums; one launch, returns out [B, H·v] in w_uv.dtype."""
+    src = p.direct if p.part is None else p.part
+    B, H, C = src.shape[0], src.shape[1], src.shape[-1]
+    V = w_uv.shape[1]
+    assert w_uv.shape == (H, V, C) and w_uv.stride(2) == 1
+    if out is None:
+        out = torch.empty(B, H * V, dtype=w_uv.dtype, device=w_uv.device)
+    assert out.shape == (B, H * V) and out.dtype == w_uv.dtype and out.stride(1) == 1
+    if B == 0:
+        return out
+    u = uv_tiling or DEFAULT_UV_TILING
+    assert _uv_valid(u), u
+    block_v = min(u.block_v, triton.next_power_of_2(V))
+    block_c = min(u.block_c, max(MIN_DOT, triton.next_power_of_2(C)))
+    direct = p.part is None
+    S = p.num_splits
+    block_s = 1 if direct else triton.next_power_of_2(S)
+    block_b = min(u.block_b, triton.next_power_of_2(B), max(1, UV_ROW_SPLITS // block_s))
+    nv, nc, nb = triton.cdiv(V, block_v), triton.cdiv(C, block_c), triton.cdiv(B, block_b)
+    block_ss = max(1, min(block_s, COMBINE_TILE // block_c))
+    ps = src.stride()[:2] + ((0,) if direct else src.stride()[2:3])
+    es = (0, 0) if direct else p.lse.stride()[:2]
+    lse = src if direct else p.lse  # placeholder pointer when direct
+    ws = torch.empty(B, H, nc, V, dtype=torch.float32, device=out.device) if nc > 1 else out
+    count = arrival_counters(out.device, nb * H * nv) if nc > 1 else out
+    _mla_uv_kernel[(nc, H * nv, nb)](
+        src, lse, p.context_lens, w_uv, ws, count, out, B, H, V, nv, S,
+        ps[0], ps[1], ps[2], es[0], es[1], w_uv.stride(0), w_uv.stride(1), out.stride(0),
+        C=C, BLOCK_S=block_s, BLOCK_SS=block_ss, BLOCK_V=block_v, BLOCK_C=block_c, BLOCK_B=block_b, NC=nc,
+        BLOCK_NC=triton.next_power_of_2(nc), BLOCK_N=p.tiling.block_n, MIN_CHUNK=p.tiling.min_split_tokens,
+        DIRECT=direct, num_warps=u.num_warps, **launch_kwargs(out.device),
+    )
+    return out
+
+
+def mla_decode_uv_ref(q, latent, scale, block_tables, context_lens, sm_scale, w_uv, *, kv_lora_rank):
+    """FP32 reference of mla_decode(..., w_uv=w_uv): the attention output times W_UV per head, [B, H·v]."""
+    o = mla_decode_ref(q, latent, scale, block_tables, context_lens, sm_scale, kv_lora_rank=kv_lora_rank)
+    return torch.einsum("bhc,hvc->bhv", o, w_uv.float()).reshape(o.shape[0], -1)
 
 
 def mla_decode_ref(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lora_rank):
