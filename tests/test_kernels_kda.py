@@ -349,10 +349,10 @@ fn = kda._kda_decode_kernel
 names = list(inspect.signature(fn.fn).parameters)
 ptr = {"A_log": "*fp32", "state": "*fp32", "sck": "*fp32", "osc": "*fp32", "slots": "*i64", "counters": "*i32"}
 res = {}
-for B, early in ((1, False), (8, False), (1, True), (8, True)):  # early: the decode path's form (PDL, inputs_early)
+for B in (1, 8):
   for which, c in (("heuristic", kda.heuristic(32, 128, B, "cpu")), ("plan", kda.lookup(32, 128, B, "cpu"))):
     ce = dict(W=4, BLOCK_W=4, BLOCK_D=128, BLOCK_V=128 // c.split, SPLIT=c.split, FINISH=0 if c.split == 1 else 1,
-              SOFTPLUS=True, CKPT=False, EARLY=early, USE_PDL=early)
+              SOFTPLUS=True, CKPT=False, USE_PDL=False)
     sig = {n: "constexpr" if n in ce else ptr.get(n, "*bf16") if n in names[:16] else
            "fp32" if n in ("lower_bound", "eps_qk", "eps_o", "q_scale") else "i32" for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
@@ -362,7 +362,7 @@ for B, early in ((1, False), (8, False), (1, True), (8, True)):  # early: the de
         f.write(k.asm["ptx"])
         f.flush()
         info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True).stderr
-    res[f"{which} B={B}{' early' if early else ''}"] = [str(c), int(re.search(r"(\d+) bytes spill stores", info).group(1))]
+    res[f"{which} B={B}"] = [str(c), int(re.search(r"(\d+) bytes spill stores", info).group(1))]
 print(json.dumps(res))
 """
 

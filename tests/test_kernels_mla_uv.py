@@ -162,7 +162,7 @@ def test_bench_parses_args_on_cpu():
 
 
 def test_specialized_fused_uv_equals_the_bmm(model_dir, monkeypatch):
-    """latency_specialized with W_UV in the combine (the default) against PEREGRINE_MLA_FUSED_UV=0 (combine,
+    """latency_specialized with W_UV in the combine (PEREGRINE_MLA_FUSED_UV=1) against the default (combine,
     bmm, copy): the fused path is what runs; FP32: the same greedy tokens; every decode step's logits within
     tolerance up to the first differing token (BF16: o is rounded at the same point, the sums differ in order)."""
     from test_specialized import STEPS, TOL as STEP_TOL, engine, first_divergence, greedy, prompts
@@ -172,8 +172,9 @@ def test_specialized_fused_uv_equals_the_bmm(model_dir, monkeypatch):
     monkeypatch.setattr(specialized, "mla_decode", lambda *a, **k: calls.append(k.get("w_uv") is not None) or real(*a, **k))
     eager = dict(cuda_graphs=False) if DEVICE == "cuda" else {}
     ps = prompts(2, 17)
+    monkeypatch.setenv(specialized.FUSED_UV_ENV, "1")
     fused, lf = engine(model_dir, "latency_specialized", **eager)
-    monkeypatch.setenv(specialized.FUSED_UV_ENV, "0")
+    monkeypatch.delenv(specialized.FUSED_UV_ENV)
     bmm, lb = engine(model_dir, "latency_specialized", **eager)
     assert fused.runner.fused_uv and not bmm.runner.fused_uv
     n = STEPS if FULL_SHAPES else 6
@@ -181,7 +182,7 @@ def test_specialized_fused_uv_equals_the_bmm(model_dir, monkeypatch):
     assert calls and all(calls), "the fused W_UV path never ran"
     calls.clear()
     b = bmm.generate(ps, greedy(n))
-    assert calls and not any(calls), "PEREGRINE_MLA_FUSED_UV=0 still ran the fused path"
+    assert calls and not any(calls), "the default still ran the fused path"
     assert [p for p, _ in lf][1:] == ["latency_specialized"] * (len(lf) - 1)
     div = [first_divergence(x, y) for x, y in zip(a, b)]
     if DEVICE == "cpu":

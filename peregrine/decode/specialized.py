@@ -40,8 +40,7 @@ MAX_DECODE_BATCH = 16  # the skinny GEMMs are written for M ≤ 16 rows
 SHARED_SLOT_ENV = "PEREGRINE_SHARED_SLOT"  # "0": the shared expert as a dense MLP on the side stream (A/B runs)
 GROUPED_GATES_ENV = "PEREGRINE_KDA_GROUPED_GATES"  # "0": KDA's f_b and g_b up-projections as two launches
 FUSED_GLUE_ENV = "PEREGRINE_MLA_FUSED_GLUE"  # "0": MLA's kv norm, cache write and W_UK absorption as the 5-op chain
-KDA_EARLY_ENV = "PEREGRINE_KDA_EARLY"  # "0": kda_decode loads everything after its PDL wait (A/B runs)
-FUSED_UV_ENV = "PEREGRINE_MLA_FUSED_UV"  # "0": MLA's split combine, then W_UV as a cuBLAS bmm (and a copy at B > 1)
+FUSED_UV_ENV = "PEREGRINE_MLA_FUSED_UV"  # "1": MLA's combine with W_UV in one launch; else combine, bmm (and a copy)
 
 
 def _mm(x, w, out=None):
@@ -67,9 +66,9 @@ class SpecializedRunner:
         # the shared expert served by the routed-expert launches as one more slot (_moe); 0: on the side stream
         self.shared_in_experts = os.environ.get(SHARED_SLOT_ENV, "1") != "0"
         self.fused_glue = os.environ.get(FUSED_GLUE_ENV, "1") != "0"  # _mla_attend's prologue in one launch
-        # kda_decode reads its in-projection and states before the PDL wait: the gates' launch is between (_kda)
-        self.kda_early = os.environ.get(KDA_EARLY_ENV, "1") != "0"
-        self.fused_uv = os.environ.get(FUSED_UV_ENV, "1") != "0"  # _mla_attend's combine and W_UV in one launch
+        # _mla_attend's combine and W_UV in one launch: off by default, it lost 33 / 115 us a step at B = 4 / 8
+        # and won 10 us at B = 1, 2 (session 17 call 2); "1" turns it on
+        self.fused_uv = os.environ.get(FUSED_UV_ENV, "0") == "1"
         self.last_path = self.name
         self.fallback_reasons: Counter = Counter()
         self.greedy_tokens = None  # argmax of the last specialized step (the engine skips its own)
@@ -257,7 +256,7 @@ class SpecializedRunner:
         proj = _mm(h, attn.in_proj) if proj is None else proj
         N, B = proj.shape[0], proj.shape[0] // T
         qkv, fa, ga, b = proj.split(attn.splits, dim=-1)
-        f, r = self._gates(attn, proj, fa, ga)  # a launch at least: what kda_decode's inputs_early needs
+        f, r = self._gates(attn, proj, fa, ga)
         k = self.cache.kda_index[attn.layer]
         lb = self.cfg.kda_gate_lower_bound
         ck = step.kda_ckpt if T > 1 else None  # verify: the state after each position, for rollback
@@ -266,7 +265,7 @@ class SpecializedRunner:
                        attn.dt_bias, attn.o_norm, self.cache.state[k], self.cache.conv[k], step.kda_slots,
                        gate="softplus" if lb is None else "bounded", lower_bound=lb if lb is not None else -5.0,
                        eps_o=self.cfg.rms_norm_eps, state_ckpt=None if ck is None else ck[0][k, :B, :T],
-                       conv_ckpt=None if ck is None else ck[1][k, :B, :T], inputs_early=self.kda_early)
+                       conv_ckpt=None if ck is None else ck[1][k, :B, :T])
         return _mm(o.view(N, -1), attn.o_proj, out=self._rbuf(proj))
 
     def _mla(self, attn, h, step, T=1, proj=None):

@@ -126,8 +126,7 @@ def _kda_decode_kernel(
     s_sck_b, s_sck_t, s_sck_h, s_sck_k, s_cck_b, s_cck_t, s_cck_j, s_os_b, s_os_t,
     lower_bound, eps_qk, eps_o, q_scale,
     W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, SPLIT: tl.constexpr,
-    FINISH: tl.constexpr, SOFTPLUS: tl.constexpr, CKPT: tl.constexpr, EARLY: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    FINISH: tl.constexpr, SOFTPLUS: tl.constexpr, CKPT: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     pb = tl.program_id(0)
     h = tl.program_id(1)
@@ -141,14 +140,11 @@ def _kda_decode_kernel(
     ch_k = HD + ch_q
     ch_v = 2 * HD + h * D + ov
     # Weights first (safe before the PDL wait); state, conv state, slots and inputs are all
-    # written by earlier kernels of this step or the previous one, so they load after it, unless
-    # EARLY: then only the gates (f, r: the launch just before) wait, and the rest, two launches
-    # back or more (pdl.py), loads and convolves while that launch runs.
+    # written by earlier kernels of this step or the previous one, so they load after it.
     a = tl.exp(tl.load(A_log + h).to(tl.float32))
     dtb = tl.load(dt_bias + ch_q, mask=m, other=0.0).to(tl.float32)
     nw = tl.load(onw + ov, mask=mv, other=0.0).to(tl.float32)
-    if not EARLY:
-        pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     slot = tl.load(slots + pb).to(tl.int64)
 
     x_b = qkv + pb.to(tl.int64) * s_qkv_b
@@ -164,9 +160,6 @@ def _kda_decode_kernel(
         v = _conv_silu(x_b, cs, conv_w, s_cw, ch_v, mv, t, s_qkv_t, s_cs_j, W)
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps_qk) * q_scale
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps_qk)
-        beta = tl.sigmoid(tl.load(bl + pb * s_b_b + t * s_b_t + h).to(tl.float32))
-        if EARLY:
-            pdl_wait(USE_PDL)  # a no-op after the first position
 
         g = tl.load(f + pb * s_f_b + t * s_f_t + ch_q, mask=m, other=0.0).to(tl.float32) + dtb
         if SOFTPLUS:
@@ -174,6 +167,7 @@ def _kda_decode_kernel(
             gam = -a * sp_g
         else:
             gam = lower_bound * tl.sigmoid(a * g)
+        beta = tl.sigmoid(tl.load(bl + pb * s_b_b + t * s_b_t + h).to(tl.float32))
 
         S = S * tl.exp(gam)[:, None]                  # decay rows (key channels)
         ks = tl.sum(k[:, None] * S, axis=0)           # Sᵀk over this V slice
@@ -323,15 +317,12 @@ def _counters(device: torch.device, n: int):
 
 def kda_decode(qkv, f, b, r, conv_w, A_log, dt_bias, o_norm_w, state, conv_state, slots, *,
                gate="softplus", lower_bound=-5.0, eps_qk=1e-6, eps_o=1e-5, out=None,
-               state_ckpt=None, conv_ckpt=None, num_warps=None, config: KdaConfig | None = None,
-               inputs_early: bool = False):
+               state_ckpt=None, conv_ckpt=None, num_warps=None, config: KdaConfig | None = None):
     """One KDA layer step for B sequences × T positions; updates state/conv_state in place.
 
     qkv [B,T,3Hd], f/r [B,T,Hd], b [B,T,H] may be strided views of one GEMM output
     (last dim contiguous). Returns o [B,T,Hd] (before W_o) in qkv's dtype (or `out`).
-    `config` overrides the plan lookup; `num_warps` overrides its warps. inputs_early: the caller
-    guarantees qkv, b, the states and slots were written at least two launches before this one
-    (a launch between, e.g. the gates' GEMM writing f and r): under PDL they load before the wait.
+    `config` overrides the plan lookup; `num_warps` overrides its warps.
     """
     assert gate in ("softplus", "bounded")
     conv_w = conv_w.reshape(conv_w.shape[0], -1)  # accept the checkpoint's [C,1,W]
@@ -373,8 +364,7 @@ def kda_decode(qkv, f, b, r, conv_w, A_log, dt_bias, o_norm_w, state, conv_state
         cck.stride(0), cck.stride(1), cck.stride(2) if ckpt else 0, osc.stride(0), osc.stride(1),
         float(lower_bound), float(eps_qk), float(eps_o), d ** -0.5,
         W=W, BLOCK_W=BLOCK_W, BLOCK_D=BLOCK_D, BLOCK_V=BLOCK_D // split, SPLIT=split, FINISH=finish,
-        SOFTPLUS=gate == "softplus", CKPT=ckpt, EARLY=bool(inputs_early), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        SOFTPLUS=gate == "softplus", CKPT=ckpt, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_kwargs(qkv.device),
     )
     if finish == LAUNCH:
@@ -390,9 +380,9 @@ def kda_decode(qkv, f, b, r, conv_w, A_log, dt_bias, o_norm_w, state, conv_state
 
 def kda_decode_ref(qkv, f, b, r, conv_w, A_log, dt_bias, o_norm_w, state, conv_state, slots, *,
                    gate="softplus", lower_bound=-5.0, eps_qk=1e-6, eps_o=1e-5, out=None,
-                   state_ckpt=None, conv_ckpt=None, num_warps=None, config=None, inputs_early=False):
+                   state_ckpt=None, conv_ckpt=None, num_warps=None, config=None):
     """Plain FP32 PyTorch, straight from MODELS.md; same in-place effects as kda_decode
-    (num_warps, config and inputs_early are accepted and ignored, so both take the same arguments)."""
+    (num_warps and config are accepted and ignored, so both take the same arguments)."""
     conv_w = conv_w.reshape(conv_w.shape[0], -1).float()
     B, T, H, d, W = _check(qkv, f, b, r, conv_w, state, conv_state, slots, state_ckpt, conv_ckpt)
     a = A_log.reshape(-1).float().exp()                        # [H]

@@ -15,7 +15,7 @@ Two launches back. Every PDL kernel here triggers its dependents only from ``pdl
 its own wait returned (its predecessor complete), and every one has programs that reach it. So when
 kernel N + 1 starts, kernel N has passed its wait and kernel N - 1 has completed, its memory visible:
 before its wait, N + 1 may also read what N - 1 and earlier kernels wrote (expert ids of the router,
-two launches before the down projection; the KDA in-projection, with the gates' launch between).
+two launches before the down projection).
 Such a kernel says so where it does it, and its caller must guarantee the launch in between (a normal
 launch between counts too: it starts only after its predecessor completes). A program that exits
 without reaching ``pdl_wait`` counts as triggering, so a kernel's early-exiting programs are fine as
