@@ -478,19 +478,18 @@ def _expert_down_kernel(h_ptr, w2_ptr, s2_off, ids_ptr, part_ptr, B, E, D, I,
     n = tl.program_id(0)
     e = tl.load(ids_ptr + n)
     first = _first_use(ids_ptr, n, e, B * TOP_K, N_PAD)
-    chose, slot = _token_slots(ids_ptr, e, B, TOP_K, B_PAD, K_PAD)
-    offs_b = tl.arange(0, B_PAD)
     offs_i = tl.arange(0, BLOCK_I)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    row = offs_b * TOP_K + slot
     w_rows = _expert_base(w2_ptr, s2_off, e, E, D * I, ALIGN) + offs_d.to(tl.int64)[:, None] * I
-    h_rows = h_ptr + row[:, None] * I
     i_ok = offs_i < I
     w = tl.load(w_rows + offs_i[None, :], mask=first & d_ok[:, None] & i_ok[None, :], other=0.0).to(DOT_T)
     if EARLY:
         pdl_wait(USE_PDL)  # h comes from the up kernel just before
     if first:
+        chose, slot = _token_slots(ids_ptr, e, B, TOP_K, B_PAD, K_PAD)
+        row = tl.arange(0, B_PAD) * TOP_K + slot
+        h_rows = h_ptr + row[:, None] * I
         if SWAP:  # weight rows as the M side: [BLOCK_D, tokens] (wgmma-eligible at BLOCK_D >= 64)
             acc = tl.zeros([BLOCK_D, B_PAD], tl.float32)
         else:
