@@ -15,6 +15,18 @@ import torch
 COPY_BYTES = 2 << 30  # 2 GiB source: far past the 60 MB L2, so the copy streams HBM
 
 
+def kernel_resources(jit_fn, key_chars: int = 160) -> dict:
+    """Registers / spills of every compiled variant of a Triton kernel (ptxas), keyed by its constexprs."""
+    out = {}
+    try:
+        for caches in jit_fn.device_caches.values():
+            for key, k in caches[0].items():
+                out[str(key)[:key_chars]] = {"n_regs": k.n_regs, "n_spills": k.n_spills}
+    except Exception as e:  # noqa: BLE001 - triton internals differ between versions
+        out["error"] = f"{type(e).__name__}: {e}"[:160]
+    return out
+
+
 def time_fn(fn, iters: int = 50, warmup: int = 10) -> list[float]:
     """Per-call times in ms, each from its own pair of CUDA events (after warm-up)."""
     for _ in range(warmup):

@@ -106,19 +106,6 @@ class Case:
         return out
 
 
-def kernel_resources() -> dict:
-    """Registers / spills of every compiled prologue variant (ptxas), keyed by its constexprs."""
-    from peregrine.kernels import mla_prologue as mp
-    out = {}
-    try:
-        for caches in mp._mla_prologue_kernel.device_caches.values():
-            for key, k in caches[0].items():
-                out[str(key)[:120]] = {"n_regs": k.n_regs, "n_spills": k.n_spills}
-    except Exception as e:  # noqa: BLE001 - triton internals differ between versions
-        out["error"] = f"{type(e).__name__}: {e}"[:160]
-    return out
-
-
 def time_case(case: Case, iters: int) -> dict:
     from peregrine.bench.gpu import graph_time
     from peregrine.kernels.pdl import pdl
@@ -153,13 +140,14 @@ def line(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from peregrine.bench.gpu import copy_bandwidth, result_path, run_metadata, write_result
+    from peregrine.bench.gpu import copy_bandwidth, kernel_resources, result_path, run_metadata, write_result
+    from peregrine.kernels import mla_prologue as mp
     a = parse_args(argv)
     batches = a.batches or (QUICK_BATCHES if a.quick else BATCHES)
     copy = copy_bandwidth()
     rows = run(copy["gbps"], batches, a.iters)
     meta = run_metadata() | {"copy_gbps": copy["gbps"], "copy_samples_ms": copy["samples_ms"],
-                             "kernel_resources": kernel_resources()}
+                             "kernel_resources": kernel_resources(mp._mla_prologue_kernel, 120)}
     path = write_result(result_path("kernels", "mla-prologue", a.results_dir), {"meta": meta, "rows": rows})
     print(f"copy bandwidth {copy['gbps']:.0f} GB/s")
     for r in rows:

@@ -126,19 +126,6 @@ def tiling_tag(u: UvTiling) -> str:
     return f"{u.block_v}x{u.block_c}x{u.block_b}w{u.num_warps}"
 
 
-def kernel_resources() -> dict:
-    """Registers / spills of every compiled fused variant (ptxas), keyed by its constexprs."""
-    from peregrine.kernels import mla
-    out = {}
-    try:
-        for caches in mla._mla_uv_kernel.device_caches.values():
-            for key, k in caches[0].items():
-                out[str(key)[:160]] = {"n_regs": k.n_regs, "n_spills": k.n_spills}
-    except Exception as e:  # noqa: BLE001 - triton internals differ between versions
-        out["error"] = f"{type(e).__name__}: {e}"[:160]
-    return out
-
-
 def _time(fn, copies, iters, pdl_on=False) -> float:
     from peregrine.bench.gpu import graph_time
     from peregrine.kernels.pdl import pdl
@@ -201,7 +188,8 @@ def line(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from peregrine.bench.gpu import copy_bandwidth, result_path, run_metadata, write_result
+    from peregrine.bench.gpu import copy_bandwidth, kernel_resources, result_path, run_metadata, write_result
+    from peregrine.kernels import mla
     a = parse_args(argv)
     batches = a.batches or (QUICK[0] if a.quick else BATCHES)
     contexts = a.contexts or (QUICK[1] if a.quick else CONTEXTS)
@@ -210,7 +198,8 @@ def main(argv=None) -> int:
     print(f"copy bandwidth {copy['gbps']:.0f} GB/s")
     rows = run(copy["gbps"], batches, contexts, tilings, a.iters, a.fp8)
     meta = run_metadata() | {"copy_gbps": copy["gbps"], "copy_samples_ms": copy["samples_ms"],
-                             "tilings": [dataclasses.asdict(u) for u in tilings], "kernel_resources": kernel_resources()}
+                             "tilings": [dataclasses.asdict(u) for u in tilings],
+                             "kernel_resources": kernel_resources(mla._mla_uv_kernel)}
     path = write_result(result_path("kernels", "mla-uv", a.results_dir), {"meta": meta, "rows": rows})
     print(f"registers/spills: {meta['kernel_resources']}\n-> {path}")
     return 0
