@@ -74,6 +74,18 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+def assert_same_greedy_and_close_steps(a, b, la, lb, tol=TOL):
+    """Two paths' outputs a, b and their per-step logits la, lb: FP32 (CPU) greedy tokens identical; every
+    step's logits within tol up to each request's first differing token."""
+    div = [first_divergence(x, y) for x, y in zip(a, b)]
+    if DEVICE == "cpu":
+        assert div == [None] * len(div), f"FP32 greedy tokens differ at {div}"
+    for i, ((_, x), (_, y)) in enumerate(zip(la, lb)):
+        for r in range(len(div)):
+            if div[r] is None or i <= div[r]:
+                assert (x[r] - y[r]).norm() / x[r].norm() < tol, f"request {r} step {i}"
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_logits_close_and_tokens_identical(model_dir, seed):
     """Every step's logits within tolerance; greedy tokens identical (FP32). In BF16 two kinds of near-tie
@@ -125,13 +137,7 @@ def test_fused_norm_in_projections_equal_the_two_kernel_chain(model_dir):
     n = STEPS if FULL_SHAPES else 8  # an off-by-default path (slower on the H200): a few steps cover its layers in CI
     a, b = chain.generate(ps, greedy(n)), fused.generate(ps, greedy(n))
     assert [p for p, _ in lf][1:] == ["latency_specialized"] * (len(lf) - 1)
-    div = [first_divergence(x, y) for x, y in zip(a, b)]
-    if DEVICE == "cpu":
-        assert div == [None, None], f"FP32 greedy tokens differ at {div}"
-    for i, ((_, x), (_, y)) in enumerate(zip(lc, lf)):
-        for r in range(len(ps)):
-            if div[r] is None or i <= div[r]:
-                assert (x[r] - y[r]).norm() / x[r].norm() < TOL, f"request {r} step {i}"
+    assert_same_greedy_and_close_steps(a, b, lc, lf)
 
 
 def test_shared_expert_in_the_expert_launches_equals_the_dense_shared_expert(model_dir, monkeypatch):
