@@ -5,7 +5,8 @@
 # TESTS  pytest -m gpu arguments run first, e.g. "tests/test_kernels_moe.py -k router" (log: $OUT/pytest.log)
 # TUNE_SHARED=1  re-tune moe_plan.json's '+shared' experts entry first (the device's plan file, copied to $OUT)
 # GEMM_TUNE=1    re-tune the 48B decode GEMMs under PDL into $OUT/gemm_plan_pdl.json (not the tree's plan:
-#                an AB variant selects it with PEREGRINE_GEMM_PLAN=$OUT/gemm_plan_pdl.json)
+#                an AB variant selects it with PEREGRINE_GEMM_PLAN=$OUT/gemm_plan_pdl.json); GEMM_SHAPES (a
+#                kernels_gemm --shapes set, default decode48b), GEMM_MS (default 1,2,4,8), GEMM_SWEEP (default --wide)
 # ROUTER_TUNE=1  re-tune the router alone (kernels_moe --tune --router-only) into the tree's plan
 # MICRO  microbenchmark modules, ';'-separated (e.g. "kernels_moe --shared --quick;kernels_gemm --grouped"), logged to $OUT
 # AB     variants of `bench decode`, each "name" or "NAME=value[,NAME=value]" env settings; one results dir each
@@ -23,7 +24,8 @@ if [ "${TUNE_SHARED:-0}" = 1 ]; then
 fi
 if [ "${GEMM_TUNE:-0}" = 1 ]; then  # merged into a copy of the tree's plan: the other shapes keep their entries
   cp peregrine/kernels/gemm_plan.json "$OUT/gemm_plan_pdl.json"
-  timeout 240 python3 -m peregrine.bench.kernels_gemm --tune --wide --pdl --shapes decode48b --ms 1,2,4,8 --write-plan \
+  timeout ${T_GEMM:-240} python3 -m peregrine.bench.kernels_gemm --tune ${GEMM_SWEEP:---wide} --pdl --shapes ${GEMM_SHAPES:-decode48b} \
+    --ms ${GEMM_MS:-1,2,4,8} --write-plan \
     --plan-out "$OUT/gemm_plan_pdl.json" --results-dir "$OUT/micro" > "$OUT/tune-gemm.log" 2>&1; echo "tune-gemm rc=$?"
 fi
 if [ "${ROUTER_TUNE:-0}" = 1 ]; then  # the router's entry into the tree's plan

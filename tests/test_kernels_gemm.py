@@ -164,6 +164,23 @@ def test_the_wide_decode_sweep_yields_valid_configs_that_compute_the_product(dev
                      TOL[torch.bfloat16], str(c))
 
 
+def test_the_deep_sweep_pipelines_tensor_core_tiles_that_compute_the_product(device):
+    from peregrine.bench import kernels_gemm as kg
+    for m in (1, 2, 4, 8):
+        cfgs = list(kg.deep_candidates(m, 2304, 4096))
+        deep = [c for c in cfgs if c["dot"]]
+        assert deep and {c["num_stages"] for c in deep} == set(kg.DEEP_STAGES), m
+        for c in deep:
+            grid, k_per, _ = gemm.tiling(m, 2304, 4096, c)
+            assert gemm.NUM_SMS <= grid[0] * grid[1] and k_per // c["BLOCK_K"] >= c["num_stages"], c
+        assert all(c["prefetch"] for c in cfgs if not c["dot"]) and (m > 2 or len(cfgs) > len(deep)), m
+    x, w = _inputs(3, 640, 2048, torch.bfloat16, device, seed=5)
+    cfgs = [c for c in kg.deep_candidates(3, 640, 2048) if c["dot"]]
+    for c in (next(c for c in cfgs if c["num_stages"] == 4), next(c for c in cfgs if c["SPLIT_K"] > 1)):
+        assert_close(skinny_gemm(x, w, out=poisoned((3, 640), torch.bfloat16, device), config=c), ref(x, w),
+                     TOL[torch.bfloat16], str(c))
+
+
 # grouped_gemm: (M, N per group, K, G); small odd K, odd M, K long enough to split; B=16 rows
 GROUPED = [(3, 48, 40, 2), (1, 96, 300, 3), (16, 32, 257, 2)]
 GROUPED_CASES = [(s, v) for s in GROUPED for v in [None, *VARIANTS]

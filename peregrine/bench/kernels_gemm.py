@@ -38,7 +38,9 @@ SHAPES = [
 QUICK = [(12576, 2304), (2304, 4096), (256, 2304), (163840, 2304), (7168, 12288)]
 # The 48B decode step's GEMMs with more than one call per step (the dense layer's and lm_head's run once)
 DECODE_48B = [(12576, 2304), (2304, 4096), (4096, 128), (6720, 2304), (2048, 2304), (2304, 1024)]
-SHAPE_SETS = {"all": SHAPES, "quick": QUICK, "decode48b": DECODE_48B}
+# the o_proj (20 KDA + 7 MLA layers) ran at ~50 % of copy at M = 2..8 in session 18's step timeline
+SHAPE_SETS = {"all": SHAPES, "quick": QUICK, "decode48b": DECODE_48B, "oproj": [(2304, 4096)]}
+DEEP_STAGES = (3, 4)  # tensor-core tiles: cp.async stages in flight per program (the wide sweep keeps 2)
 BYTES_PER_THREAD = 64  # weight bytes each thread loads per K step in the wide sweep: 4 x 16-byte vectors
 MS = (1, 2, 4, 8, 16)
 L2_BYTES = 60 << 20
@@ -177,6 +179,22 @@ def wide_candidates(m: int, n: int, k: int):
                        "prefetch": prefetch}
 
 
+def deep_candidates(m: int, n: int, k: int):
+    """The wide sweep's best kinds, and tensor-core tiles (rows padded to 16, so the accumulator is small
+    whatever M) whose loads Triton software-pipelines through shared memory with DEEP_STAGES tiles in
+    flight: more bytes in flight per program than the FMA tiles' register budget allows."""
+    yield from (c for c in wide_candidates(m, n, k) if not c["dot"] and c["prefetch"])
+    for bn, bk, split, stages in itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8), DEEP_STAGES):
+        bk = min(bk, max(gemm.DOT_MIN_ROWS, 1 << (k - 1).bit_length()))
+        programs = -(-n // bn) * split
+        steps = -(-k // (split * bk))
+        if bn * bk > 64 * 256 or steps < stages or not gemm.NUM_SMS <= programs <= 8 * gemm.NUM_SMS:
+            continue  # a tile too big for registers, fewer K steps than stages, or too few / many programs
+        yield {"kernel": "splitk" if split > 1 else "plain", "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
+               "num_warps": 4, "num_stages": stages, "dot": True, "reduce": "inline" if split > 1 else "kernel",
+               "prefetch": False}
+
+
 def fast_candidates(m: int, n: int, k: int):
     """The heuristic tile with and without tensor cores, and cuBLAS: a plan in seconds per shape."""
     heur = gemm.heuristic(m, n, k)
@@ -186,12 +204,13 @@ def fast_candidates(m: int, n: int, k: int):
     yield heur | {"kernel": "torch"}
 
 
-def tune_one(m, n, k, copy_gbps: float, iters: int = 10, fast: bool = False, wide: bool = False) -> dict:
+def tune_one(m, n, k, copy_gbps: float, iters: int = 10, fast: bool = False, wide: bool = False,
+             deep: bool = False) -> dict:
     case = Case(m, n, k)
     ref = gemm.skinny_gemm_ref(case.x, case.ws[0])
     results = []
     heur = gemm.heuristic(m, n, k)
-    sweep = fast_candidates if fast else wide_candidates if wide else candidates
+    sweep = fast_candidates if fast else deep_candidates if deep else wide_candidates if wide else candidates
     cfgs = list(sweep(m, n, k)) + ([] if fast else [heur | {"kernel": "torch"}])
     for cfg in cfgs + ([heur] if heur not in cfgs else []):
         try:
@@ -216,10 +235,11 @@ def tune_one(m, n, k, copy_gbps: float, iters: int = 10, fast: bool = False, wid
                                 "pdl": pdl_enabled()}}
 
 
-def tune_plan(copy_gbps: float, full: bool = True, ms=MS, fast: bool = False, shapes=None, wide: bool = False) -> dict:
+def tune_plan(copy_gbps: float, full: bool = True, ms=MS, fast: bool = False, shapes=None, wide: bool = False,
+              deep: bool = False) -> dict:
     plan = {}
     for (n, k), m in itertools.product(shapes or (SHAPES if full else QUICK), ms):
-        plan[gemm.plan_key(m, n, k)] = tune_one(m, n, k, copy_gbps, fast=fast, wide=wide)
+        plan[gemm.plan_key(m, n, k)] = tune_one(m, n, k, copy_gbps, fast=fast, wide=wide, deep=deep)
         print(gemm.plan_key(m, n, k), plan[gemm.plan_key(m, n, k)], flush=True)
     return plan
 
@@ -253,6 +273,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--pdl", action="store_true", help="launch with Programmatic Dependent Launch (tune for {\"pdl\": true})")
     ap.add_argument("--shapes", choices=sorted(SHAPE_SETS), help="a named shape set (overrides --quick)")
     ap.add_argument("--wide", action="store_true", help="with --tune: the decode sweep (narrow tiles, inline split-K reduce)")
+    ap.add_argument("--deep", action="store_true",
+                    help="with --tune: the wide sweep's prefetching FMA tiles and tensor-core tiles with 3-4 pipeline stages")
     ap.add_argument("--plan-out", help="with --write-plan: merge into this file instead of gemm_plan.json")
     ap.add_argument("--grouped", action="store_true", help="only KDA's two gate up-projections: one grouped launch vs two")
     ap.add_argument("--results-dir", default="results")
@@ -273,7 +295,7 @@ def main(argv=None):
         print(f"copy bandwidth {copy['gbps']:.0f} GB/s\n{grouped_table(rows)}\n-> {path}")
         return
     shapes = SHAPE_SETS[a.shapes] if a.shapes else None
-    plan = tune_plan(copy["gbps"], not a.quick, ms, fast=a.fast, shapes=shapes, wide=a.wide) if a.tune else None
+    plan = tune_plan(copy["gbps"], not a.quick, ms, fast=a.fast, shapes=shapes, wide=a.wide, deep=a.deep) if a.tune else None
     if plan and a.write_plan:
         write_plan(plan, {k: meta[k] for k in ("commit", "gpu", "torch", "triton", "time_utc", "copy_gbps", "pdl")},
                    Path(a.plan_out) if a.plan_out else gemm.PLAN_PATH)

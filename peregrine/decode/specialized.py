@@ -40,7 +40,9 @@ MAX_DECODE_BATCH = 16  # the skinny GEMMs are written for M ≤ 16 rows
 SHARED_SLOT_ENV = "PEREGRINE_SHARED_SLOT"  # "0": the shared expert as a dense MLP on the side stream (A/B runs)
 GROUPED_GATES_ENV = "PEREGRINE_KDA_GROUPED_GATES"  # "0": KDA's f_b and g_b up-projections as two launches
 FUSED_GLUE_ENV = "PEREGRINE_MLA_FUSED_GLUE"  # "0": MLA's kv norm, cache write and W_UK absorption as the 5-op chain
-FUSED_UV_ENV = "PEREGRINE_MLA_FUSED_UV"  # "1": MLA's combine with W_UV in one launch; else combine, bmm (and a copy)
+FUSED_UV_ENV = "PEREGRINE_MLA_FUSED_UV"  # MLA's combine with W_UV in one launch: "1" at every B, "0" never
+# ... else up to this B: it won 7-16 us a step at B = 1, 2 and lost 33-117 us at B = 4, 8 (sessions 17, 18)
+FUSED_UV_MAX_B = 2
 
 
 def _mm(x, w, out=None):
@@ -66,9 +68,8 @@ class SpecializedRunner:
         # the shared expert served by the routed-expert launches as one more slot (_moe); 0: on the side stream
         self.shared_in_experts = os.environ.get(SHARED_SLOT_ENV, "1") != "0"
         self.fused_glue = os.environ.get(FUSED_GLUE_ENV, "1") != "0"  # _mla_attend's prologue in one launch
-        # _mla_attend's combine and W_UV in one launch: off by default, it lost 33 / 115 us a step at B = 4 / 8
-        # and won 10 us at B = 1, 2 (session 17 call 2); "1" turns it on
-        self.fused_uv = os.environ.get(FUSED_UV_ENV, "0") == "1"
+        # _mla_attend's combine and W_UV in one launch for batches up to this many rows
+        self.fused_uv_max_b = {"1": MAX_DECODE_BATCH, "0": 0}.get(os.environ.get(FUSED_UV_ENV), FUSED_UV_MAX_B)
         self.last_path = self.name
         self.fallback_reasons: Counter = Counter()
         self.greedy_tokens = None  # argmax of the last specialized step (the engine skips its own)
@@ -297,7 +298,7 @@ class SpecializedRunner:
             tables = tables.unsqueeze(1).expand(S, T, tables.shape[1]).reshape(B, -1)
             lens = (lens.unsqueeze(1) - (T - 1) + torch.arange(T, device=lens.device, dtype=lens.dtype)).reshape(B)
         args = (qh, c.latent[mi], c.scale[mi] if c.fp8 else None, tables, lens, attn.sm_scale)
-        if self.fused_uv and uv_why_not(qh, w_uv, attn.r) is None:  # W_UV in the combine: [B, H·v] directly
+        if B <= self.fused_uv_max_b and uv_why_not(qh, w_uv, attn.r) is None:  # W_UV in the combine: [B, H·v]
             return mla_decode(*args, kv_lora_rank=attn.r, w_uv=w_uv)
         o_lat = mla_decode(*args, kv_lora_rank=attn.r)
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(B, -1)
