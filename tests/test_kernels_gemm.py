@@ -24,6 +24,8 @@ VARIANTS = {
                        reduce="inline"),
     "inline_fma": dict(kernel="splitk", BLOCK_N=8, BLOCK_K=64, SPLIT_K=3, num_warps=2, num_stages=2, dot=False,
                        reduce="inline"),
+    # the whole K in four tiles (1000 = 3 x 256 + a partial tile; 257: two of them unused past K)
+    "resident": dict(kernel="resident", BLOCK_N=4, BLOCK_K=256, SPLIT_K=1, num_warps=2, num_stages=1, dot=False),
 }
 
 
@@ -61,7 +63,7 @@ def test_variants(variant, mnk, dtype, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "resident"])  # resident: no prefetch flag
 @pytest.mark.parametrize("mnk", [(1, 100, 257), (3, 33, 1024), (2, 40, 64)])
 def test_prefetch_keeps_the_bits(variant, mnk, dtype, device, monkeypatch):
     """The weight prefetch only moves loads earlier: the same products in the same order, so the
@@ -162,6 +164,27 @@ def test_the_wide_decode_sweep_yields_valid_configs_that_compute_the_product(dev
     for c in picks:
         assert_close(skinny_gemm(x, w, out=poisoned((2, 600), torch.bfloat16, device), config=c), ref(x, w),
                      TOL[torch.bfloat16], str(c))
+
+
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_resident_tiles_cover_k_and_leave_the_rest_of_out(m, device):
+    """The resident kernel (all weight tiles loaded before the PDL wait) on an even K in exactly four tiles,
+    K = one tile, N not a multiple of the tile, into a column slice of a wider buffer: every row matches the
+    reference, the neighbouring columns keep their sentinel; a K needing five tiles is refused."""
+    cfg = VARIANTS["resident"]
+    for n, k in [(37, 1024), (33, 100)] + ([(2304, 4096)] if FULL_SHAPES else []):  # GPU: the o_proj too
+        if k == 4096:
+            cfg = cfg | {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}
+        x, w = _inputs(m, n, k, torch.bfloat16, device, seed=m)
+        buf = torch.full((m, n + 16), SENTINEL, device=device, dtype=torch.bfloat16)
+        y = buf[:, 8:8 + n]
+        y.copy_(poisoned((m, n), torch.bfloat16, device))
+        skinny_gemm(x, w, out=y, config=cfg)
+        assert_close(y, ref(x, w), TOL[torch.bfloat16], f"resident m={m} n={n} k={k}")
+        assert (buf[:, :8] == SENTINEL).all() and (buf[:, 8 + n:] == SENTINEL).all()
+    x, w = _inputs(m, 8, 1025, torch.bfloat16, device)
+    with pytest.raises(AssertionError, match="resident"):
+        skinny_gemm(x, w, config=cfg)
 
 
 def test_the_deep_sweep_pipelines_tensor_core_tiles_that_compute_the_product(device):

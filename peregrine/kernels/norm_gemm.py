@@ -104,7 +104,7 @@ def norm_gemm(x: torch.Tensor, w_norm: torch.Tensor, w: torch.Tensor, eps: float
     if M == 0:
         return y
     cfg = config or gemm.lookup(M, N, K)
-    if cfg["kernel"] == "torch":  # the plan's cuBLAS shapes: the prologue needs our kernel
+    if cfg["kernel"] in ("torch", "resident"):  # the plan's cuBLAS / resident shapes: the prologue needs this kernel
         cfg = gemm.heuristic(M, N, K)
     grid, k_per, tile = gemm.tiling(M, N, K, cfg)  # the skinny GEMM's tiles for this config
     split = grid[1]
