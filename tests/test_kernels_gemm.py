@@ -173,13 +173,12 @@ def test_resident_tiles_cover_k_and_leave_the_rest_of_out(m, device):
     reference, the neighbouring columns keep their sentinel; a K needing five tiles is refused."""
     cfg = VARIANTS["resident"]
     for n, k in [(37, 1024), (33, 100)] + ([(2304, 4096)] if FULL_SHAPES else []):  # GPU: the o_proj too
-        if k == 4096:
-            cfg = cfg | {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}
+        c = cfg | {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4} if k == 4096 else cfg
         x, w = _inputs(m, n, k, torch.bfloat16, device, seed=m)
         buf = torch.full((m, n + 16), SENTINEL, device=device, dtype=torch.bfloat16)
         y = buf[:, 8:8 + n]
         y.copy_(poisoned((m, n), torch.bfloat16, device))
-        skinny_gemm(x, w, out=y, config=cfg)
+        skinny_gemm(x, w, out=y, config=c)
         assert_close(y, ref(x, w), TOL[torch.bfloat16], f"resident m={m} n={n} k={k}")
         assert (buf[:, :8] == SENTINEL).all() and (buf[:, 8 + n:] == SENTINEL).all()
     x, w = _inputs(m, 8, 1025, torch.bfloat16, device)
