@@ -10,7 +10,8 @@
 # ROUTER_TUNE=1  re-tune the router alone (kernels_moe --tune --router-only) into the tree's plan
 # MICRO  microbenchmark modules, ';'-separated (e.g. "kernels_moe --shared --quick;kernels_gemm --grouped"), logged to $OUT
 # AB     variants of `bench decode`, each "name" or "NAME=value[,NAME=value]" env settings; one results dir each
-# TIMELINE=1  step_timeline for the first variant (the profile of graph replays) at TIMELINE_BS (default 1,8)
+# TIMELINE=1  step_timeline for the first variant (the profile of graph replays) at TIMELINE_BS (default 1,8);
+#             TIMELINE_ARGS more step_timeline flags (e.g. --distinct-tokens: every batch row its own token)
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
@@ -47,7 +48,7 @@ for v in ${AB:-base}; do
     --results-dir "$dir" > "$dir.log" 2>&1
   echo "decode $v rc=$?"; tail -n 8 "$dir.log"
   if [ "$first" = 1 ] && [ "${TIMELINE:-0}" = 1 ]; then
-    env "${envs[@]}" timeout 200 python3 -m peregrine.bench.step_timeline --dummy-weights --batch-sizes "${TIMELINE_BS:-1,8}" --results-dir "$OUT/timeline" \
+    env "${envs[@]}" timeout 200 python3 -m peregrine.bench.step_timeline --dummy-weights --batch-sizes "${TIMELINE_BS:-1,8}" ${TIMELINE_ARGS:-} --results-dir "$OUT/timeline" \
       > "$OUT/timeline.log" 2>&1; echo "timeline rc=$?"
   fi
   first=0

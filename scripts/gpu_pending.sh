@@ -20,8 +20,13 @@
 #   relaxed to an ulp (7384258), not re-run on the GPU: python3 -m pytest -q -m gpu tests/test_kernels_mla_prologue.py;
 #   the router re-tune with one-warp candidates timed out at 200 s (give kernels_moe --tune ~300 s); W_UV folded into
 #   mla_combine; the KDA decode (8 us a layer); the in-projection GEMM (80 % of copy)
-# - the whole turn at the head (not measured since 65cc9be): STEPS="ttft serve" LENGTHS=1024,8192,32768 RUNS=3 CONC=8 RATE=4
-#   BACKENDS="latency_specialized@6" bash scripts/gpu_prefill.sh
+# - the whole turn: measured at c55ca27 (session 18 call 4); repeat after any change to prefill or scheduling:
+#   STEPS="ttft serve" LENGTHS=1024,8192,32768 RUNS=3 CONC=8 RATE=4 BACKENDS="latency_specialized@6" bash scripts/gpu_prefill.sh
+#   (carry .commit and a .whl without the test-only wheels: transformers & co. are not needed, ~7 MB is)
+# - #20 after session 18: the step timeline with distinct tokens per batch row (TIMELINE=1 TIMELINE_ARGS=--distinct-tokens;
+#   until now every row carried one token, so
+#   its B > 1 routing is not a real batch's) before choosing the next MoE work at B = 2..8; the o_proj (2304 x 4096)
+#   at ~50 % of copy for M >= 2 whatever the tile (wide, deep and resident sweeps all ~8.9 us)
 # - K3's bounded gate in the shared varlen fla call (VARLEN_BOUNDED_GATE, off; cut three times by fla's autotune
 #   of K3's shapes on a fresh machine, so give it ~300 s): python3 -m pytest -v -m gpu tests/test_prefill.py -k "k3-shared or k3-per-row"
 # - #20's MXFP4 experts against OpenAI's triton_kernels MXFP4 MoE on k3-slice shapes: not started

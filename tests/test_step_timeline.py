@@ -75,3 +75,12 @@ def test_chrome_trace_kernels_split_into_replays():
     assert [k["ts"] for k in b] == [30.0, 40.0, 50.0] and a[0]["grid"] == (0, 1, 1)
     with pytest.raises(ValueError, match="do not split"):
         st.split_replays(ks, 4)
+
+
+@pytest.mark.parametrize("vocab", [163840, 300, 7920])
+def test_distinct_tokens_give_every_row_its_own_in_range_token(vocab):
+    """--distinct-tokens: B rows, B different ids, none the capture's token 0, all inside the vocabulary
+    (7920: a vocabulary whose size - 1 the stride divides, where the stride alone would repeat)."""
+    for B in (1, 2, 8, 16):
+        ids = st.distinct_tokens(B, vocab)
+        assert len(ids) == B and len(set(ids)) == B and all(0 < t < vocab for t in ids), (B, vocab, ids)

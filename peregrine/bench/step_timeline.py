@@ -18,6 +18,15 @@ import os
 import tempfile
 
 REPLAYS = 10  # profiled replays per B; every figure is their per-replay mean
+TOKEN_STRIDE = 7919  # --distinct-tokens: row b's token is 1 + b * this (mod the vocabulary), a prime apart
+
+
+def distinct_tokens(B: int, vocab: int) -> list[int]:
+    """One token per batch row, all different (B ≤ vocab - 1), none of them 0 (the capture's token)."""
+    ids = [1 + b * TOKEN_STRIDE % (vocab - 1) for b in range(B)]
+    if len(set(ids)) < B:  # a vocabulary the stride divides: consecutive ids instead
+        ids = list(range(1, B + 1))
+    return ids
 
 
 def kernel_events(trace: dict) -> list[dict]:
@@ -118,7 +127,7 @@ def profile_replays(replay, n: int = REPLAYS) -> list[list[dict]]:
     return split_replays(kernel_events(trace), n)
 
 
-def run(model: str, batch_sizes, dummy: bool, log=print) -> list[dict]:
+def run(model: str, batch_sizes, dummy: bool, log=print, distinct: bool = False) -> list[dict]:
     import torch
 
     from ..config import EngineConfig
@@ -128,13 +137,15 @@ def run(model: str, batch_sizes, dummy: bool, log=print) -> list[dict]:
     graphs = eng.runner.graphs
     rows = []
     for B in batch_sizes:
-        replay = graphs.scratch_replay(B) if graphs is not None else None
+        ids = torch.tensor(distinct_tokens(B, eng.runner.model.cfg.vocab_size), device="cuda") if distinct else None
+        replay = graphs.scratch_replay(B, ids) if graphs is not None else None
         if replay is None:
             log(f"B={B}: no captured graph, skipped")
             continue
         replays = profile_replays(replay)
         s = summarize(replays)
-        s.update(B=B, replay_ms=eng.runner.graph_replay_time(B, 100), sequence=sequence(replays[-1]))
+        s.update(B=B, replay_ms=eng.runner.graph_replay_time(B, 100), sequence=sequence(replays[-1]),
+                 tokens="distinct" if distinct else "one for every row")
         rows.append(s)
         log(f"B={B}: graph replay {s['replay_ms']:.3f} ms; profiled span {s['span_us'] / 1e3:.3f} ms, GPU busy "
             f"{s['busy_us'] / 1e3:.3f} ms, {s['kernels']} kernels, {s['early_starts']:.0f} start before their predecessor ends")
@@ -153,10 +164,13 @@ def main() -> None:
     ap.add_argument("--model", default="kimi-linear-48b-a3b")
     ap.add_argument("--dummy-weights", action="store_true")
     ap.add_argument("--batch-sizes", default="1,2,4,8")
+    ap.add_argument("--distinct-tokens", action="store_true",
+                    help="a different token in every batch row (the MoE then routes as a real batch does; "
+                         "default: the capture's one token in every row, so B > 1 rows choose the same experts)")
     ap.add_argument("--results-dir", default="results")
     a = ap.parse_args()
     copy = gpu.copy_bandwidth()
-    rows = run(a.model, [int(x) for x in a.batch_sizes.split(",")], a.dummy_weights)
+    rows = run(a.model, [int(x) for x in a.batch_sizes.split(",")], a.dummy_weights, distinct=a.distinct_tokens)
     path = gpu.write_result(gpu.result_path(a.model, "step-timeline", a.results_dir),
                             {"meta": gpu.run_metadata(), "copy_bandwidth": copy, "rows": rows})
     print(f"wrote {path}")

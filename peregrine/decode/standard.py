@@ -133,9 +133,11 @@ class GraphCache:
         return out
 
     @torch.inference_mode()  # the static buffers are inference tensors when captured under it
-    def scratch_replay(self, B: int):
+    def scratch_replay(self, B: int, input_ids=None):
         """B's most-used graph, its static inputs pointed at the scratch slot and block: its `replay`
-        (None without a graph for B). For timing and profiling; it never touches a live sequence."""
+        (None without a graph for B). For timing and profiling; it never touches a live sequence.
+        input_ids: the rows' tokens (e.g. one each, so the MoE routes as a real batch does); else whatever
+        the static buffer holds (the capture's: one token in every row)."""
         keys = [k for k in self.graphs if k[0] == B]
         if not keys:
             return None
@@ -146,6 +148,8 @@ class GraphCache:
         st.kda_slots.fill_(c.scratch_slot)
         st.block_tables.fill_(c.scratch_block)
         st.context_lens_t.fill_(key[1] * c.block_size)
+        if input_ids is not None:
+            st.input_ids.copy_(input_ids)
         return g.replay
 
     def replay_time(self, B: int, iters: int = 100) -> float | None:
