@@ -439,7 +439,7 @@ def compile_check(router_cfgs, expert_cfgs, B: int = 3) -> list[dict]:
             jobs.append((f"down {e}", moe._expert_down_kernel, dict(
                 h_ptr=(bf, 0), w2_ptr=(bf, 0), s2_off=("i64", 0), ids_ptr=(i32, 0), part_ptr=(f32, 0), **dims,
                 BLOCK_D=c(e["DOWN_BLOCK_D"]),
-                BLOCK_I=c(e["DOWN_BLOCK_I"]), SWAP=c(bool(e["SWAP"])), EARLY=c(moe.EARLY_SLOTS.value), **meta),
+                BLOCK_I=c(e["DOWN_BLOCK_I"]), SWAP=c(bool(e["SWAP"])), EARLY=c(True), **meta),
                 e["down_warps"], e["down_stages"]))
         else:
             jobs.append((f"fused {e}", moe._expert_fused_kernel, dict(

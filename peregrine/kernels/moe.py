@@ -50,11 +50,9 @@ PLAN_PATH = Path(__file__).with_name("moe_plan.json")
 B_MAX = 16             # decode batches up to 16 share one padded token tile: one compile, batch-invariant bits
 MIN_DOT_ROWS = 16      # tl.dot needs M, N, K >= 16
 COMBINE_BLOCK_D = 256  # columns per combine program; fixed (never tuned) so its sum order never changes
-DOWN_EARLY_ENV = "PEREGRINE_MOE_DOWN_EARLY"  # A/B runs: "0" the down kernel waits first; "tile": slots after the wait
-# what the down kernel reads before its PDL wait (see the kernel): nothing; the ids and the first W2 tile; those
-# and the token slots (constexprs: jit code may read only constexpr globals)
-EARLY_NONE, EARLY_TILE, EARLY_SLOTS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-DOWN_EARLY_MODES = {"0": EARLY_NONE.value, "tile": EARLY_TILE.value}  # anything else: EARLY_SLOTS
+# "0": the down kernel waits before reading the ids (A/B runs). Its token slots found before the wait instead of
+# after it measured the same (session 18 call 2, within 5 us a step), so the simpler form stays
+DOWN_EARLY_ENV = "PEREGRINE_MOE_DOWN_EARLY"
 FUSED_ROUTER_ENV = "PEREGRINE_ROUTER_FUSED"  # "0": the top-k in its own launch always (A/B runs)
 TOPK_WARPS = 1         # top-k is 3k tiny reductions over E: one warp does each with shuffles, no smem barriers
 SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0  # SiTU bounds (MODELS.md)
@@ -474,28 +472,24 @@ def _expert_down_kernel(h_ptr, w2_ptr, s2_off, ids_ptr, part_ptr, B, E, D, I,
                         TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, SWAP: tl.constexpr,
                         DOT_T: tl.constexpr, PREC: tl.constexpr,
-                        ALIGN: tl.constexpr = 1, EARLY: tl.constexpr = 2, USE_PDL: tl.constexpr = False):
+                        ALIGN: tl.constexpr = 1, EARLY: tl.constexpr = True, USE_PDL: tl.constexpr = False):
     # The expert ids are two launches back (the router's top-k, then the up kernel): complete when this
-    # kernel starts (pdl.py), so the first W2 tile (and, EARLY_SLOTS, the token slots) come before the
-    # wait, while the up kernel ends; only h (the up kernel's output) is read after it.
-    if EARLY == EARLY_NONE:  # the A/B baseline: wait first
+    # kernel starts (pdl.py), so the first W2 tile streams in before the wait, while the up kernel ends.
+    if not EARLY:  # the A/B baseline: wait first
         pdl_wait(USE_PDL)
     n = tl.program_id(0)
     e = tl.load(ids_ptr + n)
     first = _first_use(ids_ptr, n, e, B * TOP_K, N_PAD)
-    if EARLY != EARLY_TILE:  # a program that exits computes them too: off the critical path, unlike after the wait
-        chose, slot = _token_slots(ids_ptr, e, B, TOP_K, B_PAD, K_PAD)
     offs_i = tl.arange(0, BLOCK_I)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     w_rows = _expert_base(w2_ptr, s2_off, e, E, D * I, ALIGN) + offs_d.to(tl.int64)[:, None] * I
     i_ok = offs_i < I
     w = tl.load(w_rows + offs_i[None, :], mask=first & d_ok[:, None] & i_ok[None, :], other=0.0).to(DOT_T)
-    if EARLY != EARLY_NONE:
+    if EARLY:
         pdl_wait(USE_PDL)  # h comes from the up kernel just before
     if first:
-        if EARLY == EARLY_TILE:
-            chose, slot = _token_slots(ids_ptr, e, B, TOP_K, B_PAD, K_PAD)
+        chose, slot = _token_slots(ids_ptr, e, B, TOP_K, B_PAD, K_PAD)
         row = tl.arange(0, B_PAD) * TOP_K + slot
         h_rows = h_ptr + row[:, None] * I
         if SWAP:  # weight rows as the M side: [BLOCK_D, tokens] (wgmma-eligible at BLOCK_D >= 64)
@@ -636,7 +630,7 @@ def moe_expert_partials(x, w13, w2, topk_ids, *, activation: str = "swiglu", wor
             num_warps=cfg["up_warps"], num_stages=cfg["up_stages"], **act, **meta)
         _expert_down_kernel[(B * k, triton.cdiv(D, cfg["DOWN_BLOCK_D"]))](
             h, w2, s2_off, topk_ids, part, B, E, D, I, BLOCK_D=cfg["DOWN_BLOCK_D"], BLOCK_I=cfg["DOWN_BLOCK_I"],
-            SWAP=bool(cfg.get("SWAP", False)), EARLY=DOWN_EARLY_MODES.get(os.environ.get(DOWN_EARLY_ENV), EARLY_SLOTS.value),
+            SWAP=bool(cfg.get("SWAP", False)), EARLY=os.environ.get(DOWN_EARLY_ENV, "1") != "0",
             num_warps=cfg["down_warps"], num_stages=cfg["down_stages"], **meta)
     else:
         _expert_fused_kernel[(B * k, pshape[0])](
