@@ -26,7 +26,8 @@
 # - #20 after session 18: the step timeline with distinct tokens per batch row (TIMELINE=1 TIMELINE_ARGS=--distinct-tokens;
 #   until now every row carried one token, so
 #   its B > 1 routing is not a real batch's) before choosing the next MoE work at B = 2..8; the o_proj (2304 x 4096)
-#   at ~50 % of copy for M >= 2 whatever the tile (wide, deep and resident sweeps all ~8.9 us); the KDA decode's
+#   at ~50 % of copy for M >= 2 whatever the tile (wide, deep and resident sweeps all ~8.9 us): first its tiling's
+#   read ceiling, MICRO="kernels_gemm --shapes oproj --ms 1,2,4,8 --pdl --stream"; the KDA decode's
 #   conv-state reads hoisted (off, same bits, CPU-tested): AB="base PEREGRINE_KDA_HOIST=1" bash scripts/gpu_decode_ab.sh
 # - K3's bounded gate in the shared varlen fla call (VARLEN_BOUNDED_GATE, off; cut three times by fla's autotune
 #   of K3's shapes on a fresh machine, so give it ~300 s): python3 -m pytest -v -m gpu tests/test_prefill.py -k "k3-shared or k3-per-row"

@@ -255,3 +255,32 @@ def test_grouped_bench_parses_and_runs_on_cpu(monkeypatch, device):
     (row,) = kg.run_grouped(1000.0, ms=(3,), n=48, k=40, g=2)
     assert row["identical"] and row["time_ms"] == row["separate_ms"] == 2.0
     assert row["bytes"] == (2 * 48 * 40 + 3 * 80 + 3 * 96) * 4 and row["pct_of_copy"] == row["bytes"] / 2.0 / 1e6 / 1000.0
+
+
+@pytest.mark.parametrize("variant", ["plain_fma", "splitk_dot", "inline_fma", "resident"])
+def test_stream_tiles_reads_every_weight_once_with_the_configs_tiling(variant, device):
+    """kernels_gemm --stream's read-only kernel: with each config's grid and tiles the programs' maxima cover
+    the whole weight exactly (the overall max, and per N tile the max of its rows), ragged N and K included."""
+    from peregrine.bench import kernels_gemm as kg
+    w = torch.randn(37, 1000, generator=torch.Generator().manual_seed(3)).to(device)
+    cfg = VARIANTS[variant]
+    got = kg.stream_tiles(w, cfg)
+    assert got.max() == w.max()
+    bn = cfg["BLOCK_N"]
+    want = torch.stack([w[i:i + bn].max() for i in range(0, 37, bn)])
+    assert torch.equal(got.max(0).values, want), variant
+
+
+def test_stream_option_adds_the_reads_alone_to_each_row(monkeypatch, device):
+    from peregrine.bench import kernels_gemm as kg
+    assert kg.parser().parse_args(["--stream"]).stream
+    if device != "cpu":
+        pytest.skip("the GPU pass runs the real benchmark")
+    for name, val in dict(DEVICE="cpu", DTYPE=torch.float32, ROTATE_BYTES=1, REPS=1).items():
+        monkeypatch.setattr(kg, name, val)
+    monkeypatch.setattr(kg, "graph_time", lambda calls, iters: ([c() for c in calls], (2.0, [2.0]))[-1])
+    plan = {gemm.plan_key(2, 40, 64): VARIANTS["plain_fma"], gemm.plan_key(2, 48, 64): VARIANTS["plain_fma"] | {"kernel": "torch"}}
+    rows = kg.run(1000.0, plan=plan, ms=(2,), shapes=[(40, 64), (48, 64)], stream=True)
+    assert rows[0]["stream_ms"] == 2.0 and rows[0]["stream_pct_of_copy"] == 40 * 64 * 4 / 2.0 / 1e6 / 1000.0
+    assert "stream_ms" not in rows[1], "cuBLAS rows have no tiling to stream"
+    assert "reads alone" in kg.table(rows)

@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 from peregrine.bench.gpu import graph_time
 from peregrine.kernels import gemm
@@ -67,6 +69,37 @@ class Case:
         return graph_time([lambda w=self.ws[i % len(self.ws)]: call(w) for i in range(max(REPS, len(self.ws)))], iters)
 
 
+@triton.jit
+def _stream_kernel(w_ptr, out_ptr, N, K, stride_wn, k_per_split, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight reads of a GEMM tiling and nothing else (no x, no products): each program streams its
+    [BLOCK_N, k range] block in BLOCK_K steps and keeps the running max, one float per program. Nothing feeds a
+    tl.dot, so Triton does not pipeline these loads: for a tensor-core config that it does pipeline this
+    understates the tiling; for the FMA configs (never pipelined) it is the same load stream."""
+    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (pid_s * k_per_split + rk)[None, :]
+    acc = tl.full((BLOCK_N, BLOCK_K), float("-inf"), tl.float32)
+    for k in range(0, k_per_split, BLOCK_K):
+        kk = pid_s * k_per_split + k + rk
+        tile = tl.load(ptrs + k, mask=(rn < N)[:, None] & (kk < K)[None, :], other=float("-inf"))
+        acc = tl.maximum(acc, tile.to(tl.float32))
+    tl.store(out_ptr + pid_s * tl.num_programs(0) + pid_n, tl.max(tl.max(acc, axis=1), axis=0))
+
+
+def stream_tiles(w: torch.Tensor, cfg: dict, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Max of w read with cfg's grid and tiles (a "plain"/"splitk" config; "resident" reads its whole K as
+    one split): [split, N tiles] per-program maxima. The time of this is the ceiling of the tiling."""
+    N, K = w.shape
+    if cfg["kernel"] == "resident":
+        cfg = cfg | {"kernel": "plain", "SPLIT_K": 1}
+    grid, k_per, tile = gemm.tiling(1, N, K, cfg)
+    out = out if out is not None else torch.empty(grid[1] * grid[0], dtype=torch.float32, device=w.device)
+    _stream_kernel[grid[:2]](w, out, N, K, w.stride(0), k_per, BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],
+                             num_warps=tile["num_warps"], num_stages=tile["num_stages"])
+    return out.view(grid[1], grid[0])
+
+
 def _ours(case, cfg=None):
     return lambda w: gemm.skinny_gemm(case.x, w, out=case.y, config=cfg)
 
@@ -76,8 +109,9 @@ def _cublas(case):
 
 
 def run(copy_gbps: float, full: bool = True, tune: bool = False, iters: int = 30, plan: dict | None = None,
-        ms=MS, shapes=None) -> list[dict]:
-    """One row per (shape, M): ours (plan config, or freshly tuned with tune=True) vs cuBLAS."""
+        ms=MS, shapes=None, stream: bool = False) -> list[dict]:
+    """One row per (shape, M): ours (plan config, or freshly tuned with tune=True) vs cuBLAS; with `stream`
+    also the weight reads alone with our config's grid and tiles (stream_tiles), where it has tiles."""
     rows = []
     if tune and plan is None:
         plan = tune_plan(copy_gbps, full, ms, shapes=shapes)
@@ -92,6 +126,12 @@ def run(copy_gbps: float, full: bool = True, tune: bool = False, iters: int = 30
                      "bytes": case.bytes, "gbps": gbps, "pct_of_copy": gbps / copy_gbps,
                      "cublas_ms": tc, "cublas_gbps": gbps_c, "cublas_pct_of_copy": gbps_c / copy_gbps,
                      "samples_ms": samples})
+        if stream and cfg["kernel"] != "torch":
+            sink = stream_tiles(case.ws[0], cfg)
+            ts, stream_samples = case.time(lambda w: stream_tiles(w, cfg, sink), iters)
+            wbytes = n * k * DTYPE.itemsize
+            rows[-1].update(stream_ms=ts, stream_pct_of_copy=wbytes / ts / 1e6 / copy_gbps,
+                            stream_samples_ms=stream_samples)
         del case
     torch.cuda.empty_cache()
     return rows
@@ -259,7 +299,9 @@ def table(rows) -> str:
     lines = [head]
     for r in rows:
         lines.append(f"{r['N']:>7} {r['K']:>6} {r['M']:>3} {r['kernel']:>7} {r['time_ms']:>8.4f} {r['gbps']:>7.0f} "
-                     f"{100 * r['pct_of_copy']:>5.1f}% {r['cublas_ms']:>9.4f} {100 * r['cublas_pct_of_copy']:>5.1f}%")
+                     f"{100 * r['pct_of_copy']:>5.1f}% {r['cublas_ms']:>9.4f} {100 * r['cublas_pct_of_copy']:>5.1f}%"
+                     + (f"  reads alone {r['stream_ms']:.4f} ms {100 * r['stream_pct_of_copy']:.1f}%" if "stream_ms" in r
+                        else ""))
     return "\n".join(lines)
 
 
@@ -275,6 +317,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--wide", action="store_true", help="with --tune: the decode sweep (narrow tiles, inline split-K reduce)")
     ap.add_argument("--deep", action="store_true",
                     help="with --tune: the wide sweep's prefetching FMA tiles and tensor-core tiles with 3-4 pipeline stages")
+    ap.add_argument("--stream", action="store_true",
+                    help="also time each config's weight reads alone (same grid and tiles, no x, no math): its ceiling")
     ap.add_argument("--plan-out", help="with --write-plan: merge into this file instead of gemm_plan.json")
     ap.add_argument("--grouped", action="store_true", help="only KDA's two gate up-projections: one grouped launch vs two")
     ap.add_argument("--results-dir", default="results")
@@ -299,7 +343,7 @@ def main(argv=None):
     if plan and a.write_plan:
         write_plan(plan, {k: meta[k] for k in ("commit", "gpu", "torch", "triton", "time_utc", "copy_gbps", "pdl")},
                    Path(a.plan_out) if a.plan_out else gemm.PLAN_PATH)
-    rows = run(copy["gbps"], full=not a.quick, plan=plan, ms=ms, shapes=shapes)
+    rows = run(copy["gbps"], full=not a.quick, plan=plan, ms=ms, shapes=shapes, stream=a.stream)
     path = write_result(result_path("kernels", "gemm", a.results_dir), {"meta": meta, "plan": plan, "rows": rows})
     print(f"copy bandwidth {copy['gbps']:.0f} GB/s\n{table(rows)}\n-> {path}")
 
