@@ -28,7 +28,9 @@
 #   its B > 1 routing is not a real batch's) before choosing the next MoE work at B = 2..8; the o_proj (2304 x 4096)
 #   at ~50 % of copy for M >= 2 whatever the tile (wide, deep and resident sweeps all ~8.9 us): first its tiling's
 #   read ceiling, MICRO="kernels_gemm --shapes oproj --ms 1,2,4,8 --pdl --stream"; the KDA decode's
-#   conv-state reads hoisted (off, same bits, CPU-tested): AB="base PEREGRINE_KDA_HOIST=1" bash scripts/gpu_decode_ab.sh
+#   conv-state reads hoisted (off, same bits, CPU-tested) and the RMSNorms triggering their successor before their
+#   wait (off; the in-projections / router / lm_head then prefetch during the kernel before the norm too):
+#   AB="base PEREGRINE_KDA_HOIST=1 PEREGRINE_NORM_EARLY_TRIGGER=1" bash scripts/gpu_decode_ab.sh
 # - K3's bounded gate in the shared varlen fla call (VARLEN_BOUNDED_GATE, off; cut three times by fla's autotune
 #   of K3's shapes on a fresh machine, so give it ~300 s): python3 -m pytest -v -m gpu tests/test_prefill.py -k "k3-shared or k3-per-row"
 # - #20's MXFP4 experts against OpenAI's triton_kernels MXFP4 MoE on k3-slice shapes: not started

@@ -129,8 +129,11 @@ def test_grouped_gemm(monkeypatch, variant):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("early", ["0", "1"])  # PEREGRINE_NORM_EARLY_TRIGGER: trigger, then wait
 @pytest.mark.parametrize("D", [100, 8200])  # one pass in registers; two passes (D > norm.MAX_BLOCK)
-def test_norms(monkeypatch, D):
+def test_norms(monkeypatch, D, early):
+    from peregrine.kernels import norm as norm_mod
+    monkeypatch.setenv(norm_mod.EARLY_TRIGGER_ENV, early)
     x, r, w = rnd(3, D, dtype=BF16, seed=1), rnd(3, D, dtype=BF16, seed=2), rnd(D, dtype=BF16, seed=3)
     y = poisoned((3, D), BF16, DEVICE)
     run_deferred(monkeypatch, lambda: rms_norm(x, w, 1e-5, out=y), [x], [y])
@@ -283,7 +286,9 @@ jobs = {
     "gemm_resident": (gemm._gemm_resident_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16"},
                       dict(BLOCK_M=2, BLOCK_N=4, BLOCK_K=1024, TILES=4, EVEN_K=True, EVEN_N=True)),
     "norm": (norm._rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
-                                     "eps": "fp32"}, dict(HAS_RES=True, BLOCK=4096, SINGLE=True)),
+                                     "eps": "fp32"}, dict(HAS_RES=True, BLOCK=4096, SINGLE=True, EARLY_TRIGGER=False)),
+    "norm_early": (norm._rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
+                                           "eps": "fp32"}, dict(HAS_RES=True, BLOCK=4096, SINGLE=True, EARLY_TRIGGER=True)),
     "router_fused": (moe._router_logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32",
                                                  "bias_ptr": "*fp32", "ids_ptr": "*i32", "tw_ptr": "*fp32",
                                                  "logits_ptr": "*fp32", "count_ptr": "*i32", "scaling": "fp32"},
@@ -312,7 +317,8 @@ for name, (fn, ptr, ce) in jobs.items():
         k = triton.compile(ASTSource(fn, sig, c, {}), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         ptx = k.asm["ptx"]
         res[f"{name},{on}"] = [ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents"),
-                               k.metadata.launch_pdl]
+                               k.metadata.launch_pdl,
+                               ptx.find("griddepcontrol.launch_dependents") < ptx.find("griddepcontrol.wait")]
 print(json.dumps(res))
 """
 
@@ -320,6 +326,8 @@ print(json.dumps(res))
 def test_pdl_variants_compile_for_sm90_with_griddepcontrol():
     """Ahead-of-time sm_90a compile (no GPU needed): USE_PDL kernels carry griddepcontrol.wait and
     .launch_dependents in their PTX, the default ones none."""
-    for key, (wait, trig, _) in run_aot(AOT_SCRIPT).items():
+    for key, (wait, trig, _, trigger_first) in run_aot(AOT_SCRIPT).items():
         on = key.endswith("True")
         assert (wait >= 1 and trig >= 1) if on else (wait == 0 and trig == 0), f"{key}: wait {wait}, trigger {trig}"
+        if on:  # pdl_wait waits, then triggers; the norm's early variant triggers first (pdl_trigger_then_wait)
+            assert trigger_first == key.startswith("norm_early,"), f"{key}: trigger before wait is {trigger_first}"

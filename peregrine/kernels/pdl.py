@@ -64,6 +64,19 @@ def pdl_wait(USE_PDL: tl.constexpr):
         _gdc_launch_dependents()
 
 
+@triton.jit
+def pdl_trigger_then_wait(USE_PDL: tl.constexpr):
+    """pdl_wait's two steps the other way round: the next kernel may launch at once, before this one's
+    predecessor completes, so it prefetches its weights during that predecessor too. That next kernel
+    then breaks "two launches back" for itself: before its wait it may read only what no still-running
+    kernel writes (weights), never an output of this kernel's predecessor. The kernel after it is
+    unaffected (when it starts, the next kernel has passed its wait, so this one and its predecessor
+    have completed). For short kernels followed by a weight-streaming GEMM (the RMSNorms)."""
+    if USE_PDL:
+        _gdc_launch_dependents()
+        _gdc_wait()
+
+
 def set_pdl(on: bool) -> None:
     """Process-wide switch read by every PDL-capable launch from now on."""
     _STATE["on"] = bool(on)
