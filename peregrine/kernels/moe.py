@@ -44,7 +44,7 @@ import triton.language as tl
 
 from . import interpreting, read_plan_entries
 from .gemm import arrival_counters
-from .pdl import launch_kwargs, pdl_wait
+from .pdl import early_trigger, launch_kwargs, pdl_trigger_then_wait, pdl_wait
 
 PLAN_PATH = Path(__file__).with_name("moe_plan.json")
 B_MAX = 16             # decode batches up to 16 share one padded token tile: one compile, batch-invariant bits
@@ -269,8 +269,12 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, B, E, D, stride_xb, chunk,
 def _router_topk_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, logits_ptr, B, E, E_SLAB, scaling,
                         SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                         RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_LOGITS: tl.constexpr,
-                        SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
-    pdl_wait(USE_PDL)  # the partial logits come from the previous kernel
+                        SHARED: tl.constexpr = False, EARLY_TRIGGER: tl.constexpr = False,
+                        USE_PDL: tl.constexpr = False):
+    if EARLY_TRIGGER:  # pdl.early_trigger("topk"): the experts' shared-slot programs start during the logits too
+        pdl_trigger_then_wait(USE_PDL)
+    else:
+        pdl_wait(USE_PDL)  # the partial logits come from the previous kernel
     b = tl.program_id(0)
     offs = tl.arange(0, E_PAD)
     ok = offs < E
@@ -363,7 +367,8 @@ def router_topk(parts: torch.Tensor, bias: torch.Tensor | None, top_k: int, reno
     _router_topk_kernel[(B,)](parts, b, ids, w, logits_out if logits_out is not None else parts, B, E, E_slab,
                               float(scaling), SPLIT=split, TOP_K=top_k, K_PAD=_pow2(top_k), E_PAD=_pow2(E),
                               RENORM=bool(renormalize), HAS_BIAS=bias is not None, STORE_LOGITS=logits_out is not None,
-                              SHARED=bool(shared_slot), num_warps=TOPK_WARPS, **launch_kwargs(parts.device))
+                              SHARED=bool(shared_slot), EARLY_TRIGGER=early_trigger("topk"), num_warps=TOPK_WARPS,
+                              **launch_kwargs(parts.device))
     return ids, w
 
 

@@ -14,15 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-import os
-
-from .pdl import launch_kwargs, pdl_trigger_then_wait, pdl_wait
+from .pdl import early_trigger, launch_kwargs, pdl_trigger_then_wait, pdl_wait
 
 MAX_BLOCK = 8192  # widest row kept in registers (K3 hidden 7168 fits); wider rows loop
-# "1": RMSNorm lets its successor launch before its own wait (pdl.pdl_trigger_then_wait), so the GEMM after it
-# (an in-projection, the router, lm_head: weights only before their waits) streams weights during the kernel
-# before the norm too. Off until a GPU A/B shows it helps (queued after session 18)
-EARLY_TRIGGER_ENV = "PEREGRINE_NORM_EARLY_TRIGGER"
 GATED_ROWS = 32  # tokens per gated-norm program: [32, 128] FP32 tiles, 32 values per thread at 4 warps
 
 
@@ -30,6 +24,8 @@ GATED_ROWS = 32  # tokens per gated-norm program: [32, 128] FP32 tiles, 32 value
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, D, stride_x, stride_r, stride_y, eps,
                      HAS_RES: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
                      EARLY_TRIGGER: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    # EARLY_TRIGGER (pdl.early_trigger("norm")): the GEMM after the norm (an in-projection, the router, lm_head)
+    # launches at once and streams its weights during the kernel before the norm too
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_x
@@ -97,7 +93,7 @@ def _launch(x, r, w, y, eps: float) -> None:
     res = r if r is not None else x
     _rms_norm_kernel[(M,)](x, res, w, y, D, x.stride(0), res.stride(0), y.stride(0), eps,
                            HAS_RES=r is not None, BLOCK=block, SINGLE=D <= block, num_warps=warps,
-                           EARLY_TRIGGER=os.environ.get(EARLY_TRIGGER_ENV) == "1", **launch_kwargs(x.device))
+                           EARLY_TRIGGER=early_trigger("norm"), **launch_kwargs(x.device))
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 import triton
@@ -75,6 +76,17 @@ def pdl_trigger_then_wait(USE_PDL: tl.constexpr):
     if USE_PDL:
         _gdc_launch_dependents()
         _gdc_wait()
+
+
+EARLY_TRIGGER_ENV = "PEREGRINE_EARLY_TRIGGER"  # kernels (comma-separated) that use pdl_trigger_then_wait: "norm,topk"
+EARLY_TRIGGER_KERNELS = ("norm", "topk")  # where it is safe: their successors read only weights (the up kernel:
+# also the router's input x, complete once the top-k launches) before their waits. Off until a GPU A/B (session 18)
+
+
+def early_trigger(kernel: str) -> bool:
+    """Whether `kernel` (one of EARLY_TRIGGER_KERNELS) triggers its successor before its own wait."""
+    assert kernel in EARLY_TRIGGER_KERNELS, kernel
+    return kernel in os.environ.get(EARLY_TRIGGER_ENV, "").split(",")
 
 
 def set_pdl(on: bool) -> None:
