@@ -160,7 +160,8 @@ ROUTER_CFGS = {
 @pytest.mark.parametrize("fused", ["1", "0", "0+early"], ids=["one_launch", "two_launches", "two_early_topk"])
 @pytest.mark.parametrize("variant", list(ROUTER_CFGS))
 def test_router(monkeypatch, variant, fused):
-    monkeypatch.setenv(P.EARLY_TRIGGER_ENV, "topk" if fused.endswith("early") else "")  # the top-k triggers first
+    monkeypatch.setenv(P.EARLY_TRIGGER_ENV, "norm+topk" if fused.endswith("early") else "")  # the top-k triggers first
+    assert P.early_trigger("topk") == fused.endswith("early")
     fused = fused[0]
     monkeypatch.setenv(moe_kernels.FUSED_ROUTER_ENV, fused)
     B, E, D, k = 3, 20, 100, 4

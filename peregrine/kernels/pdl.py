@@ -78,7 +78,7 @@ def pdl_trigger_then_wait(USE_PDL: tl.constexpr):
         _gdc_wait()
 
 
-EARLY_TRIGGER_ENV = "PEREGRINE_EARLY_TRIGGER"  # kernels (comma-separated) that use pdl_trigger_then_wait: "norm,topk"
+EARLY_TRIGGER_ENV = "PEREGRINE_EARLY_TRIGGER"  # kernels that use pdl_trigger_then_wait: "norm,topk" (or "norm+topk")
 EARLY_TRIGGER_KERNELS = ("norm", "topk")  # where it is safe: their successors read only weights (the up kernel:
 # also the router's input x, complete once the top-k launches) before their waits. Off until a GPU A/B (session 18)
 
@@ -86,7 +86,7 @@ EARLY_TRIGGER_KERNELS = ("norm", "topk")  # where it is safe: their successors r
 def early_trigger(kernel: str) -> bool:
     """Whether `kernel` (one of EARLY_TRIGGER_KERNELS) triggers its successor before its own wait."""
     assert kernel in EARLY_TRIGGER_KERNELS, kernel
-    return kernel in os.environ.get(EARLY_TRIGGER_ENV, "").split(",")
+    return kernel in os.environ.get(EARLY_TRIGGER_ENV, "").replace("+", ",").split(",")
 
 
 def set_pdl(on: bool) -> None:
