@@ -429,7 +429,8 @@ def compile_check(router_cfgs, expert_cfgs, B: int = 3) -> list[dict]:
         jobs.append((f"topk split={-(-D // r['CHUNK'])}", moe._router_topk_kernel, dict(
             part_ptr=(f32, 0), bias_ptr=(f32, 0), ids_ptr=(i32, 0), w_ptr=(f32, 0), logits_ptr=(f32, 0), B=n(B),
             E=n(E), E_SLAB=n(E), scaling=("fp32", 0), SPLIT=c(-(-D // r["CHUNK"])), TOP_K=c(TOP_K), K_PAD=c(TOP_K), E_PAD=c(E),
-            RENORM=c(True), HAS_BIAS=c(True), STORE_LOGITS=c(False), SHARED=c(True)), moe.TOPK_WARPS, 2))
+            RENORM=c(True), HAS_BIAS=c(True), STORE_LOGITS=c(False), SHARED=c(True), EARLY_TRIGGER=c(False)),
+            moe.TOPK_WARPS, 2))
     for e in expert_cfgs:
         if e["variant"] == "split":
             jobs.append((f"up {e}", moe._expert_up_kernel, dict(
