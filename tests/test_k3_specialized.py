@@ -15,6 +15,7 @@ from peregrine.config import PRESET_DIR, EngineConfig, ModelConfig
 from peregrine.engine import SamplingParams
 from peregrine.engine.build import build_engine
 from peregrine.testing import rel_rmse
+from test_specialized import routing_flips
 
 pytestmark = pytest.mark.gpu
 
@@ -82,16 +83,6 @@ def greedy(n):
     return SamplingParams(max_tokens=n, ignore_eos=True)
 
 
-def first_routing_flips(rstd, rspec, n):
-    """Per request, the first decode step whose routed experts differ between the two runs (or None)."""
-    flips = [None] * n
-    for i, (x, y) in enumerate(zip(rstd, rspec)):
-        for r in range(n):
-            if x is not None and flips[r] is None and not torch.equal(x[:, r], y[:, r]):
-                flips[r] = i
-    return flips
-
-
 def fp32_truth(model_dir, ps, a, b):
     """The standard path in FP32 over the same prompts: (its per-step logits, per request the first
     step no longer comparable: its history differs from either BF16 run's). Its routing may differ
@@ -124,7 +115,7 @@ def test_logits_close_and_tokens_identical(model_dir):
     if DEVICE == "cpu":
         assert div == [None, None], f"FP32 greedy tokens differ at {div}"
     assert len({t for r in a for t in r}) > 4, "degenerate model: (almost) the same token every step"
-    flips = first_routing_flips(rstd, rspec, len(ps))
+    flips = routing_flips(rstd, rspec, len(ps))
     if DEVICE == "cpu":
         assert flips == [None, None], f"FP32 routing differs at steps {flips}"
     truth = fp32_truth(model_dir, ps, a, b) if DEVICE == "cuda" else None

@@ -124,11 +124,7 @@ def test_logits_close_and_tokens_identical(model_dir, seed):
     div = [first_divergence(x, y) for x, y in zip(a, b)]
     if DEVICE == "cpu":
         assert div == [None, None], f"FP32 greedy tokens differ at {div}"
-    flips = [None] * len(ps)  # first decode step whose routed experts differ, per request
-    for i, (x, y) in enumerate(zip(rstd, rspec)):
-        for r in range(len(ps)):
-            if x is not None and flips[r] is None and not torch.equal(x[:, r], y[:, r]):
-                flips[r] = i
+    flips = routing_flips(rstd, rspec, len(ps))  # first decode step whose routed experts differ, per request
     if DEVICE == "cpu":
         assert flips == [None, None], f"FP32 routing differs at steps {flips}"
     for i, ((_, x), (_, y)) in enumerate(zip(lstd, lspec)):  # step i produced token i of each request
