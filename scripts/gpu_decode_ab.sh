@@ -8,7 +8,7 @@
 #                an AB variant selects it with PEREGRINE_GEMM_PLAN=$OUT/gemm_plan_pdl.json); GEMM_SHAPES (a
 #                kernels_gemm --shapes set, default decode48b), GEMM_MS (default 1,2,4,8), GEMM_SWEEP (default --wide)
 # ROUTER_TUNE=1  re-tune the router alone (kernels_moe --tune --router-only) into the tree's plan
-# MICRO  microbenchmark modules, ';'-separated (e.g. "kernels_moe --shared --quick;kernels_gemm --grouped"), logged to $OUT
+# MICRO  microbenchmark modules, ';'-separated (e.g. "kernels_moe --shared --quick;kernels_gemm --grouped"), logged to $OUT; T_MICRO each one's limit (default 200 s)
 # AB     variants of `bench decode`, each "name" or "NAME=value[,NAME=value]" env settings; one results dir each
 # TIMELINE=1  step_timeline for the first variant (the profile of graph replays) at TIMELINE_BS (default 1,8);
 #             TIMELINE_ARGS more step_timeline flags (e.g. --distinct-tokens: every batch row its own token)
@@ -36,7 +36,7 @@ fi
 IFS=';' read -ra micros <<< "${MICRO:-}"
 for m in "${micros[@]}"; do
   name=$(echo "$m" | tr ' -' '__')
-  timeout 200 python3 -m peregrine.bench.$m --results-dir "$OUT/micro" > "$OUT/micro-$name.log" 2>&1; echo "$m rc=$?"
+  timeout ${T_MICRO:-200} python3 -m peregrine.bench.$m --results-dir "$OUT/micro" > "$OUT/micro-$name.log" 2>&1; echo "$m rc=$?"
   tail -n 14 "$OUT/micro-$name.log"
 done
 first=1

@@ -52,7 +52,20 @@ CASES_V2 = [  # v2 pads tokens to a power of two (not 16) and takes whole groups
     (6, 8, 3, 64, 224, "swiglu", torch.bfloat16, False),  # 7 groups along Dz
     (4, 5, 3, 96, 64, "situ", torch.float32, True),
 ]
-VARIANT_CASES = [c + ("v1",) for c in CASES] + [c + ("v2",) for c in CASES + CASES_V2]
+CASES_V3 = [  # v3 tiles at least 16 rows and 16 packed bytes: shapes below one tile and with partial tiles
+    (2, 5, 2, 96, 160, "situ", torch.float32, False),     # 160 = 2.5 up-KB tiles of 64 bytes
+    (16, 8, 2, 64, 64, "swiglu", torch.bfloat16, False),  # B = 16: every padded token is real
+]
+# v3's decode: the interpreter runs the portable one, the GPU all three
+V3 = ["v3:plain"] + (["v3:asm", "v3:dot_scaled"] if DEVICE == "cuda" else [])
+VARIANT_CASES = ([c + ("v1",) for c in CASES] + [c + ("v2",) for c in CASES + CASES_V2]
+                 + [c + (v,) for c in CASES + CASES_V3 for v in V3])
+
+
+def _variant(variant: str) -> dict:
+    """'v3:asm' -> moe_mxfp4_experts' variant and config keywords."""
+    name, _, decode = variant.partition(":")
+    return dict(variant=name, config={"DECODE": decode} if decode else None)
 
 
 @pytest.mark.parametrize("B,E,k,I,Dz,act,xdt,shared,variant", VARIANT_CASES)
@@ -64,13 +77,13 @@ def test_experts_match_reference(B, E, k, I, Dz, act, xdt, shared, variant):
     ref = moe_mxfp4_experts_ref(x, q13, s13, q2, s2, ids, w, act)
     buf = torch.full((B, Dz + PAD), SENTINEL, dtype=xdt, device=DEVICE)
     buf[:, :Dz] = float("nan")  # poisoned: every output element must be written
-    y = moe_mxfp4_experts(x, q13, s13, q2, s2, ids, w, activation=act, out=buf[:, :Dz], variant=variant)
+    y = moe_mxfp4_experts(x, q13, s13, q2, s2, ids, w, activation=act, out=buf[:, :Dz], **_variant(variant))
     tol = 1e-5 if xdt == torch.float32 and DEVICE == "cpu" else 2e-2  # BF16 operands/outputs on the GPU
     assert rel_rmse(y, ref) < tol
     assert (buf[:, Dz:].cpu() == SENTINEL).all(), "wrote past the output columns"
 
 
-@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("variant", ["v1", "v2"] + V3)
 def test_batch_invariant_and_repeatable(variant):
     """A token's output does not depend on the other tokens of the batch, and reruns are bitwise equal."""
     g = torch.Generator().manual_seed(7)
@@ -79,9 +92,10 @@ def test_batch_invariant_and_repeatable(variant):
     ids, w = routing(4, E, k, g)
     x = torch.randn(4, Dz, generator=g).to(DEVICE)
     ids, w = ids.to(DEVICE), w.to(DEVICE)
-    full = moe_mxfp4_experts(x, *w4, ids, w, activation="situ", variant=variant)
-    again = moe_mxfp4_experts(x, *w4, ids, w, activation="situ", variant=variant)
-    alone = moe_mxfp4_experts(x[2:3], *w4, ids[2:3].contiguous(), w[2:3], activation="situ", variant=variant)
+    kw = _variant(variant)
+    full = moe_mxfp4_experts(x, *w4, ids, w, activation="situ", **kw)
+    again = moe_mxfp4_experts(x, *w4, ids, w, activation="situ", **kw)
+    alone = moe_mxfp4_experts(x[2:3], *w4, ids[2:3].contiguous(), w[2:3], activation="situ", **kw)
     assert torch.equal(full, again) and torch.equal(full[2:3], alone)
 
 
@@ -105,7 +119,7 @@ def test_register_dequant_every_byte_and_scale():
     assert torch.equal(y, want[:, cols].T)
 
 
-@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("variant", ["v1", "v2"] + V3)
 def test_nan_scale_poisons_only_its_group(variant):
     g = torch.Generator().manual_seed(3)
     q13, s13, q2, s2 = experts(2, 32, 64, g)
@@ -113,7 +127,8 @@ def test_nan_scale_poisons_only_its_group(variant):
     x = torch.randn(2, 64, generator=g)
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     ids = torch.tensor([[0], [1]], dtype=torch.int32)
-    y = moe_mxfp4_experts(dev(x), dev(q13), dev(s13), dev(q2), dev(s2), dev(ids), dev(torch.ones(2, 1)), variant=variant)
+    y = moe_mxfp4_experts(dev(x), dev(q13), dev(s13), dev(q2), dev(s2), dev(ids), dev(torch.ones(2, 1)),
+                          **_variant(variant))
     assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()  # gate row 5 feeds every W2 row
 
 
@@ -166,12 +181,43 @@ def test_v2_edge_scale_codes(code):
         assert rel_rmse(y[1], ref[1]) < 1e-5
 
 
+@pytest.mark.parametrize("variant", V3)
+def test_v3_down_every_byte_every_position_and_scale(variant):
+    """One-hot activations read W2 back column by column through v3's down kernel: every byte value in
+    every byte position of a word (rows are rolled), scales 2^-20 .. 2^20, E8M0 0 (reads as 0) and a
+    NaN group; 16 one-hot tokens fill the MMA's token tile. Results must be exact."""
+    Dz, I = 64, 512  # W2 [Dz, I/2 = 256 bytes]
+    packed = torch.stack([torch.roll(torch.arange(256, dtype=torch.uint8), 5 * r) for r in range(Dz)])
+    scales = torch.tensor([107, 118, 126, 127, 128, 140, 147, 0], dtype=torch.uint8)
+    s2 = scales[(torch.arange(Dz)[:, None] + torch.arange(I // 32)[None, :]) % len(scales)]
+    s2[9, 3] = 255                 # E8M0 NaN in row 9: 0 · NaN is NaN, so every dot product of row 9
+    lut = torch.tensor([e2m1(c) for c in range(16)], dtype=torch.float64)
+    want = torch.empty(Dz, I, dtype=torch.float64)
+    want[:, 0::2], want[:, 1::2] = lut[packed.long() & 15], lut[packed.long() >> 4]
+    want *= torch.where(s2 == 0, 0.0, torch.pow(2.0, s2.double() - 127)).repeat_interleave(32, 1)
+    want[9] = float("nan")
+    cols = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 13, 38, 101, 200, 255, 256, 400, 511])  # every position, many groups
+    B = len(cols)
+    h = torch.zeros(B, 1, I)
+    h[torch.arange(B), 0, cols] = 1.0
+    from peregrine.kernels import moe_mxfp4_v3 as v3
+    import triton.language as tl
+    ids = torch.zeros(B, 1, dtype=torch.int32)  # every token chose expert 0: program 0 serves them all
+    part = torch.full((B, 1, Dz), float("nan"), device=DEVICE)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    v3.launch_down(dev(h), dev(packed[None].contiguous()), dev(s2[None].contiguous()), dev(ids), part, tl.float32,
+                   {**_variant(variant)["config"], "DOWN_BLOCK_KB": 64}, x_dtype=torch.float32)
+    got = part[:, 0].cpu().double()
+    assert torch.equal(got.isnan(), want[:, cols].T.isnan())
+    assert torch.equal(got.nan_to_num(), want[:, cols].T.nan_to_num())
+
+
 AOT_SCRIPT = r"""
 import inspect, json, os, re, subprocess, tempfile
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from peregrine.kernels import moe_mxfp4 as mx, moe_mxfp4_v2 as v2
+from peregrine.kernels import moe_mxfp4 as mx, moe_mxfp4_v2 as v2, moe_mxfp4_v3 as v3
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
 ptr = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "h_ptr": "*fp32", "tw_ptr": "*fp32",
        "part_ptr": "*fp32"}
@@ -186,7 +232,13 @@ for fn, ce, warps in ((mx._mx_up_kernel, dict(base, BLOCK_I=mx.UP_BLOCK_I, BLOCK
                                                BLOCK_G=v2.DEFAULTS["UP_BLOCK_G"]), v2.DEFAULTS["UP_WARPS"]),
                       (v2._mx2_down_kernel, dict(TOP_K=16, B_PAD=8, K_PAD=16, N_PAD=128, WPG=v2.WPG, ACT_T=tl.bfloat16,
                                                  BLOCK_D=v2.DEFAULTS["DOWN_BLOCK_D"],
-                                                 BLOCK_G=v2.DEFAULTS["DOWN_BLOCK_G"]), v2.DEFAULTS["DOWN_WARPS"])):
+                                                 BLOCK_G=v2.DEFAULTS["DOWN_BLOCK_G"]), v2.DEFAULTS["DOWN_WARPS"]),
+                      (v3._mx3_up_kernel, dict(base, BLOCK_I=v3.DEFAULTS["UP_BLOCK_I"], BLOCK_KB=v3.DEFAULTS["UP_BLOCK_KB"],
+                                               ACT=1, BETA=4.0, BETA_L=25.0, DECODE="asm", STAGES=3, EVEN=True),
+                       v3.DEFAULTS["UP_WARPS"]),
+                      (v3._mx3_down_kernel, dict(base, BLOCK_D=v3.DEFAULTS["DOWN_BLOCK_D"], BLOCK_KB=v3.DEFAULTS["DOWN_BLOCK_KB"],
+                                                 ACT_T=tl.bfloat16, DECODE="asm", STAGES=3, EVEN=True),
+                       v3.DEFAULTS["DOWN_WARPS"])):
     names = list(inspect.signature(fn.fn).parameters)
     sig = {n: "constexpr" if n in ce else ptr.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
@@ -201,6 +253,7 @@ print(json.dumps(res))
 
 
 def test_default_tiles_compile_for_sm90_without_spills():
-    """Ahead-of-time sm_90a compile of both variants' expert kernels at K3's top-16, B = 8 (no GPU needed)."""
-    assert run_aot(AOT_SCRIPT) == {"_mx_up_kernel": 0, "_mx_down_kernel": 0,
-                                                             "_mx2_up_kernel": 0, "_mx2_down_kernel": 0}
+    """Ahead-of-time sm_90a compile of the variants' expert kernels at K3's top-16, B = 8 (no GPU needed;
+    ptxas also assembles v3's inline PTX decode)."""
+    assert run_aot(AOT_SCRIPT) == {"_mx_up_kernel": 0, "_mx_down_kernel": 0, "_mx2_up_kernel": 0,
+                                   "_mx2_down_kernel": 0, "_mx3_up_kernel": 0, "_mx3_down_kernel": 0}

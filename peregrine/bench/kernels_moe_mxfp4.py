@@ -7,9 +7,10 @@ packed bytes (codes + E8M0 scales) of the distinct experts each call routes, plu
 activations. Side by side in the same run: the BF16 expert kernel (kernels/moe.py,
 SiTU, 3.6x the bytes) and the standard path's dequantize-then-GEMM
 (models/moe.mxfp4_experts, eager). Both MXFP4 variants (v1: MMA, per-element scales;
-v2: word decode, FMA, per-group scales) get a small tile sweep; a config whose output
-disagrees with the FP32 reference is skipped and reported, never timed. mxfp4_* fields
-are v1 (as before), v2_* fields v2; time_ms/gbps/pct_of_copy are the faster of the two.
+v2: word decode, FMA, per-group scales; v3: weights as the MMA's register operand, its three
+decodes) get a small tile sweep; a config whose output disagrees with the FP32 reference is
+skipped and reported, never timed. mxfp4_* fields are v1 (as before), v2_* v2, v3_* v3;
+time_ms/gbps/pct_of_copy are the fastest variant's.
     python -m peregrine.bench.kernels_moe_mxfp4 [--quick]
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from peregrine.kernels import moe_mxfp4 as mx
 from peregrine.kernels import moe_mxfp4_v2 as mx2
+from peregrine.kernels import moe_mxfp4_v3 as mx3
 from peregrine.kernels.moe import moe_experts
 from peregrine.models import mxfp4
 
@@ -39,6 +41,17 @@ V2_SWEEP = [   # (UP_BLOCK_I, UP_BLOCK_G, UP_WARPS, DOWN_BLOCK_D, DOWN_BLOCK_G, 
     tuple(mx2.DEFAULTS[k] for k in mx2.KEYS),
     (32, 4, 4, 64, 4, 8),
     (16, 8, 4, 32, 4, 4),  # the default before the first H200 sweep
+]
+V3_SWEEP = [   # mx3.KEYS order: DECODE, UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS, UP_STAGES, DOWN_BLOCK_D, DOWN_BLOCK_KB,
+    #            DOWN_WARPS, DOWN_STAGES; the first is the default
+    tuple(mx3.DEFAULTS[k] for k in mx3.KEYS),
+    ("asm", 64, 64, 4, 4, 64, 64, 4, 4),
+    ("asm", 64, 128, 4, 3, 64, 128, 4, 3),
+    ("asm", 128, 64, 8, 3, 128, 64, 8, 3),
+    ("asm", 64, 32, 4, 4, 64, 32, 4, 4),
+    ("asm", 64, 64, 4, 2, 64, 64, 4, 2),
+    ("dot_scaled", 64, 64, 4, 3, 64, 64, 4, 3),
+    ("plain", 64, 64, 4, 3, 64, 64, 4, 3),
 ]
 KEYS = ("UP_BLOCK_I", "UP_BLOCK_KB", "UP_WARPS", "DOWN_BLOCK_D", "DOWN_BLOCK_KB", "DOWN_WARPS")
 
@@ -111,7 +124,8 @@ def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print) -> list
         row = {"kernel": "moe_mxfp4_experts", "shape": f"B={B} E={E} k={TOP_K} Dz={DZ} I={I}",
                "B": B, "E": E, "top_k": TOP_K, "Dz": DZ, "I": I, "distinct_experts": distinct,
                "mxfp4_bytes": mx_bytes, "bf16_bytes": bf_bytes}
-        for variant, grid, keys, pre in (("v1", SWEEP, KEYS, "mxfp4"), ("v2", V2_SWEEP, mx2.KEYS, "v2")):
+        for variant, grid, keys, pre in (("v1", SWEEP, KEYS, "mxfp4"), ("v2", V2_SWEEP, mx2.KEYS, "v2"),
+                                         ("v3", V3_SWEEP, mx3.KEYS, "v3")):
             best = None
             for cfg in (grid[:1] if quick else grid):
                 c = dict(zip(keys, cfg))
@@ -164,6 +178,8 @@ def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print) -> list
             row["v2_speedup_vs_bf16"] = row["bf16_ms"] / row["v2_ms"]
         if "v2_ms" in row and "mxfp4_ms" in row:
             row["v2_speedup_vs_v1"] = row["mxfp4_ms"] / row["v2_ms"]
+        if "v3_ms" in row and "v2_ms" in row:
+            row["v3_speedup_vs_v2"] = row["v2_ms"] / row["v3_ms"]
         row["sweep"] = [x for x in sweep if x["B"] == B]
         log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "sweep"}))
         rows.append(row)
@@ -180,14 +196,14 @@ def main() -> None:
     print(f"copy bandwidth {copy['gbps']:.0f} GB/s")
     rows = run(copy["gbps"], full=not args.quick)
     print(f"{'B':>2} {'experts':>7} {'v1 ms':>9} {'GB/s':>6} {'%copy':>6} {'v2 ms':>8} {'GB/s':>6} {'%copy':>6} "
-          f"{'BF16 ms':>8} {'%copy':>6} {'v1xBF16':>7} {'v2xBF16':>7} {'std ms':>7}")
+          f"{'v3 ms':>8} {'GB/s':>6} {'%copy':>6} {'BF16 ms':>8} {'%copy':>6} {'std ms':>7}")
     for r in rows:
         f = lambda k, fmt: format(r[k], fmt) if r.get(k) is not None else "-"  # noqa: E731
         pct = lambda k: format(100 * r[k], ".1f") if r.get(k) is not None else "-"  # noqa: E731
         print(f"{r['B']:>2} {r['distinct_experts']:>7.1f} {f('mxfp4_ms', '9.4f')} {f('mxfp4_gbps', '6.0f')} "
               f"{pct('mxfp4_pct_of_copy'):>6} {f('v2_ms', '8.4f')} {f('v2_gbps', '6.0f')} {pct('v2_pct_of_copy'):>6} "
-              f"{f('bf16_ms', '8.4f')} {pct('bf16_pct_of_copy'):>6} {f('speedup_vs_bf16', '7.2f')} "
-              f"{f('v2_speedup_vs_bf16', '7.2f')} {f('standard_ms', '7.2f')}")
+              f"{f('v3_ms', '8.4f')} {f('v3_gbps', '6.0f')} {pct('v3_pct_of_copy'):>6} "
+              f"{f('bf16_ms', '8.4f')} {pct('bf16_pct_of_copy'):>6} {f('standard_ms', '7.2f')}")
     path = write_result(result_path("k3-slice", "kernels-moe-mxfp4", args.results_dir),
                         {"meta": run_metadata(), "copy": copy, "rows": rows})
     print("wrote", path)

@@ -49,7 +49,8 @@ FP16_CODE_SCALE = tl.constexpr(2.0 ** 14)  # an E2M1 code read as FP16 bits is i
 UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS = 32, 64, 4           # gate+up rows, packed bytes per step (2 x 2 KB in flight)
 DOWN_BLOCK_D, DOWN_BLOCK_KB, DOWN_WARPS = 32, 64, 4     # W2 rows, packed bytes per step (2 KB in flight)
 GEMV_BLOCK_R, GEMV_BLOCK_KB = 16, 128                   # one-matrix GEMV tiles (small M, no tl.dot)
-VARIANTS = ("v1", "v2")  # v1: this file's MMA kernels; v2: kernels/moe_mxfp4_v2.py (word decode, FMA, group scales)
+VARIANTS = ("v1", "v2", "v3")  # v1: this file's MMA kernels; v2: kernels/moe_mxfp4_v2.py (word decode, FMA, group
+#   scales); v3: kernels/moe_mxfp4_v3.py (weights as the MMA's register operand, packed BF16x2 decode)
 V2_MAX_BATCH = 1  # H200: v2 0.42 vs v1 0.47 ms at B = 1; slower from B = 2 (its FMA work grows with the token pad)
 
 
@@ -183,7 +184,8 @@ def moe_mxfp4_experts(x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, q2:
     x [B, Dz] (BF16 or FP32), q13 [E, 2I, Dz/2] uint8 + s13 [E, 2I, Dz/32] uint8, q2 [E, Dz, I/2] + s2 [E, Dz, I/32],
     topk_ids [B, k] int32 (distinct per token), topk_w [B, k] FP32. config: tile overrides
     (UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS, DOWN_BLOCK_D, DOWN_BLOCK_KB, DOWN_WARPS) for the benchmark sweep;
-    with variant "v2" its keys are moe_mxfp4_v2.KEYS. variant: "v1" | "v2", default default_variant(B).
+    with variant "v2"/"v3" its keys are moe_mxfp4_v2.KEYS / moe_mxfp4_v3.KEYS. variant: "v1" | "v2" | "v3",
+    default default_variant(B).
     """
     variant = variant or default_variant(x.shape[0])
     assert variant in VARIANTS, variant
@@ -201,9 +203,10 @@ def moe_mxfp4_experts(x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, q2:
     assert out.shape == (B, Dz) and out.stride(1) == 1
     h = torch.empty(B, k, I, dtype=torch.float32, device=x.device)
     part = torch.empty(B, k, Dz, dtype=torch.float32, device=x.device)
-    if variant == "v2":
-        from . import moe_mxfp4_v2
-        moe_mxfp4_v2.launch(x, q13, s13, q2, s2, topk_ids, h, part, activation, _TL[x.dtype], config)
+    if variant in ("v2", "v3"):
+        from . import moe_mxfp4_v2, moe_mxfp4_v3
+        mod = moe_mxfp4_v2 if variant == "v2" else moe_mxfp4_v3
+        mod.launch(x, q13, s13, q2, s2, topk_ids, h, part, activation, _TL[x.dtype], config)
         return moe_combine(part.view(1, B * k, Dz), topk_w, out=out)
     c = {"UP_BLOCK_I": UP_BLOCK_I, "UP_BLOCK_KB": UP_BLOCK_KB, "UP_WARPS": UP_WARPS,
          "DOWN_BLOCK_D": DOWN_BLOCK_D, "DOWN_BLOCK_KB": DOWN_BLOCK_KB, "DOWN_WARPS": DOWN_WARPS, **(config or {})}
