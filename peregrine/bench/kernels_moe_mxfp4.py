@@ -45,11 +45,13 @@ V2_SWEEP = [   # (UP_BLOCK_I, UP_BLOCK_G, UP_WARPS, DOWN_BLOCK_D, DOWN_BLOCK_G, 
 V3_SWEEP = [   # mx3.KEYS order: DECODE, UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS, UP_STAGES, DOWN_BLOCK_D, DOWN_BLOCK_KB,
     #            DOWN_WARPS, DOWN_STAGES; the first is the default
     tuple(mx3.DEFAULTS[k] for k in mx3.KEYS),
-    ("asm", 64, 64, 4, 4, 64, 64, 4, 4),
-    ("asm", 64, 128, 4, 3, 64, 128, 4, 3),
-    ("asm", 128, 64, 8, 3, 128, 64, 8, 3),
-    ("asm", 64, 32, 4, 4, 64, 32, 4, 4),
-    ("asm", 64, 64, 4, 2, 64, 64, 4, 2),
+    ("asm", 128, 64, 8, 3, 128, 64, 8, 3),   # B = 1's (BY_BATCH)
+    ("asm", 64, 32, 4, 4, 64, 32, 4, 4),     # B = 8's
+    ("asm", 128, 32, 8, 4, 128, 32, 8, 4),
+    ("asm", 128, 64, 8, 4, 128, 64, 8, 4),
+    ("asm", 256, 32, 8, 4, 256, 32, 8, 4),
+    ("asm", 256, 64, 8, 3, 256, 64, 8, 3),
+    ("asm", 64, 16, 4, 6, 64, 16, 4, 6),
     ("dot_scaled", 64, 64, 4, 3, 64, 64, 4, 3),
     ("plain", 64, 64, 4, 3, 64, 64, 4, 3),
 ]
@@ -108,7 +110,7 @@ def time_graph(fn, calls, iters: int) -> list[float]:
     return samples
 
 
-def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print) -> list[dict]:
+def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print, v3_only: bool = False) -> list[dict]:
     """One row per B (bench/kernels.py's family interface: time_ms, gbps, pct_of_copy are the MXFP4 kernel's)."""
     W = Weights(bf16=True)
     ebytes_mx, ebytes_bf = mx_expert_bytes(), 3 * I * DZ * 2
@@ -127,7 +129,7 @@ def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print) -> list
         for variant, grid, keys, pre in (("v1", SWEEP, KEYS, "mxfp4"), ("v2", V2_SWEEP, mx2.KEYS, "v2"),
                                          ("v3", V3_SWEEP, mx3.KEYS, "v3")):
             best = None
-            for cfg in (grid[:1] if quick else grid):
+            for cfg in (grid[:1] if quick or (v3_only and variant != "v3") else grid):
                 c = dict(zip(keys, cfg))
                 try:
                     err = (mx.moe_mxfp4_experts(x, *W.mx(), ids, w, activation="situ", config=c, variant=variant).float()
@@ -190,11 +192,12 @@ def main() -> None:
     from peregrine.bench.gpu import copy_bandwidth, result_path, run_metadata, write_result
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="B = 1 and 8, default tiles only")
+    ap.add_argument("--v3-sweep", action="store_true", help="sweep v3's tiles only (v1, v2: their defaults)")
     ap.add_argument("--results-dir", default="results")
     args = ap.parse_args()
     copy = copy_bandwidth()
     print(f"copy bandwidth {copy['gbps']:.0f} GB/s")
-    rows = run(copy["gbps"], full=not args.quick)
+    rows = run(copy["gbps"], full=not args.quick, v3_only=args.v3_sweep)
     print(f"{'B':>2} {'experts':>7} {'v1 ms':>9} {'GB/s':>6} {'%copy':>6} {'v2 ms':>8} {'GB/s':>6} {'%copy':>6} "
           f"{'v3 ms':>8} {'GB/s':>6} {'%copy':>6} {'BF16 ms':>8} {'%copy':>6} {'std ms':>7}")
     for r in rows:

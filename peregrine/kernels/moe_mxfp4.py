@@ -28,7 +28,8 @@ against ~4 per value that the ALUs can afford at copy bandwidth: expect this to 
 16 bits apart (two codes per shift/and/lop3 -> FP16x2 without conversion), scales applied in FP16
 relative to the row tile's largest, FP16 MMA with per-token power-of-two scaled activations.
 Variant "v2" (kernels/moe_mxfp4_v2.py) takes the word decode with FP32 FMAs and one scale multiply
-per 32-value group instead; measured faster only at B = 1, so default_variant(B) picks it there.
+per 32-value group instead (faster than v1 only at B = 1). Variant "v3" (kernels/moe_mxfp4_v3.py) puts
+the weights on the MMA's register side with a packed BF16x2 decode: the fastest at every B, the default.
 """
 from __future__ import annotations
 
@@ -51,11 +52,18 @@ DOWN_BLOCK_D, DOWN_BLOCK_KB, DOWN_WARPS = 32, 64, 4     # W2 rows, packed bytes 
 GEMV_BLOCK_R, GEMV_BLOCK_KB = 16, 128                   # one-matrix GEMV tiles (small M, no tl.dot)
 VARIANTS = ("v1", "v2", "v3")  # v1: this file's MMA kernels; v2: kernels/moe_mxfp4_v2.py (word decode, FMA, group
 #   scales); v3: kernels/moe_mxfp4_v3.py (weights as the MMA's register operand, packed BF16x2 decode)
-V2_MAX_BATCH = 1  # H200: v2 0.42 vs v1 0.47 ms at B = 1; slower from B = 2 (its FMA work grows with the token pad)
+# H200, k3-slice, B = 1/2/4/8 (results/2026-12-04-session20): v3 0.316 / 0.544 / 0.919 / 1.433 ms against
+# v2 0.415 / 1.03 / 2.92 / 8.53 and v1 0.470 / 0.876 / 1.58 / 2.68: v3 at every B
+DEFAULT_VARIANT = "v3"
+VARIANT_ENV = "PEREGRINE_MXFP4_VARIANT"  # overrides the default (A/B runs of the decode step)
 
 
 def default_variant(B: int) -> str:
-    return "v2" if B <= V2_MAX_BATCH else "v1"
+    import os
+    v = os.environ.get(VARIANT_ENV) or DEFAULT_VARIANT
+    if v not in VARIANTS:
+        raise ValueError(f"{VARIANT_ENV}={v!r}: expected one of {', '.join(VARIANTS)}")
+    return v
 
 
 @triton.jit

@@ -37,6 +37,10 @@ DECODES = ("asm", "dot_scaled", "plain")
 DEFAULTS = {"DECODE": "asm", "UP_BLOCK_I": 64, "UP_BLOCK_KB": 64, "UP_WARPS": 4, "UP_STAGES": 3,
             "DOWN_BLOCK_D": 64, "DOWN_BLOCK_KB": 64, "DOWN_WARPS": 4, "DOWN_STAGES": 3}
 KEYS = tuple(DEFAULTS)
+# H200, k3-slice shapes (results/2026-12-04-session20/...kernels-moe-mxfp4.json): the fastest tiles per B;
+# B = 2, 4 (and any other) take DEFAULTS
+BY_BATCH = {1: {"UP_BLOCK_I": 128, "UP_WARPS": 8, "DOWN_BLOCK_D": 128, "DOWN_WARPS": 8},     # 0.316 vs 0.341 ms
+            8: {"UP_BLOCK_KB": 32, "UP_STAGES": 4, "DOWN_BLOCK_KB": 32, "DOWN_STAGES": 4}}  # 1.433 vs 1.496 ms
 
 # One 32-bit word (4 packed bytes = 8 codes, element 2j in the low nibble of byte j) and the BF16x2 scale
 # of its group -> 4 registers of BF16x2, register j = elements (2j, 2j+1). v = w >> 4 brings each high
@@ -216,7 +220,9 @@ def _mx3_down_kernel(h_ptr, q_ptr, s_ptr, ids_ptr, part_ptr, B, D, KB,
 
 
 def _setup(B: int, k: int, x_dtype, config: dict | None, is_cuda: bool):
-    c = {**DEFAULTS, **(config or {})}
+    c = {**DEFAULTS, **BY_BATCH.get(B, {}), **(config or {})}
+    if not is_cuda and "DECODE" not in (config or {}):
+        c["DECODE"] = "plain"  # the interpreter runs no inline PTX
     decode = c["DECODE"]
     assert decode in DECODES, decode
     dot = _dot_meta(torch.float32 if x_dtype == torch.float32 else torch.bfloat16)
