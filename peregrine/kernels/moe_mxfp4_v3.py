@@ -37,10 +37,13 @@ DECODES = ("asm", "dot_scaled", "plain")
 DEFAULTS = {"DECODE": "asm", "UP_BLOCK_I": 64, "UP_BLOCK_KB": 64, "UP_WARPS": 4, "UP_STAGES": 3,
             "DOWN_BLOCK_D": 64, "DOWN_BLOCK_KB": 64, "DOWN_WARPS": 4, "DOWN_STAGES": 3}
 KEYS = tuple(DEFAULTS)
-# H200, k3-slice shapes (results/2026-12-04-session20/...kernels-moe-mxfp4.json): the fastest tiles per B;
-# B = 2, 4 (and any other) take DEFAULTS
-BY_BATCH = {1: {"UP_BLOCK_I": 128, "UP_WARPS": 8, "DOWN_BLOCK_D": 128, "DOWN_WARPS": 8},     # 0.316 vs 0.341 ms
-            8: {"UP_BLOCK_KB": 32, "UP_STAGES": 4, "DOWN_BLOCK_KB": 32, "DOWN_STAGES": 4}}  # 1.433 vs 1.496 ms
+# H200, k3-slice shapes (results/2026-12-04-session20/call2-...kernels-moe-mxfp4.json): the fastest tiles per
+# B, 128 rows x 32 bytes at 8 warps, 4 stages for B <= 4 (B = 1/2/4: 0.275 / 0.501 / 0.889 ms against DEFAULTS'
+# 0.341 / 0.543 / 0.919), 64 x 32 at 4 warps for B = 8 (1.431 against 1.496); other B take DEFAULTS
+_WIDE = {"UP_BLOCK_I": 128, "UP_BLOCK_KB": 32, "UP_WARPS": 8, "UP_STAGES": 4,
+         "DOWN_BLOCK_D": 128, "DOWN_BLOCK_KB": 32, "DOWN_WARPS": 8, "DOWN_STAGES": 4}
+BY_BATCH = {1: _WIDE, 2: _WIDE, 3: _WIDE, 4: _WIDE,
+            8: {"UP_BLOCK_KB": 32, "UP_STAGES": 4, "DOWN_BLOCK_KB": 32, "DOWN_STAGES": 4}}
 
 # One 32-bit word (4 packed bytes = 8 codes, element 2j in the low nibble of byte j) and the BF16x2 scale
 # of its group -> 4 registers of BF16x2, register j = elements (2j, 2j+1). v = w >> 4 brings each high
