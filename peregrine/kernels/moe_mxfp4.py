@@ -52,7 +52,7 @@ DOWN_BLOCK_D, DOWN_BLOCK_KB, DOWN_WARPS = 32, 64, 4     # W2 rows, packed bytes 
 GEMV_BLOCK_R, GEMV_BLOCK_KB = 16, 128                   # one-matrix GEMV tiles (small M, no tl.dot)
 VARIANTS = ("v1", "v2", "v3")  # v1: this file's MMA kernels; v2: kernels/moe_mxfp4_v2.py (word decode, FMA, group
 #   scales); v3: kernels/moe_mxfp4_v3.py (weights as the MMA's register operand, packed BF16x2 decode)
-# H200, k3-slice, B = 1/2/4/8 (results/2026-12-04-session20): v3 0.316 / 0.544 / 0.919 / 1.433 ms against
+# H200, k3-slice, B = 1/2/4/8 (results/2026-12-04-session20, call 1): v3 0.316 / 0.544 / 0.919 / 1.433 ms against
 # v2 0.415 / 1.03 / 2.92 / 8.53 and v1 0.470 / 0.876 / 1.58 / 2.68: v3 at every B
 DEFAULT_VARIANT = "v3"
 VARIANT_ENV = "PEREGRINE_MXFP4_VARIANT"  # overrides the default (A/B runs of the decode step)

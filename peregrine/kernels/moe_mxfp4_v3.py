@@ -37,7 +37,7 @@ DECODES = ("asm", "dot_scaled", "plain")
 DEFAULTS = {"DECODE": "asm", "UP_BLOCK_I": 64, "UP_BLOCK_KB": 64, "UP_WARPS": 4, "UP_STAGES": 3,
             "DOWN_BLOCK_D": 64, "DOWN_BLOCK_KB": 64, "DOWN_WARPS": 4, "DOWN_STAGES": 3}
 KEYS = tuple(DEFAULTS)
-# H200, k3-slice shapes (results/2026-12-04-session20/call2-...kernels-moe-mxfp4.json): the fastest tiles per
+# H200, k3-slice shapes (results/2026-12-04-session20/call2-*-kernels-moe-mxfp4-v3sweep-7f77f8f.json): the fastest tiles per
 # B, 128 rows x 32 bytes at 8 warps, 4 stages for B <= 4 (B = 1/2/4: 0.275 / 0.501 / 0.889 ms against DEFAULTS'
 # 0.341 / 0.543 / 0.919), 64 x 32 at 4 warps for B = 8 (1.431 against 1.496); other B take DEFAULTS
 _WIDE = {"UP_BLOCK_I": 128, "UP_BLOCK_KB": 32, "UP_WARPS": 8, "UP_STAGES": 4,
