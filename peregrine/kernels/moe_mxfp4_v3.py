@@ -88,11 +88,13 @@ WPG = tl.constexpr(BPG // 4)     # 32-bit words per scale group
 def _tile_asm(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R: tl.constexpr, BLOCK_KB: tl.constexpr,
               BPG: tl.constexpr, WPG: tl.constexpr, EVEN: tl.constexpr):
     """Weights [R, 2·BLOCK_KB] BF16 (scaled, element order) of packed columns kb0.. of `rows` (int64):
-    whole groups of 4 words (16-byte loads), one scale byte per group."""
+    whole groups of 4 words (16-byte loads), one scale byte per group. The row stride in words is KG·WPG:
+    KG is an argument (Triton specializes it divisible by 16), so the compiler can prove the rows 16-byte
+    aligned and copy 16 bytes at a time (KB // 4 computed in the kernel loses that: 4-byte copies)."""
     NG: tl.constexpr = BLOCK_KB // BPG
     offs_g = kb0 // BPG + tl.arange(0, NG)
     offs_w = tl.arange(0, WPG)
-    wp = q_ptr.to(tl.pointer_type(tl.uint32)) + rows[:, None, None] * (KB // 4) + offs_g[None, :, None] * WPG \
+    wp = q_ptr.to(tl.pointer_type(tl.uint32)) + rows[:, None, None] * (KG * WPG) + offs_g[None, :, None] * WPG \
         + offs_w[None, None, :]
     sp = s_ptr + rows[:, None] * KG + offs_g[None, :]
     if EVEN:  # whole tiles: no masks (their predicates cost more than the decode's multiplies)
@@ -168,7 +170,7 @@ def _acts(base, kb0, KB, ROUND_T: tl.constexpr, DOT_T: tl.constexpr, DECODE: tl.
 
 
 @triton.jit
-def _mx3_up_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, h_ptr, B, KB, I, stride_xb,
+def _mx3_up_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, h_ptr, B, KB, KG, I, stride_xb,
                    TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
                    BLOCK_I: tl.constexpr, BLOCK_KB: tl.constexpr, BPG: tl.constexpr, ACT: tl.constexpr,
                    DECODE: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr, BETA: tl.constexpr,
@@ -180,7 +182,6 @@ def _mx3_up_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, h_ptr, B, KB, I, stride_xb,
         offs_b = tl.arange(0, B_PAD)
         offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         i_ok = offs_i < I
-        KG = KB // BPG
         g_rows = e.to(tl.int64) * 2 * I + offs_i.to(tl.int64)
         xb = x_ptr + tl.minimum(offs_b, B - 1) * stride_xb  # padding tokens read token B-1's row
         acc_g = tl.zeros([BLOCK_I, B_PAD], tl.float32)
@@ -197,7 +198,7 @@ def _mx3_up_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, h_ptr, B, KB, I, stride_xb,
 
 
 @triton.jit
-def _mx3_down_kernel(h_ptr, q_ptr, s_ptr, ids_ptr, part_ptr, B, D, KB,
+def _mx3_down_kernel(h_ptr, q_ptr, s_ptr, ids_ptr, part_ptr, B, D, KB, KG,
                      TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_KB: tl.constexpr, BPG: tl.constexpr, DECODE: tl.constexpr,
                      DOT_T: tl.constexpr, PREC: tl.constexpr, ACT_T: tl.constexpr, STAGES: tl.constexpr,
@@ -209,7 +210,6 @@ def _mx3_down_kernel(h_ptr, q_ptr, s_ptr, ids_ptr, part_ptr, B, D, KB,
         offs_b = tl.arange(0, B_PAD)
         offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
-        KG = KB // BPG
         rows = e.to(tl.int64) * D + offs_d.to(tl.int64)
         row = offs_b * TOP_K + slot
         hb = h_ptr + (tl.minimum(offs_b, B - 1) * TOP_K + slot) * (2 * KB)  # padding tokens: token B-1's row
@@ -252,7 +252,7 @@ def launch_up(x, q13, s13, topk_ids, h, activation: str, config: dict | None = N
     c, meta = _setup(B, k, x.dtype, config, x.is_cuda)
     bi, bkb, even = _tiles(I, Dz // 2, c["UP_BLOCK_I"], c["UP_BLOCK_KB"])
     _mx3_up_kernel[(B * k, triton.cdiv(I, bi))](
-        x, q13, s13, topk_ids, h, B, Dz // 2, I, x.stride(0), BLOCK_I=bi, BLOCK_KB=bkb,
+        x, q13, s13, topk_ids, h, B, Dz // 2, Dz // 2 // BPG, I, x.stride(0), BLOCK_I=bi, BLOCK_KB=bkb,
         ACT=ACTIVATIONS[activation], BETA=SITU_BETA, BETA_L=SITU_LINEAR_BETA, STAGES=c["UP_STAGES"],
         EVEN=even, num_warps=c["UP_WARPS"], **meta)
 
@@ -264,7 +264,7 @@ def launch_down(h, q2, s2, topk_ids, part, act_t, config: dict | None = None, x_
     c, meta = _setup(B, k, x_dtype, config, h.is_cuda)
     bd, bkb, even = _tiles(Dz, I // 2, c["DOWN_BLOCK_D"], c["DOWN_BLOCK_KB"])
     _mx3_down_kernel[(B * k, triton.cdiv(Dz, bd))](
-        h, q2, s2, topk_ids, part, B, Dz, I // 2, BLOCK_D=bd, BLOCK_KB=bkb, ACT_T=act_t,
+        h, q2, s2, topk_ids, part, B, Dz, I // 2, I // 2 // BPG, BLOCK_D=bd, BLOCK_KB=bkb, ACT_T=act_t,
         STAGES=c["DOWN_STAGES"], EVEN=even, num_warps=c["DOWN_WARPS"], **meta)
 
 
