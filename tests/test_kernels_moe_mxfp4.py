@@ -132,30 +132,42 @@ def test_nan_scale_poisons_only_its_group(variant):
     assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()  # gate row 5 feeds every W2 row
 
 
-def test_v2_down_every_byte_every_lane_and_scale():
-    """v2 decodes 32-bit words into lane pairs and scales whole groups: with one-hot activations the
-    down kernel reads W2 back column by column. Every byte value sits in every byte position of a
-    word (rows are rolled), under scales 2^-20 .. 2^20 and E8M0 0 (reads as 0); results must be exact."""
-    import triton
-    from peregrine.kernels import moe_mxfp4_v2 as v2
-    Dz, I = 64, 512  # W2 [Dz, I/2 = 256 bytes]
-    packed = torch.stack([torch.roll(torch.arange(256, dtype=torch.uint8), 3 * r) for r in range(Dz)])
+def one_hot_w2(roll: int, nan_row: int | None = None):
+    """A W2 [Dz = 64, I = 512] whose rows hold every byte value once (rolled by `roll` per row, so each
+    value sits in every byte position of a word), scales 2^-20 .. 2^20 and E8M0 0 (reads as 0), optionally
+    an E8M0 NaN group in row nan_row; 16 one-hot activation rows h [16, 1, I] (every position of a word,
+    many groups). Returns packed [Dz, 256], scales [Dz, 16], h, and the exact want [16, Dz] (FP64)."""
+    Dz, I = 64, 512
+    packed = torch.stack([torch.roll(torch.arange(256, dtype=torch.uint8), roll * r) for r in range(Dz)])
     scales = torch.tensor([107, 118, 126, 127, 128, 140, 147, 0], dtype=torch.uint8)
     s2 = scales[(torch.arange(Dz)[:, None] + torch.arange(I // 32)[None, :]) % len(scales)]
     lut = torch.tensor([e2m1(c) for c in range(16)], dtype=torch.float64)
     want = torch.empty(Dz, I, dtype=torch.float64)
     want[:, 0::2], want[:, 1::2] = lut[packed.long() & 15], lut[packed.long() >> 4]
     want *= torch.where(s2 == 0, 0.0, torch.pow(2.0, s2.double() - 127)).repeat_interleave(32, 1)
-    cols = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 13, 38, 101, 200, 255, 256, 400, 511])  # every lane, many groups
-    B = len(cols)
-    h = torch.zeros(B, 1, I)
-    h[torch.arange(B), 0, cols] = 1.0
+    if nan_row is not None:
+        s2[nan_row, 3] = 255       # E8M0 NaN: 0 · NaN is NaN, so every dot product of that row
+        want[nan_row] = float("nan")
+    cols = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 13, 38, 101, 200, 255, 256, 400, 511])
+    h = torch.zeros(len(cols), 1, I)
+    h[torch.arange(len(cols)), 0, cols] = 1.0
+    return packed, s2, h, want[:, cols].T
+
+
+def test_v2_down_every_byte_every_lane_and_scale():
+    """v2 decodes 32-bit words into lane pairs and scales whole groups: with one-hot activations the
+    down kernel reads W2 back column by column. Every byte value sits in every byte position of a
+    word (rows are rolled), under scales 2^-20 .. 2^20 and E8M0 0 (reads as 0); results must be exact."""
+    import triton
+    from peregrine.kernels import moe_mxfp4_v2 as v2
+    packed, s2, h, want = one_hot_w2(roll=3)
+    (B, _, I), Dz = h.shape, packed.shape[0]
     ids = torch.zeros(B, 1, dtype=torch.int32)  # every token chose expert 0: program 0 serves them all
     part = torch.full((B, 1, Dz), float("nan"), device=DEVICE)
     v2._mx2_down_kernel[(B, triton.cdiv(Dz, 32))](
         h.to(DEVICE), packed[None].contiguous().to(DEVICE), s2[None].contiguous().to(DEVICE), ids.to(DEVICE), part,
         B, Dz, I // 32, TOP_K=1, B_PAD=B, K_PAD=1, N_PAD=B, BLOCK_D=32, BLOCK_G=4, WPG=v2.WPG, ACT_T=None)
-    assert torch.equal(part[:, 0].cpu().double(), want[:, cols].T)
+    assert torch.equal(part[:, 0].cpu().double(), want)
 
 
 @pytest.mark.parametrize("code", [0, 255])
@@ -186,30 +198,18 @@ def test_v3_down_every_byte_every_position_and_scale(variant):
     """One-hot activations read W2 back column by column through v3's down kernel: every byte value in
     every byte position of a word (rows are rolled), scales 2^-20 .. 2^20, E8M0 0 (reads as 0) and a
     NaN group; 16 one-hot tokens fill the MMA's token tile. Results must be exact."""
-    Dz, I = 64, 512  # W2 [Dz, I/2 = 256 bytes]
-    packed = torch.stack([torch.roll(torch.arange(256, dtype=torch.uint8), 5 * r) for r in range(Dz)])
-    scales = torch.tensor([107, 118, 126, 127, 128, 140, 147, 0], dtype=torch.uint8)
-    s2 = scales[(torch.arange(Dz)[:, None] + torch.arange(I // 32)[None, :]) % len(scales)]
-    s2[9, 3] = 255                 # E8M0 NaN in row 9: 0 · NaN is NaN, so every dot product of row 9
-    lut = torch.tensor([e2m1(c) for c in range(16)], dtype=torch.float64)
-    want = torch.empty(Dz, I, dtype=torch.float64)
-    want[:, 0::2], want[:, 1::2] = lut[packed.long() & 15], lut[packed.long() >> 4]
-    want *= torch.where(s2 == 0, 0.0, torch.pow(2.0, s2.double() - 127)).repeat_interleave(32, 1)
-    want[9] = float("nan")
-    cols = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 13, 38, 101, 200, 255, 256, 400, 511])  # every position, many groups
-    B = len(cols)
-    h = torch.zeros(B, 1, I)
-    h[torch.arange(B), 0, cols] = 1.0
-    from peregrine.kernels import moe_mxfp4_v3 as v3
     import triton.language as tl
+    from peregrine.kernels import moe_mxfp4_v3 as v3
+    packed, s2, h, want = one_hot_w2(roll=5, nan_row=9)
+    B, Dz = h.shape[0], packed.shape[0]
     ids = torch.zeros(B, 1, dtype=torch.int32)  # every token chose expert 0: program 0 serves them all
     part = torch.full((B, 1, Dz), float("nan"), device=DEVICE)
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     v3.launch_down(dev(h), dev(packed[None].contiguous()), dev(s2[None].contiguous()), dev(ids), part, tl.float32,
                    {**_variant(variant)["config"], "DOWN_BLOCK_KB": 64}, x_dtype=torch.float32)
     got = part[:, 0].cpu().double()
-    assert torch.equal(got.isnan(), want[:, cols].T.isnan())
-    assert torch.equal(got.nan_to_num(), want[:, cols].T.nan_to_num())
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
 AOT_SCRIPT = r"""

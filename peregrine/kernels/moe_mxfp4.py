@@ -33,6 +33,8 @@ the weights on the MMA's register side with a packed BF16x2 decode: the fastest 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -59,7 +61,6 @@ VARIANT_ENV = "PEREGRINE_MXFP4_VARIANT"  # overrides the default (A/B runs of th
 
 
 def default_variant(B: int) -> str:
-    import os
     v = os.environ.get(VARIANT_ENV) or DEFAULT_VARIANT
     if v not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV}={v!r}: expected one of {', '.join(VARIANTS)}")

@@ -47,40 +47,20 @@ BY_BATCH = {1: _WIDE, 2: _WIDE, 3: _WIDE, 4: _WIDE,
 
 # One 32-bit word (4 packed bytes = 8 codes, element 2j in the low nibble of byte j) and the BF16x2 scale
 # of its group -> 4 registers of BF16x2, register j = elements (2j, 2j+1). v = w >> 4 brings each high
-# nibble to bits 3..0 of its byte; one byte permute takes byte j of w and byte j of v into the two 16-bit
-# halves (selector 0x0?0j), so both codes of the pair sit at bits 3..0 of their half (with a stray nibble above). A nibble
-# n (s e1 e0 m) times 0x1040 is n << 6 | n << 12 (disjoint bits); masked by 0x81C0 that keeps s at bit 15
+# nibble to bits 3..0 of its byte; one byte permute (selector 0x0{4+j}0{j}) takes byte j of w and byte j of v
+# into the two 16-bit halves, so both codes of the pair sit at bits 3..0 of their half (a stray nibble
+# above). A nibble n (s e1 e0 m) times 0x1040 is n << 6 | n << 12 (disjoint bits); masked by 0x81C0 that keeps s at bit 15
 # and e1 e0 m at bits 8..6: the BF16 bits of the code's value times 2^-126 (E2M1's e = 0 lands on BF16
 # subnormals, which is what it means). A BF16x2 multiply by 2^126 makes the pair exact, one by the scale.
-_DECODE_ASM = tl.constexpr("""{
-.reg .b32 v, t, bias;
-mov.b32 bias, 0x7E807E80;
-shr.b32 v, $4, 4;
-prmt.b32 t, $4, v, 0x0400;
+_PAIR = """prmt.b32 t, $4, v, 0x0{hi}0{j};
 and.b32 t, t, 0x000F000F;
 mul.lo.u32 t, t, 0x1040;
 and.b32 t, t, 0x81C081C0;
 mul.rn.bf16x2 t, t, bias;
-mul.rn.bf16x2 $0, t, $5;
-prmt.b32 t, $4, v, 0x0501;
-and.b32 t, t, 0x000F000F;
-mul.lo.u32 t, t, 0x1040;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 t, t, bias;
-mul.rn.bf16x2 $1, t, $5;
-prmt.b32 t, $4, v, 0x0602;
-and.b32 t, t, 0x000F000F;
-mul.lo.u32 t, t, 0x1040;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 t, t, bias;
-mul.rn.bf16x2 $2, t, $5;
-prmt.b32 t, $4, v, 0x0703;
-and.b32 t, t, 0x000F000F;
-mul.lo.u32 t, t, 0x1040;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 t, t, bias;
-mul.rn.bf16x2 $3, t, $5;
-}""")
+mul.rn.bf16x2 ${j}, t, $5;
+"""
+_DECODE_ASM = tl.constexpr("{\n.reg .b32 v, t, bias;\nmov.b32 bias, 0x7E807E80;\nshr.b32 v, $4, 4;\n"
+                           + "".join(_PAIR.format(j=j, hi=4 + j) for j in range(4)) + "}")
 WPG = tl.constexpr(BPG // 4)     # 32-bit words per scale group
 
 
