@@ -33,6 +33,7 @@ TOL = 1e-4 if DEVICE == "cpu" else 3e-2  # FP32 on CPU; BF16 on the GPU
 # with random weights. It still passes where the specialized logits are no further than this factor
 # times the standard path's from an FP32 standard run of the same history (VERIFY.md §1's reference).
 DRIFT_SLACK = 2.0
+NEAR_TIE = 3e-2  # BF16: relative gap of the plain run's top-2 logits below which a token flip is rounding
 
 
 def k3_raw(mxfp4: bool) -> dict:
@@ -158,12 +159,21 @@ def test_prefill_joining_mid_generation(model_dir):
 
 def test_speculative_verify_on_k3_falls_back_and_keeps_tokens(model_dir):
     """The K3 step has no verify form: speculative verify steps go to the standard path (counted),
-    and greedy output still equals plain greedy output."""
+    and greedy output still equals plain greedy output (FP32). In BF16 a verify step scores several
+    positions in one forward, which rounds differently from one position a step: the first differing
+    token must then be a near-tie of the plain run (test_spec_specialized's rule, VERIFY.md §2)."""
     p = [4, 4, 5, 4, 4, 5, 4, 4, 5, 4, 4]
-    want = engine(model_dir, "standard")[0].generate([p], greedy(12))[0]
+    plain, logs = engine(model_dir, "standard")
+    want = plain.generate([p], greedy(12))[0]
     spec, _ = engine(model_dir, "latency_specialized",
                      speculative_config={"method": "draft_model", "model": model_dir, "num_speculative_tokens": 2})
-    assert spec.generate([p], greedy(12))[0] == want
+    got = spec.generate([p], greedy(12))[0]
+    i = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+    if DEVICE == "cpu" or i is None:
+        assert got == want
+    else:  # plain step i (step 0 the prefill) produced token i
+        top = logs[i][1][0].topk(2).values
+        assert (top[0] - top[1]) / top[0].abs() < NEAR_TIE, f"token {i}: {got[i]} for {want[i]}, not a near tie {top}"
     reasons = spec.stats["fallback_reasons"]
     assert spec.stats["spec"]["num_drafts"] > 0  # the model drafts for itself: every step verifies
     assert any("speculative verify on K3" in r for r in reasons), reasons
