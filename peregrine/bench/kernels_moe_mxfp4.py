@@ -55,6 +55,13 @@ V3_SWEEP = [   # mx3.KEYS order: DECODE, UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS, UP_S
     ("asm", 64, 32, 4, 4, 64, 32, 4, 4),     # B = 8's
     # session 20's sweep also ran 256-row and 16-byte asm tiles, dot_scaled and plain: slower at every B
 ]
+PROBE = [      # --probe: v3's loads, layouts and MMAs with a 4-move "decode" (wrong values, timed unchecked) beside
+    #            the real decodes at the same tiles: what the decode costs against what the load pipeline does
+    ("probe", 128, 32, 8, 4, 128, 32, 8, 4), ("asm", 128, 32, 8, 4, 128, 32, 8, 4),
+    ("probe_p", 128, 32, 8, 4, 128, 32, 8, 4), ("asm_p", 128, 32, 8, 4, 128, 32, 8, 4),
+    ("probe", 64, 32, 4, 4, 64, 32, 4, 4), ("asm", 64, 32, 4, 4, 64, 32, 4, 4),
+    ("probe", 128, 32, 8, 8, 128, 32, 8, 8),
+]
 KEYS = ("UP_BLOCK_I", "UP_BLOCK_KB", "UP_WARPS", "DOWN_BLOCK_D", "DOWN_BLOCK_KB", "DOWN_WARPS")
 
 
@@ -188,15 +195,39 @@ def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print, v3_only
     return rows
 
 
+def probe(copy_gbps: float, iters: int = 20, log=print) -> list[dict]:
+    """PROBE's configs at every B: time and % of copy (MXFP4 bytes as in run), no correctness check."""
+    W, rows = Weights(bf16=False), []
+    for B in BS:
+        calls = routings(B)
+        distinct = statistics.mean(torch.unique(ids).numel() for _, ids, _ in calls)
+        nbytes = distinct * mx_expert_bytes() + B * DZ * 2 * 2
+        for cfg in PROBE:
+            c = dict(zip(mx3.KEYS, cfg))
+            t = statistics.median(time_graph(lambda x, i, w: mx.moe_mxfp4_experts(
+                x, *W.mx(), i, w, activation="situ", config=c, variant="v3"), calls, iters))
+            rows.append({"B": B, "config": c, "time_ms": t, "gbps": nbytes / t / 1e6,
+                         "pct_of_copy": nbytes / t / 1e6 / copy_gbps, "checked": False})
+            log(f"B={B} {cfg}: {t:.4f} ms, {100 * nbytes / t / 1e6 / copy_gbps:.1f} % of copy")
+    return rows
+
+
 def main() -> None:
     from peregrine.bench.gpu import copy_bandwidth, result_path, run_metadata, write_result
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="B = 1 and 8, default tiles only")
     ap.add_argument("--v3-sweep", action="store_true", help="sweep v3's tiles only (v1, v2: their defaults)")
     ap.add_argument("--results-dir", default="results")
+    ap.add_argument("--probe", action="store_true", help="only v3's load-pipeline probe (PROBE: unchecked, "
+                    "a 4-move decode beside the real ones)")
     args = ap.parse_args()
     copy = copy_bandwidth()
     print(f"copy bandwidth {copy['gbps']:.0f} GB/s")
+    if args.probe:
+        path = write_result(result_path("k3-slice", "kernels-moe-mxfp4-probe", args.results_dir),
+                            {"meta": run_metadata(), "copy": copy, "rows": probe(copy["gbps"])})
+        print("wrote", path)
+        return
     rows = run(copy["gbps"], full=not args.quick, v3_only=args.v3_sweep)
     print(f"{'B':>2} {'experts':>7} {'v1 ms':>9} {'GB/s':>6} {'%copy':>6} {'v2 ms':>8} {'GB/s':>6} {'%copy':>6} "
           f"{'v3 ms':>8} {'GB/s':>6} {'%copy':>6} {'BF16 ms':>8} {'%copy':>6} {'std ms':>7}")

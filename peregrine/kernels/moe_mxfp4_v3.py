@@ -34,7 +34,7 @@ from .moe_mxfp4 import _act, _tile
 
 BPG = mxfp4.GROUP // 2          # packed bytes per scale group
 E8M0_NAN = tl.constexpr(mxfp4.E8M0_NAN)
-DECODES = ("asm", "asm_p", "dot_scaled", "plain", "plain_p")
+DECODES = ("asm", "asm_p", "dot_scaled", "plain", "plain_p", "probe", "probe_p")
 PORTABLE = ("plain", "plain_p")  # decodes without inline PTX: the interpreter runs these
 DECODE_ENV = "PEREGRINE_MXFP4_V3_DECODE"  # overrides the GPU default decode (A/B runs of the decode step)
 # tiles: weight rows x packed bytes per step; 64 rows fill one warpgroup MMA (M = 64 per 4 warps)
@@ -66,11 +66,14 @@ mul.rn.bf16x2 ${j}, t, $5;
 _DECODE_ASM = tl.constexpr("{\n.reg .b32 v, t, bias;\nmov.b32 bias, 0x7E807E80;\nshr.b32 v, $4, 4;\n"
                            + "".join(_PAIR.format(j=j, hi=4 + j) for j in range(4)) + "}")
 WPG = tl.constexpr(BPG // 4)     # 32-bit words per scale group
+# DECODE "probe" (bench --probe only, wrong values): asm's loads, layouts and MMAs with the 22-instruction decode
+# replaced by 4 moves, to tell the decode's cost from the load pipeline's
+_PROBE_ASM = tl.constexpr("mov.b32 $0, $4;\nmov.b32 $1, $5;\nmov.b32 $2, $4;\nmov.b32 $3, $5;")
 
 
 @triton.jit
 def _tile_asm(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R: tl.constexpr, BLOCK_KB: tl.constexpr,
-              BPG: tl.constexpr, WPG: tl.constexpr, EVEN: tl.constexpr):
+              BPG: tl.constexpr, WPG: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr = _DECODE_ASM):
     """Weights [R, 2·BLOCK_KB] BF16 (scaled, element order) of packed columns kb0.. of `rows` (int64):
     whole groups of 4 words (16-byte loads), one scale byte per group. The row stride in words is KG·WPG:
     KG is an argument (Triton specializes it divisible by 16), so the compiler can prove the rows 16-byte
@@ -94,7 +97,7 @@ def _tile_asm(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R: tl.constexpr, BLOCK_KB
     # element pair (2m, 2m+1) is one BF16x2 register
     half = tl.reshape(tl.join(word & 0xFFFF, word >> 16).to(tl.uint16), [R, NG, WPG, 2])
     o0, o1, o2, o3 = tl.inline_asm_elementwise(
-        _DECODE_ASM, "=r,=r,=r,=r,r,r", [half, sc], dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
+        ASM, "=r,=r,=r,=r,r,r", [half, sc], dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
     # o_j[..., l] = element 2j + l of the word: order (j, l) within the word
     v = tl.permute(tl.join(tl.join(o0, o1), tl.join(o2, o3)), (0, 1, 2, 5, 4, 3))
     return tl.reshape(v, [R, 2 * BLOCK_KB])
@@ -118,7 +121,8 @@ def _byte_values(word, j: tl.constexpr, scale, DOT_T: tl.constexpr):
 
 @triton.jit
 def _tile_p(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R: tl.constexpr, BLOCK_KB: tl.constexpr,
-            BPG: tl.constexpr, WPG: tl.constexpr, EVEN: tl.constexpr, PORTABLE: tl.constexpr, DOT_T: tl.constexpr):
+            BPG: tl.constexpr, WPG: tl.constexpr, EVEN: tl.constexpr, PORTABLE: tl.constexpr, DOT_T: tl.constexpr,
+            ASM: tl.constexpr = _DECODE_ASM):
     """As _tile_asm, but decoded straight into the MMA's register order (no shared-memory round trip of the
     decoded tile), the activations permuted to match (_perm_k). Per 32-byte chunk c of a row, lane t (mod 4)
     takes words t and t + 4 (wh = 0, 1: the chunk's two scale groups), and byte jj = 2·c1 + h of word t + 4·wh
@@ -157,7 +161,7 @@ def _tile_p(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R: tl.constexpr, BLOCK_KB: 
         sc = tl.broadcast_to(bits.to(tl.uint16)[:, :, :, :, None], [R, NC, 4, 2, 2])
         half = tl.reshape(tl.join(word & 0xFFFF, word >> 16).to(tl.uint16), [R, NC, 4, 2, 2])
         o0, o1, o2, o3 = tl.inline_asm_elementwise(
-            _DECODE_ASM, "=r,=r,=r,=r,r,r", [half, sc], dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
+            ASM, "=r,=r,=r,=r,r,r", [half, sc], dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
     v = tl.join(tl.join(o0, o1), tl.join(o2, o3))  # [R, NC, t, wh, l, h, c1]
     v = tl.permute(v, (0, 1, 3, 6, 5, 2, 4))     # [R, NC, wh, c1, h, t, l]
     return tl.reshape(v, [R, 2 * BLOCK_KB])
@@ -176,11 +180,18 @@ def _mma_step(acc, q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, xe, xo,
               DOT_T: tl.constexpr, PREC: tl.constexpr, EVEN: tl.constexpr):
     """acc [R, T] += W[rows, packed kb0 ..] · activations: xe/xo [BLOCK_KB, T] the even/odd elements
     (asm, dot_scaled: xe [2·BLOCK_KB, T] all of them in order)."""
-    if DECODE == "asm":
-        w = _tile_asm(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R, BLOCK_KB, BPG, WPG, EVEN)
+    if DECODE == "asm" or DECODE == "probe":
+        if DECODE == "asm":
+            w = _tile_asm(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R, BLOCK_KB, BPG, WPG, EVEN)
+        else:
+            w = _tile_asm(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R, BLOCK_KB, BPG, WPG, EVEN, _PROBE_ASM)
         acc = tl.dot(w, xe, acc)
-    elif DECODE == "asm_p" or DECODE == "plain_p":
-        w = _tile_p(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R, BLOCK_KB, BPG, WPG, EVEN, DECODE == "plain_p", DOT_T)
+    elif DECODE == "asm_p" or DECODE == "plain_p" or DECODE == "probe_p":
+        if DECODE == "probe_p":
+            w = _tile_p(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R, BLOCK_KB, BPG, WPG, EVEN, False, DOT_T, _PROBE_ASM)
+        else:
+            w = _tile_p(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R, BLOCK_KB, BPG, WPG, EVEN, DECODE == "plain_p",
+                        DOT_T)
         acc = tl.dot(w, xe, acc, input_precision=PREC)
     elif DECODE == "dot_scaled":
         NG: tl.constexpr = BLOCK_KB // BPG
@@ -206,7 +217,7 @@ def _acts(base, kb0, KB, ROUND_T: tl.constexpr, DOT_T: tl.constexpr, DECODE: tl.
     columns apart): (even, odd) elements [BLOCK_KB, T], or for asm and dot_scaled all of them in order
     [2·BLOCK_KB, T] twice."""
     if DECODE != "plain":
-        if DECODE == "asm_p" or DECODE == "plain_p":  # gathered as 32-bit pairs (cp.async copies 4 bytes at the least)
+        if DECODE == "asm_p" or DECODE == "plain_p" or DECODE == "probe_p":  # gathered as 32-bit pairs (cp.async copies 4 bytes at the least)
             kp = _perm_k(2 * kb0 + 2 * tl.arange(0, BLOCK_KB)) // 2
             if base.dtype.element_ty == tl.float32:
                 pb = base.to(tl.pointer_type(tl.uint64))
