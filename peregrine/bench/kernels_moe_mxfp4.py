@@ -61,6 +61,11 @@ PROBE = [      # --probe: v3's loads, layouts and MMAs with a 4-move "decode" (w
     ("probe_p", 128, 32, 8, 4, 128, 32, 8, 4), ("asm_p", 128, 32, 8, 4, 128, 32, 8, 4),
     ("probe", 64, 32, 4, 4, 64, 32, 4, 4), ("asm", 64, 32, 4, 4, 64, 32, 4, 4),
     ("probe", 128, 32, 8, 8, 128, 32, 8, 8),
+    # wider row segments per step (the BF16 experts stream 256-512 contiguous bytes a row a step, v3 32)
+    ("probe", 128, 64, 8, 4, 128, 64, 8, 4), ("probe", 64, 128, 4, 3, 64, 128, 4, 3),
+    ("probe", 128, 128, 8, 3, 128, 128, 8, 3), ("probe", 32, 256, 4, 3, 32, 256, 4, 3),
+    ("probe", 16, 256, 4, 3, 16, 256, 4, 3),
+    ("asm", 64, 128, 4, 3, 64, 128, 4, 3), ("asm", 32, 256, 4, 3, 32, 256, 4, 3),
 ]
 KEYS = ("UP_BLOCK_I", "UP_BLOCK_KB", "UP_WARPS", "DOWN_BLOCK_D", "DOWN_BLOCK_KB", "DOWN_WARPS")
 
