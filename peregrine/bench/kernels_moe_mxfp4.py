@@ -66,6 +66,9 @@ PROBE = [      # --probe: v3's loads, layouts and MMAs with a 4-move "decode" (w
     ("probe", 128, 128, 8, 3, 128, 128, 8, 3), ("probe", 32, 256, 4, 3, 32, 256, 4, 3),
     ("probe", 16, 256, 4, 3, 16, 256, 4, 3),
     ("asm", 64, 128, 4, 3, 64, 128, 4, 3), ("asm", 32, 256, 4, 3, 32, 256, 4, 3),
+    # the same bytes and tiles as BF16 pairs fed to the MMA from shared memory (no register operand, no decode)
+    ("probe_bf16", 128, 32, 8, 4, 128, 32, 8, 4), ("probe_bf16", 64, 32, 4, 4, 64, 32, 4, 4),
+    ("probe_bf16", 64, 128, 4, 4, 64, 128, 4, 4), ("probe_bf16", 32, 256, 4, 4, 32, 256, 4, 4),
 ]
 KEYS = ("UP_BLOCK_I", "UP_BLOCK_KB", "UP_WARPS", "DOWN_BLOCK_D", "DOWN_BLOCK_KB", "DOWN_WARPS")
 
@@ -200,14 +203,14 @@ def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print, v3_only
     return rows
 
 
-def probe(copy_gbps: float, iters: int = 20, log=print) -> list[dict]:
+def probe(copy_gbps: float, iters: int = 20, log=print, only: tuple = ()) -> list[dict]:
     """PROBE's configs at every B: time and % of copy (MXFP4 bytes as in run), no correctness check."""
     W, rows = Weights(bf16=False), []
     for B in BS:
         calls = routings(B)
         distinct = statistics.mean(torch.unique(ids).numel() for _, ids, _ in calls)
         nbytes = distinct * mx_expert_bytes() + B * DZ * 2 * 2
-        for cfg in PROBE:
+        for cfg in (c for c in PROBE if not only or c[0] in only):
             c = dict(zip(mx3.KEYS, cfg))
             t = statistics.median(time_graph(lambda x, i, w: mx.moe_mxfp4_experts(
                 x, *W.mx(), i, w, activation="situ", config=c, variant="v3"), calls, iters))
@@ -225,12 +228,14 @@ def main() -> None:
     ap.add_argument("--results-dir", default="results")
     ap.add_argument("--probe", action="store_true", help="only v3's load-pipeline probe (PROBE: unchecked, "
                     "a 4-move decode beside the real ones)")
+    ap.add_argument("--probe-decodes", default="", help="with --probe: only these decodes (comma-separated)")
     args = ap.parse_args()
     copy = copy_bandwidth()
     print(f"copy bandwidth {copy['gbps']:.0f} GB/s")
     if args.probe:
         path = write_result(result_path("k3-slice", "kernels-moe-mxfp4-probe", args.results_dir),
-                            {"meta": run_metadata(), "copy": copy, "rows": probe(copy["gbps"])})
+                            {"meta": run_metadata(), "copy": copy,
+                             "rows": probe(copy["gbps"], only=tuple(args.probe_decodes.split(",")) if args.probe_decodes else ())})
         print("wrote", path)
         return
     rows = run(copy["gbps"], full=not args.quick, v3_only=args.v3_sweep)

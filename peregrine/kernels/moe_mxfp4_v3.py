@@ -34,7 +34,7 @@ from .moe_mxfp4 import _act, _tile
 
 BPG = mxfp4.GROUP // 2          # packed bytes per scale group
 E8M0_NAN = tl.constexpr(mxfp4.E8M0_NAN)
-DECODES = ("asm", "asm_p", "dot_scaled", "plain", "plain_p", "probe", "probe_p")
+DECODES = ("asm", "asm_p", "dot_scaled", "plain", "plain_p", "probe", "probe_p", "probe_bf16")
 PORTABLE = ("plain", "plain_p")  # decodes without inline PTX: the interpreter runs these
 DECODE_ENV = "PEREGRINE_MXFP4_V3_DECODE"  # overrides the GPU default decode (A/B runs of the decode step)
 # tiles: weight rows x packed bytes per step; 64 rows fill one warpgroup MMA (M = 64 per 4 warps)
@@ -193,6 +193,10 @@ def _mma_step(acc, q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, xe, xo,
             w = _tile_p(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R, BLOCK_KB, BPG, WPG, EVEN, DECODE == "plain_p",
                         DOT_T)
         acc = tl.dot(w, xe, acc, input_precision=PREC)
+    elif DECODE == "probe_bf16":  # the tile's bytes as BF16 pairs straight into the MMA (its A from shared memory)
+        offs = kb0 // 2 + tl.arange(0, BLOCK_KB // 2)
+        w = tl.load(q_ptr.to(tl.pointer_type(tl.bfloat16)) + rows[:, None] * (KB // 2) + offs[None, :])
+        acc = tl.dot(w, xe, acc)
     elif DECODE == "dot_scaled":
         NG: tl.constexpr = BLOCK_KB // BPG
         offs_k = kb0 + tl.arange(0, BLOCK_KB)
@@ -217,7 +221,9 @@ def _acts(base, kb0, KB, ROUND_T: tl.constexpr, DOT_T: tl.constexpr, DECODE: tl.
     columns apart): (even, odd) elements [BLOCK_KB, T], or for asm and dot_scaled all of them in order
     [2·BLOCK_KB, T] twice."""
     if DECODE != "plain":
-        if DECODE == "asm_p" or DECODE == "plain_p" or DECODE == "probe_p":  # gathered as 32-bit pairs (cp.async copies 4 bytes at the least)
+        if DECODE == "probe_bf16":  # half the K: the tile's bytes as BF16
+            xe = tl.load(base[None, :] + (kb0 // 2 + tl.arange(0, BLOCK_KB // 2))[:, None])
+        elif DECODE == "asm_p" or DECODE == "plain_p" or DECODE == "probe_p":  # gathered as 32-bit pairs (cp.async copies 4 bytes at the least)
             kp = _perm_k(2 * kb0 + 2 * tl.arange(0, BLOCK_KB)) // 2
             if base.dtype.element_ty == tl.float32:
                 pb = base.to(tl.pointer_type(tl.uint64))
