@@ -58,8 +58,9 @@ CASES_V3 = [  # v3 tiles at least 16 rows and 16 packed bytes: shapes below one 
     (3, 6, 3, 128, 256, "situ", torch.float32, False),     # whole tiles, 4-group scale words: _p's 32-bit scales
     (1, 4, 2, 64, 96, "swiglu", torch.bfloat16, True),     # 3 groups a row: _p's byte scales, a partial 64-chunk
 ]
-# v3's decode: the interpreter runs the portable ones (plain_p: asm_p's words, scales and order), the GPU all
-V3 = ["v3:plain", "v3:plain_p"] + (["v3:asm", "v3:asm_p", "v3:dot_scaled"] if DEVICE == "cuda" else [])
+# v3's decode: the interpreter runs the portable ones (plain_p: asm_p's words, scales and order; plain_t: tokens on
+# the MMA's M side, as asm_t), the GPU all
+V3 = ["v3:plain", "v3:plain_p", "v3:plain_t"] + (["v3:asm", "v3:asm_p", "v3:asm_t", "v3:dot_scaled"] if DEVICE == "cuda" else [])
 VARIANT_CASES = ([c + ("v1",) for c in CASES] + [c + ("v2",) for c in CASES + CASES_V2]
                  + [c + (v,) for c in CASES + CASES_V3 for v in V3])
 

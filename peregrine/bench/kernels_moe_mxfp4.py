@@ -69,6 +69,9 @@ PROBE = [      # --probe: v3's loads, layouts and MMAs with a 4-move "decode" (w
     # the same bytes and tiles as BF16 pairs fed to the MMA from shared memory (no register operand, no decode)
     ("probe_bf16", 128, 32, 8, 4, 128, 32, 8, 4), ("probe_bf16", 64, 32, 4, 4, 64, 32, 4, 4),
     ("probe_bf16", 64, 128, 4, 4, 64, 128, 4, 4), ("probe_bf16", 32, 256, 4, 4, 32, 256, 4, 4),
+    # tokens on the MMA's M side (padded to 64), the decoded tile its right operand from shared memory
+    ("asm_t", 64, 64, 4, 3, 64, 64, 4, 3), ("asm_t", 128, 32, 8, 4, 128, 32, 8, 4),
+    ("asm_t", 64, 32, 4, 4, 64, 32, 4, 4), ("asm_t", 128, 64, 8, 3, 128, 64, 8, 3),
 ]
 KEYS = ("UP_BLOCK_I", "UP_BLOCK_KB", "UP_WARPS", "DOWN_BLOCK_D", "DOWN_BLOCK_KB", "DOWN_WARPS")
 

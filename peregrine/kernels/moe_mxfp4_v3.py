@@ -34,8 +34,9 @@ from .moe_mxfp4 import _act, _tile
 
 BPG = mxfp4.GROUP // 2          # packed bytes per scale group
 E8M0_NAN = tl.constexpr(mxfp4.E8M0_NAN)
-DECODES = ("asm", "asm_p", "dot_scaled", "plain", "plain_p", "probe", "probe_p", "probe_bf16")
-PORTABLE = ("plain", "plain_p")  # decodes without inline PTX: the interpreter runs these
+DECODES = ("asm", "asm_p", "asm_t", "dot_scaled", "plain", "plain_p", "plain_t", "probe", "probe_p", "probe_bf16")
+T_M_ROWS = 64  # the _t decodes put tokens on the MMA's M side, which wgmma takes in multiples of 64
+PORTABLE = ("plain", "plain_p", "plain_t")  # decodes without inline PTX: the interpreter runs these
 DECODE_ENV = "PEREGRINE_MXFP4_V3_DECODE"  # overrides the GPU default decode (A/B runs of the decode step)
 # tiles: weight rows x packed bytes per step; 64 rows fill one warpgroup MMA (M = 64 per 4 warps)
 DEFAULTS = {"DECODE": "asm", "UP_BLOCK_I": 64, "UP_BLOCK_KB": 64, "UP_WARPS": 4, "UP_STAGES": 3,
@@ -73,7 +74,8 @@ _PROBE_ASM = tl.constexpr("mov.b32 $0, $4;\nmov.b32 $1, $5;\nmov.b32 $2, $4;\nmo
 
 @triton.jit
 def _tile_asm(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R: tl.constexpr, BLOCK_KB: tl.constexpr,
-              BPG: tl.constexpr, WPG: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr = _DECODE_ASM):
+              BPG: tl.constexpr, WPG: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr = _DECODE_ASM,
+              K_MAJOR: tl.constexpr = False):
     """Weights [R, 2·BLOCK_KB] BF16 (scaled, element order) of packed columns kb0.. of `rows` (int64):
     whole groups of 4 words (16-byte loads), one scale byte per group. The row stride in words is KG·WPG:
     KG is an argument (Triton specializes it divisible by 16), so the compiler can prove the rows 16-byte
@@ -99,8 +101,12 @@ def _tile_asm(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R: tl.constexpr, BLOCK_KB
     o0, o1, o2, o3 = tl.inline_asm_elementwise(
         ASM, "=r,=r,=r,=r,r,r", [half, sc], dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
     # o_j[..., l] = element 2j + l of the word: order (j, l) within the word
-    v = tl.permute(tl.join(tl.join(o0, o1), tl.join(o2, o3)), (0, 1, 2, 5, 4, 3))
-    return tl.reshape(v, [R, 2 * BLOCK_KB])
+    v = tl.join(tl.join(o0, o1), tl.join(o2, o3))
+    if K_MAJOR:  # [2·BLOCK_KB, R]: the MMA's right operand (asm_t)
+        w = tl.reshape(tl.permute(v, (1, 2, 5, 4, 3, 0)), [2 * BLOCK_KB, R])
+    else:
+        w = tl.reshape(tl.permute(v, (0, 1, 2, 5, 4, 3)), [R, 2 * BLOCK_KB])
+    return w
 
 
 @triton.jit
@@ -180,7 +186,14 @@ def _mma_step(acc, q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, xe, xo,
               DOT_T: tl.constexpr, PREC: tl.constexpr, EVEN: tl.constexpr):
     """acc [R, T] += W[rows, packed kb0 ..] · activations: xe/xo [BLOCK_KB, T] the even/odd elements
     (asm, dot_scaled: xe [2·BLOCK_KB, T] all of them in order)."""
-    if DECODE == "asm" or DECODE == "probe":
+    if DECODE == "asm_t":  # tokens on the MMA's M side: the decoded tile is the right operand, read from shared memory
+        w = _tile_asm(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R, BLOCK_KB, BPG, WPG, EVEN, _DECODE_ASM, True)
+        acc = tl.dot(tl.trans(xe), w, acc)
+    elif DECODE == "plain_t":
+        lo, hi = _tile(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R, BLOCK_KB, BPG)
+        acc = tl.dot(tl.trans(xe), tl.trans(lo.to(DOT_T)), acc, input_precision=PREC)
+        acc = tl.dot(tl.trans(xo), tl.trans(hi.to(DOT_T)), acc, input_precision=PREC)
+    elif DECODE == "asm" or DECODE == "probe":
         if DECODE == "asm":
             w = _tile_asm(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R, BLOCK_KB, BPG, WPG, EVEN)
         else:
@@ -220,7 +233,7 @@ def _acts(base, kb0, KB, ROUND_T: tl.constexpr, DOT_T: tl.constexpr, DECODE: tl.
     valid row: a token column the program does not serve is computed and never stored, the MMA keeps
     columns apart): (even, odd) elements [BLOCK_KB, T], or for asm and dot_scaled all of them in order
     [2·BLOCK_KB, T] twice."""
-    if DECODE != "plain":
+    if DECODE != "plain" and DECODE != "plain_t":
         if DECODE == "probe_bf16":  # half the K: the tile's bytes as BF16
             xe = tl.load(base[None, :] + (kb0 // 2 + tl.arange(0, BLOCK_KB // 2))[:, None])
         elif DECODE == "asm_p" or DECODE == "plain_p" or DECODE == "probe_p":  # gathered as 32-bit pairs (cp.async copies 4 bytes at the least)
@@ -277,8 +290,13 @@ def _mx3_up_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, h_ptr, B, KB, KG, I, stride_xb,
         i_ok = offs_i < I
         g_rows = e.to(tl.int64) * 2 * I + offs_i.to(tl.int64)
         xb = x_ptr + tl.minimum(offs_b, B - 1) * stride_xb  # padding tokens read token B-1's row
-        acc_g = tl.zeros([BLOCK_I, B_PAD], tl.float32)
-        acc_u = tl.zeros([BLOCK_I, B_PAD], tl.float32)
+        T_M: tl.constexpr = DECODE == "asm_t" or DECODE == "plain_t"  # tokens on M: acc [tokens, rows]
+        if T_M:
+            acc_g = tl.zeros([B_PAD, BLOCK_I], tl.float32)
+            acc_u = tl.zeros([B_PAD, BLOCK_I], tl.float32)
+        else:
+            acc_g = tl.zeros([BLOCK_I, B_PAD], tl.float32)
+            acc_u = tl.zeros([BLOCK_I, B_PAD], tl.float32)
         for kb0 in tl.range(0, KB, BLOCK_KB, num_stages=STAGES):
             xe, xo = _acts(xb, kb0, KB, None, DOT_T, DECODE, BLOCK_KB, EVEN)
             acc_g = _mma_step(acc_g, q_ptr, s_ptr, g_rows, i_ok, kb0, KB, KG, xe, xo,
@@ -286,8 +304,12 @@ def _mx3_up_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, h_ptr, B, KB, KG, I, stride_xb,
             acc_u = _mma_step(acc_u, q_ptr, s_ptr, g_rows + I, i_ok, kb0, KB, KG, xe, xo,
                               BLOCK_I, BLOCK_KB, BPG, DECODE, DOT_T, PREC, EVEN)
         h = _act(acc_g, acc_u, ACT, BETA, BETA_L)
-        tl.store(h_ptr + (offs_b[None, :] * TOP_K + slot[None, :]) * I + offs_i[:, None], h,
-                 mask=chose[None, :] & i_ok[:, None])
+        if T_M:
+            tl.store(h_ptr + (offs_b[:, None] * TOP_K + slot[:, None]) * I + offs_i[None, :], h,
+                     mask=chose[:, None] & i_ok[None, :])
+        else:
+            tl.store(h_ptr + (offs_b[None, :] * TOP_K + slot[None, :]) * I + offs_i[:, None], h,
+                     mask=chose[None, :] & i_ok[:, None])
 
 
 @triton.jit
@@ -306,13 +328,20 @@ def _mx3_down_kernel(h_ptr, q_ptr, s_ptr, ids_ptr, part_ptr, B, D, KB, KG,
         rows = e.to(tl.int64) * D + offs_d.to(tl.int64)
         row = offs_b * TOP_K + slot
         hb = h_ptr + (tl.minimum(offs_b, B - 1) * TOP_K + slot) * (2 * KB)  # padding tokens: token B-1's row
-        acc = tl.zeros([BLOCK_D, B_PAD], tl.float32)
+        T_M: tl.constexpr = DECODE == "asm_t" or DECODE == "plain_t"
+        if T_M:
+            acc = tl.zeros([B_PAD, BLOCK_D], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_D, B_PAD], tl.float32)
         for kb0 in tl.range(0, KB, BLOCK_KB, num_stages=STAGES):
             # h rounds to BF16 (ACT_T) as the standard path's activations do
             he, ho = _acts(hb, kb0, KB, ACT_T, DOT_T, DECODE, BLOCK_KB, EVEN)
             acc = _mma_step(acc, q_ptr, s_ptr, rows, d_ok, kb0, KB, KG, he, ho,
                             BLOCK_D, BLOCK_KB, BPG, DECODE, DOT_T, PREC, EVEN)
-        tl.store(part_ptr + row[None, :] * D + offs_d[:, None], acc, mask=chose[None, :] & d_ok[:, None])
+        if T_M:
+            tl.store(part_ptr + row[:, None] * D + offs_d[None, :], acc, mask=chose[:, None] & d_ok[None, :])
+        else:
+            tl.store(part_ptr + row[None, :] * D + offs_d[:, None], acc, mask=chose[None, :] & d_ok[:, None])
 
 
 def _pairs_aligned(t: torch.Tensor) -> bool:
@@ -336,7 +365,9 @@ def _setup(B: int, k: int, x_dtype, config: dict | None, is_cuda: bool, pairs_ok
     if decode not in PORTABLE:
         assert is_cuda, f"decode {decode!r} needs the GPU; the interpreter runs {PORTABLE}"
         dot = dict(DOT_T=tl.bfloat16, PREC="tf32")
-    meta = dict(TOP_K=k, B_PAD=max(MIN_DOT_ROWS, _pow2(B)), K_PAD=_pow2(k), N_PAD=_pow2(B * k), BPG=BPG,
+    # tokens on M (_t): wgmma takes M in 64s, so pad the tokens to 64 on the GPU
+    min_rows = T_M_ROWS if decode.endswith("_t") and is_cuda else MIN_DOT_ROWS
+    meta = dict(TOP_K=k, B_PAD=max(min_rows, _pow2(B)), K_PAD=_pow2(k), N_PAD=_pow2(B * k), BPG=BPG,
                 DECODE=decode, **dot)
     return c, meta
 
