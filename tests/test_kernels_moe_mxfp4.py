@@ -55,12 +55,11 @@ CASES_V2 = [  # v2 pads tokens to a power of two (not 16) and takes whole groups
 CASES_V3 = [  # v3 tiles at least 16 rows and 16 packed bytes: shapes below one tile and with partial tiles
     (2, 5, 2, 96, 160, "situ", torch.float32, False),     # 160 = 2.5 up-KB tiles of 64 bytes
     (16, 8, 2, 64, 64, "swiglu", torch.bfloat16, False),  # B = 16: every padded token is real
-    (3, 6, 3, 128, 256, "situ", torch.float32, False),     # whole tiles, 4-group scale words: _p's 32-bit scales
-    (1, 4, 2, 64, 96, "swiglu", torch.bfloat16, True),     # 3 groups a row: _p's byte scales, a partial 64-chunk
+    (3, 6, 3, 128, 256, "situ", torch.float32, False),    # whole tiles at B <= 4's 32-byte steps: no masks
+    (1, 4, 2, 64, 96, "swiglu", torch.bfloat16, True),    # 3 groups a row: a partial last step
 ]
-# v3's decode: the interpreter runs the portable ones (plain_p: asm_p's words, scales and order; plain_t: tokens on
-# the MMA's M side, as asm_t), the GPU all
-V3 = ["v3:plain", "v3:plain_p", "v3:plain_t"] + (["v3:asm", "v3:asm_p", "v3:asm_t", "v3:dot_scaled"] if DEVICE == "cuda" else [])
+# v3's decode: the interpreter runs the portable one, the GPU all three
+V3 = ["v3:plain"] + (["v3:asm", "v3:dot_scaled"] if DEVICE == "cuda" else [])
 VARIANT_CASES = ([c + ("v1",) for c in CASES] + [c + ("v2",) for c in CASES + CASES_V2]
                  + [c + (v,) for c in CASES + CASES_V3 for v in V3])
 
@@ -196,12 +195,11 @@ def test_v2_edge_scale_codes(code):
         assert rel_rmse(y[1], ref[1]) < 1e-5
 
 
-@pytest.mark.parametrize("variant,block_kb", [(v, 64) for v in V3] + [(v, 32) for v in V3 if v.endswith("_p")])
-def test_v3_down_every_byte_every_position_and_scale(variant, block_kb):
+@pytest.mark.parametrize("variant", V3)
+def test_v3_down_every_byte_every_position_and_scale(variant):
     """One-hot activations read W2 back column by column through v3's down kernel: every byte value in
     every byte position of a word (rows are rolled), scales 2^-20 .. 2^20, E8M0 0 (reads as 0) and a
-    NaN group; 16 one-hot tokens fill the MMA's token tile. Results must be exact. The _p decodes also at
-    32-byte steps, where a row's scales come as 32-bit words."""
+    NaN group; 16 one-hot tokens fill the MMA's token tile. Results must be exact."""
     import triton.language as tl
     from peregrine.kernels import moe_mxfp4_v3 as v3
     packed, s2, h, want = one_hot_w2(roll=5, nan_row=9)
@@ -210,7 +208,7 @@ def test_v3_down_every_byte_every_position_and_scale(variant, block_kb):
     part = torch.full((B, 1, Dz), float("nan"), device=DEVICE)
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     v3.launch_down(dev(h), dev(packed[None].contiguous()), dev(s2[None].contiguous()), dev(ids), part, tl.float32,
-                   {**_variant(variant)["config"], "DOWN_BLOCK_KB": block_kb}, x_dtype=torch.float32)
+                   {**_variant(variant)["config"], "DOWN_BLOCK_KB": 64}, x_dtype=torch.float32)
     got = part[:, 0].cpu().double()
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
@@ -242,11 +240,7 @@ for fn, ce, warps in ((mx._mx_up_kernel, dict(base, BLOCK_I=mx.UP_BLOCK_I, BLOCK
                        v3.DEFAULTS["UP_WARPS"]),
                       (v3._mx3_down_kernel, dict(base, BLOCK_D=v3.DEFAULTS["DOWN_BLOCK_D"], BLOCK_KB=v3.DEFAULTS["DOWN_BLOCK_KB"],
                                                  ACT_T=tl.bfloat16, DECODE="asm", STAGES=3, EVEN=True),
-                       v3.DEFAULTS["DOWN_WARPS"]),
-                      (v3._mx3_up_kernel, dict(base, BLOCK_I=128, BLOCK_KB=32, ACT=1, BETA=4.0, BETA_L=25.0,
-                                               DECODE="asm_p", STAGES=4, EVEN=True), 8),
-                      (v3._mx3_down_kernel, dict(base, BLOCK_D=128, BLOCK_KB=32, ACT_T=tl.bfloat16, DECODE="asm_p",
-                                                 STAGES=4, EVEN=True), 8)):
+                       v3.DEFAULTS["DOWN_WARPS"])):
     names = list(inspect.signature(fn.fn).parameters)
     sig = {n: "constexpr" if n in ce else ptr.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
@@ -255,46 +249,26 @@ for fn, ce, warps in ((mx._mx_up_kernel, dict(base, BLOCK_I=mx.UP_BLOCK_I, BLOCK
         f.write(k.asm["ptx"])
         f.flush()
         info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True).stderr
-    # asm_p: the decoded tile must not round-trip through shared memory (no 16-bit shared stores in the kernel)
-    sass = ""
-    if ce.get("DECODE") == "asm_p":
-        with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", f.name],
-                                  capture_output=True, text=True).stdout
-    res[fn.__name__ + (":" + ce["DECODE"] if "DECODE" in ce else "")] = (
-        int(re.search(r"(\d+) bytes spill stores", info).group(1)), sass.count("STS.U16"))
+    res[fn.__name__] = int(re.search(r"(\d+) bytes spill stores", info).group(1))
 print(json.dumps(res))
 """
 
 
 def test_default_tiles_compile_for_sm90_without_spills():
     """Ahead-of-time sm_90a compile of the variants' expert kernels at K3's top-16, B = 8 (no GPU needed;
-    ptxas also assembles v3's inline PTX decode): no spills, and v3 asm_p's decoded weights go to the MMA
-    from registers (the layout pass gave up on earlier forms and stored them through shared memory)."""
-    got = run_aot(AOT_SCRIPT)
-    assert got == {k: [0, 0] for k in ("_mx_up_kernel", "_mx_down_kernel", "_mx2_up_kernel", "_mx2_down_kernel",
-                                       "_mx3_up_kernel:asm", "_mx3_down_kernel:asm", "_mx3_up_kernel:asm_p",
-                                       "_mx3_down_kernel:asm_p")}, got
+    ptxas also assembles v3's inline PTX decode)."""
+    assert run_aot(AOT_SCRIPT) == {"_mx_up_kernel": 0, "_mx_down_kernel": 0, "_mx2_up_kernel": 0,
+                                   "_mx2_down_kernel": 0, "_mx3_up_kernel": 0, "_mx3_down_kernel": 0}
 
 
-@pytest.mark.parametrize("variant", [v for v in V3 if v.endswith("_p")])
-def test_v3_p_decodes_take_odd_views(variant):
-    """The _p decodes load activation pairs as one 32-bit word: x as a view at an odd element (row
-    stride odd) goes to the element-order twin and still matches the reference (on the GPU the pair loads
-    would fault on it; the interpreter does not care, so the choice itself is checked too)."""
-    B, E, k, I, Dz = 2, 4, 2, 64, 128
-    g = torch.Generator().manual_seed(11)
-    q13, s13, q2, s2 = (t.to(DEVICE) for t in experts(E, I, Dz, g))
-    ids, w = (t.to(DEVICE) for t in routing(B, E, k, g))
-    wide = torch.randn(B, Dz + 1, generator=g).to(DEVICE)
-    x = wide[:, 1:]
+def test_v3_decode_choice_names_a_bad_value(monkeypatch):
+    """PEREGRINE_MXFP4_V3_DECODE (GPU A/B runs) and a config's DECODE must be a known decode: the error names it."""
     from peregrine.kernels import moe_mxfp4_v3 as v3
-    cfg = _variant(variant)["config"]
-    assert not v3._pairs_aligned(x) and v3._pairs_aligned(x.contiguous())
-    assert v3._setup(B, k, x.dtype, cfg, x.is_cuda, v3._pairs_aligned(x))[1]["DECODE"] == cfg["DECODE"][:-2]
-    ref = moe_mxfp4_experts_ref(x.contiguous(), q13, s13, q2, s2, ids, w, "swiglu")
-    y = moe_mxfp4_experts(x, q13, s13, q2, s2, ids, w, activation="swiglu", **_variant(variant))
-    tol = 1e-5 if DEVICE == "cpu" else 2e-2
-    assert rel_rmse(y.float(), ref) < tol
+    with pytest.raises(ValueError, match="'bogus'"):
+        v3._setup(1, 2, torch.bfloat16, {"DECODE": "bogus"}, is_cuda=False)
+    monkeypatch.setenv(v3.DECODE_ENV, "nope")
+    with pytest.raises(ValueError, match=f"'nope'.*{v3.DECODE_ENV}"):
+        v3._setup(1, 2, torch.bfloat16, None, is_cuda=True)
+    monkeypatch.setenv(v3.DECODE_ENV, "dot_scaled")
+    assert v3._setup(1, 2, torch.bfloat16, None, is_cuda=True)[1]["DECODE"] == "dot_scaled"
+    assert v3._setup(1, 2, torch.bfloat16, None, is_cuda=False)[1]["DECODE"] == "plain"  # the interpreter's

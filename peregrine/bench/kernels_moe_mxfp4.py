@@ -45,20 +45,17 @@ V2_SWEEP = [   # (UP_BLOCK_I, UP_BLOCK_G, UP_WARPS, DOWN_BLOCK_D, DOWN_BLOCK_G, 
 V3_SWEEP = [   # mx3.KEYS order: DECODE, UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS, UP_STAGES, DOWN_BLOCK_D, DOWN_BLOCK_KB,
     #            DOWN_WARPS, DOWN_STAGES; the first is the default
     tuple(mx3.DEFAULTS[k] for k in mx3.KEYS),
-    ("asm_p", 128, 32, 8, 4, 128, 32, 8, 4),  # decoded in the MMA's register order (B <= 4's tiles)
-    ("asm_p", 64, 32, 4, 4, 64, 32, 4, 4),    # (B = 8's tiles)
-    ("asm_p", 128, 32, 4, 4, 128, 32, 4, 4),
-    ("asm_p", 128, 32, 8, 6, 128, 32, 8, 6),
-    ("asm_p", 256, 32, 8, 4, 256, 32, 8, 4),
-    ("asm_p", 128, 64, 8, 3, 128, 64, 8, 3),
     ("asm", 128, 32, 8, 4, 128, 32, 8, 4),   # B <= 4's (BY_BATCH)
     ("asm", 64, 32, 4, 4, 64, 32, 4, 4),     # B = 8's
-    # session 20's sweep also ran 256-row and 16-byte asm tiles, dot_scaled and plain: slower at every B
+    ("asm", 128, 64, 8, 4, 128, 64, 8, 4),
+    ("asm", 256, 32, 8, 4, 256, 32, 8, 4),
+    ("dot_scaled", 64, 64, 4, 3, 64, 64, 4, 3),
+    ("plain", 64, 64, 4, 3, 64, 64, 4, 3),
 ]
-PROBE = [      # --probe: v3's loads, layouts and MMAs with a 4-move "decode" (wrong values, timed unchecked) beside
-    #            the real decodes at the same tiles: what the decode costs against what the load pipeline does
+PROBE = [      # --probe: v3's measurement stand-ins (wrong values, timed unchecked) beside asm at the same tiles:
+    #            "probe" (a 4-move decode) is what the load pipeline and MMAs cost, "probe_bf16" (the tile's bytes
+    #            as BF16 to the MMA from shared memory) the ceiling without the register operand
     ("probe", 128, 32, 8, 4, 128, 32, 8, 4), ("asm", 128, 32, 8, 4, 128, 32, 8, 4),
-    ("probe_p", 128, 32, 8, 4, 128, 32, 8, 4), ("asm_p", 128, 32, 8, 4, 128, 32, 8, 4),
     ("probe", 64, 32, 4, 4, 64, 32, 4, 4), ("asm", 64, 32, 4, 4, 64, 32, 4, 4),
     ("probe", 128, 32, 8, 8, 128, 32, 8, 8),
     # wider row segments per step (the BF16 experts stream 256-512 contiguous bytes a row a step, v3 32)
@@ -66,12 +63,8 @@ PROBE = [      # --probe: v3's loads, layouts and MMAs with a 4-move "decode" (w
     ("probe", 128, 128, 8, 3, 128, 128, 8, 3), ("probe", 32, 256, 4, 3, 32, 256, 4, 3),
     ("probe", 16, 256, 4, 3, 16, 256, 4, 3),
     ("asm", 64, 128, 4, 3, 64, 128, 4, 3), ("asm", 32, 256, 4, 3, 32, 256, 4, 3),
-    # the same bytes and tiles as BF16 pairs fed to the MMA from shared memory (no register operand, no decode)
     ("probe_bf16", 128, 32, 8, 4, 128, 32, 8, 4), ("probe_bf16", 64, 32, 4, 4, 64, 32, 4, 4),
     ("probe_bf16", 64, 128, 4, 4, 64, 128, 4, 4), ("probe_bf16", 32, 256, 4, 4, 32, 256, 4, 4),
-    # tokens on the MMA's M side (padded to 64), the decoded tile its right operand from shared memory
-    ("asm_t", 64, 64, 4, 3, 64, 64, 4, 3), ("asm_t", 128, 32, 8, 4, 128, 32, 8, 4),
-    ("asm_t", 64, 32, 4, 4, 64, 32, 4, 4), ("asm_t", 128, 64, 8, 3, 128, 64, 8, 3),
 ]
 KEYS = ("UP_BLOCK_I", "UP_BLOCK_KB", "UP_WARPS", "DOWN_BLOCK_D", "DOWN_BLOCK_KB", "DOWN_WARPS")
 

@@ -16,6 +16,14 @@ The decode (DECODE, a constexpr):
   over the checkpoint's own nibble order instead of a re-packed layout).
 - "dot_scaled" (GPU): Triton's tl.dot_scaled, which on Hopper upcasts E2M1 to BF16 in the compiler.
 - "plain": v1's FP16-bits decode in portable Triton ops (the interpreter's form; the reference for both).
+- "probe", "probe_bf16": measurement stand-ins with wrong values (below, _PROBE_ASM).
+Measured on the H200 (results/2026-12-04-session21): the decode is not what limits v3. The probe, with the
+decode replaced by 4 moves, runs within 3-8 % of asm at every B and tile (25-29 % of copy). The same bytes
+and tiles fed to the MMA from shared memory (probe_bf16) reach 73 / 84 / 90 / 98 % at B = 1 / 2 / 4 / 8.
+The limit is the register-operand path: shared memory -> registers -> wgmma with A in registers. Two
+rewrites were correct and slower, and are in git history only (d43aa31, df993a5). asm_p decoded straight
+into the MMA's register order (19-23 %). asm_t put the tokens on M and the decoded tile on the
+shared-memory side, but stored it with 2-byte writes (10-14 %).
 Low nibbles multiply the even activations and high nibbles the odd ones (two MMAs per step) so the
 decoded tile is never interleaved; dot_scaled takes the packed bytes and the activations in order.
 E8M0 255 makes its group NaN, 0 reads as 0, as in v1.
@@ -34,9 +42,7 @@ from .moe_mxfp4 import _act, _tile
 
 BPG = mxfp4.GROUP // 2          # packed bytes per scale group
 E8M0_NAN = tl.constexpr(mxfp4.E8M0_NAN)
-DECODES = ("asm", "asm_p", "asm_t", "dot_scaled", "plain", "plain_p", "plain_t", "probe", "probe_p", "probe_bf16")
-T_M_ROWS = 64  # the _t decodes put tokens on the MMA's M side, which wgmma takes in multiples of 64
-PORTABLE = ("plain", "plain_p", "plain_t")  # decodes without inline PTX: the interpreter runs these
+DECODES = ("asm", "dot_scaled", "plain", "probe", "probe_bf16")
 DECODE_ENV = "PEREGRINE_MXFP4_V3_DECODE"  # overrides the GPU default decode (A/B runs of the decode step)
 # tiles: weight rows x packed bytes per step; 64 rows fill one warpgroup MMA (M = 64 per 4 warps)
 DEFAULTS = {"DECODE": "asm", "UP_BLOCK_I": 64, "UP_BLOCK_KB": 64, "UP_WARPS": 4, "UP_STAGES": 3,
@@ -67,15 +73,16 @@ mul.rn.bf16x2 ${j}, t, $5;
 _DECODE_ASM = tl.constexpr("{\n.reg .b32 v, t, bias;\nmov.b32 bias, 0x7E807E80;\nshr.b32 v, $4, 4;\n"
                            + "".join(_PAIR.format(j=j, hi=4 + j) for j in range(4)) + "}")
 WPG = tl.constexpr(BPG // 4)     # 32-bit words per scale group
-# DECODE "probe" (bench --probe only, wrong values): asm's loads, layouts and MMAs with the 22-instruction decode
-# replaced by 4 moves, to tell the decode's cost from the load pipeline's
+# Probes (bench kernels_moe_mxfp4 --probe only; wrong values, never a default): "probe" keeps asm's loads,
+# layouts and MMAs with the 22-instruction decode replaced by 4 moves; "probe_bf16" feeds the tile's bytes as
+# BF16 pairs straight to the MMA from shared memory (half the K). They tell the decode's cost (small) from
+# the register-operand path's (what holds v3 back: results/2026-12-04-session21)
 _PROBE_ASM = tl.constexpr("mov.b32 $0, $4;\nmov.b32 $1, $5;\nmov.b32 $2, $4;\nmov.b32 $3, $5;")
 
 
 @triton.jit
 def _tile_asm(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R: tl.constexpr, BLOCK_KB: tl.constexpr,
-              BPG: tl.constexpr, WPG: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr = _DECODE_ASM,
-              K_MAJOR: tl.constexpr = False):
+              BPG: tl.constexpr, WPG: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr = _DECODE_ASM):
     """Weights [R, 2·BLOCK_KB] BF16 (scaled, element order) of packed columns kb0.. of `rows` (int64):
     whole groups of 4 words (16-byte loads), one scale byte per group. The row stride in words is KG·WPG:
     KG is an argument (Triton specializes it divisible by 16), so the compiler can prove the rows 16-byte
@@ -101,83 +108,8 @@ def _tile_asm(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R: tl.constexpr, BLOCK_KB
     o0, o1, o2, o3 = tl.inline_asm_elementwise(
         ASM, "=r,=r,=r,=r,r,r", [half, sc], dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
     # o_j[..., l] = element 2j + l of the word: order (j, l) within the word
-    v = tl.join(tl.join(o0, o1), tl.join(o2, o3))
-    if K_MAJOR:  # [2·BLOCK_KB, R]: the MMA's right operand (asm_t)
-        w = tl.reshape(tl.permute(v, (1, 2, 5, 4, 3, 0)), [2 * BLOCK_KB, R])
-    else:
-        w = tl.reshape(tl.permute(v, (0, 1, 2, 5, 4, 3)), [R, 2 * BLOCK_KB])
-    return w
-
-
-@triton.jit
-def _e2m1(n):
-    """Value of 4-bit codes n (int32, sign bit 3) in FP32."""
-    e = (n >> 1) & 3
-    m = (n & 1).to(tl.float32)
-    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
-    return tl.where((n & 8) != 0, -mag, mag)
-
-
-@triton.jit
-def _byte_values(word, j: tl.constexpr, scale, DOT_T: tl.constexpr):
-    """Byte j of each word as its two values [..., 2] (low nibble first) times scale: asm's output j, portably."""
-    b = ((word >> (8 * j)) & 0xFF).to(tl.int32)
-    return (tl.join(_e2m1(b & 0xF), _e2m1(b >> 4)) * scale[:, :, :, :, None]).to(DOT_T)
-
-
-@triton.jit
-def _tile_p(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R: tl.constexpr, BLOCK_KB: tl.constexpr,
-            BPG: tl.constexpr, WPG: tl.constexpr, EVEN: tl.constexpr, PORTABLE: tl.constexpr, DOT_T: tl.constexpr,
-            ASM: tl.constexpr = _DECODE_ASM):
-    """As _tile_asm, but decoded straight into the MMA's register order (no shared-memory round trip of the
-    decoded tile), the activations permuted to match (_perm_k). Per 32-byte chunk c of a row, lane t (mod 4)
-    takes words t and t + 4 (wh = 0, 1: the chunk's two scale groups), and byte jj = 2·c1 + h of word t + 4·wh
-    lands in column 64·c + 32·wh + 16·c1 + 8·h + 2·t + l (l the nibble). PORTABLE ("plain_p"): the same
-    words, scales and order with the decode in portable ops (the interpreter's check of everything but the PTX)."""
-    NC: tl.constexpr = BLOCK_KB // 32
-    offs_c = tl.arange(0, NC)
-    offs_t = tl.arange(0, 4)
-    offs_wh = tl.arange(0, 2)
-    wcol = kb0 // 4 + offs_c[:, None, None] * 8 + offs_t[None, :, None] + offs_wh[None, None, :] * 4
-    wp = q_ptr.to(tl.pointer_type(tl.uint32)) + rows[:, None, None, None] * (KG * WPG) + wcol[None, :, :, :]
-    if EVEN and NC == 1:  # EVEN implies KG % 4 == 0 (the launchers): the tile's 2 groups in one aligned
-        # 32-bit word, which the pipeliner copies ahead like the weights (it leaves byte loads in the loop:
-        # a memory latency every step). Constant shifts and a join only: a per-lane shift amount makes the
-        # layout pass give up and round-trip the decoded tile through shared memory
-        word = tl.load(wp)
-        sw = tl.load(s_ptr.to(tl.pointer_type(tl.uint32)) + rows * (KG // 4) + kb0 // (4 * BPG)) >> (kb0 // BPG % 4 * 8)
-        s = tl.reshape(tl.join(sw & 0xFF, (sw >> 8) & 0xFF), [R, 1, 1, 2])
-    else:
-        g = kb0 // BPG + offs_c[:, None, None] * 2 + offs_wh[None, None, :]  # [NC, 1, 2]
-        if EVEN:
-            word = tl.load(wp)
-        else:
-            word = tl.load(wp, mask=row_ok[:, None, None, None] & (wcol < KG * WPG)[None, :, :, :], other=0)
-        s = tl.load(s_ptr + rows[:, None, None, None] * KG + g[None, :, :, :],
-                    mask=row_ok[:, None, None, None] & (g < KG)[None, :, :, :], other=0)
-    if PORTABLE:
-        s = s.to(tl.int32)
-        scale = tl.where(s == E8M0_NAN, float("nan"), tl.where(s == 0, 0.0, tl.exp2((tl.minimum(s, 254) - 127).to(tl.float32))))
-        o0 = _byte_values(word, 0, scale, DOT_T)
-        o1 = _byte_values(word, 1, scale, DOT_T)
-        o2 = _byte_values(word, 2, scale, DOT_T)
-        o3 = _byte_values(word, 3, scale, DOT_T)
-    else:
-        bits = tl.where(s == E8M0_NAN, 0x7FC0, s.to(tl.uint32) << 7)
-        sc = tl.broadcast_to(bits.to(tl.uint16)[:, :, :, :, None], [R, NC, 4, 2, 2])
-        half = tl.reshape(tl.join(word & 0xFFFF, word >> 16).to(tl.uint16), [R, NC, 4, 2, 2])
-        o0, o1, o2, o3 = tl.inline_asm_elementwise(
-            ASM, "=r,=r,=r,=r,r,r", [half, sc], dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
-    v = tl.join(tl.join(o0, o1), tl.join(o2, o3))  # [R, NC, t, wh, l, h, c1]
-    v = tl.permute(v, (0, 1, 3, 6, 5, 2, 4))     # [R, NC, wh, c1, h, t, l]
+    v = tl.permute(tl.join(tl.join(o0, o1), tl.join(o2, o3)), (0, 1, 2, 5, 4, 3))
     return tl.reshape(v, [R, 2 * BLOCK_KB])
-
-
-@triton.jit
-def _perm_k(kk):
-    """The element index (memory order) that _tile_asm_p's column kk holds (see there)."""
-    p = kk % 64
-    return kk - p + 32 * (p >> 5) + 8 * ((p >> 1) & 3) + 4 * ((p >> 4) & 1) + 2 * ((p >> 3) & 1) + (p & 1)
 
 
 @triton.jit
@@ -186,27 +118,13 @@ def _mma_step(acc, q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, xe, xo,
               DOT_T: tl.constexpr, PREC: tl.constexpr, EVEN: tl.constexpr):
     """acc [R, T] += W[rows, packed kb0 ..] · activations: xe/xo [BLOCK_KB, T] the even/odd elements
     (asm, dot_scaled: xe [2·BLOCK_KB, T] all of them in order)."""
-    if DECODE == "asm_t":  # tokens on the MMA's M side: the decoded tile is the right operand, read from shared memory
-        w = _tile_asm(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R, BLOCK_KB, BPG, WPG, EVEN, _DECODE_ASM, True)
-        acc = tl.dot(tl.trans(xe), w, acc)
-    elif DECODE == "plain_t":
-        lo, hi = _tile(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R, BLOCK_KB, BPG)
-        acc = tl.dot(tl.trans(xe), tl.trans(lo.to(DOT_T)), acc, input_precision=PREC)
-        acc = tl.dot(tl.trans(xo), tl.trans(hi.to(DOT_T)), acc, input_precision=PREC)
-    elif DECODE == "asm" or DECODE == "probe":
-        if DECODE == "asm":
-            w = _tile_asm(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R, BLOCK_KB, BPG, WPG, EVEN)
-        else:
-            w = _tile_asm(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R, BLOCK_KB, BPG, WPG, EVEN, _PROBE_ASM)
+    if DECODE == "asm":
+        w = _tile_asm(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R, BLOCK_KB, BPG, WPG, EVEN)
         acc = tl.dot(w, xe, acc)
-    elif DECODE == "asm_p" or DECODE == "plain_p" or DECODE == "probe_p":
-        if DECODE == "probe_p":
-            w = _tile_p(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R, BLOCK_KB, BPG, WPG, EVEN, False, DOT_T, _PROBE_ASM)
-        else:
-            w = _tile_p(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R, BLOCK_KB, BPG, WPG, EVEN, DECODE == "plain_p",
-                        DOT_T)
-        acc = tl.dot(w, xe, acc, input_precision=PREC)
-    elif DECODE == "probe_bf16":  # the tile's bytes as BF16 pairs straight into the MMA (its A from shared memory)
+    elif DECODE == "probe":
+        w = _tile_asm(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG, R, BLOCK_KB, BPG, WPG, EVEN, _PROBE_ASM)
+        acc = tl.dot(w, xe, acc)
+    elif DECODE == "probe_bf16":  # A from a load: the MMA reads it from shared memory
         offs = kb0 // 2 + tl.arange(0, BLOCK_KB // 2)
         w = tl.load(q_ptr.to(tl.pointer_type(tl.bfloat16)) + rows[:, None] * (KB // 2) + offs[None, :])
         acc = tl.dot(w, xe, acc)
@@ -233,36 +151,17 @@ def _acts(base, kb0, KB, ROUND_T: tl.constexpr, DOT_T: tl.constexpr, DECODE: tl.
     valid row: a token column the program does not serve is computed and never stored, the MMA keeps
     columns apart): (even, odd) elements [BLOCK_KB, T], or for asm and dot_scaled all of them in order
     [2·BLOCK_KB, T] twice."""
-    if DECODE != "plain" and DECODE != "plain_t":
+    if DECODE != "plain":
+        kk = 2 * kb0 + tl.arange(0, 2 * BLOCK_KB)
         if DECODE == "probe_bf16":  # half the K: the tile's bytes as BF16
             xe = tl.load(base[None, :] + (kb0 // 2 + tl.arange(0, BLOCK_KB // 2))[:, None])
-        elif DECODE == "asm_p" or DECODE == "plain_p" or DECODE == "probe_p":  # gathered as 32-bit pairs (cp.async copies 4 bytes at the least)
-            kp = _perm_k(2 * kb0 + 2 * tl.arange(0, BLOCK_KB)) // 2
-            if base.dtype.element_ty == tl.float32:
-                pb = base.to(tl.pointer_type(tl.uint64))
-            else:
-                pb = base.to(tl.pointer_type(tl.uint32))
-            pp = pb[None, :] + kp[:, None]
-            if EVEN:
-                xp = tl.load(pp)
-            else:
-                xp = tl.load(pp, mask=(kp < KB)[:, None], other=0)
-            if base.dtype.element_ty == tl.float32:
-                lo = (xp & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-                hi = (xp >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
-            else:
-                lo = (xp & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-                hi = (xp >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            xe = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [2 * BLOCK_KB, base.shape[0]])
+        elif EVEN:
+            xe = tl.load(base[None, :] + kk[:, None])
         else:
-            kk = 2 * kb0 + tl.arange(0, 2 * BLOCK_KB)
-            if EVEN:
-                xe = tl.load(base[None, :] + kk[:, None])
-            else:
-                xe = tl.load(base[None, :] + kk[:, None], mask=(kk < 2 * KB)[:, None], other=0.0)
+            xe = tl.load(base[None, :] + kk[:, None], mask=(kk < 2 * KB)[:, None], other=0.0)
         if ROUND_T is not None:
             xe = xe.to(ROUND_T)
-        xe = xe.to(DOT_T)
+        xe = xe.to(tl.bfloat16)
         xo = xe
     else:
         k = kb0 + tl.arange(0, BLOCK_KB)
@@ -290,13 +189,8 @@ def _mx3_up_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, h_ptr, B, KB, KG, I, stride_xb,
         i_ok = offs_i < I
         g_rows = e.to(tl.int64) * 2 * I + offs_i.to(tl.int64)
         xb = x_ptr + tl.minimum(offs_b, B - 1) * stride_xb  # padding tokens read token B-1's row
-        T_M: tl.constexpr = DECODE == "asm_t" or DECODE == "plain_t"  # tokens on M: acc [tokens, rows]
-        if T_M:
-            acc_g = tl.zeros([B_PAD, BLOCK_I], tl.float32)
-            acc_u = tl.zeros([B_PAD, BLOCK_I], tl.float32)
-        else:
-            acc_g = tl.zeros([BLOCK_I, B_PAD], tl.float32)
-            acc_u = tl.zeros([BLOCK_I, B_PAD], tl.float32)
+        acc_g = tl.zeros([BLOCK_I, B_PAD], tl.float32)
+        acc_u = tl.zeros([BLOCK_I, B_PAD], tl.float32)
         for kb0 in tl.range(0, KB, BLOCK_KB, num_stages=STAGES):
             xe, xo = _acts(xb, kb0, KB, None, DOT_T, DECODE, BLOCK_KB, EVEN)
             acc_g = _mma_step(acc_g, q_ptr, s_ptr, g_rows, i_ok, kb0, KB, KG, xe, xo,
@@ -304,12 +198,8 @@ def _mx3_up_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, h_ptr, B, KB, KG, I, stride_xb,
             acc_u = _mma_step(acc_u, q_ptr, s_ptr, g_rows + I, i_ok, kb0, KB, KG, xe, xo,
                               BLOCK_I, BLOCK_KB, BPG, DECODE, DOT_T, PREC, EVEN)
         h = _act(acc_g, acc_u, ACT, BETA, BETA_L)
-        if T_M:
-            tl.store(h_ptr + (offs_b[:, None] * TOP_K + slot[:, None]) * I + offs_i[None, :], h,
-                     mask=chose[:, None] & i_ok[None, :])
-        else:
-            tl.store(h_ptr + (offs_b[None, :] * TOP_K + slot[None, :]) * I + offs_i[:, None], h,
-                     mask=chose[None, :] & i_ok[:, None])
+        tl.store(h_ptr + (offs_b[None, :] * TOP_K + slot[None, :]) * I + offs_i[:, None], h,
+                 mask=chose[None, :] & i_ok[:, None])
 
 
 @triton.jit
@@ -328,28 +218,16 @@ def _mx3_down_kernel(h_ptr, q_ptr, s_ptr, ids_ptr, part_ptr, B, D, KB, KG,
         rows = e.to(tl.int64) * D + offs_d.to(tl.int64)
         row = offs_b * TOP_K + slot
         hb = h_ptr + (tl.minimum(offs_b, B - 1) * TOP_K + slot) * (2 * KB)  # padding tokens: token B-1's row
-        T_M: tl.constexpr = DECODE == "asm_t" or DECODE == "plain_t"
-        if T_M:
-            acc = tl.zeros([B_PAD, BLOCK_D], tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_D, B_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_D, B_PAD], tl.float32)
         for kb0 in tl.range(0, KB, BLOCK_KB, num_stages=STAGES):
             # h rounds to BF16 (ACT_T) as the standard path's activations do
             he, ho = _acts(hb, kb0, KB, ACT_T, DOT_T, DECODE, BLOCK_KB, EVEN)
             acc = _mma_step(acc, q_ptr, s_ptr, rows, d_ok, kb0, KB, KG, he, ho,
                             BLOCK_D, BLOCK_KB, BPG, DECODE, DOT_T, PREC, EVEN)
-        if T_M:
-            tl.store(part_ptr + row[:, None] * D + offs_d[None, :], acc, mask=chose[:, None] & d_ok[None, :])
-        else:
-            tl.store(part_ptr + row[None, :] * D + offs_d[:, None], acc, mask=chose[None, :] & d_ok[:, None])
+        tl.store(part_ptr + row[None, :] * D + offs_d[:, None], acc, mask=chose[None, :] & d_ok[:, None])
 
 
-def _pairs_aligned(t: torch.Tensor) -> bool:
-    """The _p decodes gather activations as element pairs (one 32/64-bit load each)."""
-    return t.data_ptr() % (2 * t.element_size()) == 0 and all(st % 2 == 0 for st in t.stride()[:-1])
-
-
-def _setup(B: int, k: int, x_dtype, config: dict | None, is_cuda: bool, pairs_ok: bool = True):
+def _setup(B: int, k: int, x_dtype, config: dict | None, is_cuda: bool):
     c = {**DEFAULTS, **BY_BATCH.get(B, {}), **(config or {})}
     if "DECODE" not in (config or {}):
         if not is_cuda:
@@ -359,36 +237,29 @@ def _setup(B: int, k: int, x_dtype, config: dict | None, is_cuda: bool, pairs_ok
     decode = c["DECODE"]
     if decode not in DECODES:
         raise ValueError(f"MXFP4 v3 decode {decode!r} ({DECODE_ENV} or config): expected one of {', '.join(DECODES)}")
-    if decode.endswith("_p") and not pairs_ok:  # a view at an odd element: the element-order twin
-        decode = c["DECODE"] = decode[:-2]
     dot = _dot_meta(torch.float32 if x_dtype == torch.float32 else torch.bfloat16)
-    if decode not in PORTABLE:
-        assert is_cuda, f"decode {decode!r} needs the GPU; the interpreter runs {PORTABLE}"
+    if decode != "plain":
+        assert is_cuda, f"decode {decode!r} needs the GPU; the interpreter runs 'plain'"
         dot = dict(DOT_T=tl.bfloat16, PREC="tf32")
-    # tokens on M (_t): wgmma takes M in 64s, so pad the tokens to 64 on the GPU
-    min_rows = T_M_ROWS if decode.endswith("_t") and is_cuda else MIN_DOT_ROWS
-    meta = dict(TOP_K=k, B_PAD=max(min_rows, _pow2(B)), K_PAD=_pow2(k), N_PAD=_pow2(B * k), BPG=BPG,
+    meta = dict(TOP_K=k, B_PAD=max(MIN_DOT_ROWS, _pow2(B)), K_PAD=_pow2(k), N_PAD=_pow2(B * k), BPG=BPG,
                 DECODE=decode, **dot)
     return c, meta
 
 
-def _tiles(rows: int, kb: int, block_r: int, block_kb: int, decode: str) -> tuple[int, int, bool]:
+def _tiles(rows: int, kb: int, block_r: int, block_kb: int) -> tuple[int, int, bool]:
     """Tiles never wider than the matrix (tiny test shapes): whole scale groups, at least 16 rows and
-    16 packed bytes (32 values) for the MMA (32 bytes for the _p decodes: their 64-value chunks); EVEN when
-    they divide it (no masks) and, for the _p decodes, rows hold whole 32-bit words of scales."""
-    p = decode.endswith("_p")
+    16 packed bytes (32 values) for the MMA; EVEN when they divide it (no masks)."""
     br = max(MIN_DOT_ROWS, min(block_r, _pow2(rows)))
-    bkb = max(2 * BPG if p else BPG, min(block_kb, _pow2(kb)))
-    even = rows % br == 0 and kb % bkb == 0 and (not p or (kb // BPG) % 4 == 0)
-    return br, bkb, even
+    bkb = max(BPG, min(block_kb, _pow2(kb)))
+    return br, bkb, rows % br == 0 and kb % bkb == 0
 
 
 def launch_up(x, q13, s13, topk_ids, h, activation: str, config: dict | None = None) -> None:
     """h [B, k, I] = act(gate, up) FP32 of every (token, slot)'s expert."""
     B, Dz = x.shape
     I, k = q13.shape[1] // 2, topk_ids.shape[1]
-    c, meta = _setup(B, k, x.dtype, config, x.is_cuda, _pairs_aligned(x))
-    bi, bkb, even = _tiles(I, Dz // 2, c["UP_BLOCK_I"], c["UP_BLOCK_KB"], c["DECODE"])
+    c, meta = _setup(B, k, x.dtype, config, x.is_cuda)
+    bi, bkb, even = _tiles(I, Dz // 2, c["UP_BLOCK_I"], c["UP_BLOCK_KB"])
     _mx3_up_kernel[(B * k, triton.cdiv(I, bi))](
         x, q13, s13, topk_ids, h, B, Dz // 2, Dz // 2 // BPG, I, x.stride(0), BLOCK_I=bi, BLOCK_KB=bkb,
         ACT=ACTIVATIONS[activation], BETA=SITU_BETA, BETA_L=SITU_LINEAR_BETA, STAGES=c["UP_STAGES"],
@@ -399,8 +270,8 @@ def launch_down(h, q2, s2, topk_ids, part, act_t, config: dict | None = None, x_
     """part [B, k, Dz] FP32 = W2 of each (token, slot)'s expert times h rounded to act_t."""
     B, k, I = h.shape
     Dz = q2.shape[1]
-    c, meta = _setup(B, k, x_dtype, config, h.is_cuda, _pairs_aligned(h))
-    bd, bkb, even = _tiles(Dz, I // 2, c["DOWN_BLOCK_D"], c["DOWN_BLOCK_KB"], c["DECODE"])
+    c, meta = _setup(B, k, x_dtype, config, h.is_cuda)
+    bd, bkb, even = _tiles(Dz, I // 2, c["DOWN_BLOCK_D"], c["DOWN_BLOCK_KB"])
     _mx3_down_kernel[(B * k, triton.cdiv(Dz, bd))](
         h, q2, s2, topk_ids, part, B, Dz, I // 2, I // 2 // BPG, BLOCK_D=bd, BLOCK_KB=bkb, ACT_T=act_t,
         STAGES=c["DOWN_STAGES"], EVEN=even, num_warps=c["DOWN_WARPS"], **meta)
