@@ -222,8 +222,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="B = 1 and 8, default tiles only")
     ap.add_argument("--v3-sweep", action="store_true", help="sweep v3's tiles only (v1, v2: their defaults)")
     ap.add_argument("--results-dir", default="results")
-    ap.add_argument("--probe", action="store_true", help="only v3's load-pipeline probe (PROBE: unchecked, "
-                    "a 4-move decode beside the real ones)")
+    ap.add_argument("--probe", action="store_true", help="only v3's probes (PROBE, unchecked: a 4-move decode, the bytes as BF16 from shared memory, "
+                    "beside the real decode)")
     ap.add_argument("--probe-decodes", default="", help="with --probe: only these decodes (comma-separated)")
     args = ap.parse_args()
     copy = copy_bandwidth()
