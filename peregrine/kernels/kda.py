@@ -45,7 +45,8 @@ COUNTERS_MIN = 4096     # per-(b, h) arrival counters allocated at once (16 KB),
 FINISH_WARPS = 4        # the finisher kernel handles one [d] vector per position
 PLAN_PATH = Path(__file__).with_name("kda_plan.json")
 # "1": the new conv state is read beside the state, not after the stores (HOIST in the kernels; the same bits).
-# Off until a GPU A/B shows it helps (queued after session 18)
+# Off: the 48B A/B gave no gain (2.360 / 3.229 / 4.577 / 6.931 ms against base 2.359 / 3.234 / 4.582 / 6.938,
+# results/2026-12-04-session21 call 2)
 HOIST_ENV = "PEREGRINE_KDA_HOIST"
 
 

@@ -80,7 +80,8 @@ def pdl_trigger_then_wait(USE_PDL: tl.constexpr):
 
 EARLY_TRIGGER_ENV = "PEREGRINE_EARLY_TRIGGER"  # kernels that use pdl_trigger_then_wait: "norm,topk" (or "norm+topk")
 EARLY_TRIGGER_KERNELS = ("norm", "topk")  # where it is safe: their successors read only weights (the up kernel:
-# also the router's input x, complete once the top-k launches) before their waits. Off until a GPU A/B (session 18)
+# also the router's input x, complete once the top-k launches) before their waits. Off: norm, topk and both moved
+# the 48B step by at most 8 us (results/2026-12-04-session21 call 2)
 
 
 def early_trigger(kernel: str) -> bool:
