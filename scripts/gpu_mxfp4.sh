@@ -2,7 +2,7 @@
 # #20 item 4 (MXFP4 experts, K3) as one device call on one H200 (~8 min):
 #   run (carry .commit):  bash scripts/gpu_mxfp4.sh
 # 1. the k3-slice decode step (latency_specialized, dummy weights) per MXFP4 expert variant, one
-#    results dir each (VARIANTS, default "v3 v2 v1"; PEREGRINE_MXFP4_VARIANT picks it; "v3:asm_p" also sets
+#    results dir each (VARIANTS, default "v3 v2 v1"; PEREGRINE_MXFP4_VARIANT picks it; "v3:dot_scaled" also sets
 #    v3's decode through PEREGRINE_MXFP4_V3_DECODE; BATCHES 1,8; DECODE=0 skips the step)
 # 2. the GPU tests of the MXFP4 kernels and of K3's specialized path (TESTS, T_TESTS default 150 s)
 # 3. the MXFP4 expert microbenchmark, v3's tile sweep (v1, v2 at their defaults; T_MICRO 200 s)
