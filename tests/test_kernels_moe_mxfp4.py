@@ -262,12 +262,16 @@ def test_default_tiles_compile_for_sm90_without_spills():
 
 
 def test_v3_decode_choice_names_a_bad_value(monkeypatch):
-    """PEREGRINE_MXFP4_V3_DECODE (GPU A/B runs) and a config's DECODE must be a known decode: the error names it."""
+    """PEREGRINE_MXFP4_V3_DECODE (GPU A/B runs) and a config's DECODE must be a known decode, the environment's a
+    real one (not a probe): the error names it."""
     from peregrine.kernels import moe_mxfp4_v3 as v3
     with pytest.raises(ValueError, match="'bogus'"):
         v3._setup(1, 2, torch.bfloat16, {"DECODE": "bogus"}, is_cuda=False)
     monkeypatch.setenv(v3.DECODE_ENV, "nope")
-    with pytest.raises(ValueError, match=f"'nope'.*{v3.DECODE_ENV}"):
+    with pytest.raises(ValueError, match=f"{v3.DECODE_ENV}='nope'"):
+        v3._setup(1, 2, torch.bfloat16, None, is_cuda=True)
+    monkeypatch.setenv(v3.DECODE_ENV, "probe")  # wrong values by design: the bench's, never the environment's
+    with pytest.raises(ValueError, match="'probe'"):
         v3._setup(1, 2, torch.bfloat16, None, is_cuda=True)
     monkeypatch.setenv(v3.DECODE_ENV, "dot_scaled")
     assert v3._setup(1, 2, torch.bfloat16, None, is_cuda=True)[1]["DECODE"] == "dot_scaled"

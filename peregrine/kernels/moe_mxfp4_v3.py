@@ -42,7 +42,8 @@ from .moe_mxfp4 import _act, _tile
 
 BPG = mxfp4.GROUP // 2          # packed bytes per scale group
 E8M0_NAN = tl.constexpr(mxfp4.E8M0_NAN)
-DECODES = ("asm", "dot_scaled", "plain", "probe", "probe_bf16")
+REAL_DECODES = ("asm", "dot_scaled", "plain")
+DECODES = REAL_DECODES + ("probe", "probe_bf16")  # the probes: bench --probe only, by config
 DECODE_ENV = "PEREGRINE_MXFP4_V3_DECODE"  # overrides the GPU default decode (A/B runs of the decode step)
 # tiles: weight rows x packed bytes per step; 64 rows fill one warpgroup MMA (M = 64 per 4 warps)
 DEFAULTS = {"DECODE": "asm", "UP_BLOCK_I": 64, "UP_BLOCK_KB": 64, "UP_WARPS": 4, "UP_STAGES": 3,
@@ -234,6 +235,8 @@ def _setup(B: int, k: int, x_dtype, config: dict | None, is_cuda: bool):
             c["DECODE"] = "plain"  # the interpreter runs no inline PTX
         elif os.environ.get(DECODE_ENV):
             c["DECODE"] = os.environ[DECODE_ENV]
+            if c["DECODE"] not in REAL_DECODES:  # a probe's wrong values must never reach a model
+                raise ValueError(f"{DECODE_ENV}={c['DECODE']!r}: expected one of {', '.join(REAL_DECODES)}")
     decode = c["DECODE"]
     if decode not in DECODES:
         raise ValueError(f"MXFP4 v3 decode {decode!r} ({DECODE_ENV} or config): expected one of {', '.join(DECODES)}")
