@@ -230,16 +230,15 @@ def _mx3_down_kernel(h_ptr, q_ptr, s_ptr, ids_ptr, part_ptr, B, D, KB, KG,
 
 def _setup(B: int, k: int, x_dtype, config: dict | None, is_cuda: bool):
     c = {**DEFAULTS, **BY_BATCH.get(B, {}), **(config or {})}
+    source, allowed = "config DECODE", DECODES
     if "DECODE" not in (config or {}):
         if not is_cuda:
             c["DECODE"] = "plain"  # the interpreter runs no inline PTX
-        elif os.environ.get(DECODE_ENV):
-            c["DECODE"] = os.environ[DECODE_ENV]
-            if c["DECODE"] not in REAL_DECODES:  # a probe's wrong values must never reach a model
-                raise ValueError(f"{DECODE_ENV}={c['DECODE']!r}: expected one of {', '.join(REAL_DECODES)}")
+        elif os.environ.get(DECODE_ENV):  # a probe's wrong values must never reach a model
+            c["DECODE"], source, allowed = os.environ[DECODE_ENV], DECODE_ENV, REAL_DECODES
     decode = c["DECODE"]
-    if decode not in DECODES:
-        raise ValueError(f"MXFP4 v3 decode {decode!r} ({DECODE_ENV} or config): expected one of {', '.join(DECODES)}")
+    if decode not in allowed:
+        raise ValueError(f"MXFP4 v3 {source}={decode!r}: expected one of {', '.join(allowed)}")
     dot = _dot_meta(torch.float32 if x_dtype == torch.float32 else torch.bfloat16)
     if decode != "plain":
         assert is_cuda, f"decode {decode!r} needs the GPU; the interpreter runs 'plain'"
