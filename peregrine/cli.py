@@ -169,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_bench_serve_parser(bsub)
         from .bench.ttft import add_bench_ttft_parser
         add_bench_ttft_parser(bsub)
+        from .bench.soak import add_bench_soak_parser
+        add_bench_soak_parser(bsub)
         bench_cli.add_plan_parser(sub)
     return p
 

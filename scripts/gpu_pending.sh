@@ -35,6 +35,9 @@
 # - K3's bounded gate in the shared varlen fla call (VARLEN_BOUNDED_GATE, off; cut three times by fla's autotune
 #   of K3's shapes on a fresh machine, so give it ~300 s): python3 -m pytest -v -m gpu tests/test_prefill.py -k "k3-shared or k3-per-row"
 # - #20's MXFP4 experts against OpenAI's triton_kernels MXFP4 MoE on k3-slice shapes: not started
+# - #47 (session 22): the 10-minute soak of the 48B at c = 8 with the mixed traffic, host RSS and GPU memory every 30 s,
+#   with the trims and (AB=1) without them first (~25 min with both; ~12 alone):
+#   run (carry .commit and .whl):  DURATION=600 CONC=8 bash scripts/gpu_soak.sh    (target: RSS growth <= 100 MB, no errors)
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \

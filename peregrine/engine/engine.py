@@ -31,6 +31,7 @@ import torch.profiler
 from ..cache import ModelCache
 from ..config import PREFILL_STEP_TOKENS, EngineConfig, ModelConfig
 from ..decode.batch import StepInput
+from ..host_memory import Trimmer
 from ..prefix_cache import PrefixCache
 from . import logprobs, penalties
 from .lookahead import Ahead, Readback, next_decode_input
@@ -111,6 +112,8 @@ class LLMEngine:
         can = hasattr(runner, "forward_pieces") and getattr(engine_cfg, "tensor_parallel_size", 1) == 1
         self.piece_layers = (DEFAULT_PIECE_LAYERS if pl is None else pl) if can else 0
         self._inflight: Inflight | None = None  # the prefill forward being run in pieces
+        self.trimmer = Trimmer()
+        self.stats["host_memory"] = self.trimmer.stats
         self.spec = None
         if getattr(engine_cfg, "speculative_config", None):
             self.enable_speculation(engine_cfg.speculative_config)
@@ -247,6 +250,11 @@ class LLMEngine:
         return None
 
     def step(self) -> list[RequestOutput]:
+        outputs = self._step()
+        self.trimmer.after_step(idle=not self.has_unfinished())  # the allocator's free pages back (host_memory.py)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         with self._step_lock:
             outputs, self._unreturned = self._unreturned, []
             outputs += self._drain()

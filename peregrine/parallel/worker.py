@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from ..host_memory import Trimmer
 from . import control
 
 
@@ -30,6 +31,7 @@ def serve(tp) -> None:
 def _serve(tp) -> None:
     runner = cache = None
     snapshots = None  # the next step's in-layer KDA snapshots (prefix caching)
+    trimmer = Trimmer()  # rank 0's engine trims its own; this rank's steps allocate alike
     while True:
         kind, msg = control.recv(tp, tp.device or torch.device("cpu"), getattr(runner, "greedy_tokens", None))
         if kind == "step":
@@ -40,6 +42,7 @@ def _serve(tp) -> None:
             runner.record_routing = bool(flags & control.RECORD_ROUTING)
             step.kda_snapshots, snapshots = snapshots, None
             runner.forward(step)
+            trimmer.after_step(idle=False)  # a rank never knows it is idle: it trims once a period while stepping
             continue
         cmd, *args = msg
         if cmd == "exit":

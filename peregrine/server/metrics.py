@@ -2,11 +2,16 @@
 
 Latencies are observed by the server as tokens arrive; engine-side counters
 (steps by path, fallback reasons) and gauges (running, waiting, cache usage) are
-read from the engine at scrape time.
+read from the engine at scrape time. Memory, so growth shows before it is an outage:
+the process's resident size as every Prometheus client exports it
+(process_resident_memory_bytes, the series vLLM's dashboards read), the host
+allocator's trims (host_memory.py), and on a GPU the device memory in use.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+import torch
+from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter,
+                               Histogram, disable_created_metrics, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -95,6 +100,31 @@ class EngineCollector:
                                   "Tokens per verified draft: 1 + accepted / drafts")
             g.add_metric([], sp.get("mean_acceptance_length", 0.0))
             yield g
+        hm = _safe_copy(e.stats.get("host_memory") or {})
+        c = CounterMetricFamily("peregrine:host_memory_trims", "Times the engine gave the host allocator's free pages back")
+        c.add_metric([], hm.get("trims", 0))
+        yield c
+        c = CounterMetricFamily("peregrine:host_memory_trim_seconds", "Engine time spent giving free host pages back")
+        c.add_metric([], hm.get("seconds", 0.0))
+        yield c
+        dev = getattr(e, "device", None)
+        if dev is not None and dev.type == "cuda":
+            yield from _gpu_memory(dev)
+
+
+def _gpu_memory(dev):
+    """This process's device memory: what PyTorch's tensors hold, what its caching allocator reserved,
+    and the device's whole use (other processes, CUDA graphs, NCCL and the context included)."""
+    free, total = torch.cuda.mem_get_info(dev)
+    for name, doc, v in (("gpu_memory_allocated_bytes", "Device memory held by live tensors",
+                          torch.cuda.memory_allocated(dev)),
+                         ("gpu_memory_reserved_bytes", "Device memory reserved by PyTorch's caching allocator",
+                          torch.cuda.memory_reserved(dev)),
+                         ("gpu_memory_used_bytes", "Device memory in use on the GPU, by anybody", total - free),
+                         ("gpu_memory_total_bytes", "Device memory of the GPU", total)):
+        g = GaugeMetricFamily(f"peregrine:{name}", doc, labels=["device"])
+        g.add_metric([str(dev)], v)
+        yield g
 
 
 class Metrics:
@@ -120,6 +150,8 @@ class Metrics:
                                      registry=r).labels(model_name)
         self.model_name = model_name
         r.register(EngineCollector(engine))
+        for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*: as the default registry has
+            r.register(c)
 
     def success(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
