@@ -1,10 +1,12 @@
-"""argmax / sample (peregrine/kernels/sampling.py) against references written here."""
+"""argmax / sample (peregrine/kernels/sampling.py) against references written here: the distribution a
+sampler must draw from (ref_dist, by sorting in FP64), checked by chi-square over 20 000 draws, and the
+kernel token for token against sample_ref (PyTorch, sorting, the same Philox bits)."""
 import pytest
 import torch
 
 from conftest import FULL_SHAPES
 from peregrine.kernels import sampling
-from peregrine.kernels.sampling import argmax, sample
+from peregrine.kernels.sampling import argmax, filtered_probs_ref, sample, sample_ref
 
 pytestmark = pytest.mark.gpu
 
@@ -27,14 +29,15 @@ def _logits(b, v, device, seed=0, dtype=torch.float32, scale=3.0):
     return (torch.randn(b, v, generator=g, device=device) * scale).to(dtype)
 
 
-def ref_dist(row, t, k, p):
-    """FP64 distribution after temperature, top-k, renormalisation and nucleus."""
+def ref_dist(row, t, k, p, min_p=0.0):
+    """FP64 distribution after temperature, min-p, top-k, renormalisation and nucleus (vLLM's order)."""
     q = torch.softmax(row.double() / t, -1)
+    q = q * (q >= min_p * q.max())
     qs, order = torch.sort(q, descending=True, stable=True)
     kk = k if k > 0 else q.numel()
     qs, order = qs[:kk], order[:kk]
     before = torch.cumsum(qs, 0) - qs
-    keep = before < p * qs.sum()
+    keep = (before < p * qs.sum()) & (qs > 0)
     keep[0] = True
     out = torch.zeros_like(q)
     out[order[keep]] = qs[keep]
@@ -62,16 +65,16 @@ def test_argmax_strided_rows(small_chunks, device):
     assert torch.equal(argmax(x), torch.argmax(x, dim=-1))
 
 
-def _params(b, device, temps, ks, ps, seed0=0, off=0):
+def _params(b, device, temps, ks, ps, seed0=0, off=0, min_ps=(0.0,)):
     f = lambda vals, dt: torch.tensor([vals[i % len(vals)] for i in range(b)], dtype=dt, device=device)
     return (f(temps, torch.float32), f(ks, torch.int32), f(ps, torch.float32),
             torch.arange(seed0, seed0 + b, dtype=torch.int64, device=device),
-            torch.full((b,), off, dtype=torch.int64, device=device))
+            torch.full((b,), off, dtype=torch.int64, device=device), f(min_ps, torch.float32))
 
 
 def test_greedy_rows_equal_argmax(device):
     x = _logits(7, 300, device, seed=4)
-    t, k, p, s, o = _params(7, device, [0.0, 1.0, 0.0, 0.8], [0, 5, 3, 0], [1.0, 0.9, 0.5, 0.3])
+    t, k, p, s, o, _ = _params(7, device, [0.0, 1.0, 0.0, 0.8], [0, 5, 3, 0], [1.0, 0.9, 0.5, 0.3])
     got = sample(x, t, k, p, s, o)
     greedy = torch.argmax(x, dim=-1)
     assert torch.equal(got[t == 0], greedy[t == 0])
@@ -85,24 +88,36 @@ def test_greedy_rows_equal_argmax(device):
 def test_samples_stay_in_topk_topp(v, device):
     b = 24 if CPU else 96
     x = _logits(b, v, device, seed=5, scale=2.0)
-    cfg = dict(temps=[0.5, 1.0, 1.7], ks=[0, 1, 7, 40], ps=[1.0, 0.9, 0.6, 0.2])
+    cfg = dict(temps=[0.5, 1.0, 1.7], ks=[0, 1, 7, 40], ps=[1.0, 0.9, 0.6, 0.2], min_ps=[0.0, 0.0, 0.1, 0.3, 0.02])
     allowed = []
     for i in range(b):
-        t, k, p = cfg["temps"][i % 3], cfg["ks"][i % 4], cfg["ps"][i % 4]
-        allowed.append(ref_dist(x[i].cpu(), t, k, p + 1e-6) > 0)  # slack for FP ties at the edge
+        t, k, p, mp = cfg["temps"][i % 3], cfg["ks"][i % 4], cfg["ps"][i % 4], cfg["min_ps"][i % 5]
+        allowed.append(ref_dist(x[i].cpu(), t, k, p + 1e-6, mp * (1 - 1e-6)) > 0)  # slack for FP ties at the edge
     allowed = torch.stack(allowed)
     for off in range(2 if CPU else 8):
         got = sample(x, *_params(b, device, **cfg, off=off)).cpu()
         assert allowed[torch.arange(b), got].all(), f"offset {off}: sample outside the kept set"
 
 
-@pytest.mark.parametrize("t,k,p", [(0.7, 5, 0.9)] + ([] if CPU else [(1.0, 0, 1.0), (1.3, 0, 0.75)]))
-def test_distribution_matches(t, k, p, device):
-    v, n = 12, 400 if CPU else 20000
+SETTINGS = [(0.7, 5, 0.9, 0.0), (0.9, 7, 0.8, 0.03), (1.0, 0, 1.0, 0.0), (1.3, 0, 0.75, 0.0), (0.6, 0, 0.95, 0.0),
+            (1.0, 0, 1.0, 0.08)]
+
+
+# the interpreter takes ~15 s for 20 000 draws: CPU runs the kernel on two settings (sample_ref, equal to it token
+# for token, on all); the GPU pass runs the kernel on all
+@pytest.mark.parametrize("sampler,t,k,p,mp", [("kernel", *c) for c in (SETTINGS if FULL_SHAPES else SETTINGS[:2])]
+                         + [("ref", *c) for c in SETTINGS])
+def test_distribution_matches(sampler, t, k, p, mp, device):
+    """20 000 draws of one row at 20 000 positions: chi-square against ref_dist (fixed seeds: deterministic)."""
+    if sampler == "ref":
+        device = "cpu"
+    v, n = 12, 20000
     row = _logits(1, v, device, seed=6, scale=1.5)[0]
-    want = ref_dist(row.cpu(), t, k, p)
+    want = ref_dist(row.cpu(), t, k, p, mp)
     x = row.expand(n, v)
-    got = sample(x, *_params(n, device, [t], [k], [p], seed0=1000)).cpu()
+    prm = _params(n, device, [t], [k], [p], seed0=1000, min_ps=[mp])
+    prm[4].copy_(torch.arange(n, device=device) * 3 + 5)  # positions
+    got = (sample if sampler == "kernel" else sample_ref)(x, *prm).cpu()
     counts = torch.bincount(got, minlength=v).double()
     assert counts[want == 0].sum() == 0
     exp = want[want > 0] * n
@@ -111,10 +126,35 @@ def test_distribution_matches(t, k, p, device):
     assert chi2 < df + 6 * (2 * df) ** 0.5 + 10, f"chi2 {chi2:.1f} with {df} dof"  # ~6 sigma
 
 
+@pytest.mark.parametrize("b,v,dtype", [(37, 300, torch.float32), (5, 4097, torch.bfloat16), (9, 64, torch.float32)]
+                         + ([(8, VOCAB, torch.bfloat16)] if FULL_SHAPES else [(2, VOCAB, torch.bfloat16)]))
+def test_kernel_equals_reference_token_for_token(b, v, dtype, device):
+    """Every row, every setting: the kernel's token is sample_ref's (same kept set, same random bits), written
+    into a poisoned buffer whose other slots stay untouched; 64-bit seeds and positions past 2^32."""
+    x = _logits(b, v, device, seed=9, dtype=dtype, scale=2.0)
+    t, k, p, s, o, mp = _params(b, device, [0.0, 0.7, 1.0, 1.3], [0, 5, 40, 0, 1], [1.0, 0.9, 0.5, 0.95],
+                                min_ps=[0.0, 0.05, 0.0])
+    s = s * 7919 + 2**40
+    o = torch.arange(b, device=device) + 2**33
+    buf = torch.full((b + 3,), -7, dtype=torch.int64, device=device)
+    got = sample(x, t, k, p, s, o, mp, out=buf[1:b + 1])
+    assert got.data_ptr() == buf[1:].data_ptr()
+    assert buf[0].item() == -7 and (buf[b + 1:] == -7).all()
+    want = sample_ref(x.cpu(), t.cpu(), k.cpu(), p.cpu(), s.cpu(), o.cpu(), mp.cpu())
+    assert torch.equal(got.cpu(), want)
+
+
+def test_reference_distribution_helper_matches_the_tests_own():
+    g = torch.Generator().manual_seed(2)
+    for t, k, p, mp in [(1.0, 0, 1.0, 0.0), (0.7, 3, 0.9, 0.0), (1.3, 0, 0.6, 0.1), (0.5, 50, 0.95, 0.01)]:
+        row = torch.randn(40, generator=g) * 2
+        assert torch.allclose(filtered_probs_ref(row, t, k, p, mp), ref_dist(row, t, k, p, mp), atol=1e-12)
+
+
 def test_same_seed_offset_same_token_whatever_the_batch(small_chunks, device):
     v = 200
     x = _logits(8, v, device, seed=7, scale=1.0)
-    t, k, p, s, o = _params(8, device, [1.0, 0.9, 0.0, 1.2], [0, 50, 0, 10], [1.0, 0.95, 1.0, 0.8], off=11)
+    t, k, p, s, o, _ = _params(8, device, [1.0, 0.9, 0.0, 1.2], [0, 50, 0, 10], [1.0, 0.95, 1.0, 0.8], off=11)
     full = sample(x, t, k, p, s, o)
     for i in (0, 3, 5):
         alone = sample(x[i:i + 1], t[i:i + 1], k[i:i + 1], p[i:i + 1], s[i:i + 1], o[i:i + 1])
@@ -131,7 +171,17 @@ def test_same_seed_offset_same_token_whatever_the_batch(small_chunks, device):
 
 def test_full_vocab_sample(device):
     x = _logits(2, VOCAB, device, seed=8)
-    t, k, p, s, o = _params(2, device, [1.0], [0, 20], [0.9, 1.0])
+    t, k, p, s, o, _ = _params(2, device, [1.0], [0, 20], [0.9, 1.0])
     got = sample(x, t, k, p, s, o)
     for i in range(2):
         assert ref_dist(x[i].cpu(), 1.0, int(k[i]), float(p[i]) + 1e-6)[got[i].item()] > 0
+
+
+def test_sampling_kernels_compile_for_sm90_without_spills():
+    """The interpreter cannot catch compile errors: compile the sampler's kernels for sm_90a (ptxas included)."""
+    from conftest import run_aot
+    rows = run_aot("import json; from peregrine.bench import kernels_sampling as b; print(json.dumps(b.compile_check()))")
+    assert len(rows) == 6
+    for row in rows:
+        assert "error" not in row, row
+        assert row["spill"] == 0 and 0 < row["regs"] <= 255, row

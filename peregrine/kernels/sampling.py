@@ -1,16 +1,21 @@
-"""Greedy and top-k / top-p sampling with no host synchronisation.
+"""Greedy and sampled tokens on the device: no host synchronisation, no sort.
 
 Everything stays on the device with static shapes, so both are CUDA-graph
-capturable. Both reduce over the vocabulary in two stages: many programs per
+capturable. argmax reduces over the vocabulary in two stages: many programs per
 row each find the best of one chunk, then one program per row picks the best
 chunk, ties to the lowest index (torch.argmax's rule).
 
-Sampling draws from the kept set with the exponential race: token =
-argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d., which picks i with probability
-p_i / Σ p. E_i comes from Philox keyed by (seed, offset, token id), so a
-request's draw depends only on its own logits and (seed, offset), never on
-the batch it shares or on the sort order of equal probabilities.
-NaN logits are not supported.
+sample: temperature, min-p, top-k, top-p (vLLM's order). The kept set is every
+token whose logit/T reaches a per-row threshold, found without sorting by
+bisection over the float's 2^32 ordered keys (_threshold: the largest key whose
+count, or probability mass, above it still reaches top-k, or top-p of the mass
+left). Then one draw with the exponential race (Gumbel-max): token = argmax over
+kept i of x_i - log E_i, E_i ~ Exp(1) from Philox keyed by (seed, token id,
+position), which picks i with probability p_i / sum of the kept p. A request's
+token depends only on its logits, parameters, seed and position, never on the
+batch it shares, a graph replay or a step launched ahead.
+Ties at a threshold stay (all of them); NaN logits are not supported.
+sample_ref is the same sampler in PyTorch with sorting, and the same random bits.
 """
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ import triton.language as tl
 from .pdl import launch_kwargs, pdl_wait
 
 BLOCK_V = 4096  # vocab chunk per program: 163840 -> 40 programs per row even at B = 1
+SMALL_VOCAB = 4096  # up to this vocabulary a program takes several rows (tests, tiny models)
+THRESHOLD_TILE = 4096  # elements of one [rows, chunk] tile of the threshold search
 NO_INDEX = tl.constexpr(2**31 - 1)  # "no valid element" in a chunk; larger than any vocab index
 U_SCALE = tl.constexpr(2.0**-23)  # uniforms from the top 23 random bits: (x + 0.5)·2^-23 is exact and inside (0, 1)
 SMALL_W = tl.constexpr(2.0**-10)  # below this 1 − u, -log(u) is taken from its series (log(≈1) loses digits)
@@ -43,31 +50,6 @@ def _argmax_stage1(x_ptr, stride_x, V, pmax_ptr, pidx_ptr, BLOCK: tl.constexpr, 
     ok = pos < V
     v = tl.load(x_ptr + row.to(tl.int64) * stride_x + pos, mask=ok, other=float("-inf")).to(tl.float32)
     _chunk_best(v, pos, ok, pmax_ptr, pidx_ptr, row * tl.num_programs(1) + c)
-
-
-@triton.jit
-def _sample_stage1(p_ptr, tok_ptr, stride_p, stride_t, nkeep_ptr, seed_ptr, off_ptr, pmax_ptr, pidx_ptr,
-                   BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """Scores p / E over the sorted probabilities; positions >= n_keep are out of the set."""
-    pdl_wait(USE_PDL)
-    row = tl.program_id(0)
-    c = tl.program_id(1)
-    pos = c * BLOCK + tl.arange(0, BLOCK)
-    ok = pos < tl.load(nkeep_ptr + row)
-    p = tl.load(p_ptr + row.to(tl.int64) * stride_p + pos, mask=ok, other=0.0)
-    tok = tl.load(tok_ptr + row.to(tl.int64) * stride_t + pos, mask=ok, other=0)
-    seed = tl.load(seed_ptr + row)
-    off = tl.load(off_ptr + row)
-    zero = tl.zeros((BLOCK,), dtype=tl.uint32)
-    c1 = zero + (off & 0xFFFFFFFF).to(tl.uint32)
-    c2 = zero + ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    r, _, _, _ = tl.philox(seed, tok.to(tl.uint32), c1, c2, zero)
-    x = (r >> 9).to(tl.float32)
-    u = (x + 0.5) * U_SCALE
-    w = (8388607.5 - x) * U_SCALE  # 1 − u, exact
-    e = tl.where(w < SMALL_W, w + 0.5 * w * w, -tl.log(u))  # Exp(1) draw, always > 0
-    score = tl.where(ok, p / e, -1.0)
-    _chunk_best(score, pos, ok, pmax_ptr, pidx_ptr, row * tl.num_programs(1) + c)
 
 
 @triton.jit
@@ -102,36 +84,239 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return _two_stage(_argmax_stage1, (logits, logits.stride(0), V), B, V, logits.device)
 
 
-def kept_counts(probs_sorted: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """How many of the descending-sorted probabilities each row keeps: top-k first, then the
-    nucleus of the renormalised top-k (a token stays while the mass before it is < top_p);
-    always >= 1. top_k 0 and top_p >= 1 mean off. The kept set is a prefix of the sort."""
-    B, V = probs_sorted.shape
-    rank = torch.arange(V, device=probs_sorted.device)
-    k_eff = torch.where(top_k > 0, top_k.clamp(max=V), V).long()[:, None]
-    in_k = rank[None, :] < k_eff
-    csum = (probs_sorted.double() * in_k).cumsum(-1)  # FP64: the tail must not saturate the sum
-    mass_k = csum.gather(1, k_eff - 1)
-    before = csum - probs_sorted.double()
-    n_p = ((before < top_p.double()[:, None] * mass_k) & in_k).sum(-1)
-    n = torch.where(top_p >= 1.0, k_eff[:, 0], n_p)
-    return n.clamp(min=1)
+@triton.jit
+def _key(x):
+    """float32 -> int32 with the same order (signed compare): thresholds are searched over these."""
+    b = x.to(tl.float32).to(tl.int32, bitcast=True)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
+@triton.jit
+def _scaled(x_ptr, stride_x, rows, rok, t, c, V, BLOCK: tl.constexpr):
+    """One chunk of R rows' logits / temperature ([R, BLOCK] FP32, -inf outside), and its in-range mask."""
+    pos = c + tl.arange(0, BLOCK)
+    ok = rok[:, None] & (pos < V)[None, :]
+    ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + pos[None, :]
+    x = tl.load(ptrs, mask=ok, other=float("-inf")).to(tl.float32) / t[:, None]
+    return x, ok, pos
+
+
+@triton.jit
+def _threshold(x_ptr, stride_x, B, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, key_ptr,
+               R: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """Per row, the smallest key of logits/temperature that stays in the kept set: min-p, then top-k,
+    then top-p of what is left (vLLM's order), each a threshold found without sorting: the largest
+    key whose count (top-k) or probability mass (top-p) above it still reaches the target, by
+    bisection over the 2^32 keys (32 passes over the row each; off filters keep the lower bound)."""
+    pdl_wait(USE_PDL)
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    rok = rows < B
+    t = tl.load(temp_ptr + rows, mask=rok, other=1.0)
+    t = tl.where(t > 0, t, 1.0)
+    m = tl.full((R,), float("-inf"), tl.float32)
+    for c in range(0, V, BLOCK):
+        x, ok, _pos = _scaled(x_ptr, stride_x, rows, rok, t, c, V, BLOCK)
+        m = tl.maximum(m, tl.max(x, axis=1))
+    m = tl.where(rok, m, 0.0)
+    min_p = tl.load(minp_ptr + rows, mask=rok, other=0.0)
+    lo = tl.where(min_p > 0, _key(m + tl.log(tl.maximum(min_p, 1e-38))), -2147483648).to(tl.int64)
+    top = _key(m).to(tl.int64) + 1  # nothing is >= this key
+    k = tl.load(topk_ptr + rows, mask=rok, other=0).to(tl.int64)
+    k = tl.where((k > 0) & (k < V), k, V + 1)  # off: no key reaches V + 1 tokens, lo stays
+    hi = top
+    for _it in range(32):  # top-k: count(key >= lo) >= k > count(key >= hi)
+        mid = lo + (hi - lo) // 2
+        cnt = tl.zeros((R,), tl.int64)
+        for c in range(0, V, BLOCK):
+            x, ok, _pos = _scaled(x_ptr, stride_x, rows, rok, t, c, V, BLOCK)
+            cnt += tl.sum((ok & (_key(x).to(tl.int64) >= mid[:, None])).to(tl.int64), axis=1)
+        take = cnt >= k
+        lo, hi = tl.where(take, mid, lo), tl.where(take, hi, mid)
+    mass = tl.zeros((R,), tl.float32)
+    for c in range(0, V, BLOCK):
+        x, ok, _pos = _scaled(x_ptr, stride_x, rows, rok, t, c, V, BLOCK)
+        mass += tl.sum(tl.where(ok & (_key(x).to(tl.int64) >= lo[:, None]), tl.exp(x - m[:, None]), 0.0), axis=1)
+    top_p = tl.load(topp_ptr + rows, mask=rok, other=1.0)
+    target = tl.where(top_p < 1.0, top_p * mass, float("inf"))  # off: no mass reaches it, lo stays
+    hi = top
+    for _it2 in range(32):  # top-p: mass(key >= lo) >= target > mass(key >= hi)
+        mid = lo + (hi - lo) // 2
+        acc = tl.zeros((R,), tl.float32)
+        for c in range(0, V, BLOCK):
+            x, ok, _pos = _scaled(x_ptr, stride_x, rows, rok, t, c, V, BLOCK)
+            acc += tl.sum(tl.where(ok & (_key(x).to(tl.int64) >= mid[:, None]), tl.exp(x - m[:, None]), 0.0), axis=1)
+        take = acc >= target
+        lo, hi = tl.where(take, mid, lo), tl.where(take, hi, mid)
+    tl.store(key_ptr + rows, lo.to(tl.int32), mask=rok)
+
+
+@triton.jit
+def _race_stage1(x_ptr, stride_x, B, V, temp_ptr, key_ptr, seed_ptr, pos_ptr, pmax_ptr, pidx_ptr,
+                 R: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """Gumbel race over one chunk of R rows: kept token i scores x_i - log(E_i), E_i ~ Exp(1) from
+    Philox keyed by (seed, token id, position), so the best score is token i with probability p_i / sum
+    of the kept p. Greedy rows (temperature 0) score the raw logits, no noise: their argmax."""
+    pdl_wait(USE_PDL)
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    rok = rows < B
+    c = tl.program_id(1)
+    t0 = tl.load(temp_ptr + rows, mask=rok, other=0.0)
+    greedy = t0 <= 0
+    x, ok, pos = _scaled(x_ptr, stride_x, rows, rok, tl.where(greedy, 1.0, t0), c * BLOCK, V, BLOCK)
+    keep = ok & ((_key(x) >= tl.load(key_ptr + rows, mask=rok, other=0)[:, None]) | greedy[:, None])
+    seed = tl.load(seed_ptr + rows, mask=rok, other=0)
+    p = tl.load(pos_ptr + rows, mask=rok, other=0)
+    zero = tl.zeros((R, BLOCK), dtype=tl.uint32)
+    c1 = zero + (p & 0xFFFFFFFF).to(tl.uint32)[:, None]
+    c2 = zero + ((p >> 32) & 0xFFFFFFFF).to(tl.uint32)[:, None]
+    r, _, _, _ = tl.philox(seed[:, None] + tl.zeros((R, BLOCK), dtype=tl.int64), zero + pos.to(tl.uint32)[None, :],
+                           c1, c2, zero)
+    u = (r >> 9).to(tl.float32)
+    w = (8388607.5 - u) * U_SCALE  # 1 - u', exact
+    e = tl.where(w < SMALL_W, w + 0.5 * w * w, -tl.log((u + 0.5) * U_SCALE))  # Exp(1) draw, always > 0
+    score = tl.where(keep, tl.where(greedy[:, None], x, x - tl.log(e)), float("-inf"))
+    best = tl.max(score, axis=1)
+    at = tl.min(tl.where(keep & (score == best[:, None]), pos[None, :], NO_INDEX), axis=1)
+    out = rows * tl.num_programs(1) + c
+    tl.store(pmax_ptr + out, best, mask=rok)
+    tl.store(pidx_ptr + out, at, mask=rok)
+
+
+@triton.jit
+def _race_stage2(pmax_ptr, pidx_ptr, out_ptr, B, n_chunks, R: tl.constexpr, CBLOCK: tl.constexpr,
+                 USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    rok = rows < B
+    r = tl.arange(0, CBLOCK)
+    ok = rok[:, None] & (r < n_chunks)[None, :]
+    at = rows[:, None] * n_chunks + r[None, :]
+    m = tl.load(pmax_ptr + at, mask=ok, other=float("-inf"))
+    i = tl.load(pidx_ptr + at, mask=ok, other=NO_INDEX)
+    best = tl.max(m, axis=1)
+    tl.store(out_ptr + rows, tl.min(tl.where(ok & (m == best[:, None]), i, NO_INDEX), axis=1).to(tl.int64), mask=rok)
+
+
+def _rows_per_program(B: int, V: int) -> int:
+    """Rows one program takes: 1 for a real vocabulary (a row's chunks spread over the GPU); a small
+    vocabulary packs rows into one [rows, vocab] tile, so the interpreter runs few programs for many draws."""
+    if V > SMALL_VOCAB:
+        return 1
+    return max(1, min(triton.next_power_of_2(max(B, 1)), THRESHOLD_TILE // triton.next_power_of_2(V)))
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """[B, V] logits -> [B] int64 tokens. temperature 0 = greedy for that row."""
-    assert logits.dim() == 2
+           seeds: torch.Tensor, positions: torch.Tensor, min_p: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, V] logits -> [B] int64 tokens, on the device with no host sync and static shapes (CUDA-graph
+    capturable). Per row: temperature (0 = greedy: the argmax), min_p, top_k (0 = off), top_p (1 = off),
+    then one draw keyed by (seed, position): a row's token depends on its logits, parameters, seed and
+    position only, never on the batch. No sort: the kept set is {logits/T >= a threshold} (_threshold).
+    out: a [B] int64 buffer to write (a graph's static output), else a new one."""
+    assert logits.dim() == 2 and logits.stride(1) == 1
     B, V = logits.shape
-    greedy = argmax(logits)
-    t = torch.where(temperature > 0, temperature, 1.0).float()
-    probs = torch.softmax(logits.float() / t[:, None], dim=-1)
-    ps, order = probs.sort(dim=-1, descending=True, stable=True)  # stable: ties cut by index, batch-invariant
-    n_keep = kept_counts(ps, top_k, top_p)
-    args = (ps, order, ps.stride(0), order.stride(0), n_keep, seeds.long().contiguous(), offsets.long().contiguous())
-    pos = _two_stage(_sample_stage1, args, B, V, logits.device)
-    drawn = order.gather(1, pos[:, None])[:, 0]
-    return torch.where(temperature > 0, drawn, greedy)
+    dev = logits.device
+    if out is None:
+        out = torch.empty((B,), dtype=torch.int64, device=dev)
+    assert out.shape == (B,) and out.dtype == torch.int64 and out.is_contiguous()
+    if B == 0:
+        return out
+    R = _rows_per_program(B, V)
+    f32 = lambda t: t.to(device=dev, dtype=torch.float32).contiguous()  # noqa: E731
+    i64 = lambda t: t.to(device=dev, dtype=torch.int64).contiguous()  # noqa: E731
+    temp = f32(temperature)
+    mp = f32(min_p) if min_p is not None else torch.zeros(B, dtype=torch.float32, device=dev)
+    keys = torch.empty((B,), dtype=torch.int32, device=dev)
+    pdl = launch_kwargs(dev)
+    grid_r = triton.cdiv(B, R)
+    tb = min(triton.next_power_of_2(V), max(16, THRESHOLD_TILE // R))
+    _threshold[(grid_r,)](logits, logits.stride(0), B, V, temp, i64(top_k), f32(top_p), mp, keys,
+                          R=R, BLOCK=tb, num_warps=8 if R == 1 else 4, **pdl)
+    block = BLOCK_V if R == 1 else min(triton.next_power_of_2(V), max(16, THRESHOLD_TILE // R))
+    n_chunks = triton.cdiv(V, block)
+    pmax = torch.empty((B, n_chunks), dtype=torch.float32, device=dev)
+    pidx = torch.empty((B, n_chunks), dtype=torch.int32, device=dev)
+    _race_stage1[(grid_r, n_chunks)](logits, logits.stride(0), B, V, temp, keys, i64(seeds), i64(positions), pmax,
+                                     pidx, R=R, BLOCK=block, num_warps=8 if R == 1 else 4, **pdl)
+    _race_stage2[(grid_r,)](pmax, pidx, out, B, n_chunks, R=R, CBLOCK=max(triton.next_power_of_2(n_chunks), 16),
+                            num_warps=1, **pdl)
+    return out
+
+
+def filtered_probs_ref(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                       min_p: float = 0.0) -> torch.Tensor:
+    """FP64 reference of one row's sampling distribution, by sorting: temperature, min-p (against the
+    most likely token), top-k, then the nucleus of what is left (a token stays while the mass ranked
+    before it is < top_p of the kept mass)."""
+    q = torch.softmax(logits.double() / temperature, -1)
+    if min_p > 0:
+        q = torch.where(q >= min_p * q.max(), q, 0.0)
+    qs, order = torch.sort(q, descending=True, stable=True)
+    kk = top_k if 0 < top_k < q.numel() else q.numel()
+    qs, order = qs[:kk], order[:kk]
+    keep = (torch.cumsum(qs, 0) - qs) < top_p * qs.sum() if top_p < 1 else qs > 0
+    keep[0] = True
+    out = torch.zeros_like(q)
+    out[order[keep]] = qs[keep]
+    return out / out.sum()
+
+
+M32 = 0xFFFFFFFF
+PHILOX_ROUND = (0xD2511F53, 0xCD9E8D57)  # Philox4x32-10's multipliers and key increments, as tl.philox uses them
+PHILOX_KEY = (0x9E3779B9, 0xBB67AE85)
+
+
+def _mul32(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit words of a * b for a, b < 2^32 in int64, without int64 overflow (16-bit halves)."""
+    p, q = (a & 0xFFFF) * b, (a >> 16) * b  # each < 2^48
+    s = p + ((q & 0xFFFF) << 16)
+    return ((q >> 16) + (s >> 32)) & M32, s & M32
+
+
+def philox_ref(seed: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor) -> torch.Tensor:
+    """First output word of Philox4x32-10 keyed by seed (64-bit) at counter (c0, c1, c2, 0), as int64:
+    the same bits as tl.philox(seed, c0, c1, c2, 0)[0]. Broadcasts its arguments."""
+    k0, k1 = seed & M32, (seed >> 32) & M32
+    c3 = torch.zeros_like(c0)
+    for _ in range(10):
+        hi0, lo0 = _mul32(c2, PHILOX_ROUND[1])
+        hi1, lo1 = _mul32(c0, PHILOX_ROUND[0])
+        c0, c1, c2, c3 = hi0 ^ c1 ^ k0, lo0, hi1 ^ c3 ^ k1, lo1
+        k0, k1 = (k0 + PHILOX_KEY[0]) & M32, (k1 + PHILOX_KEY[1]) & M32
+    return c0
+
+
+def exp_draws_ref(seeds: torch.Tensor, positions: torch.Tensor, V: int) -> torch.Tensor:
+    """[B, V] FP32 Exp(1) draws, the race kernel's E_i: Philox keyed by (seed, token id, position)."""
+    dev = seeds.device
+    tok = torch.arange(V, dtype=torch.int64, device=dev)[None, :]
+    pos = positions.long()[:, None]
+    r = philox_ref(seeds.long()[:, None], tok, pos & M32, (pos >> 32) & M32)
+    u = (r >> 9).float()
+    w = (8388607.5 - u) * 2.0**-23
+    return torch.where(w < 2.0**-10, w + 0.5 * w * w, -torch.log((u + 0.5) * 2.0**-23))
+
+
+def sample_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               seeds: torch.Tensor, positions: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """The sampler in plain PyTorch with sorting (the kernel's reference, and the CPU engine's sampler):
+    the kept set from filtered_probs_ref, then the same keyed race: argmax over kept i of
+    logits_i / T - log E_i. Greedy rows (temperature 0): the argmax."""
+    B, V = logits.shape
+    x = logits.float()
+    out = x.argmax(dim=-1)
+    rows = [i for i in range(B) if float(temperature[i]) > 0]
+    if not rows:
+        return out
+    r = torch.tensor(rows, device=logits.device)
+    e = exp_draws_ref(seeds[r], positions[r], V)
+    for j, i in enumerate(rows):
+        t = temperature[i].float()
+        keep = filtered_probs_ref(x[i], float(t), int(top_k[i]), float(top_p[i]),
+                                  float(min_p[i]) if min_p is not None else 0.0) > 0
+        score = torch.where(keep, x[i] / t - torch.log(e[j]), float("-inf"))
+        out[i] = score.argmax()
+    return out
 
 
 def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
