@@ -16,7 +16,7 @@ import torch
 from peregrine.cache import ModelCache
 from peregrine.config import EngineConfig, resolve_model
 from peregrine.engine import LLMEngine, RequestError, SamplingParams
-from peregrine.engine.sampling import filtered_probs, make_generator, sample
+from peregrine.engine.sampling import filtered_probs, sample
 from peregrine.testing import SENTINEL
 from fake_runner import FakeRunner, ref_logits
 
@@ -396,20 +396,22 @@ def test_filtered_probs_match_reference(t, k, p):
 def test_sampler_greedy_and_distribution():
     logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(1)) * 2
     greedy = [SamplingParams()] * 5
-    assert sample(logits, greedy, [None] * 5) == logits.argmax(-1).tolist()
+    assert sample(logits, greedy, [0] * 5, [0] * 5) == logits.argmax(-1).tolist()
     sp = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
     ref = _ref_probs(logits[0], 0.8, 4, 0.9)
-    N = 4000  # rows of the same logits, one generator: the empirical distribution
-    gen = make_generator(7, "cpu")
-    toks = sample(logits[:1].expand(N, -1), [sp] * N, [gen] * N)
+    N = 4000  # rows of the same logits, one seed, N positions: the empirical distribution
+    toks = sample(logits[:1].expand(N, -1), [sp] * N, [7] * N, list(range(N)))
     freq = torch.bincount(torch.tensor(toks), minlength=11).double() / N
     assert bool((freq[ref == 0] == 0).all())
     assert (freq - ref).abs().max() < 0.035
-    # mixed batch: greedy rows stay argmax, sampled rows come from their own stream
+    # mixed batch: greedy rows stay argmax; a sampled row draws what it draws alone (its seed, its position)
     mix = [SamplingParams(), sp, SamplingParams(), sp]
-    a = sample(logits[:4], mix, [None, make_generator(3, "cpu"), None, make_generator(4, "cpu")])
-    b = sample(logits[1:2], [sp], [make_generator(3, "cpu")])
+    a = sample(logits[:4], mix, [0, 3, 0, 4], [9, 9, 9, 9])
+    b = sample(logits[1:2], [sp], [3], [9])
     assert a[0] == int(logits[0].argmax()) and a[2] == int(logits[2].argmax()) and a[1] == b[0]
+    # the key is (seed, position): other positions draw differently from a flat distribution
+    flat = torch.zeros(1, 11)
+    assert len({sample(flat, [SamplingParams(temperature=1.0)], [3], [j])[0] for j in range(12)}) > 5
 
 
 @pytest.mark.parametrize("kw,prompt,msg", [
@@ -422,7 +424,11 @@ def test_sampler_greedy_and_distribution():
     ({"temperature": -0.1}, [1], "temperature"),
     ({"top_p": 0.0}, [1], "top_p"),
     ({"top_p": 1.5}, [1], "top_p"),
-    ({"top_k": -1}, [1], "top_k"),
+    ({"top_k": -2}, [1], "top_k"),
+    ({"min_p": -0.1}, [1], "min_p"),
+    ({"min_p": 1.5}, [1], "min_p"),
+    ({"repetition_penalty": 0.0}, [1], "repetition_penalty"),
+    ({"repetition_penalty": float("nan")}, [1], "repetition_penalty"),
     ({"max_tokens": 0}, [1], "max_tokens"),
     ({"stop_token_ids": [V]}, [1], "stop_token_ids"),
     ({"seed": 1.5}, [1], "seed"),

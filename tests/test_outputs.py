@@ -230,6 +230,25 @@ def test_presence_and_frequency_penalties(presence, frequency):
         assert len(set(want)) > 1  # the penalty did change the choice
 
 
+@pytest.mark.parametrize("r", [1.3, 2.0, 0.8])
+def test_repetition_penalty(r):
+    """Every token of the prompt or the output so far: a positive logit divided by r, another multiplied."""
+    def reference(n):
+        out = []
+        for j in range(n):
+            x = favourite(j).clone()
+            for t in set(PROMPT) | set(out):
+                x[t] = x[t] / r if x[t] > 0 else x[t] * r
+            out.append(int(x.argmax()))
+        return out
+    want = reference(10)
+    _, last = run(engine(ScriptRunner(favourite, 3, greedy=True)), PROMPT,
+                  SamplingParams(max_tokens=10, ignore_eos=True, repetition_penalty=r))
+    assert last.output_token_ids == want
+    if r > 1:
+        assert len(set(want)) > 1  # the penalty did change the choice
+
+
 def test_min_tokens_holds_off_end_and_stop_ids():
     def eos_early(j):  # EOS is the favourite from the first token on; token 70 would be the stop id
         x = torch.randn(V, generator=torch.Generator().manual_seed(j))

@@ -36,7 +36,7 @@ from ..prefix_cache import PrefixCache
 from . import logprobs, penalties
 from .lookahead import Ahead, Readback, next_decode_input
 from .request import RequestError, RequestOutput, SamplingParams, Sequence, StepInfo
-from .sampling import make_generator, sample
+from .sampling import sample
 from .scheduler import Scheduler
 from .stops import TextState
 
@@ -517,11 +517,9 @@ class LLMEngine:
 
     @_traced("sample")
     def _sample(self, seqs: list[Sequence], logits) -> list[int]:
-        for s in seqs:
-            if s.generator is None and not s.params.greedy:
-                s.generator = make_generator(s.seed, self.device)
+        # each draw keyed by (seed, the position of the token drawn): len(token_ids) before it is appended
         toks = sample(penalties.process(logits, seqs, self.eos_ids), [s.params for s in seqs],
-                      [s.generator for s in seqs])
+                      [s.seed for s in seqs], [len(s.token_ids) for s in seqs])
         logprobs.record(seqs, logits, toks)  # raw logits: the model's distribution
         return toks
 

@@ -27,7 +27,8 @@ def _is_num(x) -> bool:
 class SamplingParams:
     temperature: float = 0.0      # 0 → greedy
     top_p: float = 1.0
-    top_k: int = 0                # 0 → off
+    top_k: int = 0                # 0 (or -1, vLLM's spelling) → off
+    min_p: float = 0.0            # drop tokens below min_p × the most likely one's probability (0 → off)
     seed: int | None = None
     max_tokens: int = 16
     stop_token_ids: list[int] = field(default_factory=list)
@@ -36,6 +37,7 @@ class SamplingParams:
     min_tokens: int = 0             # end ids, stop ids and stop strings are held off until this many tokens
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output (1 → off)
     logprobs: int | None = None     # logprob of each sampled token and this many alternatives (None: off)
     prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
 
@@ -53,8 +55,14 @@ class SamplingParams:
             raise RequestError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise RequestError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise RequestError(f"top_k must be an int >= 1, or 0 or -1 for off, got {self.top_k!r}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise RequestError(f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise RequestError(f"seed must be an int or None, got {self.seed!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -105,7 +113,7 @@ class StepInfo:
 
 
 class Sequence:
-    """Engine-side state of one request: tokens, cache placement, sampler stream."""
+    """Engine-side state of one request: tokens, cache placement, seed."""
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams,
                  on_token: Callable[[RequestOutput], None] | None, seed: int):
@@ -118,7 +126,6 @@ class Sequence:
         self.block_hashes: list[int] = []  # prefix-cache chain hash of each full cached block, in order
         self.prompt_hashes: list[int] | None = None  # the prompt's chain hashes as far as a lookup needed them
         self.decode_snap: tuple[int, int] | None = None  # (snapshot, block) of its latest decode-time snapshot
-        self.generator: torch.Generator | None = None  # made on first sample, on the logits device
         self.finish_reason: str | None = None
         self.text = None                  # stops.TextState when the engine detokenizes
         self.pending_logprobs: list = []  # logprobs of sampled tokens not emitted yet

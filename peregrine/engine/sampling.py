@@ -1,53 +1,38 @@
-"""Batch sampler over [S, V] float32 logits.
+"""The engine's batch sampler over [S, V] logits: one token per row, on the logits' device.
 
-Greedy rows take the argmax. Other rows: temperature → top-k → top-p (at least one token
-kept) → one draw from the row's own torch.Generator, so a request's samples depend only
-on its seed and its logits, never on what else is in the batch.
+Greedy rows take the argmax. Other rows: temperature, min-p, top-k, top-p (vLLM's order; at least one
+token kept), then one draw keyed by (the request's seed, the position of the token drawn): a request's
+samples depend only on its seed, its positions and its logits, never on the batch it shares, on a step
+launched ahead, or on how many draws it made before. On a GPU the sort-free kernel draws
+(kernels/sampling.py); on the CPU its PyTorch reference with the same random bits (sample_ref).
 """
 from __future__ import annotations
 
 import torch
 
+from ..kernels.sampling import filtered_probs_ref, sample as sample_kernel, sample_ref
 from .request import SamplingParams
 
 
-def make_generator(seed: int, device) -> torch.Generator:
-    g = torch.Generator(device=torch.device(device))
-    g.manual_seed(seed)
-    return g
-
-
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor) -> torch.Tensor:
-    """Sampling distribution of each row [S, V]; temperature/top_k/top_p are [S] (top_k 0 = off)."""
-    x = logits.float() / temperature[:, None]
-    sx, order = x.sort(dim=-1, descending=True)
-    V = x.shape[-1]
-    rank = torch.arange(V, device=x.device)[None, :]
-    k = torch.where(top_k > 0, top_k.clamp(max=V), V)
-    sx = sx.masked_fill(rank >= k[:, None], float("-inf"))
-    p = sx.softmax(dim=-1)
-    # drop a token when the tokens ranked above it already reach top_p (rank 0 sees 0 < top_p, so
-    # it always stays); top_p = 1 drops nothing, so rounding in the cumsum cannot cut the tail
-    drop = ((p.cumsum(dim=-1) - p) >= top_p[:, None]) & (top_p[:, None] < 1.0)
-    sx = sx.masked_fill(drop, float("-inf"))
-    out = torch.empty_like(x)
-    out.scatter_(-1, order, sx.softmax(dim=-1))
-    return out
+                   top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Sampling distribution of each row [S, V] (FP64); temperature/top_k/top_p/min_p are [S] (top_k 0 = off)."""
+    return torch.stack([filtered_probs_ref(logits[i], float(temperature[i]), int(top_k[i]), float(top_p[i]),
+                                           float(min_p[i]) if min_p is not None else 0.0)
+                        for i in range(logits.shape[0])])
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row; generators[i] may be None only for greedy rows."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]) -> list[int]:
+    """One token per row: row i with params[i], drawn with key (seeds[i], positions[i])."""
     S = logits.shape[0]
-    out = logits.argmax(dim=-1)
-    rows = [i for i in range(S) if not params[i].greedy]
-    if rows:
-        dev = logits.device
-        t = lambda vals, dt: torch.tensor(vals, dtype=dt, device=dev)  # noqa: E731
-        ps = [params[i] for i in rows]
-        probs = filtered_probs(logits[rows], t([p.temperature for p in ps], torch.float32),
-                               t([p.top_k for p in ps], torch.long), t([p.top_p for p in ps], torch.float32))
-        for j, i in enumerate(rows):  # one draw per row from its own stream
-            out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    if all(p.greedy for p in params):
+        return logits.argmax(dim=-1).tolist()
+    dev = logits.device
+    t = lambda vals, dt: torch.tensor(vals, dtype=dt, device=dev)  # noqa: E731
+    args = (t([p.temperature for p in params], torch.float32), t([p.top_k for p in params], torch.int32),
+            t([p.top_p for p in params], torch.float32), t(seeds, torch.int64), t(positions, torch.int64),
+            t([p.min_p for p in params], torch.float32))
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    out = sample_kernel(x, *args) if dev.type == "cuda" else sample_ref(x, *args)
+    assert out.shape == (S,)
     return out.tolist()

@@ -9,10 +9,10 @@ choices; choice i samples with seed + i), stop (strings, also split over tokens)
 logprobs (completions: an int; chat: true with top_logprobs), echo (completions; with
 max_tokens 0 the prompt and its logprobs only, as lm-eval's loglikelihood asks),
 presence_penalty / frequency_penalty, stream, stream_options.include_usage, and the
-extensions top_k (-1 or 0 = off), min_tokens, stop_token_ids, ignore_eos, return_token_ids
-(adds choices[].token_ids).
+extensions top_k (-1 or 0 = off), min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
+return_token_ids (adds choices[].token_ids).
 Rejected with 400 because ignoring them would change what the client gets:
-best_of other than n, suffix, repetition_penalty other than 1, logit_bias, tools / tool_choice /
+best_of other than n, suffix, logit_bias, tools / tool_choice /
 functions, response_format other than text, echo in chat, more than one prompt.
 Any other unknown field (user, metadata, store, service_tier, ...) is ignored.
 Every string of the request must be valid Unicode: a lone surrogate (JSON "\\ud800") is a 400.
@@ -78,8 +78,10 @@ def _reject_unsupported(body: dict, chat: bool) -> None:
     if chat:
         off("echo", lambda v: v is False)
     off("suffix", lambda v: v == "")
-    off("repetition_penalty", lambda v: v == 1)
-    off("logit_bias", lambda v: v == {})
+    v = body.get("logit_bias")
+    if v is not None and v != {}:
+        raise bad("'logit_bias' is not supported by this server: the decode step samples on the device from "
+                  "per-request settings, and a per-token bias table is not one of them yet", "logit_bias")
     for k in ("tools", "functions"):
         off(k, lambda v: v == [])
     off("tool_choice", lambda v: v == "none")
@@ -207,10 +209,18 @@ def parse_common(body, served_model: str, max_model_len: int, vocab_size: int,
         pen[k] = float(_get(body, k, _is_num, "a number", 0.0))
         if not PENALTY_RANGE[0] <= pen[k] <= PENALTY_RANGE[1]:
             raise bad(f"'{k}' must be in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}], got {pen[k]:g}", k)
+    min_p = float(_get(body, "min_p", _is_num, "a number", 0.0))
+    if not 0 <= min_p <= 1:
+        raise bad(f"'min_p' must be in [0, 1], got {min_p:g}", "min_p")
+    rep = float(_get(body, "repetition_penalty", _is_num, "a number", 1.0))
+    if rep <= 0:
+        raise bad(f"'repetition_penalty' must be > 0 (1 = off), got {rep:g}", "repetition_penalty")
+    if top_k < -1:
+        raise bad(f"'top_k' must be >= 1, or 0 or -1 for off, got {top_k}", "top_k")
     params = SamplingParams(
         temperature=float(_get(body, "temperature", _is_num, "a number", dflt("temperature", DEFAULT_TEMPERATURE))),
         top_p=float(_get(body, "top_p", _is_num, "a number", dflt("top_p", 1.0))),
-        top_k=0 if top_k == -1 else top_k,
+        top_k=0 if top_k == -1 else top_k, min_p=min_p, repetition_penalty=rep,
         seed=_get(body, "seed", _is_int, "an integer", None),
         max_tokens=max_tokens,
         stop_token_ids=list(stop_ids),
