@@ -12,6 +12,7 @@ import torch
 
 from peregrine.cache import ModelCache
 from peregrine.decode.batch import StepInput
+from peregrine.kernels.sampling import sample_ref
 
 HASH_MOD = 65521       # prime < 2**16: the running hash stays exact in the FP32 KDA state
 LOGIT_SCALE = 4.0      # peaky enough that greedy is a clear choice, flat enough to sample
@@ -49,6 +50,7 @@ class FakeRunner:
         self.mismatches = 0                # state hash disagreed with the cache read-back
         self.prompts: list[tuple[int, ...]] = []  # rows of unfinished prompts come back NaN
         self.events: list[str] = []        # "piece" per prefill-piece advance (tests add their own)
+        self.sampled_steps = 0             # decode steps that drew their sampled rows "on the device"
 
     def forward(self, step: StepInput) -> torch.Tensor:
         c = self.cache
@@ -81,7 +83,12 @@ class FakeRunner:
         self.greedy_tokens = None
         if decode and self.lookahead:
             buf = self._greedy_out.setdefault(step.num_seqs, torch.empty(step.num_seqs, dtype=torch.long))
-            self.greedy_tokens = buf.copy_(out.argmax(-1))
+            if step.sampling is not None:  # draws inside the step, as the specialized runner's sample kernel
+                t, k, p, mp, seeds = step.sampling
+                self.sampled_steps += 1
+                self.greedy_tokens = buf.copy_(sample_ref(out, t, k, p, seeds, step.context_lens_t.long(), mp))
+            else:
+                self.greedy_tokens = buf.copy_(out.argmax(-1))
         if not decode:
             self.fallback_reasons["prefill in batch"] = self.fallback_reasons.get("prefill in batch", 0) + 1
         return out

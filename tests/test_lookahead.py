@@ -145,17 +145,71 @@ def test_new_request_ends_lookahead_and_joins_next_step():
     check_clean(eng, runner, cache)
 
 
-def test_no_lookahead_when_sampling_or_waiting():
+def test_no_lookahead_when_logprobs_or_waiting():
     eng, runner, cache = make_engine(True, max_num_seqs=1)
-    eng.add_request(prompts([3])[0], SamplingParams(max_tokens=6, temperature=1.0, seed=1))
+    eng.add_request(prompts([3])[0], SamplingParams(max_tokens=6, temperature=1.0, seed=1, logprobs=2))
     eng.add_request(prompts([3])[0], SamplingParams(max_tokens=6, ignore_eos=True))  # waits behind the first
     while eng.num_waiting:
         eng.step()
-    assert eng.stats["lookahead_steps"] == 0  # sampled (the waiting one cannot start: max_num_seqs)
+    assert eng.stats["lookahead_steps"] == 0  # logprobs are taken on the host (the waiting one cannot start)
     while eng.has_unfinished():
         eng.step()
     assert eng.stats["lookahead_steps"] > 0  # the greedy one alone
     check_clean(eng, runner, cache)
+
+
+SAMPLED = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5),
+           SamplingParams(max_tokens=9, ignore_eos=True),  # greedy beside sampled rows
+           SamplingParams(max_tokens=14, ignore_eos=True, temperature=1.0, top_k=20, seed=11),
+           SamplingParams(max_tokens=7, ignore_eos=True, temperature=0.6, min_p=0.05),  # the engine's seed
+           SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.3, top_p=0.95, top_k=50, min_p=0.02, seed=3)]
+
+
+def run_all(eng, ps, params) -> list[list[int]]:
+    return eng.generate(ps, params)
+
+
+@pytest.mark.parametrize("device_tokens", [True, False])
+def test_sampled_rows_keep_lookahead_and_tokens(device_tokens):
+    """Sampled rows drawn inside the step (the runner's tokens, keyed by seed and position) look ahead like
+    greedy ones, and give the tokens the synchronous engine and the host sampler give."""
+    ps = prompts([5, 3, 8, 2, 6], seed=4)
+    outs, steps = {}, {}
+    for la in (True, False):
+        eng, runner, cache = make_engine(la, seed=123)
+        if not device_tokens:
+            eng.device_sampling = False  # the host draws every sampled row (engine/sampling.py)
+        outs[la] = run_all(eng, ps, SAMPLED)
+        steps[la] = (eng.stats["lookahead_steps"], runner.sampled_steps)
+        check_clean(eng, runner, cache)
+    assert outs[True] == outs[False]
+    assert steps[False] == (0, 0 if not device_tokens else steps[False][1])
+    if device_tokens:
+        assert steps[True][0] > 0 and steps[True][1] > 0 and steps[False][1] > 0
+    else:
+        assert steps[True] == (0, 0)  # host-sampled rows cannot be launched ahead
+    greedy = [ref_generate(p, 9, eos=-1)[0][:9] for p in ps[1:2]]
+    assert outs[True][1] == greedy[0]
+    assert len({tuple(o) for o in outs[True]}) == len(ps)
+
+
+def test_device_and_host_sampling_draw_the_same_tokens():
+    ps = prompts([5, 3, 8, 2, 6], seed=4)
+    dev, _, _ = make_engine(True, seed=7)
+    host, _, _ = make_engine(False, seed=7)
+    host.device_sampling = False
+    assert run_all(dev, ps, SAMPLED) == run_all(host, ps, SAMPLED)
+
+
+def test_sampled_request_alone_equals_in_a_batch_of_eight():
+    ps = prompts([4, 7, 3, 5, 6, 2, 8, 5], seed=9)
+    sp = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, top_p=0.9, seed=42)
+    others = [dataclasses.replace(sp, seed=100 + i, top_k=i * 3) for i in range(7)]
+    alone, _, _ = make_engine(True)
+    batch, runner, _ = make_engine(True, max_num_seqs=8)
+    got = run_all(batch, ps, [sp] + others)
+    assert run_all(alone, ps[:1], [sp])[0] == got[0]
+    assert runner.sampled_steps > 0 and batch.stats["lookahead_steps"] > 0
 
 
 def test_config_key_and_tp_driver():

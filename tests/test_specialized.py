@@ -336,3 +336,28 @@ def test_decode_lookahead_tokens_identical(model_dir):
     assert got == run(off)
     assert got["b"] == (ref_b[: k + 1], "stop") and got["c"][1] == "length" and len(got["a"][0]) == steps
     assert on.stats["lookahead_steps"] > 0 and off.stats["lookahead_steps"] == 0
+
+
+def test_sampled_rows_drawn_in_the_step_keep_lookahead(model_dir):
+    """#41: sampled rows (temperature, top-p, top-k, min-p, beside a greedy row) are drawn inside the
+    specialized step (in its CUDA graph on the GPU: a graph of its own per B), look ahead like greedy rows,
+    and give the same tokens with lookahead off; in FP32 also the standard path's host-drawn tokens."""
+    ps = prompts(3, seed=8)
+    n = STEPS // 2
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.8, top_p=0.9, seed=1),
+              SamplingParams(max_tokens=n, ignore_eos=True),
+              SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.1, top_k=30, min_p=0.02, seed=2)]
+    on, _ = engine(model_dir, "latency_specialized")
+    off, _ = engine(model_dir, "latency_specialized", decode_lookahead=False)
+    del on.runner.forward, off.runner.forward  # no logits recording: its device sync would hide races
+    got = on.generate(ps, params)
+    assert got == off.generate(ps, params)
+    assert on.stats["lookahead_steps"] >= n // 2 and off.stats["lookahead_steps"] == 0
+    assert on.stats["steps_by_path"]["latency_specialized"] >= n - 3
+    if on.runner.graphs is not None:
+        assert any(len(k) > 2 and u > 0 for k, u in on.runner.graphs.uses.items()), "no sampled graph replayed"
+    if DEVICE == "cpu":
+        std, _ = engine(model_dir, "standard")
+        assert std.generate(ps, params) == got
+    assert got[1] == on.generate(ps[1:2], params[1:2])[0]  # the greedy row: its argmax, alone as in the batch
+    assert len({tuple(g) for g in got}) == 3

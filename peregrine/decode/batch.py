@@ -49,6 +49,10 @@ class StepInput:
     # prefix caching: {row: [(offset, snapshot)]} KDA state snapshots the KDA layers take inside a prefill
     # row, after its first `offset` new tokens (a chunk's own end is copied by the engine after the step)
     kda_snapshots: dict | None = None
+    # sampling inside the step (#41): (temperature f32, top_k i32, top_p f32, min_p f32, seed i64), [S] each on the
+    # device, for a pure decode step whose rows all sample on the device; the runner's tokens are then drawn by
+    # kernels/sampling.sample with key (seed, context_lens: the new token's index) instead of the argmax
+    sampling: tuple | None = None
 
     def decode_rows(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """Rows of a mixed step that add one token: (rows, their token index in the flat list, the

@@ -31,7 +31,7 @@ from ..kernels.moe_mxfp4 import moe_mxfp4_experts
 from ..kernels.norm import add_rms_norm, rms_norm
 from ..kernels.norm_gemm import norm_gemm
 from ..kernels.pdl import pdl as kernels_pdl
-from ..kernels.sampling import argmax
+from ..kernels.sampling import argmax, sample
 from ..models.layers import swiglu
 from ..parallel.group import SINGLE
 from .standard import GraphCache
@@ -89,7 +89,7 @@ class SpecializedRunner:
             from ..parallel.symm import OneShot
             self.oneshot = OneShot.create(self.tp, max_batch, self.cfg.hidden_size, model.dtype, dev, log)
         # one graph per B: the MLA decode grid depends only on the block-table width, not on lengths
-        self.graphs = GraphCache(self._pdl_step, cache, max_batch, log, fixed_blocks=max_blocks) if (
+        self.graphs = GraphCache(self._pdl_step, cache, max_batch, log, fixed_blocks=max_blocks, samples=True) if (
             cuda_graphs and dev.type == "cuda") else None
         log(f"latency_specialized: decode B ≤ {max_batch} via fused kernels"
             + (f", CUDA graphs per batch size" if self.graphs else ", no graphs")
@@ -191,7 +191,7 @@ class SpecializedRunner:
             x = self._reduce(f)
             w_in = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else None
         h, residual = add_rms_norm(x, residual, m.norm.weight, eps)
-        return self._head(_mm(h, m.lm_head).float())
+        return self._head(_mm(h, m.lm_head).float(), step)
 
     def _norm_in_proj(self, attn, x, residual, w):
         """(RMSNorm(residual [+ x])·w @ in_proj.T, the residual after the add). The two-kernel chain (the add
@@ -206,8 +206,14 @@ class SpecializedRunner:
         new = torch.empty_like(residual)  # not in place: other programs still read the old residual
         return norm_gemm(x, w, attn.in_proj, eps, residual=residual, residual_out=new), new
 
-    def _head(self, logits):
-        """Greedy ids of [B, V] FP32 logits; vocab-parallel lm_head: gathered argmax and logits."""
+    def _head(self, logits, step):
+        """The step's tokens from [B, V] FP32 logits: the argmax, or with step.sampling each row's draw
+        (greedy rows the argmax too); vocab-parallel lm_head: gathered argmax and logits."""
+        if step.sampling is not None:
+            if self.tp.world > 1:
+                logits = self.tp.all_gather(logits, -1)
+            t, k, p, mp, seeds = step.sampling
+            return logits, sample(logits, t, k, p, seeds, step.context_lens_t, mp)
         ids = argmax(logits)
         if self.tp.world > 1:
             ids = self.tp.argmax(logits, ids)
@@ -382,7 +388,7 @@ class SpecializedRunner:
             p = p + self._reduce(self._moe_k3(layer.mlp, h) if layer.is_moe else self._mlp_k3(layer.mlp, h, self._rbuf(h)))
         if m.output_res is not None:
             p = m.output_res(p, blocks)
-        return self._head(skinny_gemm(rms_norm(p, m.norm.weight, eps), m.lm_head).float())
+        return self._head(skinny_gemm(rms_norm(p, m.norm.weight, eps), m.lm_head).float(), step)
 
     def _mla_k3(self, attn, h, step):
         q, kva, g = skinny_gemm(h, attn.in_proj).split(attn.splits, dim=-1)

@@ -40,7 +40,7 @@ class GraphCache:
     """
 
     def __init__(self, fn, cache, max_batch: int, log=None, fixed_blocks: int | None = None,
-                 tokens_per_seq: int = 1, static_extra: dict | None = None):
+                 tokens_per_seq: int = 1, static_extra: dict | None = None, samples: bool = False):
         """fixed_blocks: one graph per B whose block tables span that many blocks (kernels whose grid
         does not depend on the context length); None: one graph per (B, power-of-two bucket).
         tokens_per_seq: T query tokens per sequence (speculative verify steps); static_extra: StepInput
@@ -48,13 +48,14 @@ class GraphCache:
         self.fn, self.cache, self.max_batch, self.log = fn, cache, max_batch, log
         self.fixed_blocks = fixed_blocks
         self.T, self.static_extra = tokens_per_seq, static_extra or {}
+        self.samples = samples  # fn draws the tokens of a step with sampling (StepInput.sampling): such steps get their own graphs
         self.pool = None  # one memory pool shared by every graph, made at the first capture
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.uses: dict[tuple[int, int], int] = {}
         self.capture_s = 0.0
         self.broken: str | None = None
 
-    def _static(self, B: int, nb: int) -> StepInput:
+    def _static(self, B: int, nb: int, sampled: bool = False) -> StepInput:
         c, dev, T = self.cache, self.cache.latent.device, self.T
         long = lambda v, n=B: torch.full((n,), v, dtype=torch.long, device=dev)  # noqa: E731
         st = StepInput(
@@ -64,21 +65,26 @@ class GraphCache:
             context_lens_t=torch.full((B,), T, dtype=torch.int32, device=dev), max_context=nb * c.block_size)
         for k, v in self.static_extra.items():
             setattr(st, k, v)
+        if sampled:  # temperature, top_k, top_p, min_p, seed: every row greedy until run() copies a step's
+            f = lambda v, dt: torch.full((B,), v, dtype=dt, device=dev)  # noqa: E731
+            st.sampling = (f(0.0, torch.float32), f(0, torch.int32), f(1.0, torch.float32), f(0.0, torch.float32),
+                           f(0, torch.int64))
         return st
 
     def _capture(self, key):
-        B, nb = key
+        B, nb = key[:2]
         t0 = time.time()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        st = self._static(B, nb)
+        st = self._static(B, nb, sampled=len(key) > 2)
         g, out = capture(lambda: self.fn(st), self.pool)
         torch.cuda.synchronize()
         self.graphs[key] = (g, st, out)
         dt = time.time() - t0
         self.capture_s += dt
         if self.log:
-            self.log(f"captured decode graph B={B}{f' T={self.T}' if self.T > 1 else ''} context≤{nb * self.cache.block_size} in {dt:.2f}s "
+            self.log(f"captured decode graph B={B}{f' T={self.T}' if self.T > 1 else ''}{' sampled' if len(key) > 2 else ''} "
+                     f"context≤{nb * self.cache.block_size} in {dt:.2f}s "
                      f"({torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated)")
 
     def _try_capture(self, key) -> bool:
@@ -92,11 +98,15 @@ class GraphCache:
             torch.cuda.synchronize()
             return False
 
-    def key_for(self, step: StepInput) -> tuple[int, int]:
+    def key_for(self, step: StepInput) -> tuple:
+        """(B, blocks), and a third item for a step that samples inside the graph (its own graph, captured
+        at the first such step)."""
         need = (max(step.context_lens) + self.cache.block_size - 1) // self.cache.block_size
         if self.fixed_blocks is not None and need <= self.fixed_blocks:
-            return step.num_seqs, self.fixed_blocks
-        return step.num_seqs, min(context_bucket(need), self.cache.num_blocks)
+            key = step.num_seqs, self.fixed_blocks
+        else:
+            key = step.num_seqs, min(context_bucket(need), self.cache.num_blocks)
+        return key + ("sampled",) if self.samples and step.sampling is not None else key
 
     def capture_all(self) -> None:
         """Capture every batch size's graph now (fixed_blocks only), with progress output."""
@@ -128,17 +138,20 @@ class GraphCache:
         st.block_tables.fill_(self.cache.scratch_block)
         st.block_tables[:, :w].copy_(step.block_tables[:, :w])
         st.context_lens_t.copy_(step.context_lens_t)
+        if st.sampling is not None:
+            for dst, src in zip(st.sampling, step.sampling):
+                dst.copy_(src)
         g.replay()
         self.uses[key] = self.uses.get(key, 0) + 1
         return out
 
     @torch.inference_mode()  # the static buffers are inference tensors when captured under it
-    def scratch_replay(self, B: int, input_ids=None):
+    def scratch_replay(self, B: int, input_ids=None, sampled: bool = False):
         """B's most-used graph, its static inputs pointed at the scratch slot and block: its `replay`
         (None without a graph for B). For timing and profiling; it never touches a live sequence.
         input_ids: the rows' tokens (e.g. one each, so the MoE routes as a real batch does); else whatever
         the static buffer holds (the capture's: one token in every row)."""
-        keys = [k for k in self.graphs if k[0] == B]
+        keys = [k for k in self.graphs if k[0] == B and (len(k) > 2) == sampled]
         if not keys:
             return None
         key = max(keys, key=lambda k: self.uses.get(k, 0))

@@ -8,9 +8,10 @@ hold them for its whole forward: the chunk's rows run as their own forward, a fe
 step, and every step between two pieces is a decode step of the running requests (their cache
 entries are disjoint from the chunk's; the chunk's sequences are "in flight" until its last piece).
 
-With decode lookahead (engine/lookahead.py), a greedy pure-decode step whose next step is certain
-launches that next forward before reading its own tokens; the next step() then takes that forward's
-results instead of scheduling one.
+With decode lookahead (engine/lookahead.py), a pure-decode step whose next step is certain launches
+that next forward before reading its own tokens; the next step() then takes that forward's results
+instead of scheduling one. Sampled rows keep it: a runner that can (the specialized one) draws their
+tokens inside the step from StepInput.sampling, keyed by seed and position like the host sampler.
 
 add_request/abort may come from other threads (the server's event loop) while step()
 runs in the engine thread: they only touch a lock-guarded pending queue, drained at the
@@ -107,6 +108,10 @@ class LLMEngine:
                       "step_kinds": {}}  # decode / prefill / mixed: steps, host seconds, prompt tokens
         # lookahead needs a runner whose argmax stays on the device and can feed the next step's ids
         self.lookahead = bool(getattr(engine_cfg, "decode_lookahead", True) and getattr(runner, "lookahead", False))
+        # sampled rows drawn inside the runner's step (its tokens stay on the device, so lookahead serves them
+        # too); not yet under tensor parallel, whose other ranks would need the rows' settings sent along
+        self.device_sampling = bool(getattr(runner, "lookahead", False)) and getattr(engine_cfg, "tensor_parallel_size", 1) == 1
+        self._sampling_key, self._sampling = None, None  # the last batch's sampling tensors, reused while it lasts
         self._ahead: Ahead | None = None  # the forward the last step launched for the next one
         pl = getattr(engine_cfg, "prefill_piece_layers", None)
         can = hasattr(runner, "forward_pieces") and getattr(engine_cfg, "tensor_parallel_size", 1) == 1
@@ -375,7 +380,25 @@ class LLMEngine:
             seqs.append((seq.token_ids[start:start + n], start, seq.kda_slot, table))
         step = StepInput.build(seqs, bs, self.device)
         step.logits_idx, last = logprobs.prompt_rows(batch, self.device)
+        if step.is_decode and step.logits_idx is None:
+            step.sampling = self._sampling_for([s for s, _ in batch])
         return step, last, self._plan_snapshots(batch, step)
+
+    def _sampling_for(self, seqs: list[Sequence]):
+        """StepInput.sampling for a decode step of these rows: None unless some row samples and every row
+        can be sampled on the device. Made once per batch composition (no per-step copies in steady decode)."""
+        ps = [s.params for s in seqs]
+        if not self.device_sampling or all(p.greedy for p in ps) or not all(p.device_sampleable for p in ps):
+            return None
+        key = tuple(seqs)  # the sequences themselves (identity), so a reused id() cannot match a gone one
+        if key != self._sampling_key:
+            from ..decode.batch import _to_device
+            col = lambda vals, dt: _to_device(torch.tensor(vals, dtype=dt), self.device)  # noqa: E731
+            self._sampling = (col([p.temperature for p in ps], torch.float32), col([p.top_k for p in ps], torch.int32),
+                              col([p.top_p for p in ps], torch.float32), col([p.min_p for p in ps], torch.float32),
+                              col([s.seed for s in seqs], torch.int64))
+            self._sampling_key = key
+        return self._sampling
 
     def _plain_step(self, batch, ahead: Ahead | None = None, during=None) -> tuple[list[tuple[Sequence, list[int]]], str]:
         """One forward with each sequence's scheduled tokens (or the one the last step launched
@@ -384,19 +407,22 @@ class LLMEngine:
         if ahead is None:
             step, last, snaps = self._build_step(batch)
             logits = logprobs.split_prompt_rows(batch, self._forward(step, last[-1] + 1), last)
-            greedy = getattr(self.runner, "greedy_tokens", None)  # argmax already taken inside the step
+            greedy = getattr(self.runner, "greedy_tokens", None)  # tokens already taken inside the step
             path = getattr(self.runner, "last_path", "standard")
+            sampled = step.sampling is not None
         else:
-            logits, greedy, path = ahead.logits, ahead.greedy, ahead.path
+            logits, greedy, path, sampled = ahead.logits, ahead.greedy, ahead.path, ahead.sampled
             snaps = {}
-        return self._complete(batch, logits, greedy, path, snaps, during)
+        return self._complete(batch, logits, greedy, path, snaps, during, sampled)
 
     @_traced("complete")
-    def _complete(self, batch, logits, greedy, path: str, snaps: dict, during=None) -> tuple[list[tuple[Sequence, list[int]]], str]:
+    def _complete(self, batch, logits, greedy, path: str, snaps: dict, during=None,
+                  sampled: bool = False) -> tuple[list[tuple[Sequence, list[int]]], str]:
         """After a forward of `batch`: advance each sequence's cached count, keep the step's cache
         blocks and snapshots, and sample the sequences now fully cached. during (a prefill piece's
         launch): called once, after the on-device argmax's copy is queued and before it is waited for,
-        so its GPU work queues behind this forward's while the host goes on; else after the tokens."""
+        so its GPU work queues behind this forward's while the host goes on; else after the tokens.
+        greedy: the runner's on-device tokens (None: sample here); sampled: they include the sampled rows' draws."""
         ready = []  # rows whose sequence has every token in the cache: sample those
         for i, (seq, n) in enumerate(batch):
             seq.num_cached += n
@@ -407,7 +433,8 @@ class LLMEngine:
         if not ready:
             return (during() if during else []), path
         rs = [batch[i][0] for i in ready]
-        if greedy is not None and len(ready) == len(batch) and all(s.params.plain_greedy for s in rs):
+        on_device = all(s.params.plain_greedy for s in rs) or (sampled and all(s.params.device_sampleable for s in rs))
+        if greedy is not None and len(ready) == len(batch) and on_device:
             if self._can_look_ahead(rs):
                 pending = Readback(greedy)  # queued before the next launch reuses the graph's output buffer
                 self._ahead = self._launch_ahead(rs, greedy)
@@ -510,10 +537,11 @@ class LLMEngine:
 
     def _launch_ahead(self, seqs: list[Sequence], greedy) -> Ahead:
         step = next_decode_input(seqs, greedy, self.cache.block_size, self.device)
+        step.sampling = self._sampling_for(seqs)
         logits = self._forward(step, len(seqs))
         self.stats["lookahead_steps"] += 1
         return Ahead([(s, 1) for s in seqs], logits, getattr(self.runner, "greedy_tokens", None),
-                     getattr(self.runner, "last_path", "standard"))
+                     getattr(self.runner, "last_path", "standard"), step.sampling is not None)
 
     @_traced("sample")
     def _sample(self, seqs: list[Sequence], logits) -> list[int]:

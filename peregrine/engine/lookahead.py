@@ -23,8 +23,9 @@ class Ahead:
     """A forward launched one step early: the next step takes its results instead of running one."""
     batch: list            # (Sequence, 1) per row, in the order of the launched step
     logits: torch.Tensor
-    greedy: torch.Tensor | None  # the runner's on-device argmax of that step
+    greedy: torch.Tensor | None  # the runner's on-device tokens of that step (argmax, or draws with sampling)
     path: str
+    sampled: bool = False  # the step drew its sampled rows on the device (StepInput.sampling)
 
 
 class Readback:

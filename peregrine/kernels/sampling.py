@@ -107,14 +107,16 @@ def _threshold(x_ptr, stride_x, B, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, ke
     """Per row, the smallest key of logits/temperature that stays in the kept set: min-p, then top-k,
     then top-p of what is left (vLLM's order), each a threshold found without sorting: the largest
     key whose count (top-k) or probability mass (top-p) above it still reaches the target, by
-    bisection over the 2^32 keys (32 passes over the row each; off filters keep the lower bound)."""
+    bisection over the 2^32 keys (32 passes over the row each). A program whose rows need no top-k
+    (or top-p) skips those passes; one of greedy rows only reads nothing."""
     pdl_wait(USE_PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
     rok = rows < B
-    t = tl.load(temp_ptr + rows, mask=rok, other=1.0)
+    t = tl.load(temp_ptr + rows, mask=rok, other=0.0)
+    live = rok & (t > 0)  # greedy rows need no threshold: a program of only those reads nothing
     t = tl.where(t > 0, t, 1.0)
     m = tl.full((R,), float("-inf"), tl.float32)
-    for c in range(0, V, BLOCK):
+    for c in range(0, tl.max(live.to(tl.int32), axis=0) * V, BLOCK):
         x, ok, _pos = _scaled(x_ptr, stride_x, rows, rok, t, c, V, BLOCK)
         m = tl.maximum(m, tl.max(x, axis=1))
     m = tl.where(rok, m, 0.0)
@@ -124,7 +126,7 @@ def _threshold(x_ptr, stride_x, B, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, ke
     k = tl.load(topk_ptr + rows, mask=rok, other=0).to(tl.int64)
     k = tl.where((k > 0) & (k < V), k, V + 1)  # off: no key reaches V + 1 tokens, lo stays
     hi = top
-    for _it in range(32):  # top-k: count(key >= lo) >= k > count(key >= hi)
+    for _it in range(32 * tl.max((live & (k <= V)).to(tl.int32), axis=0)):  # top-k: count(key >= lo) >= k > count(key >= hi)
         mid = lo + (hi - lo) // 2
         cnt = tl.zeros((R,), tl.int64)
         for c in range(0, V, BLOCK):
@@ -132,14 +134,15 @@ def _threshold(x_ptr, stride_x, B, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, ke
             cnt += tl.sum((ok & (_key(x).to(tl.int64) >= mid[:, None])).to(tl.int64), axis=1)
         take = cnt >= k
         lo, hi = tl.where(take, mid, lo), tl.where(take, hi, mid)
+    top_p = tl.load(topp_ptr + rows, mask=rok, other=1.0)
+    need_p = tl.max((live & (top_p < 1.0)).to(tl.int32), axis=0)  # 0: no row of this program cuts a nucleus
     mass = tl.zeros((R,), tl.float32)
-    for c in range(0, V, BLOCK):
+    for c in range(0, need_p * V, BLOCK):
         x, ok, _pos = _scaled(x_ptr, stride_x, rows, rok, t, c, V, BLOCK)
         mass += tl.sum(tl.where(ok & (_key(x).to(tl.int64) >= lo[:, None]), tl.exp(x - m[:, None]), 0.0), axis=1)
-    top_p = tl.load(topp_ptr + rows, mask=rok, other=1.0)
     target = tl.where(top_p < 1.0, top_p * mass, float("inf"))  # off: no mass reaches it, lo stays
     hi = top
-    for _it2 in range(32):  # top-p: mass(key >= lo) >= target > mass(key >= hi)
+    for _it2 in range(32 * need_p):  # top-p: mass(key >= lo) >= target > mass(key >= hi)
         mid = lo + (hi - lo) // 2
         acc = tl.zeros((R,), tl.float32)
         for c in range(0, V, BLOCK):
