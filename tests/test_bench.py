@@ -433,3 +433,40 @@ def test_profile_prefill_host_phases_time_the_engine_and_give_its_methods_back()
     assert 0 < r["phases_ms"]["_forward"] < r["total_ms"] and r["phases_ms"]["_build_step"] > 0
     assert set(r["phases_ms"]) <= set(HOST_PHASES) and r["syncs"] is None  # no CUDA here: no sync listing
     assert all(n not in vars(e) for n in HOST_PHASES)  # the class's methods again, not the timing wrappers
+
+
+def test_bench_decode_sampled_rows_beside_greedy(tmp_path):
+    """--temperature etc.: each B measured greedy, then with sampled rows on the same engine; the sampled
+    steps still run ahead (drawn inside the fake runner's step) and the ratio is reported."""
+    from fake_runner import FakeRunner as CacheFakeRunner
+    from peregrine.cache import ModelCache
+    from peregrine.engine.engine import LLMEngine
+
+    runners = []
+
+    def builder(model, ecfg, dummy_weights, log):
+        cfg = resolve_model(model)[0]
+        cache = ModelCache(cfg, num_blocks=ecfg.max_num_seqs * 2, block_size=ecfg.block_size,
+                           num_slots=ecfg.max_num_seqs, dtype=torch.float32, device="cpu")
+        runners.append(CacheFakeRunner(cache, cfg.vocab_size, greedy=True))
+        return LLMEngine(runners[-1], cfg, ecfg, cache), None
+
+    r = decode.bench_decode("tiny-kimi-linear", [2], input_len=2, output_len=6, dummy_weights=True,
+                            backends=("latency_specialized",), prompt_sets=1, runs=1, results_dir=None,
+                            builder=builder, log=lambda *a: None, sampling={"temperature": 0.6, "top_p": 0.95})
+    b = r["backends"]["latency_specialized"]
+    assert b["status"] == "ok", b.get("traceback")
+    g, s = b["batches"][0], b["sampled_batches"][0]
+    assert g["sampling"] is None and s["sampling"] == {"temperature": 0.6, "top_p": 0.95}
+    assert s["lookahead_steps"] > 0 and runners[0].sampled_steps > 0
+    assert s["vs_greedy"] == pytest.approx(s["median_ms"] / g["median_ms"])
+    assert r["config"]["sampling"] == {"temperature": 0.6, "top_p": 0.95}
+
+
+@pytest.mark.parametrize("argv,msg", [(["--top-p", "0.9"], "--temperature"), (["--temperature", "-1"], "temperature"),
+                                      (["--temperature", "0.7", "--top-p", "1.5"], "top_p"),
+                                      (["--temperature", "0.7", "--min-p", "2"], "min_p")])
+def test_bench_decode_sampling_flags_are_checked(argv, msg, capsys):
+    from peregrine.cli import main
+    assert main(["bench", "decode", "--model", "tiny-kimi-linear", "--dummy-weights", *argv]) == 2
+    assert msg in capsys.readouterr().err

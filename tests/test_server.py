@@ -371,6 +371,25 @@ def test_bench_serve_against_server(srv, tmp_path):
     wait_idle(srv)
 
 
+def test_bench_serve_sampled_requests(srv, tmp_path):
+    from peregrine.bench.serve import run_cli
+    from peregrine.server.cli import add_bench_serve_parser
+    p = argparse.ArgumentParser()
+    add_bench_serve_parser(p.add_subparsers())
+    base = ["serve", "--base-url", srv.url, "--max-concurrency", "2", "--num-prompts", "2", "--input-len", "6",
+            "--output-len", "3", "--warmup", "0", "--timeout", str(T), "--results-dir", str(tmp_path), "--no-plot"]
+    args = p.parse_args(base + ["--temperature", "0.6", "--top-p", "0.95", "--logprobs", "2"])
+    assert run_cli(args) == 0
+    (js,) = tmp_path.glob("*-serve.json")
+    data = json.loads(js.read_text())
+    assert data["sampling"] == {"temperature": 0.6, "top_p": 0.95, "logprobs": 2}
+    assert data["levels"][0]["errors"] == 0 and data["levels"][0]["output_tokens"] == 6
+    from peregrine.config import ConfigError
+    with pytest.raises(ConfigError, match="--temperature"):
+        run_cli(p.parse_args(base + ["--top-p", "0.9"]))
+    wait_idle(srv)
+
+
 def test_bench_serve_poisson_arrivals(srv, tmp_path):
     """--request-rate: requests are sent no earlier than their seeded Poisson arrival times."""
     from peregrine.bench.serve import arrivals, run_cli

@@ -64,8 +64,27 @@ def add_bench_decode_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     p.add_argument("--additional-config", default=None, help="JSON object, as for serve")
     p.add_argument("--tensor-parallel-size", "-tp", type=_positive(int), default=1, help="GPUs (ranks) per engine")
+    g = p.add_argument_group("sampled requests (each B is then measured greedy and sampled, same engine)")
+    g.add_argument("--temperature", type=float, default=None, help="> 0: also measure rows sampled at this temperature")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--logprobs", type=int, default=None, metavar="N", help="each token's logprob and the top N")
     p.set_defaults(func=run_bench_decode)
     return p
+
+
+def _sampling_settings(args) -> dict | None:
+    """The sampled rows' SamplingParams fields, checked as a request's would be (ValueError names the field)."""
+    kw = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k", "min_p", "logprobs")
+          if getattr(args, k, None) is not None}
+    if not kw:
+        return None
+    if not kw.get("temperature"):
+        raise ValueError("--top-p, --top-k, --min-p and --logprobs describe sampled rows: give --temperature > 0 too")
+    from ..engine.request import SamplingParams
+    SamplingParams(**kw).validate(2**31)
+    return kw
 
 
 def run_bench_decode(args) -> int:
@@ -73,12 +92,13 @@ def run_bench_decode(args) -> int:
     try:
         if args.additional_config:
             json.loads(args.additional_config)  # fail early with a message, before any model is built
+        sampling = _sampling_settings(args)
         r = bench_decode(args.model, args.batch_sizes, args.input_len, args.output_len, tuple(args.backends),
                          args.dummy_weights, prompt_sets=args.prompt_sets, runs=args.runs,
                          kv_cache_dtype=args.kv_cache_dtype, additional_config=args.additional_config,
                          results_dir=args.results_dir,
                          engine_overrides={"tensor_parallel_size": args.tensor_parallel_size}
-                         if args.tensor_parallel_size > 1 else None)
+                         if args.tensor_parallel_size > 1 else None, sampling=sampling)
     except json.JSONDecodeError as e:
         return _fail(f"--additional-config is not valid JSON: {e.msg}")
     except (ConfigError, ValueError) as e:

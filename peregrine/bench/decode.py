@@ -114,9 +114,12 @@ def _routing(engine, prompts, params, batch: int) -> dict:
     return {"source": source, "per_layer": per_layer, "steps": len(kept)}
 
 
-def _bench_batch(engine, cfg, batch, input_len, output_len, prompt_sets, runs, kv_dtype, copy_gbps, backend, log) -> dict:
+def _bench_batch(engine, cfg, batch, input_len, output_len, prompt_sets, runs, kv_dtype, copy_gbps, backend, log,
+                 sampling: dict | None = None) -> dict:
+    """sampling: SamplingParams fields for every row (temperature, top_p, top_k, min_p, logprobs; the engine
+    seeds each request); None: greedy."""
     from ..engine.request import SamplingParams
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, **(sampling or {"temperature": 0.0}))
     # one full untimed run first: compiles, autotuning and the graph captures of every
     # context bucket the timed runs will reach stay out of the samples
     run_batch(engine, _prompts(cfg.vocab_size, batch, input_len, 0), params)
@@ -178,7 +181,9 @@ def _bench_batch(engine, cfg, batch, input_len, output_len, prompt_sets, runs, k
     out["pct_copy_bw"] = out["achieved_gbps"] / copy_gbps * 100 if copy_gbps else None
     pct = f"{out['pct_copy_bw']:.1f} % of copy BW" if out["pct_copy_bw"] is not None else "copy BW n/a"
     sync = out["no_lookahead"]
-    log(f"{backend:>20} B={batch:<3} median {med:.3f} ms  p90 {summ['p90']:.3f} ms  "
+    label = backend + (" " + ",".join(f"{k}={v}" for k, v in sampling.items()) if sampling else "")
+    out["sampling"] = sampling or None
+    log(f"{label:>20} B={batch:<3} median {med:.3f} ms  p90 {summ['p90']:.3f} ms  "
         f"{out['tok_s_user']:.1f} tok/s/user  {out['achieved_gbps']:.0f} GB/s ({pct})"
         + (f"  lookahead {ahead}/{summ['n']} steps; off: median {sync['median_ms']:.3f} ms" if sync and sync["n"] else ""))
     return out
@@ -193,8 +198,10 @@ def bench_decode(model: str, batch_sizes: list[int], input_len: int = 1, output_
                  backends: tuple[str, ...] = ("standard", "latency_specialized"), dummy_weights: bool = False,
                  prompt_sets: int = 4, runs: int = 3, engine_overrides: dict | None = None,
                  kv_cache_dtype: str = "auto", additional_config: str | dict | None = None,
-                 results_dir: str | None = "results", builder=None, log=print) -> dict:
-    """Run the decode benchmark; returns the result dict (also written under results_dir unless None)."""
+                 results_dir: str | None = "results", builder=None, log=print, sampling: dict | None = None) -> dict:
+    """Run the decode benchmark; returns the result dict (also written under results_dir unless None).
+    sampling: SamplingParams fields (temperature, top_p, top_k, min_p, logprobs): every B is measured greedy
+    and then with these settings on the same engine (each backend's "sampled_batches")."""
     if not batch_sizes or any(b < 1 for b in batch_sizes):
         raise ConfigError(f"batch sizes must be positive integers, got {batch_sizes}")
     if input_len < 1 or output_len < 2:
@@ -213,7 +220,8 @@ def bench_decode(model: str, batch_sizes: list[int], input_len: int = 1, output_
         "config": {"batch_sizes": list(batch_sizes), "input_len": input_len, "output_len": output_len,
                    "backends": list(backends), "prompt_sets": prompt_sets, "runs": runs,
                    "dummy_weights": dummy_weights, "kv_cache_dtype": kv_cache_dtype,
-                   "additional_config": additional_config, "engine_overrides": engine_overrides or {}},
+                   "additional_config": additional_config, "engine_overrides": engine_overrides or {},
+                   "sampling": sampling or None},
         "copy_bandwidth": copy,
         "roofline": {"non_routed_bytes_b1": roofline.non_routed_step_bytes(cfg, 1),
                      "expert_bytes": roofline.expert_bytes(cfg), "moe_layers": len(cfg.moe_layers)},
@@ -241,6 +249,12 @@ def bench_decode(model: str, batch_sizes: list[int], input_len: int = 1, output_
             for B in batch_sizes:
                 entry["batches"].append(_bench_batch(engine, cfg, B, input_len, output_len, prompt_sets, runs,
                                                      kv_cache_dtype, copy_gbps, backend, log))
+                if sampling:  # the same engine and B right after the greedy one: a same-run ratio
+                    sb = _bench_batch(engine, cfg, B, input_len, output_len, prompt_sets, runs, kv_cache_dtype,
+                                      copy_gbps, backend, log, sampling)
+                    sb["vs_greedy"] = sb["median_ms"] / entry["batches"][-1]["median_ms"]
+                    entry.setdefault("sampled_batches", []).append(sb)
+                    log(f"{backend:>20} B={B:<3} sampled / greedy step: {sb['vs_greedy']:.3f}")
             entry["engine_stats"] = {k: dict(v) if isinstance(v, dict) else v for k, v in engine.stats.items()}
         except Exception as e:  # keep what was measured; the error is reported, not hidden
             log(f"WARNING: backend {backend} failed: {e!r}")

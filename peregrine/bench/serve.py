@@ -43,9 +43,10 @@ def make_requests(n: int, input_len: int, output_len: int, ratio: float, lo: int
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int,
-                      timeout: float) -> dict:
+                      timeout: float, sampling: dict | None = None) -> dict:
+    """sampling: request fields over the greedy default (temperature, top_p, top_k, min_p, logprobs)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **(sampling or {})}
     t0 = time.perf_counter()
     stamps, n_out, err = [], None, None
     try:
@@ -86,7 +87,7 @@ def arrivals(n: int, rate: float | None, seed: int) -> list[float]:
 
 
 async def run_level(base_url: str, model: str, concurrency: int, reqs: list[tuple], timeout: float,
-                    rate: float | None = None, seed: int = 0) -> dict:
+                    rate: float | None = None, seed: int = 0, sampling: dict | None = None) -> dict:
     url = base_url.rstrip("/") + "/v1/completions"
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -97,7 +98,7 @@ async def run_level(base_url: str, model: str, concurrency: int, reqs: list[tupl
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
             async with sem:
                 sent.append(time.perf_counter() - t0)
-                return await one_request(client, url, model, p, m, timeout)
+                return await one_request(client, url, model, p, m, timeout, sampling)
         t0 = time.perf_counter()
         res = await asyncio.gather(*(go(at, p, m) for at, (p, m) in zip(sched, reqs)))
         wall = time.perf_counter() - t0
@@ -124,7 +125,8 @@ def server_model(base_url: str) -> str:
 
 def run(base_url: str, concurrencies: list[int], input_len: int, output_len: int, num_prompts: int | None = None,
         model: str | None = None, num_gpus: int = 1, range_ratio: float = 0.0, token_range=(32, 127),
-        warmup: int = 2, timeout: float = 600.0, seed: int = 0, log=print, request_rate: float | None = None) -> dict:
+        warmup: int = 2, timeout: float = 600.0, seed: int = 0, log=print, request_rate: float | None = None,
+        sampling: dict | None = None) -> dict:
     model = model or server_model(base_url)
     if warmup:
         asyncio.run(run_level(base_url, model, warmup, make_requests(warmup, input_len, min(output_len, 8), 0, *token_range,
@@ -133,14 +135,15 @@ def run(base_url: str, concurrencies: list[int], input_len: int, output_len: int
     for i, c in enumerate(concurrencies):
         n = num_prompts or 5 * c
         reqs = make_requests(n, input_len, output_len, range_ratio, *token_range, seed + i)
-        lv = asyncio.run(run_level(base_url, model, c, reqs, timeout, request_rate, seed + i))
+        lv = asyncio.run(run_level(base_url, model, c, reqs, timeout, request_rate, seed + i, sampling))
         lv["throughput_per_gpu"] = lv["output_tok_s"] / num_gpus
         levels.append(lv)
         log(f"concurrency {c:3d}: {lv['completed']}/{n} ok, {lv['errors']} errors; TTFT p50 {lv['ttft_ms']['p50']:.1f} ms, "
             f"TPOT p50 {lv['tpot_ms']['p50']:.2f} ms, ITL p99 {lv['itl_ms']['p99']:.2f} ms; "
             f"{lv['tok_s_user']:.1f} tok/s/user, {lv['throughput_per_gpu']:.1f} tok/s/GPU")
     return {"model": model, "base_url": base_url, "input_len": input_len, "output_len": output_len,
-            "range_ratio": range_ratio, "num_gpus": num_gpus, "request_rate": request_rate, "levels": levels}
+            "range_ratio": range_ratio, "num_gpus": num_gpus, "request_rate": request_rate, "sampling": sampling,
+            "levels": levels}
 
 
 def plot(payload: dict | list[dict], path) -> None:
@@ -167,6 +170,15 @@ def plot(payload: dict | list[dict], path) -> None:
     plt.close(fig)
 
 
+def _sampling(args) -> dict | None:
+    kw = {k: getattr(args, k, None) for k in ("temperature", "top_p", "top_k", "min_p", "logprobs")}
+    kw = {k: v for k, v in kw.items() if v is not None}
+    if kw and not kw.get("temperature", 0) > 0:
+        from ..config import ConfigError
+        raise ConfigError("--top-p, --top-k, --min-p and --logprobs describe sampled requests: give --temperature > 0 too")
+    return kw or None
+
+
 def run_cli(args) -> int:
     from ..config import ConfigError
     from .gpu import result_path, run_metadata, write_result
@@ -187,7 +199,8 @@ def run_cli(args) -> int:
     log = lambda m: print(f"[bench serve] {m}", file=sys.stderr, flush=True)  # noqa: E731
     try:
         payload = run(args.base_url, args.max_concurrency, args.input_len, args.output_len, args.num_prompts, args.model,
-                      args.num_gpus, args.range_ratio, (lo, hi), args.warmup, args.timeout, args.seed, log, rate)
+                      args.num_gpus, args.range_ratio, (lo, hi), args.warmup, args.timeout, args.seed, log, rate,
+                      _sampling(args))
     except httpx.HTTPError as e:
         raise ConfigError(f"cannot reach the server at {args.base_url}: {e}") from None
     payload["label"] = args.label
