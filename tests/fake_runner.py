@@ -12,7 +12,7 @@ import torch
 
 from peregrine.cache import ModelCache
 from peregrine.decode.batch import StepInput
-from peregrine.kernels.sampling import sample_ref
+from peregrine.kernels.sampling import sample_ref, token_logprobs
 
 HASH_MOD = 65521       # prime < 2**16: the running hash stays exact in the FP32 KDA state
 LOGIT_SCALE = 4.0      # peaky enough that greedy is a clear choice, flat enough to sample
@@ -51,6 +51,8 @@ class FakeRunner:
         self.prompts: list[tuple[int, ...]] = []  # rows of unfinished prompts come back NaN
         self.events: list[str] = []        # "piece" per prefill-piece advance (tests add their own)
         self.sampled_steps = 0             # decode steps that drew their sampled rows "on the device"
+        self.logprob_steps = 0             # decode steps that took their logprobs "on the device"
+        self.device_logprobs = None
 
     def forward(self, step: StepInput) -> torch.Tensor:
         c = self.cache
@@ -80,7 +82,7 @@ class FakeRunner:
             out[i] = _logits_for(h if h == s else h + s + 1, n, self.vocab)
         decode = step.is_decode
         self.last_path = "latency_specialized" if decode else "standard"
-        self.greedy_tokens = None
+        self.greedy_tokens = self.device_logprobs = None
         if decode and self.lookahead:
             buf = self._greedy_out.setdefault(step.num_seqs, torch.empty(step.num_seqs, dtype=torch.long))
             if step.sampling is not None:  # draws inside the step, as the specialized runner's sample kernel
@@ -89,6 +91,9 @@ class FakeRunner:
                 self.greedy_tokens = buf.copy_(sample_ref(out, t, k, p, seeds, step.context_lens_t.long(), mp))
             else:
                 self.greedy_tokens = buf.copy_(out.argmax(-1))
+            if step.logprobs:
+                self.logprob_steps += 1
+                self.device_logprobs = token_logprobs(out, self.greedy_tokens)
         if not decode:
             self.fallback_reasons["prefill in batch"] = self.fallback_reasons.get("prefill in batch", 0) + 1
         return out

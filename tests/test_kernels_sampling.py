@@ -6,7 +6,7 @@ import torch
 
 from conftest import FULL_SHAPES
 from peregrine.kernels import sampling
-from peregrine.kernels.sampling import argmax, filtered_probs_ref, sample, sample_ref
+from peregrine.kernels.sampling import argmax, filtered_probs_ref, sample, sample_ref, token_logprobs
 
 pytestmark = pytest.mark.gpu
 
@@ -185,3 +185,14 @@ def test_sampling_kernels_compile_for_sm90_without_spills():
     for row in rows:
         assert "error" not in row, row
         assert row["spill"] == 0 and 0 < row["regs"] <= 255, row
+
+
+@pytest.mark.parametrize("b,v", [(3, 300), (8, VOCAB)] if FULL_SHAPES else [(3, 300), (2, 5000)])
+def test_token_logprobs_equal_log_softmax(b, v, device):
+    x = _logits(b, v, device, seed=10, scale=4.0)
+    tok = torch.randint(0, v, (b,), generator=torch.Generator().manual_seed(1)).to(device)
+    chosen, top_i, top_v = token_logprobs(x, tok)
+    ref = torch.log_softmax(x.double().cpu(), -1)
+    assert torch.allclose(chosen.double().cpu(), ref[torch.arange(b), tok.cpu()], atol=1e-5)
+    rv, ri = ref.topk(20, dim=-1)
+    assert torch.equal(top_i.cpu(), ri) and torch.allclose(top_v.double().cpu(), rv, atol=1e-5)

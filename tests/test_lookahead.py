@@ -145,13 +145,13 @@ def test_new_request_ends_lookahead_and_joins_next_step():
     check_clean(eng, runner, cache)
 
 
-def test_no_lookahead_when_logprobs_or_waiting():
+def test_no_lookahead_when_penalties_or_waiting():
     eng, runner, cache = make_engine(True, max_num_seqs=1)
-    eng.add_request(prompts([3])[0], SamplingParams(max_tokens=6, temperature=1.0, seed=1, logprobs=2))
+    eng.add_request(prompts([3])[0], SamplingParams(max_tokens=6, temperature=1.0, seed=1, presence_penalty=0.5))
     eng.add_request(prompts([3])[0], SamplingParams(max_tokens=6, ignore_eos=True))  # waits behind the first
     while eng.num_waiting:
         eng.step()
-    assert eng.stats["lookahead_steps"] == 0  # logprobs are taken on the host (the waiting one cannot start)
+    assert eng.stats["lookahead_steps"] == 0  # penalties are applied on the host (the waiting one cannot start)
     while eng.has_unfinished():
         eng.step()
     assert eng.stats["lookahead_steps"] > 0  # the greedy one alone
@@ -199,6 +199,41 @@ def test_device_and_host_sampling_draw_the_same_tokens():
     host, _, _ = make_engine(False, seed=7)
     host.device_sampling = False
     assert run_all(dev, ps, SAMPLED) == run_all(host, ps, SAMPLED)
+
+
+def test_logprobs_taken_in_the_step_keep_lookahead_and_values():
+    """Rows asking for logprobs (greedy and sampled, top 0..20) are served on the device and look ahead; the
+    chosen token's logprob and the top-N equal the host's log_softmax of the raw logits."""
+    ps = prompts([5, 3, 8, 2], seed=6)
+    params = [SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3),
+              SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.9, top_p=0.9, seed=4, logprobs=20),
+              SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.7, seed=5),
+              SamplingParams(max_tokens=8, ignore_eos=True, logprobs=0)]
+
+    def run(device):
+        eng, runner, cache = make_engine(True, seed=1)
+        eng.device_sampling = device
+        outs = {}
+
+        def cb(o):
+            outs.setdefault(o.request_id, []).extend(o.logprobs or [])
+        for i, (p, sp) in enumerate(zip(ps, params)):
+            eng.add_request(p, sp, str(i), cb)
+        while eng.has_unfinished():
+            eng.step()
+        check_clean(eng, runner, cache)
+        return outs, eng.stats["lookahead_steps"], runner.logprob_steps
+
+    dev, dev_ahead, dev_lp = run(True)
+    host, host_ahead, host_lp = run(False)
+    assert dev_ahead > 0 and dev_lp > 0 and host_ahead == 0 and host_lp == 0
+    for i in ("0", "1", "3"):
+        assert len(dev[i]) == len(host[i]) == 8
+        for a, b in zip(dev[i], host[i]):
+            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top] and len(a.top) == params[int(i)].logprobs
+            assert all(x == pytest.approx(y, abs=1e-5) for (_, x), (_, y) in zip(a.top, b.top))
+    assert dev["2"] == host["2"] == []
 
 
 def test_sampled_request_alone_equals_in_a_batch_of_eight():

@@ -338,26 +338,49 @@ def test_decode_lookahead_tokens_identical(model_dir):
     assert on.stats["lookahead_steps"] > 0 and off.stats["lookahead_steps"] == 0
 
 
+def _collect(e, ps, params):
+    """Each request's (tokens, logprobs) through add_request callbacks."""
+    toks, lps = {}, {}
+
+    def cb(o):
+        lps.setdefault(o.request_id, []).extend(o.logprobs or [])
+        if o.finished:
+            toks[o.request_id] = o.output_token_ids
+    for i, (p, sp) in enumerate(zip(ps, params)):
+        e.add_request(p, sp, str(i), cb)
+    while e.has_unfinished():
+        e.step()
+    return [toks[str(i)] for i in range(len(ps))], [lps[str(i)] for i in range(len(ps))]
+
+
 def test_sampled_rows_drawn_in_the_step_keep_lookahead(model_dir):
     """#41: sampled rows (temperature, top-p, top-k, min-p, beside a greedy row) are drawn inside the
-    specialized step (in its CUDA graph on the GPU: a graph of its own per B), look ahead like greedy rows,
-    and give the same tokens with lookahead off; in FP32 also the standard path's host-drawn tokens."""
+    specialized step (in its CUDA graph on the GPU: a graph of its own per B), rows asking for logprobs take
+    them there too; all look ahead like greedy rows and give the same tokens with lookahead off; in FP32 also
+    the standard path's host-drawn tokens and host-computed logprobs."""
     ps = prompts(3, seed=8)
     n = STEPS // 2
-    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.8, top_p=0.9, seed=1),
-              SamplingParams(max_tokens=n, ignore_eos=True),
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.8, top_p=0.9, seed=1, logprobs=5),
+              SamplingParams(max_tokens=n, ignore_eos=True, logprobs=2),
               SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.1, top_k=30, min_p=0.02, seed=2)]
     on, _ = engine(model_dir, "latency_specialized")
     off, _ = engine(model_dir, "latency_specialized", decode_lookahead=False)
     del on.runner.forward, off.runner.forward  # no logits recording: its device sync would hide races
-    got = on.generate(ps, params)
-    assert got == off.generate(ps, params)
+    got, lps = _collect(on, ps, params)
+    assert got == _collect(off, ps, params)[0]
     assert on.stats["lookahead_steps"] >= n // 2 and off.stats["lookahead_steps"] == 0
     assert on.stats["steps_by_path"]["latency_specialized"] >= n - 3
     if on.runner.graphs is not None:
-        assert any(len(k) > 2 and u > 0 for k, u in on.runner.graphs.uses.items()), "no sampled graph replayed"
+        assert any("sampled" in k[2:] and "logprobs" in k[2:] and u > 0 for k, u in on.runner.graphs.uses.items())
     if DEVICE == "cpu":
         std, _ = engine(model_dir, "standard")
-        assert std.generate(ps, params) == got
-    assert got[1] == on.generate(ps[1:2], params[1:2])[0]  # the greedy row: its argmax, alone as in the batch
+        want, want_lps = _collect(std, ps, params)
+        assert want == got
+        for a_row, b_row in zip(lps, want_lps):
+            assert len(a_row) == len(b_row)
+            for a, b in zip(a_row, b_row):
+                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert [len(x) for x in lps] == [n, n, 0]
+    assert got[1] == on.generate(ps[1:2], [SamplingParams(max_tokens=n, ignore_eos=True)])[0]  # greedy row: as alone
     assert len({tuple(g) for g in got}) == 3

@@ -31,7 +31,7 @@ from ..kernels.moe_mxfp4 import moe_mxfp4_experts
 from ..kernels.norm import add_rms_norm, rms_norm
 from ..kernels.norm_gemm import norm_gemm
 from ..kernels.pdl import pdl as kernels_pdl
-from ..kernels.sampling import argmax, sample
+from ..kernels.sampling import argmax, sample, token_logprobs
 from ..models.layers import swiglu
 from ..parallel.group import SINGLE
 from .standard import GraphCache
@@ -73,6 +73,7 @@ class SpecializedRunner:
         self.last_path = self.name
         self.fallback_reasons: Counter = Counter()
         self.greedy_tokens = None  # argmax of the last specialized step (the engine skips its own)
+        self.device_logprobs = None  # its logprobs, when the step asked for them (StepInput.logprobs)
         dev = cache.latent.device
         self.verify_graphs: dict[int, GraphCache] = {}  # speculative verify steps, by T = 1 + k
         self._graph_args = (cuda_graphs and dev.type == "cuda", max_blocks)
@@ -126,12 +127,14 @@ class SpecializedRunner:
         reason = self.why_not(step)
         if reason is not None:
             self._fall_back(reason)
-            self.last_path, self.greedy_tokens = "standard", None
+            self.last_path, self.greedy_tokens, self.device_logprobs = "standard", None, None
             return self.standard.forward(step)
         self.last_path = self.name
         graphs = self.verify_graphs.get(step.spec_tokens) if step.spec_tokens else self.graphs
         out = graphs.run(step) if graphs and not self.record_routing else None  # record eagerly
-        logits, self.greedy_tokens = out if out is not None else self._pdl_step(step)
+        res = out if out is not None else self._pdl_step(step)
+        logits, self.greedy_tokens = res[:2]
+        self.device_logprobs = res[2] if len(res) > 2 else None  # (chosen, top ids, top logprobs) with step.logprobs
         if self.record_routing:
             self.standard.record_step_routing()  # same model, same log
         return logits
@@ -213,11 +216,14 @@ class SpecializedRunner:
             if self.tp.world > 1:
                 logits = self.tp.all_gather(logits, -1)
             t, k, p, mp, seeds = step.sampling
-            return logits, sample(logits, t, k, p, seeds, step.context_lens_t, mp)
-        ids = argmax(logits)
-        if self.tp.world > 1:
-            ids = self.tp.argmax(logits, ids)
-            logits = self.tp.all_gather(logits, -1)
+            ids = sample(logits, t, k, p, seeds, step.context_lens_t, mp)
+        else:
+            ids = argmax(logits)
+            if self.tp.world > 1:
+                ids = self.tp.argmax(logits, ids)
+                logits = self.tp.all_gather(logits, -1)
+        if step.logprobs:
+            return logits, ids, token_logprobs(logits, ids)
         return logits, ids
 
     def _rbuf(self, h):

@@ -76,14 +76,15 @@ class GraphCache:
         t0 = time.time()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        st = self._static(B, nb, sampled=len(key) > 2)
+        st = self._static(B, nb, sampled="sampled" in key[2:])
+        st.logprobs = "logprobs" in key[2:]
         g, out = capture(lambda: self.fn(st), self.pool)
         torch.cuda.synchronize()
         self.graphs[key] = (g, st, out)
         dt = time.time() - t0
         self.capture_s += dt
         if self.log:
-            self.log(f"captured decode graph B={B}{f' T={self.T}' if self.T > 1 else ''}{' sampled' if len(key) > 2 else ''} "
+            self.log(f"captured decode graph B={B}{f' T={self.T}' if self.T > 1 else ''}{''.join(' ' + f for f in key[2:])} "
                      f"context≤{nb * self.cache.block_size} in {dt:.2f}s "
                      f"({torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated)")
 
@@ -99,14 +100,16 @@ class GraphCache:
             return False
 
     def key_for(self, step: StepInput) -> tuple:
-        """(B, blocks), and a third item for a step that samples inside the graph (its own graph, captured
-        at the first such step)."""
+        """(B, blocks), and "sampled" / "logprobs" for a step that samples or takes logprobs inside the graph
+        (a graph of its own, captured at the first such step)."""
         need = (max(step.context_lens) + self.cache.block_size - 1) // self.cache.block_size
         if self.fixed_blocks is not None and need <= self.fixed_blocks:
             key = step.num_seqs, self.fixed_blocks
         else:
             key = step.num_seqs, min(context_bucket(need), self.cache.num_blocks)
-        return key + ("sampled",) if self.samples and step.sampling is not None else key
+        if not self.samples:
+            return key
+        return key + (("sampled",) if step.sampling is not None else ()) + (("logprobs",) if step.logprobs else ())
 
     def capture_all(self) -> None:
         """Capture every batch size's graph now (fixed_blocks only), with progress output."""

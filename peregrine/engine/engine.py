@@ -35,6 +35,7 @@ from ..decode.batch import StepInput
 from ..host_memory import Trimmer
 from ..prefix_cache import PrefixCache
 from . import logprobs, penalties
+from .penalties import needs_processing
 from .lookahead import Ahead, Readback, next_decode_input
 from .request import RequestError, RequestOutput, SamplingParams, Sequence, StepInfo
 from .sampling import sample
@@ -381,15 +382,27 @@ class LLMEngine:
         step = StepInput.build(seqs, bs, self.device)
         step.logits_idx, last = logprobs.prompt_rows(batch, self.device)
         if step.is_decode and step.logits_idx is None:
-            step.sampling = self._sampling_for([s for s, _ in batch])
+            self._device_plan(step, [s for s, _ in batch])
         return step, last, self._plan_snapshots(batch, step)
 
-    def _sampling_for(self, seqs: list[Sequence]):
-        """StepInput.sampling for a decode step of these rows: None unless some row samples and every row
-        can be sampled on the device. Made once per batch composition (no per-step copies in steady decode)."""
+    def _on_device(self, p: SamplingParams) -> bool:
+        """This row's token (and logprobs) can be made inside the runner's step."""
+        return p.device_sampleable or (self.device_sampling and p.logprobs is not None and not needs_processing(p))
+
+    def _device_plan(self, step: StepInput, seqs: list[Sequence]) -> bool:
+        """Set step.sampling / step.logprobs for a decode step of these rows when the runner can draw them
+        (some row samples or wants logprobs, and every row can be served on the device). -> whether set."""
         ps = [s.params for s in seqs]
-        if not self.device_sampling or all(p.greedy for p in ps) or not all(p.device_sampleable for p in ps):
-            return None
+        if not self.device_sampling or all(p.plain_greedy for p in ps) or not all(self._on_device(p) for p in ps):
+            return False
+        step.sampling = None if all(p.greedy for p in ps) else self._sampling_for(seqs)
+        step.logprobs = any(p.logprobs is not None for p in ps)
+        return True
+
+    def _sampling_for(self, seqs: list[Sequence]):
+        """StepInput.sampling for these rows, made once per batch composition (no per-step copies in steady
+        decode)."""
+        ps = [s.params for s in seqs]
         key = tuple(seqs)  # the sequences themselves (identity), so a reused id() cannot match a gone one
         if key != self._sampling_key:
             from ..decode.batch import _to_device
@@ -409,20 +422,21 @@ class LLMEngine:
             logits = logprobs.split_prompt_rows(batch, self._forward(step, last[-1] + 1), last)
             greedy = getattr(self.runner, "greedy_tokens", None)  # tokens already taken inside the step
             path = getattr(self.runner, "last_path", "standard")
-            sampled = step.sampling is not None
+            device = (step.sampling is not None or step.logprobs, getattr(self.runner, "device_logprobs", None))
         else:
-            logits, greedy, path, sampled = ahead.logits, ahead.greedy, ahead.path, ahead.sampled
+            logits, greedy, path, device = ahead.logits, ahead.greedy, ahead.path, ahead.device
             snaps = {}
-        return self._complete(batch, logits, greedy, path, snaps, during, sampled)
+        return self._complete(batch, logits, greedy, path, snaps, during, device)
 
     @_traced("complete")
     def _complete(self, batch, logits, greedy, path: str, snaps: dict, during=None,
-                  sampled: bool = False) -> tuple[list[tuple[Sequence, list[int]]], str]:
+                  device: tuple = (False, None)) -> tuple[list[tuple[Sequence, list[int]]], str]:
         """After a forward of `batch`: advance each sequence's cached count, keep the step's cache
         blocks and snapshots, and sample the sequences now fully cached. during (a prefill piece's
         launch): called once, after the on-device argmax's copy is queued and before it is waited for,
         so its GPU work queues behind this forward's while the host goes on; else after the tokens.
-        greedy: the runner's on-device tokens (None: sample here); sampled: they include the sampled rows' draws."""
+        greedy: the runner's on-device tokens (None: sample here); device: (whether the step drew its sampled rows
+        and took its logprobs on the device (_device_plan), the runner's logprob tensors)."""
         ready = []  # rows whose sequence has every token in the cache: sample those
         for i, (seq, n) in enumerate(batch):
             seq.num_cached += n
@@ -433,8 +447,11 @@ class LLMEngine:
         if not ready:
             return (during() if during else []), path
         rs = [batch[i][0] for i in ready]
-        on_device = all(s.params.plain_greedy for s in rs) or (sampled and all(s.params.device_sampleable for s in rs))
+        planned, lp = device
+        wants_lp = any(s.params.logprobs is not None for s in rs)
+        on_device = all(s.params.plain_greedy for s in rs) or (planned and (lp is not None or not wants_lp))
         if greedy is not None and len(ready) == len(batch) and on_device:
+            lp_back = [Readback(t) for t in lp] if wants_lp else None  # before a launch reuses the graph's buffers
             if self._can_look_ahead(rs):
                 pending = Readback(greedy)  # queued before the next launch reuses the graph's output buffer
                 self._ahead = self._launch_ahead(rs, greedy)
@@ -445,6 +462,8 @@ class LLMEngine:
                 toks = pending.tolist()     # waits for the decode only
             else:
                 toks = greedy.tolist()
+            if lp_back is not None:
+                logprobs.record_device(rs, toks, *(b.tolist() for b in lp_back))
         else:
             toks = self._sample(rs, logits if len(ready) == len(batch) else logits[ready])
         if during is not None:
@@ -537,11 +556,12 @@ class LLMEngine:
 
     def _launch_ahead(self, seqs: list[Sequence], greedy) -> Ahead:
         step = next_decode_input(seqs, greedy, self.cache.block_size, self.device)
-        step.sampling = self._sampling_for(seqs)
+        planned = self._device_plan(step, seqs)
         logits = self._forward(step, len(seqs))
         self.stats["lookahead_steps"] += 1
         return Ahead([(s, 1) for s in seqs], logits, getattr(self.runner, "greedy_tokens", None),
-                     getattr(self.runner, "last_path", "standard"), step.sampling is not None)
+                     getattr(self.runner, "last_path", "standard"),
+                     (planned, getattr(self.runner, "device_logprobs", None)))
 
     @_traced("sample")
     def _sample(self, seqs: list[Sequence], logits) -> list[int]:

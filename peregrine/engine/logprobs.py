@@ -48,6 +48,14 @@ def record(seqs, logits: torch.Tensor, toks: list[int]) -> None:
         seqs[i].pending_logprobs.append(tl)
 
 
+def record_device(seqs, toks: list[int], chosen: list[float], top_ids: list[list[int]], top_vals: list[list[float]]) -> None:
+    """The same, from logprobs the runner took inside the step (kernels/sampling.token_logprobs), read back."""
+    for i, s in enumerate(seqs):
+        k = s.params.logprobs
+        if k is not None:
+            s.pending_logprobs.append(TokenLogprob(toks[i], chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k]))))
+
+
 def wants_prompt_rows(batch) -> bool:
     return any(s.in_prefill and s.params.prompt_logprobs is not None for s, _ in batch)
 

@@ -25,7 +25,7 @@ class Ahead:
     logits: torch.Tensor
     greedy: torch.Tensor | None  # the runner's on-device tokens of that step (argmax, or draws with sampling)
     path: str
-    sampled: bool = False  # the step drew its sampled rows on the device (StepInput.sampling)
+    device: tuple = (False, None)  # (drew its sampled rows / took logprobs on the device, the logprob tensors)
 
 
 class Readback:
