@@ -35,6 +35,22 @@
 # - K3's bounded gate in the shared varlen fla call (VARLEN_BOUNDED_GATE, off; cut three times by fla's autotune
 #   of K3's shapes on a fresh machine, so give it ~300 s): python3 -m pytest -v -m gpu tests/test_prefill.py -k "k3-shared or k3-per-row"
 # - #20's MXFP4 experts against OpenAI's triton_kernels MXFP4 MoE on k3-slice shapes: not started
+# - #41 (session 22, nothing of it has run on a GPU): the sampler kernels' tests in BF16 and the specialized path's
+#   sampled / logprobs graphs, the microbenchmark (sort-free sample vs the old sorted sampler, % of copy), then the
+#   sampled step beside the greedy one (targets: within 3 % at B = 1, 2, 4, 8; with --logprobs 5 within 5 %), and
+#   serving at c = 8 greedy vs temperature 0.6 (TPOT p50 within 5 %); one H200, ~15 min:
+#   python3 -m pytest -q -m gpu tests/test_kernels_sampling.py tests/test_lookahead.py tests/test_outputs.py \
+#     tests/test_specialized.py -k "sampl or logprob or lookahead or graph" 2>&1 | tee $OUT/pytest-sampling.log
+#   python3 -m peregrine.bench.kernels_sampling 2>&1 | tee $OUT/kernels-sampling.log
+#   for lp in "" "--logprobs 5"; do python3 -m peregrine bench decode --model kimi-linear-48b-a3b --dummy-weights \
+#     --backends latency_specialized --batch-sizes 1,2,4,8 --prompt-sets 1 --runs 2 --output-len 256 \
+#     --temperature 0.6 --top-p 0.95 $lp 2>&1 | tee -a $OUT/decode-sampled.log; done
+#   serving: STEPS=serve CONC=8 BACKENDS="latency_specialized@6" bash scripts/gpu_prefill.sh, then the same with
+#   `peregrine bench serve --temperature 0.6 --top-p 0.95` against the same server (gpu_serve.sh passes no
+#   sampling flags yet: run bench serve by hand there)
+#   If the threshold kernel's 2 x 32 passes over the row (one program per row) is slow at 163 840 logits, the next
+#   design: one pass collecting the candidates above max - 20 (exact whenever they hold the top-k count and the
+#   top-p mass, which one pass tells), the bisection over those in registers, the full search only otherwise
 # - #47 (session 22): the 10-minute soak of the 48B at c = 8 with the mixed traffic, host RSS and GPU memory every 30 s,
 #   with the trims and (AB=1) without them first (~25 min with both; ~12 alone):
 #   run (carry .commit and .whl):  DURATION=600 CONC=8 bash scripts/gpu_soak.sh    (target: RSS growth <= 100 MB, no errors)
