@@ -31,7 +31,7 @@ import torch.profiler
 
 from ..cache import ModelCache
 from ..config import PREFILL_STEP_TOKENS, EngineConfig, ModelConfig
-from ..decode.batch import StepInput
+from ..decode.batch import StepInput, _to_device
 from ..host_memory import Trimmer
 from ..prefix_cache import PrefixCache
 from . import logprobs, penalties
@@ -385,15 +385,12 @@ class LLMEngine:
             self._device_plan(step, [s for s, _ in batch])
         return step, last, self._plan_snapshots(batch, step)
 
-    def _on_device(self, p: SamplingParams) -> bool:
-        """This row's token (and logprobs) can be made inside the runner's step."""
-        return p.device_sampleable or (self.device_sampling and p.logprobs is not None and not needs_processing(p))
-
     def _device_plan(self, step: StepInput, seqs: list[Sequence]) -> bool:
         """Set step.sampling / step.logprobs for a decode step of these rows when the runner can draw them
-        (some row samples or wants logprobs, and every row can be served on the device). -> whether set."""
+        (some row samples or wants logprobs, and no row needs its logits processed on the host: penalties,
+        min_tokens). -> whether set."""
         ps = [s.params for s in seqs]
-        if not self.device_sampling or all(p.plain_greedy for p in ps) or not all(self._on_device(p) for p in ps):
+        if not self.device_sampling or all(p.plain_greedy for p in ps) or any(needs_processing(p) for p in ps):
             return False
         step.sampling = None if all(p.greedy for p in ps) else self._sampling_for(seqs)
         step.logprobs = any(p.logprobs is not None for p in ps)
@@ -405,7 +402,6 @@ class LLMEngine:
         ps = [s.params for s in seqs]
         key = tuple(seqs)  # the sequences themselves (identity), so a reused id() cannot match a gone one
         if key != self._sampling_key:
-            from ..decode.batch import _to_device
             col = lambda vals, dt: _to_device(torch.tensor(vals, dtype=dt), self.device)  # noqa: E731
             self._sampling = (col([p.temperature for p in ps], torch.float32), col([p.top_k for p in ps], torch.int32),
                               col([p.top_p for p in ps], torch.float32), col([p.min_p for p in ps], torch.float32),

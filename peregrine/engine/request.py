@@ -46,15 +46,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
-    def device_sampleable(self) -> bool:
-        """Nothing to do with the logits on the host (no logprobs, penalties or min_tokens): the runner
-        may draw the token inside the step (StepInput.sampling), and a next step may be launched ahead."""
-        return self.logprobs is None and not needs_processing(self)
-
-    @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing to do with the logits: the runner's on-device argmax is the token."""
-        return self.greedy and self.device_sampleable
+        return self.greedy and self.logprobs is None and not needs_processing(self)
 
     def validate(self, vocab_size: int) -> None:
         if not _is_num(self.temperature) or self.temperature < 0:
