@@ -40,7 +40,7 @@ class FakeRunner:
         (greedy_tokens) and whose next step may take it as input ids (decode lookahead). Like a
         CUDA graph's static output, the argmax buffer of a batch size is overwritten by every step."""
         self.cache, self.vocab = cache, vocab
-        self.lookahead = greedy
+        self.lookahead = self.device_sampler = greedy
         self.greedy_tokens = None
         self._greedy_out: dict[int, torch.Tensor] = {}
         self.layer = cache.cfg.mla_layers[0]

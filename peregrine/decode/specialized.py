@@ -56,6 +56,7 @@ def _mm(x, w, out=None):
 class SpecializedRunner:
     name = "latency_specialized"
     lookahead = True  # greedy_tokens may be a next step's input_ids on the device (engine decode lookahead)
+    device_sampler = True  # honours StepInput.sampling / .logprobs / .penalties in its step (_head)
 
     def __init__(self, model, cache, standard, *, max_batch: int = 8, cuda_graphs: bool = True, log=print,
                  max_blocks: int | None = None, allreduce: str = "auto", pdl: bool = False, fused_norm: bool = False):

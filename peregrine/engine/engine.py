@@ -111,7 +111,7 @@ class LLMEngine:
         self.lookahead = bool(getattr(engine_cfg, "decode_lookahead", True) and getattr(runner, "lookahead", False))
         # sampled rows drawn inside the runner's step (its tokens stay on the device, so lookahead serves them
         # too); not yet under tensor parallel, whose other ranks would need the rows' settings sent along
-        self.device_sampling = bool(getattr(runner, "lookahead", False)) and getattr(engine_cfg, "tensor_parallel_size", 1) == 1
+        self.device_sampling = bool(getattr(runner, "device_sampler", False)) and getattr(engine_cfg, "tensor_parallel_size", 1) == 1
         self._sampling_key, self._sampling = None, None  # the last batch's sampling tensors, reused while it lasts
         self._ahead: Ahead | None = None  # the forward the last step launched for the next one
         pl = getattr(engine_cfg, "prefill_piece_layers", None)
