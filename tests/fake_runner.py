@@ -12,6 +12,7 @@ import torch
 
 from peregrine.cache import ModelCache
 from peregrine.decode.batch import StepInput
+from peregrine.engine.penalties import apply_device
 from peregrine.kernels.sampling import sample_ref, token_logprobs
 
 HASH_MOD = 65521       # prime < 2**16: the running hash stays exact in the FP32 KDA state
@@ -23,6 +24,27 @@ def fold(h: int, tokens) -> int:
     for t in tokens:
         h = (h * 31 + int(t) + 1) % HASH_MOD
     return h
+
+
+def device_tokens(runner, step: StepInput, logits: torch.Tensor) -> torch.Tensor:
+    """A decode step's tokens as the specialized runner's head makes them: penalties (StepInput.penalties) and a
+    draw (StepInput.sampling) or the argmax; logprobs of the raw logits (StepInput.logprobs) left on the runner.
+    Counts on runner.{sampled,penalty,logprob}_steps."""
+    runner.device_logprobs = None
+    if step.sampling is not None:
+        t, k, p, mp, seeds = step.sampling
+        runner.sampled_steps += 1
+        x = logits
+        if step.penalties is not None:
+            runner.penalty_steps += 1
+            x = apply_device(logits, *step.penalties)
+        toks = sample_ref(x, t, k, p, seeds, step.context_lens_t.long(), mp)
+    else:
+        toks = logits.argmax(-1)
+    if step.logprobs:
+        runner.logprob_steps += 1
+        runner.device_logprobs = token_logprobs(logits, toks)
+    return toks
 
 
 def _logits_for(h: int, n: int, vocab: int) -> torch.Tensor:
@@ -52,6 +74,7 @@ class FakeRunner:
         self.events: list[str] = []        # "piece" per prefill-piece advance (tests add their own)
         self.sampled_steps = 0             # decode steps that drew their sampled rows "on the device"
         self.logprob_steps = 0             # decode steps that took their logprobs "on the device"
+        self.penalty_steps = 0             # decode steps that applied penalties "on the device"
         self.device_logprobs = None
 
     def forward(self, step: StepInput) -> torch.Tensor:
@@ -85,15 +108,7 @@ class FakeRunner:
         self.greedy_tokens = self.device_logprobs = None
         if decode and self.lookahead:
             buf = self._greedy_out.setdefault(step.num_seqs, torch.empty(step.num_seqs, dtype=torch.long))
-            if step.sampling is not None:  # draws inside the step, as the specialized runner's sample kernel
-                t, k, p, mp, seeds = step.sampling
-                self.sampled_steps += 1
-                self.greedy_tokens = buf.copy_(sample_ref(out, t, k, p, seeds, step.context_lens_t.long(), mp))
-            else:
-                self.greedy_tokens = buf.copy_(out.argmax(-1))
-            if step.logprobs:
-                self.logprob_steps += 1
-                self.device_logprobs = token_logprobs(out, self.greedy_tokens)
+            self.greedy_tokens = buf.copy_(device_tokens(self, step, out))
         if not decode:
             self.fallback_reasons["prefill in batch"] = self.fallback_reasons.get("prefill in batch", 0) + 1
         return out

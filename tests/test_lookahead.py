@@ -145,13 +145,13 @@ def test_new_request_ends_lookahead_and_joins_next_step():
     check_clean(eng, runner, cache)
 
 
-def test_no_lookahead_when_penalties_or_waiting():
+def test_no_lookahead_while_min_tokens_or_waiting():
     eng, runner, cache = make_engine(True, max_num_seqs=1)
-    eng.add_request(prompts([3])[0], SamplingParams(max_tokens=6, temperature=1.0, seed=1, presence_penalty=0.5))
+    eng.add_request(prompts([3])[0], SamplingParams(max_tokens=6, temperature=1.0, seed=1, min_tokens=6))
     eng.add_request(prompts([3])[0], SamplingParams(max_tokens=6, ignore_eos=True))  # waits behind the first
     while eng.num_waiting:
         eng.step()
-    assert eng.stats["lookahead_steps"] == 0  # penalties are applied on the host (the waiting one cannot start)
+    assert eng.stats["lookahead_steps"] == 0  # min_tokens masks on the host (the waiting one cannot start)
     while eng.has_unfinished():
         eng.step()
     assert eng.stats["lookahead_steps"] > 0  # the greedy one alone
@@ -234,6 +234,52 @@ def test_logprobs_taken_in_the_step_keep_lookahead_and_values():
             assert [t for t, _ in a.top] == [t for t, _ in b.top] and len(a.top) == params[int(i)].logprobs
             assert all(x == pytest.approx(y, abs=1e-5) for (_, x), (_, y) in zip(a.top, b.top))
     assert dev["2"] == host["2"] == []
+
+
+def test_penalties_in_the_step_equal_the_host_and_look_ahead():
+    """Presence / frequency / repetition penalties (greedy and sampled rows, one with logprobs) applied inside
+    the step from counts kept on the device give the host's tokens; with a request joining mid-run (its mixed
+    step is served on the host, so the others' counts are rebuilt), min_tokens running out part way, and more
+    requests than slots (a reused slot starts from fresh counts)."""
+    ps = prompts([5, 3, 8, 2, 6, 4], seed=12)
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, presence_penalty=-2.0),  # < 0, <1: repeats favoured
+              SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, seed=2, frequency_penalty=0.8, logprobs=2),
+              SamplingParams(max_tokens=14, ignore_eos=True, repetition_penalty=0.5),
+              SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.7, seed=3, repetition_penalty=1.3,
+                             presence_penalty=-0.5, min_tokens=4),
+              SamplingParams(max_tokens=9, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5),
+              SamplingParams(max_tokens=11, ignore_eos=True)]
+
+    def run(device):
+        eng, runner, cache = make_engine(True, seed=5, num_slots=4, max_num_seqs=4)
+        eng.device_sampling = device
+        outs, lps = {}, {}
+
+        def cb(o):
+            lps.setdefault(o.request_id, []).extend(o.logprobs or [])
+            if o.finished:
+                outs[o.request_id] = o.output_token_ids
+        for i in range(4):
+            eng.add_request(ps[i], params[i], str(i), cb)
+        n = 0
+        while eng.has_unfinished():
+            eng.step()
+            n += 1
+            if n == 4:
+                for i in (4, 5):
+                    eng.add_request(ps[i], params[i], str(i), cb)
+        check_clean(eng, runner, cache)
+        return outs, lps, eng.stats["lookahead_steps"], runner.penalty_steps
+
+    dev, dev_lp, dev_ahead, dev_pen = run(True)
+    host, host_lp, host_ahead, host_pen = run(False)
+    assert dev == host
+    assert dev_ahead > 0 and dev_pen > 0 and host_pen == 0
+    assert [(a.token_id, a.top[0][0]) for a in dev_lp["1"]] == [(a.token_id, a.top[0][0]) for a in host_lp["1"]]
+    assert all(abs(a.logprob - b.logprob) < 1e-5 for a, b in zip(dev_lp["1"], host_lp["1"]))
+    plain, _, _ = make_engine(True, seed=5)  # the penalties do change the answers
+    off = [dataclasses.replace(p, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0) for p in params]
+    assert sum(a != dev[str(i)] for i, a in enumerate(plain.generate(ps, off))) >= 2
 
 
 def test_sampled_request_alone_equals_in_a_batch_of_eight():

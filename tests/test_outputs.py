@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fake_runner import FakeRunner, ref_logits
+from fake_runner import FakeRunner, device_tokens, ref_logits
 from kimi_files import ranks, vocab_size, write_tokenizer
 from peregrine.cache import ModelCache
 from peregrine.config import EngineConfig, resolve_model
@@ -28,15 +28,21 @@ class ScriptRunner:
     """Next-token logits from a function of (position in the output, context length): fn(j) -> [V].
     Every sequence of a step must share one prompt length P (the test's)."""
 
-    def __init__(self, fn, P: int, greedy: bool = False):
+    def __init__(self, fn, P: int, greedy: bool = False, device: bool = False):
+        """greedy: decode steps also return their argmax (lookahead); device: and honour the step's sampling,
+        penalties and logprobs as the specialized runner does (fake_runner.device_tokens)."""
         self.fn, self.P = fn, P
-        self.lookahead, self.greedy_tokens = greedy, None
+        self.lookahead, self.greedy_tokens = greedy or device, None
+        self.device_sampler, self.device_logprobs = device, None
+        self.sampled_steps = self.penalty_steps = self.logprob_steps = 0
         self.last_path, self.fallback_reasons = "standard", {}
 
     def forward(self, step):
         rows = [self.fn(n - self.P) for n in step.context_lens]
         out = torch.stack(rows)
-        self.greedy_tokens = out.argmax(-1) if (self.lookahead and step.is_decode) else None
+        self.greedy_tokens = None
+        if self.lookahead and step.is_decode:
+            self.greedy_tokens = device_tokens(self, step, out) if self.device_sampler else out.argmax(-1)
         self.last_path = "latency_specialized" if step.is_decode else "standard"
         return out
 
@@ -221,18 +227,25 @@ def reference_penalised(fn, n, presence, frequency):
     return out
 
 
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
 @pytest.mark.parametrize("presence,frequency", [(0.0, 1.0), (2.0, 0.0), (0.5, 0.75), (-1.0, 0.0)])
-def test_presence_and_frequency_penalties(presence, frequency):
+def test_presence_and_frequency_penalties(presence, frequency, device):
+    """host: the engine applies them to the logits; device: the runner does, from counts the engine keeps on
+    the device (engine/penalties.DevicePenalties), with decode lookahead."""
     want = reference_penalised(favourite, 10, presence, frequency)
-    _, last = run(engine(ScriptRunner(favourite, 3, greedy=True)), PROMPT,
+    runner = ScriptRunner(favourite, 3, greedy=True, device=device)
+    eng = engine(runner)
+    _, last = run(eng, PROMPT,
                   SamplingParams(max_tokens=10, ignore_eos=True, presence_penalty=presence, frequency_penalty=frequency))
     assert last.output_token_ids == want
+    assert (runner.penalty_steps >= 8 and eng.stats["lookahead_steps"] >= 7) if device else runner.penalty_steps == 0
     if presence > 0 or frequency > 0:
         assert len(set(want)) > 1  # the penalty did change the choice
 
 
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
 @pytest.mark.parametrize("r", [1.3, 2.0, 0.8])
-def test_repetition_penalty(r):
+def test_repetition_penalty(r, device):
     """Every token of the prompt or the output so far: a positive logit divided by r, another multiplied."""
     def reference(n):
         out = []
@@ -243,9 +256,10 @@ def test_repetition_penalty(r):
             out.append(int(x.argmax()))
         return out
     want = reference(10)
-    _, last = run(engine(ScriptRunner(favourite, 3, greedy=True)), PROMPT,
-                  SamplingParams(max_tokens=10, ignore_eos=True, repetition_penalty=r))
+    runner = ScriptRunner(favourite, 3, greedy=True, device=device)
+    _, last = run(engine(runner), PROMPT, SamplingParams(max_tokens=10, ignore_eos=True, repetition_penalty=r))
     assert last.output_token_ids == want
+    assert (runner.penalty_steps >= 8) == device
     if r > 1:
         assert len(set(want)) > 1  # the penalty did change the choice
 

@@ -356,13 +356,14 @@ def _collect(e, ps, params):
 def test_sampled_rows_drawn_in_the_step_keep_lookahead(model_dir):
     """#41: sampled rows (temperature, top-p, top-k, min-p, beside a greedy row) are drawn inside the
     specialized step (in its CUDA graph on the GPU: a graph of its own per B), rows asking for logprobs take
-    them there too; all look ahead like greedy rows and give the same tokens with lookahead off; in FP32 also
-    the standard path's host-drawn tokens and host-computed logprobs."""
+    them there too, and a penalised row's penalties are applied there; all look ahead like greedy rows and give
+    the same tokens with lookahead off; in FP32 also the standard path's host-drawn tokens and logprobs."""
     ps = prompts(3, seed=8)
     n = STEPS // 2
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.8, top_p=0.9, seed=1, logprobs=5),
               SamplingParams(max_tokens=n, ignore_eos=True, logprobs=2),
-              SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.1, top_k=30, min_p=0.02, seed=2)]
+              SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.1, top_k=30, min_p=0.02, seed=2,
+                             presence_penalty=0.5, repetition_penalty=1.2)]
     on, _ = engine(model_dir, "latency_specialized")
     off, _ = engine(model_dir, "latency_specialized", decode_lookahead=False)
     del on.runner.forward, off.runner.forward  # no logits recording: its device sync would hide races

@@ -56,6 +56,9 @@ class StepInput:
     # logprobs inside the step (#41): the runner also returns each row's chosen-token logprob and the top
     # LOGPROBS_TOP (token id, logprob) of the raw logits, read back with the tokens
     logprobs: bool = False
+    # penalties inside the step (#41): (counts, seen, slots, repetition, frequency, presence) from
+    # engine/penalties.DevicePenalties; the runner applies them (apply_device) before drawing
+    penalties: tuple | None = None
 
     def decode_rows(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """Rows of a mixed step that add one token: (rows, their token index in the flat list, the

@@ -31,6 +31,7 @@ from ..kernels.moe_mxfp4 import moe_mxfp4_experts
 from ..kernels.norm import add_rms_norm, rms_norm
 from ..kernels.norm_gemm import norm_gemm
 from ..kernels.pdl import pdl as kernels_pdl
+from ..engine.penalties import apply_device
 from ..kernels.sampling import argmax, sample, token_logprobs
 from ..models.layers import swiglu
 from ..parallel.group import SINGLE
@@ -217,7 +218,8 @@ class SpecializedRunner:
             if self.tp.world > 1:
                 logits = self.tp.all_gather(logits, -1)
             t, k, p, mp, seeds = step.sampling
-            ids = sample(logits, t, k, p, seeds, step.context_lens_t, mp)
+            x = apply_device(logits, *step.penalties) if step.penalties is not None else logits
+            ids = sample(x, t, k, p, seeds, step.context_lens_t, mp)
         else:
             ids = argmax(logits)
             if self.tp.world > 1:

@@ -55,7 +55,7 @@ class GraphCache:
         self.capture_s = 0.0
         self.broken: str | None = None
 
-    def _static(self, B: int, nb: int, sampled: bool = False) -> StepInput:
+    def _static(self, B: int, nb: int, sampled: bool = False, like: StepInput | None = None) -> StepInput:
         c, dev, T = self.cache, self.cache.latent.device, self.T
         long = lambda v, n=B: torch.full((n,), v, dtype=torch.long, device=dev)  # noqa: E731
         st = StepInput(
@@ -69,14 +69,17 @@ class GraphCache:
             f = lambda v, dt: torch.full((B,), v, dtype=dt, device=dev)  # noqa: E731
             st.sampling = (f(0.0, torch.float32), f(0, torch.int32), f(1.0, torch.float32), f(0.0, torch.float32),
                            f(0, torch.int64))
+        if like is not None and like.penalties is not None:  # the engine's count buffers, read in place; rows: scratch
+            st.penalties = like.penalties[:2] + (long(c.scratch_slot), f(1.0, torch.float32), f(0.0, torch.float32),
+                                                 f(0.0, torch.float32))
         return st
 
-    def _capture(self, key):
+    def _capture(self, key, like: StepInput | None = None):
         B, nb = key[:2]
         t0 = time.time()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        st = self._static(B, nb, sampled="sampled" in key[2:])
+        st = self._static(B, nb, sampled="sampled" in key[2:], like=like)
         st.logprobs = "logprobs" in key[2:]
         g, out = capture(lambda: self.fn(st), self.pool)
         torch.cuda.synchronize()
@@ -88,9 +91,9 @@ class GraphCache:
                      f"context≤{nb * self.cache.block_size} in {dt:.2f}s "
                      f"({torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated)")
 
-    def _try_capture(self, key) -> bool:
+    def _try_capture(self, key, like: StepInput | None = None) -> bool:
         try:
-            self._capture(key)
+            self._capture(key, like)
             return True
         except Exception as e:  # keep serving, loudly: an eager step is slow but correct
             self.broken = f"{type(e).__name__}: {e}"
@@ -100,8 +103,8 @@ class GraphCache:
             return False
 
     def key_for(self, step: StepInput) -> tuple:
-        """(B, blocks), and "sampled" / "logprobs" for a step that samples or takes logprobs inside the graph
-        (a graph of its own, captured at the first such step)."""
+        """(B, blocks), and "sampled" / "logprobs" / "penalties" for a step that samples, takes logprobs or
+        applies penalties inside the graph (a graph of its own, captured at the first such step)."""
         need = (max(step.context_lens) + self.cache.block_size - 1) // self.cache.block_size
         if self.fixed_blocks is not None and need <= self.fixed_blocks:
             key = step.num_seqs, self.fixed_blocks
@@ -109,7 +112,8 @@ class GraphCache:
             key = step.num_seqs, min(context_bucket(need), self.cache.num_blocks)
         if not self.samples:
             return key
-        return key + (("sampled",) if step.sampling is not None else ()) + (("logprobs",) if step.logprobs else ())
+        return (key + (("sampled",) if step.sampling is not None else ()) + (("logprobs",) if step.logprobs else ())
+                + (("penalties",) if step.penalties is not None else ()))
 
     def capture_all(self) -> None:
         """Capture every batch size's graph now (fixed_blocks only), with progress output."""
@@ -129,9 +133,11 @@ class GraphCache:
         if self.broken:
             return None
         key = self.key_for(step)
-        if key not in self.graphs and not self._try_capture(key):
+        if key not in self.graphs and not self._try_capture(key, step):
             return None
         g, st, out = self.graphs[key]
+        if st.penalties is not None and st.penalties[0] is not step.penalties[0]:
+            return None  # count buffers made anew since the capture: run eagerly (the engine keeps one pair)
         nb = key[1]
         st.input_ids.copy_(step.input_ids)
         st.positions.copy_(step.positions)
@@ -143,6 +149,9 @@ class GraphCache:
         st.context_lens_t.copy_(step.context_lens_t)
         if st.sampling is not None:
             for dst, src in zip(st.sampling, step.sampling):
+                dst.copy_(src)
+        if st.penalties is not None:
+            for dst, src in zip(st.penalties[2:], step.penalties[2:]):
                 dst.copy_(src)
         g.replay()
         self.uses[key] = self.uses.get(key, 0) + 1

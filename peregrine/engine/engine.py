@@ -113,6 +113,7 @@ class LLMEngine:
         # too); not yet under tensor parallel, whose other ranks would need the rows' settings sent along
         self.device_sampling = bool(getattr(runner, "device_sampler", False)) and getattr(engine_cfg, "tensor_parallel_size", 1) == 1
         self._sampling_key, self._sampling = None, None  # the last batch's sampling tensors, reused while it lasts
+        self._penalties: penalties.DevicePenalties | None = None  # made at the first penalised row served on the device
         self._ahead: Ahead | None = None  # the forward the last step launched for the next one
         pl = getattr(engine_cfg, "prefill_piece_layers", None)
         can = hasattr(runner, "forward_pieces") and getattr(engine_cfg, "tensor_parallel_size", 1) == 1
@@ -386,13 +387,20 @@ class LLMEngine:
         return step, last, self._plan_snapshots(batch, step)
 
     def _device_plan(self, step: StepInput, seqs: list[Sequence]) -> bool:
-        """Set step.sampling / step.logprobs for a decode step of these rows when the runner can draw them
-        (some row samples or wants logprobs, and no row needs its logits processed on the host: penalties,
-        min_tokens). -> whether set."""
+        """Set step.sampling / .logprobs / .penalties for a decode step of these rows when the runner can draw
+        them (some row samples, wants logprobs or is penalised, and no row still waits on min_tokens, whose
+        mask is applied on the host). -> whether set."""
         ps = [s.params for s in seqs]
-        if not self.device_sampling or all(p.plain_greedy for p in ps) or any(needs_processing(p) for p in ps):
+        if not self.device_sampling or all(p.plain_greedy for p in ps):
             return False
-        step.sampling = None if all(p.greedy for p in ps) else self._sampling_for(seqs)
+        if any(len(s.token_ids) - s.prompt_len < s.params.min_tokens for s in seqs):
+            return False  # (conservative by one token for a step launched ahead)
+        penalised = any(needs_processing(p) for p in ps)
+        if penalised:
+            if self._penalties is None:
+                self._penalties = penalties.DevicePenalties(self.cache.num_slots, self.model_cfg.vocab_size, self.device)
+            step.penalties = self._penalties.prepare(step, seqs)
+        step.sampling = None if all(p.greedy for p in ps) and not penalised else self._sampling_for(seqs)
         step.logprobs = any(p.logprobs is not None for p in ps)
         return True
 

@@ -45,3 +45,58 @@ def process(logits: torch.Tensor, seqs, eos_ids) -> torch.Tensor:
                 0, torch.tensor(gen, device=out.device), torch.ones(len(gen), device=out.device))
             out[i] -= p.frequency_penalty * c + p.presence_penalty * (c > 0).float()
     return out
+
+
+def apply_device(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, slots: torch.Tensor,
+                 rep: torch.Tensor, freq: torch.Tensor, pres: torch.Tensor) -> torch.Tensor:
+    """process()'s penalties inside a step, capturable: row i reads its output-token counts counts[slots[i]]
+    and its prompt-or-output mask seen[slots[i]] ([slots, V] buffers DevicePenalties keeps on the device)."""
+    c, sn = counts[slots], seen[slots]
+    r = rep[:, None]
+    x = torch.where(sn, torch.where(logits > 0, logits / r, logits * r), logits)
+    return x - freq[:, None] * c - pres[:, None] * (c > 0).float()
+
+
+class DevicePenalties:
+    """Per-sequence token counts on the device, so penalised rows are served inside the step (#41).
+
+    counts[slot, t]: how often t occurs in the sequence's output; seen[slot, t]: t is in its prompt or output
+    (slot: its KDA slot; the scratch slot past the end serves graph captures). A step that serves a row
+    first adds the row's input token (its newest output token) from the step's own input ids, on the device,
+    so a step launched ahead counts the token its predecessor drew before the host has it. A sequence
+    whose counts lag (a new one, or steps served on the host since) is rebuilt from its host tokens first."""
+
+    def __init__(self, num_slots: int, vocab: int, device):
+        self.counts = torch.zeros(num_slots + 1, vocab, dtype=torch.float32, device=device)
+        self.seen = torch.zeros(num_slots + 1, vocab, dtype=torch.bool, device=device)
+        self.counted: dict[int, tuple[object, int]] = {}  # slot -> (sequence, output tokens its row holds)
+        self._key, self._rows = None, None  # the last batch's rows (slots and settings on the device)
+
+    def prepare(self, step, seqs) -> tuple:
+        """Bring each row up to date for this decode step, queue the update with its input token, and return
+        StepInput.penalties: (counts, seen, slots, repetition, frequency, presence)."""
+        from ..decode.batch import _to_device
+        dev = self.counts.device
+        for s, c in zip(seqs, step.context_lens):
+            j = c - 1 - s.prompt_len  # output index of this step's input token (a decode step: one per row)
+            if self.counted.get(s.kda_slot, (None, -1)) != (s, j):
+                outs = s.output_token_ids[:j]
+                self.counts[s.kda_slot].zero_()
+                self.seen[s.kda_slot].zero_()
+                if outs:
+                    t = _to_device(torch.tensor(outs, dtype=torch.long), dev)
+                    self.counts[s.kda_slot].index_add_(0, t, torch.ones(len(outs), device=dev))
+                self.seen[s.kda_slot][_to_device(torch.tensor(s.token_ids[:s.prompt_len + j], dtype=torch.long), dev)] = True
+            self.counted[s.kda_slot] = (s, j + 1)
+        key = tuple(seqs)
+        if key != self._key:  # a batch's settings are copied once, not every step
+            col = lambda vals, dt: _to_device(torch.tensor(vals, dtype=dt), dev)  # noqa: E731
+            ps = [s.params for s in seqs]
+            self._rows = (col([s.kda_slot for s in seqs], torch.long), col([p.repetition_penalty for p in ps], torch.float32),
+                          col([p.frequency_penalty for p in ps], torch.float32),
+                          col([p.presence_penalty for p in ps], torch.float32), torch.ones(len(seqs), device=dev))
+            self._key = key
+        slots, rep, freq, pres, one = self._rows
+        self.counts.index_put_((slots, step.input_ids), one, accumulate=True)
+        self.seen.index_put_((slots, step.input_ids), one.bool())
+        return self.counts, self.seen, slots, rep, freq, pres
