@@ -37,7 +37,7 @@ def device_tokens(runner, step: StepInput, logits: torch.Tensor) -> torch.Tensor
         x = logits
         if step.penalties is not None:
             runner.penalty_steps += 1
-            x = apply_device(logits, *step.penalties)
+            x = apply_device(logits, *step.penalties, step.context_lens_t)
         toks = sample_ref(x, t, k, p, seeds, step.context_lens_t.long(), mp)
     else:
         toks = logits.argmax(-1)

@@ -15,6 +15,7 @@ import torch
 from peregrine.cache import ModelCache
 from peregrine.config import ConfigError, EngineConfig
 from peregrine.engine import LLMEngine, SamplingParams
+from peregrine.engine.penalties import MAX_BAN
 from peregrine.parallel.driver import TPDriver
 from peregrine.testing import SENTINEL
 from fake_runner import FakeRunner
@@ -145,13 +146,15 @@ def test_new_request_ends_lookahead_and_joins_next_step():
     check_clean(eng, runner, cache)
 
 
-def test_no_lookahead_while_min_tokens_or_waiting():
+def test_no_lookahead_with_a_long_min_tokens_mask_or_waiting():
     eng, runner, cache = make_engine(True, max_num_seqs=1)
-    eng.add_request(prompts([3])[0], SamplingParams(max_tokens=6, temperature=1.0, seed=1, min_tokens=6))
+    many = list(range(100, 100 + MAX_BAN))  # with the end id, one more than the step's mask holds
+    eng.add_request(prompts([3])[0], SamplingParams(max_tokens=6, temperature=1.0, seed=1, min_tokens=6,
+                                                    stop_token_ids=many))
     eng.add_request(prompts([3])[0], SamplingParams(max_tokens=6, ignore_eos=True))  # waits behind the first
     while eng.num_waiting:
         eng.step()
-    assert eng.stats["lookahead_steps"] == 0  # min_tokens masks on the host (the waiting one cannot start)
+    assert eng.stats["lookahead_steps"] == 0  # masked on the host (the waiting one cannot start)
     while eng.has_unfinished():
         eng.step()
     assert eng.stats["lookahead_steps"] > 0  # the greedy one alone

@@ -264,13 +264,17 @@ def test_repetition_penalty(r, device):
         assert len(set(want)) > 1  # the penalty did change the choice
 
 
-def test_min_tokens_holds_off_end_and_stop_ids():
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+def test_min_tokens_holds_off_end_and_stop_ids(device):
+    """host: the engine masks the logits; device: the runner does (the ban ids and the prompt length + min_tokens
+    in StepInput.penalties), with decode lookahead."""
     def eos_early(j):  # EOS is the favourite from the first token on; token 70 would be the stop id
         x = torch.randn(V, generator=torch.Generator().manual_seed(j))
         x[EOS], x[70] = 20.0, 15.0
         return x
-    _, last = run(engine(ScriptRunner(eos_early, 3)), PROMPT, SamplingParams(max_tokens=10, min_tokens=4,
-                                                                            stop_token_ids=[70]))
+    runner = ScriptRunner(eos_early, 3, device=device)
+    _, last = run(engine(runner), PROMPT, SamplingParams(max_tokens=10, min_tokens=4, stop_token_ids=[70]))
+    assert (runner.penalty_steps >= 3) == device
     # EOS and 70 are masked for the first 4 tokens; the 5th may end it
     want = [int(torch.cat([eos_early(j)[:70], torch.tensor([-1e9]), eos_early(j)[71:EOS], torch.tensor([-1e9]),
                            eos_early(j)[EOS + 1:]]).argmax()) for j in range(4)] + [EOS]

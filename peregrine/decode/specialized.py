@@ -218,7 +218,7 @@ class SpecializedRunner:
             if self.tp.world > 1:
                 logits = self.tp.all_gather(logits, -1)
             t, k, p, mp, seeds = step.sampling
-            x = apply_device(logits, *step.penalties) if step.penalties is not None else logits
+            x = apply_device(logits, *step.penalties, step.context_lens_t) if step.penalties is not None else logits
             ids = sample(x, t, k, p, seeds, step.context_lens_t, mp)
         else:
             ids = argmax(logits)

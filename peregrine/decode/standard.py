@@ -70,8 +70,10 @@ class GraphCache:
             st.sampling = (f(0.0, torch.float32), f(0, torch.int32), f(1.0, torch.float32), f(0.0, torch.float32),
                            f(0, torch.int64))
         if like is not None and like.penalties is not None:  # the engine's count buffers, read in place; rows: scratch
+            ban = like.penalties[6]
             st.penalties = like.penalties[:2] + (long(c.scratch_slot), f(1.0, torch.float32), f(0.0, torch.float32),
-                                                 f(0.0, torch.float32))
+                                                 f(0.0, torch.float32), torch.zeros((B, ban.shape[1]), dtype=torch.long,
+                                                                                   device=dev), f(0, torch.int32))
         return st
 
     def _capture(self, key, like: StepInput | None = None):

@@ -388,18 +388,18 @@ class LLMEngine:
 
     def _device_plan(self, step: StepInput, seqs: list[Sequence]) -> bool:
         """Set step.sampling / .logprobs / .penalties for a decode step of these rows when the runner can draw
-        them (some row samples, wants logprobs or is penalised, and no row still waits on min_tokens, whose
-        mask is applied on the host). -> whether set."""
+        them (some row samples, wants logprobs, is penalised or held by min_tokens; a min_tokens mask of more
+        than MAX_BAN ids keeps the step on the host). -> whether set."""
         ps = [s.params for s in seqs]
         if not self.device_sampling or all(p.plain_greedy for p in ps):
             return False
-        if any(len(s.token_ids) - s.prompt_len < s.params.min_tokens for s in seqs):
-            return False  # (conservative by one token for a step launched ahead)
+        if any(p.min_tokens and len(penalties.ban_ids(p, self.eos_ids)) > penalties.MAX_BAN for p in ps):
+            return False
         penalised = any(needs_processing(p) for p in ps)
         if penalised:
             if self._penalties is None:
                 self._penalties = penalties.DevicePenalties(self.cache.num_slots, self.model_cfg.vocab_size, self.device)
-            step.penalties = self._penalties.prepare(step, seqs)
+            step.penalties = self._penalties.prepare(step, seqs, self.eos_ids)
         step.sampling = None if all(p.greedy for p in ps) and not penalised else self._sampling_for(seqs)
         step.logprobs = any(p.logprobs is not None for p in ps)
         return True

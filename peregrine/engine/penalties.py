@@ -32,8 +32,7 @@ def process(logits: torch.Tensor, seqs, eos_ids) -> torch.Tensor:
         s, p = seqs[i], seqs[i].params
         gen = s.output_token_ids
         if len(gen) < p.min_tokens:
-            ban = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
-            ban = [t for t in ban if 0 <= t < V]
+            ban = [t for t in ban_ids(p, eos_ids) if 0 <= t < V]
             if ban:
                 out[i, torch.tensor(ban, device=out.device)] = float("-inf")
         if p.repetition_penalty != 1:
@@ -47,14 +46,27 @@ def process(logits: torch.Tensor, seqs, eos_ids) -> torch.Tensor:
     return out
 
 
+MAX_BAN = 8  # end and stop ids a row's min_tokens mask may hold inside the step (more: that row is served on the host)
+
+
 def apply_device(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, slots: torch.Tensor,
-                 rep: torch.Tensor, freq: torch.Tensor, pres: torch.Tensor) -> torch.Tensor:
-    """process()'s penalties inside a step, capturable: row i reads its output-token counts counts[slots[i]]
-    and its prompt-or-output mask seen[slots[i]] ([slots, V] buffers DevicePenalties keeps on the device)."""
+                 rep: torch.Tensor, freq: torch.Tensor, pres: torch.Tensor, ban: torch.Tensor, until: torch.Tensor,
+                 context_lens: torch.Tensor) -> torch.Tensor:
+    """process() inside a step, capturable: row i reads its output-token counts counts[slots[i]] and its
+    prompt-or-output mask seen[slots[i]] ([slots, V] buffers DevicePenalties keeps on the device), and bans
+    ban[i] (its end and stop ids, padded with repeats) while the token drawn (index context_lens[i]) is before
+    until[i] = prompt length + min_tokens."""
     c, sn = counts[slots], seen[slots]
     r = rep[:, None]
     x = torch.where(sn, torch.where(logits > 0, logits / r, logits * r), logits)
-    return x - freq[:, None] * c - pres[:, None] * (c > 0).float()
+    x = x - freq[:, None] * c - pres[:, None] * (c > 0).float()
+    held = (context_lens < until)[:, None].expand(-1, ban.shape[1])
+    return x.masked_fill(torch.zeros_like(x, dtype=torch.bool).scatter_(1, ban, held), float("-inf"))
+
+
+def ban_ids(p, eos_ids) -> list[int]:
+    """The ids min_tokens holds back: the request's stop ids, and the end ids unless ignore_eos."""
+    return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids)))
 
 
 class DevicePenalties:
@@ -72,9 +84,9 @@ class DevicePenalties:
         self.counted: dict[int, tuple[object, int]] = {}  # slot -> (sequence, output tokens its row holds)
         self._key, self._rows = None, None  # the last batch's rows (slots and settings on the device)
 
-    def prepare(self, step, seqs) -> tuple:
+    def prepare(self, step, seqs, eos_ids) -> tuple:
         """Bring each row up to date for this decode step, queue the update with its input token, and return
-        StepInput.penalties: (counts, seen, slots, repetition, frequency, presence)."""
+        StepInput.penalties: (counts, seen, slots, repetition, frequency, presence, ban ids, ban until)."""
         from ..decode.batch import _to_device
         dev = self.counts.device
         for s, c in zip(seqs, step.context_lens):
@@ -92,11 +104,15 @@ class DevicePenalties:
         if key != self._key:  # a batch's settings are copied once, not every step
             col = lambda vals, dt: _to_device(torch.tensor(vals, dtype=dt), dev)  # noqa: E731
             ps = [s.params for s in seqs]
+            bans = [(ban_ids(p, eos_ids) if p.min_tokens else []) or [0] for p in ps]  # [0]: never held (until 0)
             self._rows = (col([s.kda_slot for s in seqs], torch.long), col([p.repetition_penalty for p in ps], torch.float32),
                           col([p.frequency_penalty for p in ps], torch.float32),
-                          col([p.presence_penalty for p in ps], torch.float32), torch.ones(len(seqs), device=dev))
+                          col([p.presence_penalty for p in ps], torch.float32),
+                          col([(b * MAX_BAN)[:MAX_BAN] for b in bans], torch.long),
+                          col([s.prompt_len + p.min_tokens if p.min_tokens else 0 for s, p in zip(seqs, ps)], torch.int32),
+                          torch.ones(len(seqs), device=dev))
             self._key = key
-        slots, rep, freq, pres, one = self._rows
-        self.counts.index_put_((slots, step.input_ids), one, accumulate=True)
-        self.seen.index_put_((slots, step.input_ids), one.bool())
-        return self.counts, self.seen, slots, rep, freq, pres
+        *rows, one = self._rows
+        self.counts.index_put_((rows[0], step.input_ids), one, accumulate=True)
+        self.seen.index_put_((rows[0], step.input_ids), one.bool())
+        return (self.counts, self.seen, *rows)
