@@ -82,3 +82,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def start_server(args: list[str], timeout: float = 120.0, env: dict | None = None):
+    """`python -m peregrine.server serve ARGS --port P` on a free loopback port, once /health answers.
+    -> (process, base url); the caller ends the process."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "peregrine.server", "serve", *args, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"})
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise AssertionError("server did not come up")
+        time.sleep(0.2)

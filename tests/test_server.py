@@ -10,11 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -417,29 +413,11 @@ def test_serve_parser_options():
     assert (a.max_queue, a.kv_cache_dtype, a.served_model_name, a.host) == (3, "fp8", None, "127.0.0.1")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_drains_in_flight(tmp_path):
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "peregrine.server", "serve", "--model", MODEL, "--dummy-weights",
-                             "--port", str(port), "--max-model-len", str(MAX_LEN), "--dtype", "fp32",
-                             "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    from conftest import start_server
+    proc, url = start_server(["--model", MODEL, "--dummy-weights", "--max-model-len", str(MAX_LEN), "--dtype", "fp32",
+                              "--log-level", "warning"], timeout=2 * T)
     try:
-        deadline = time.time() + 2 * T
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, "server did not come up"
-            time.sleep(0.2)
         body = {"model": MODEL, "prompt": "drain", "max_tokens": 12, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         chunks = []

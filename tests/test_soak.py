@@ -2,14 +2,13 @@
 be lost or answered differently from the idle server, and the server must come back to idle.
 
 Without the engine's malloc_trim (PEREGRINE_MALLOC_TRIM_S=0) the same soak grew the server's resident
-memory at rest by +105 MB on this 2-core machine (results/2026-12-05-cpu-peregrine-tiny-soak-*.json)."""
+memory at rest by +606 MB on this 2-core machine, with it +31 MB
+(results/2026-12-05-session22/2026-12-05-cpu-peregrine-tiny-soak-trim{0,1}.json)."""
 from __future__ import annotations
 
 import asyncio
 import os
 import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -22,31 +21,12 @@ CLIENTS = 24         # as the issue's user soak
 MAX_GROWTH_MB = 50   # the issue's bound for the CPU soak
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if k != TRIM_ENV}
-    proc = subprocess.Popen([sys.executable, "-m", "peregrine.server", "serve", "--model", "peregrine-tiny",
-                             "--port", str(port), "--max-num-seqs", "8", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    from conftest import start_server
+    env = {k: v for k, v in os.environ.items() if k != TRIM_ENV}  # the default trims
+    proc, url = start_server(["--model", "peregrine-tiny", "--max-num-seqs", "8", "--log-level", "warning"], env=env)
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, "server did not come up"
-            time.sleep(0.3)
         yield url
     finally:
         proc.terminate()
