@@ -40,7 +40,7 @@
 #   sampled step beside the greedy one (targets: within 3 % at B = 1, 2, 4, 8; with --logprobs 5 within 5 %), and
 #   serving at c = 8 greedy vs temperature 0.6 (TPOT p50 within 5 %); one H200, ~15 min:
 #   python3 -m pytest -q -m gpu tests/test_kernels_sampling.py tests/test_lookahead.py tests/test_outputs.py \
-#     tests/test_specialized.py -k "sampl or logprob or lookahead or graph" 2>&1 | tee $OUT/pytest-sampling.log
+#     tests/test_specialized.py -k "sampl or logprob or penalt or min_tokens or lookahead or graph" 2>&1 | tee $OUT/pytest-sampling.log
 #   python3 -m peregrine.bench.kernels_sampling 2>&1 | tee $OUT/kernels-sampling.log
 #   for lp in "" "--logprobs 5"; do python3 -m peregrine bench decode --model kimi-linear-48b-a3b --dummy-weights \
 #     --backends latency_specialized --batch-sizes 1,2,4,8 --prompt-sets 1 --runs 2 --output-len 256 \
