@@ -294,6 +294,34 @@ def test_graph_keys():
         assert bucketed.key_for(st) == (2, bucket)
 
 
+def test_a_failed_variant_capture_leaves_the_plain_graphs(monkeypatch):
+    """A sampled (or logprobs, penalties) graph whose capture fails runs its steps eagerly; the plain graphs
+    keep replaying (a failed plain capture still turns graphs off)."""
+    import types
+    from peregrine.cache import ModelCache
+    from peregrine.config import resolve_model
+    from peregrine.decode.batch import StepInput
+    from peregrine.decode.standard import GraphCache
+    cfg, _ = resolve_model("tiny-kimi-linear")
+    c = ModelCache(cfg, num_blocks=40, block_size=4, num_slots=4, dtype=torch.float32, device="cpu")
+    g = GraphCache(None, c, 4, fixed_blocks=16, samples=True)
+
+    def capture(key, like=None):
+        if len(key) > 2:
+            raise RuntimeError("not capturable")
+        g.graphs[key] = (types.SimpleNamespace(replay=lambda: None), g._static(*key[:2]), "plain out")
+    monkeypatch.setattr(g, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    st = StepInput.build([([1], 4, 0, [0, 1])], 4, "cpu")
+    assert g.run(st) == "plain out"
+    st.sampling = (torch.ones(1), torch.zeros(1, dtype=torch.int32), torch.ones(1), torch.zeros(1),
+                   torch.zeros(1, dtype=torch.int64))
+    assert g.run(st) is None and g.broken is None and (1, 16, "sampled") in g.failed
+    assert g.run(st) is None  # not tried again
+    st.sampling = None
+    assert g.run(st) == "plain out"
+
+
 def test_decode_lookahead_same_batches_tokens_identical(model_dir):
     """Lookahead vs off where every step has the same batch in both modes (two requests, same length,
     no stop): bit-identical work, so identical tokens on the GPU too — graph replays fed from the

@@ -54,6 +54,7 @@ class GraphCache:
         self.uses: dict[tuple[int, int], int] = {}
         self.capture_s = 0.0
         self.broken: str | None = None
+        self.failed: dict[tuple, str] = {}  # variant keys whose capture failed: their steps run eagerly
 
     def _static(self, B: int, nb: int, sampled: bool = False, like: StepInput | None = None) -> StepInput:
         c, dev, T = self.cache, self.cache.latent.device, self.T
@@ -94,13 +95,21 @@ class GraphCache:
                      f"({torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated)")
 
     def _try_capture(self, key, like: StepInput | None = None) -> bool:
+        if key in self.failed:
+            return False
         try:
             self._capture(key, like)
             return True
         except Exception as e:  # keep serving, loudly: an eager step is slow but correct
-            self.broken = f"{type(e).__name__}: {e}"
-            if self.log:
-                self.log(f"WARNING: CUDA graph capture failed ({self.broken}); running eagerly from now on")
+            why = f"{type(e).__name__}: {e}"
+            if len(key) > 2:  # a variant (sampling, logprobs, penalties): only its steps run eagerly
+                self.failed[key] = why
+                if self.log:
+                    self.log(f"WARNING: CUDA graph capture of {key} failed ({why}); such steps run eagerly")
+            else:
+                self.broken = why
+                if self.log:
+                    self.log(f"WARNING: CUDA graph capture failed ({why}); running eagerly from now on")
             torch.cuda.synchronize()
             return False
 
