@@ -45,9 +45,8 @@
 #   for lp in "" "--logprobs 5"; do python3 -m peregrine bench decode --model kimi-linear-48b-a3b --dummy-weights \
 #     --backends latency_specialized --batch-sizes 1,2,4,8 --prompt-sets 1 --runs 2 --output-len 256 \
 #     --temperature 0.6 --top-p 0.95 $lp 2>&1 | tee -a $OUT/decode-sampled.log; done
-#   serving: STEPS=serve CONC=8 BACKENDS="latency_specialized@6" bash scripts/gpu_prefill.sh, then the same with
-#   `peregrine bench serve --temperature 0.6 --top-p 0.95` against the same server (gpu_serve.sh passes no
-#   sampling flags yet: run bench serve by hand there)
+#   serving, greedy then sampled: for s in "" "--temperature 0.6 --top-p 0.95"; do SAMPLING="$s" CONC=8 NP=40 \
+#     BACKENDS=latency_specialized bash scripts/gpu_serve.sh; done   (TPOT p50 within 5 %)
 #   If the threshold kernel's 2 x 32 passes over the row (one program per row) is slow at 163 840 logits, the next
 #   design: one pass collecting the candidates above max - 20 (exact whenever they hold the top-k count and the
 #   top-p mass, which one pass tells), the bisection over those in registers, the full search only otherwise

@@ -3,7 +3,8 @@
 # `peregrine serve`, wait for /health, drive it with `peregrine bench serve`, save /metrics,
 # SIGTERM (drains), next backend; then one plot of both. Server logs and metrics go to $OUT.
 #   MODEL (kimi-linear-48b-a3b, dummy weights), BACKENDS, CONC (1,2,4,8), ISL (1024), OSL (128),
-#   NP (requests per level; default 5 x concurrency), RATE (Poisson arrivals/s), PORT, READY_TIMEOUT (s).
+#   NP (requests per level; default 5 x concurrency), RATE (Poisson arrivals/s), PORT, READY_TIMEOUT (s),
+#   SAMPLING (bench serve's sampling flags, e.g. "--temperature 0.6 --top-p 0.95"; its runs are labelled -sampled).
 #   A BACKENDS entry "backend@N" also sets prefill_piece_layers N (label backend-piecesN): same-run A/B;
 #   a ":nographs" suffix turns prefill graphs off (label ...-nographs), ":novarlen" one fla call per KDA row
 #   (PEREGRINE_KDA_VARLEN=0, label ...-novarlen); "backend@N+T" prefills at most T tokens per step beside
@@ -39,8 +40,9 @@ for spec in $BACKENDS; do
   if ! get "$URL/health" > /dev/null; then
     echo "server ($label) did not become healthy; log tail:"; tail -20 "$OUT/serve-$label.log"; kill -9 $pid 2>/dev/null; rc=1; continue
   fi
+  [ -n "${SAMPLING:-}" ] && label="$label-sampled"
   $PY -m peregrine bench serve --base-url "$URL" --max-concurrency "$CONC" --input-len "$ISL" --output-len "$OSL" \
-      $NP_ARG $RATE_ARG --label "$label" --results-dir results 2>&1 | tee "$OUT/bench-serve-$label.log" || rc=1
+      $NP_ARG $RATE_ARG ${SAMPLING:-} --label "$label" --results-dir results 2>&1 | tee "$OUT/bench-serve-$label.log" || rc=1
   get "$URL/metrics" > "$OUT/metrics-$label.txt"
   kill -TERM $pid; wait $pid; echo "server ($label) exit $?"
   runs+=("$(ls -t results/*-"$MODEL"-serve-"$label".json | head -1)")
