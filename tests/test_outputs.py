@@ -313,3 +313,27 @@ def test_text_of_a_tokenizer_json_model(tmp_path):
         outs, last = run(engine(ScriptRunner(script(toks), 3), tokenizer=tok), PROMPT,
                          SamplingParams(max_tokens=4, stop=stop))
         assert "".join(o.text_delta for o in outs) == last.text == want and len(last.output_token_ids) == n
+
+
+def test_device_penalties_equal_process_row_by_row():
+    """DevicePenalties + apply_device (the step's penalties) against process() (the host's), on random logits
+    whose favourite is token 0, an end id or a seen token: every row, every setting, exactly."""
+    from peregrine.engine.penalties import DevicePenalties, apply_device, process
+    from peregrine.engine.request import Sequence
+    from peregrine.decode.batch import StepInput
+    g = torch.Generator().manual_seed(3)
+    kw = [dict(presence_penalty=0.7), dict(frequency_penalty=-0.4, repetition_penalty=1.4),
+          dict(min_tokens=9, ignore_eos=True), dict(min_tokens=9, stop_token_ids=[7, 9]),
+          dict(min_tokens=2, repetition_penalty=0.6, presence_penalty=-1.0), dict()]
+    seqs = []
+    for i, k in enumerate(kw):
+        s = Sequence(str(i), [5, 6, 7, 8][: 2 + i % 3], SamplingParams(max_tokens=20, **k), None, i)
+        s.token_ids += torch.randint(0, 12, (3 + i,), generator=g).tolist()  # outputs so far, repeats included
+        s.kda_slot = i
+        seqs.append(s)
+    logits = torch.randn(len(seqs), V, generator=g)
+    logits[0, 0] = logits[2, 0] = logits[3, EOS] = logits[3, 9] = 9.0
+    pen = DevicePenalties(8, V, "cpu")
+    step = StepInput.build([(s.token_ids[-1:], len(s.token_ids) - 1, s.kda_slot, [0] * 64) for s in seqs], 4, "cpu")
+    got = apply_device(logits, *pen.prepare(step, seqs, {EOS}), step.context_lens_t)
+    assert torch.equal(got, process(logits, seqs, {EOS}))

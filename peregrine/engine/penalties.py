@@ -104,12 +104,12 @@ class DevicePenalties:
         if key != self._key:  # a batch's settings are copied once, not every step
             col = lambda vals, dt: _to_device(torch.tensor(vals, dtype=dt), dev)  # noqa: E731
             ps = [s.params for s in seqs]
-            bans = [(ban_ids(p, eos_ids) if p.min_tokens else []) or [0] for p in ps]  # [0]: never held (until 0)
+            bans = [ban_ids(p, eos_ids) if p.min_tokens else [] for p in ps]
             self._rows = (col([s.kda_slot for s in seqs], torch.long), col([p.repetition_penalty for p in ps], torch.float32),
                           col([p.frequency_penalty for p in ps], torch.float32),
                           col([p.presence_penalty for p in ps], torch.float32),
-                          col([(b * MAX_BAN)[:MAX_BAN] for b in bans], torch.long),
-                          col([s.prompt_len + p.min_tokens if p.min_tokens else 0 for s, p in zip(seqs, ps)], torch.int32),
+                          col([((b or [0]) * MAX_BAN)[:MAX_BAN] for b in bans], torch.long),  # [0]: never held (until 0)
+                          col([s.prompt_len + p.min_tokens if b else 0 for s, p, b in zip(seqs, ps, bans)], torch.int32),
                           torch.ones(len(seqs), device=dev))
             self._key = key
         *rows, one = self._rows
