@@ -47,9 +47,9 @@
 #     --temperature 0.6 --top-p 0.95 $lp 2>&1 | tee -a $OUT/decode-sampled.log; done
 #   serving, greedy then sampled: for s in "" "--temperature 0.6 --top-p 0.95"; do SAMPLING="$s" CONC=8 NP=40 \
 #     BACKENDS=latency_specialized bash scripts/gpu_serve.sh; done   (TPOT p50 within 5 %)
-#   If the threshold kernel's 2 x 32 passes over the row (one program per row) is slow at 163 840 logits, the next
-#   design: one pass collecting the candidates above max - 20 (exact whenever they hold the top-k count and the
-#   top-p mass, which one pass tells), the bisection over those in registers, the full search only otherwise
+#   kernels_sampling times the candidate search (default) against the whole-row bisection (bisect_ms); for the
+#   decode bench A/B: PEREGRINE_SAMPLE_SEARCH=bisect. How often candidates settle a row on real text (CUT = 12,
+#   CAND_CAP = 128 a chunk) is not known: dummy weights' logits are not real text's
 # - #47 (session 22): the 10-minute soak of the 48B at c = 8 with the mixed traffic, host RSS and GPU memory every 30 s,
 #   with the trims and (AB=1) without them first (~25 min with both; ~12 alone):
 #   run (carry .commit and .whl):  DURATION=600 CONC=8 bash scripts/gpu_soak.sh    (target: RSS growth <= 100 MB, no errors)

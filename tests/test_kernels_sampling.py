@@ -6,7 +6,8 @@ import torch
 
 from conftest import FULL_SHAPES
 from peregrine.kernels import sampling
-from peregrine.kernels.sampling import argmax, filtered_probs_ref, sample, sample_ref, token_logprobs
+from peregrine.kernels.sampling import (CAND_CAP, argmax, filtered_probs_ref, sample, sample_ref, thresholds,
+                                       token_logprobs)
 
 pytestmark = pytest.mark.gpu
 
@@ -181,7 +182,7 @@ def test_sampling_kernels_compile_for_sm90_without_spills():
     """The interpreter cannot catch compile errors: compile the sampler's kernels for sm_90a (ptxas included)."""
     from conftest import run_aot
     rows = run_aot("import json; from peregrine.bench import kernels_sampling as b; print(json.dumps(b.compile_check()))")
-    assert len(rows) == 6
+    assert len(rows) == 9
     for row in rows:
         assert "error" not in row, row
         assert row["spill"] == 0 and 0 < row["regs"] <= 255, row
@@ -196,3 +197,31 @@ def test_token_logprobs_equal_log_softmax(b, v, device):
     assert torch.allclose(chosen.double().cpu(), ref[torch.arange(b), tok.cpu()], atol=1e-5)
     rv, ri = ref.topk(20, dim=-1)
     assert torch.equal(top_i.cpu(), ri) and torch.allclose(top_v.double().cpu(), rv, atol=1e-5)
+
+
+def test_candidate_search_equals_the_whole_row_search(device):
+    """The candidate search (one pass collects logits/T within CUT of the max, the searches run over those) gives
+    every row the whole-row bisection's threshold key: rows it settles (peaked rows) and rows it hands back
+    (a chunk over CAND_CAP candidates, a k-th token or a nucleus below the cut, min-p below the cut)."""
+    b, v = 10, 5000  # > SMALL_VOCAB: one row a program, two vocab chunks
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(b, v, generator=g) * 2 - 40
+    x[:, :60] += 40 + torch.randn(b, 60, generator=g) * 3  # a peaked head of 60 tokens, the rest far below
+    x[8] = torch.randn(v, generator=g) * 0.5  # flat: every token a candidate, the chunks overflow
+    x = x.to(device)
+    t = torch.tensor([0.7, 1.0, 0.6, 1.3, 0.9, 1.0, 1.0, 0.8, 1.0, 0.0], device=device)
+    k = torch.tensor([0, 40, 0, 5, 100, 0, 0, 20, 0, 0], device=device)  # row 4: the 100th token is below the cut
+    p = torch.tensor([0.95, 1.0, 0.9, 0.8, 1.0, 1.0, 0.999999, 0.95, 0.9, 1.0], device=device)
+    mp = torch.tensor([0.0, 0.0, 0.1, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.0], device=device)
+    keys, need = thresholds(x, t, k, p, mp, 1, "candidates")
+    ref, none = thresholds(x, t, k, p, mp, 1, "bisect")
+    assert none is None
+    live = (t > 0).cpu()
+    assert torch.equal(keys.cpu()[live], ref.cpu()[live])
+    need = need.cpu().tolist()
+    assert need[0] == need[2] == need[3] == need[7] == 0, need  # peaked rows settle on their candidates
+    assert need[4] == 1 and need[8] == 1, need  # the 100th token below the cut; overflowing chunks
+    assert 60 < CAND_CAP * 2  # (the peaked rows fit: 60 candidates in two chunks)
+    seeds, pos = torch.arange(b, device=device), torch.full((b,), 7, device=device)
+    assert torch.equal(sample(x, t, k, p, seeds, pos, mp, search="candidates"),
+                       sample(x, t, k, p, seeds, pos, mp, search="bisect"))

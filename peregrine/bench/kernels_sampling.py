@@ -1,6 +1,8 @@
 """The sampler's microbenchmark (issue #41, BENCHMARKS.md §2): kernels/sampling.py's argmax and sort-free
 sample at the Kimi vocabulary (163 840 FP32 logits a row), B = 1..16, per setting (greedy rows through
-sample, temperature only, top-p 0.95 as chat clients send it, top-k 50 + top-p, min-p), against the path it
+sample, temperature only, top-p 0.95 as chat clients send it, top-k 50 + top-p, min-p; the candidate search
+against the whole-row bisection where a search runs; random logits x3 here, so how often the candidates
+settle a row on real text is for the decode bench to show), against the path it
 replaces (engine/sampling.py before #41: full sort, softmax, cumsum, scatter, one multinomial a row) where
 that is timeable in a graph, timed as CUDA graphs. GB/s counts one read of the logits.
     python -m peregrine.bench.kernels_sampling [--quick]
@@ -50,17 +52,19 @@ def run(copy_gbps: float, full: bool = True, iters: int = 50) -> list[dict]:
         for name, (t, k, p, mp) in SETTINGS.items() if full else list(SETTINGS.items())[1:3]:
             f = lambda v, dt: torch.full((B,), v, device="cuda", dtype=dt)  # noqa: E731
             args = (f(t, torch.float32), f(k, torch.int32), f(p, torch.float32), seeds, pos, f(mp, torch.float32))
-            ms, samples = graph_time([lambda: sample(logits, *args, out=out)], iters)
+            ms, samples = graph_time([lambda: sample(logits, *args, out=out)], iters)  # the default search
             row = {"kernel": f"sample {name}", "B": B, "time_ms": ms, "samples_ms": samples,
                    "gbps": nbytes / ms / 1e6, "pct_of_copy": nbytes / ms / 1e6 / copy_gbps, "vs_argmax": ms / t_arg}
             if name == "top_p_0.95":
                 row["sorted_ms"] = graph_time([lambda: _sorted_sampler(logits, args[0], args[2])], iters)[0]
+            if name in ("top_p_0.95", "top_k_50_top_p_0.9"):  # the whole-row bisection, for the A/B
+                row["bisect_ms"] = graph_time([lambda: sample(logits, *args, out=out, search="bisect")], iters)[0]
             rows.append(row)
     return rows
 
 
 def compile_check() -> list[dict]:
-    """The three sampling kernels compiled ahead of time for sm_90a (no GPU needed): ptxas's registers, spills."""
+    """The sampling kernels compiled ahead of time for sm_90a (no GPU needed): ptxas's registers, spills."""
     from peregrine.bench.kernels_moe import compile_sm90
     from peregrine.kernels import sampling as K
     p, n, c = (lambda t: (t, 0)), (lambda v: ("i32", v)), (lambda v: ("constexpr", v))
@@ -68,13 +72,24 @@ def compile_check() -> list[dict]:
     for R, block in ((1, K.THRESHOLD_TILE), (16, 256)):  # the real vocabulary; a tiny model's rows packed
         common = dict(x_ptr=p("*fp32"), stride_x=n(VOCAB), B=n(8), V=n(VOCAB), temp_ptr=p("*fp32"), R=c(R))
         th = compile_sm90(K._threshold, common | dict(topk_ptr=p("*i64"), topp_ptr=p("*fp32"), minp_ptr=p("*fp32"),
-                                                      key_ptr=p("*i32"), BLOCK=c(block)), 8 if R == 1 else 4, 1)
+                                                      key_ptr=p("*i32"), need_ptr=p("*i32"), BLOCK=c(block),
+                                                      HAS_NEED=c(R == 1)), 8 if R == 1 else 4, 1)
         race = compile_sm90(K._race_stage1, common | dict(key_ptr=p("*i32"), seed_ptr=p("*i64"), pos_ptr=p("*i64"),
                                                           pmax_ptr=p("*fp32"), pidx_ptr=p("*i32"),
                                                           BLOCK=c(K.BLOCK_V if R == 1 else block)), 8 if R == 1 else 4, 1)
         st2 = compile_sm90(K._race_stage2, dict(pmax_ptr=p("*fp32"), pidx_ptr=p("*i32"), out_ptr=p("*i64"), B=n(8),
                                                 n_chunks=n(40), R=c(R), CBLOCK=c(64)), 1, 1)
         out += [{"kernel": f"threshold R={R}"} | th, {"kernel": f"race R={R}"} | race, {"kernel": f"race_stage2 R={R}"} | st2]
+    nc, cb = VOCAB // K.BLOCK_V, 64  # the candidate search at the real vocabulary
+    row = dict(x_ptr=p("*fp32"), stride_x=n(VOCAB), V=n(VOCAB), temp_ptr=p("*fp32"))
+    out.append({"kernel": "chunk_max"} | compile_sm90(K._chunk_max, row | dict(cmax_ptr=p("*fp32"), BLOCK=c(K.BLOCK_V)), 8, 1))
+    out.append({"kernel": "collect"} | compile_sm90(K._collect, row | dict(
+        cmax_ptr=p("*fp32"), cmass_ptr=p("*fp32"), ccnt_ptr=p("*i32"), cx_ptr=p("*fp32"), BLOCK=c(K.BLOCK_V), CB=c(cb),
+        CAP=c(K.CAND_CAP)), 8, 1))
+    out.append({"kernel": "select"} | compile_sm90(K._select, dict(
+        V=n(VOCAB), n_chunks=n(nc), temp_ptr=p("*fp32"), topk_ptr=p("*i64"), topp_ptr=p("*fp32"), minp_ptr=p("*fp32"),
+        cmax_ptr=p("*fp32"), cmass_ptr=p("*fp32"), ccnt_ptr=p("*i32"), cx_ptr=p("*fp32"), key_ptr=p("*i32"),
+        need_ptr=p("*i32"), CB=c(cb), CAP=c(K.CAND_CAP)), 8, 1))
     return out
 
 
@@ -82,7 +97,8 @@ def main():
     from peregrine.bench.gpu import family_main
     family_main("sampling", run, lambda r: f"{r['kernel']:>28} B={r['B']:>2} {1e3 * r['time_ms']:>8.1f} us "
                 f"{r['gbps']:>7.0f} GB/s {100 * r['pct_of_copy']:>5.1f}%"
-                + (f" (sorted sampler {1e3 * r['sorted_ms']:.1f} us)" if "sorted_ms" in r else ""), doc=__doc__)
+                + (f" (sorted sampler {1e3 * r['sorted_ms']:.1f} us)" if "sorted_ms" in r else "")
+                + (f" (whole-row bisection {1e3 * r['bisect_ms']:.1f} us)" if "bisect_ms" in r else ""), doc=__doc__)
 
 
 if __name__ == "__main__":

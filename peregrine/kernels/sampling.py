@@ -7,9 +7,12 @@ chunk, ties to the lowest index (torch.argmax's rule).
 
 sample: temperature, min-p, top-k, top-p (vLLM's order). The kept set is every
 token whose logit/T reaches a per-row threshold, found without sorting by
-bisection over the float's 2^32 ordered keys (_threshold: the largest key whose
-count, or probability mass, above it still reaches top-k, or top-p of the mass
-left). Then one draw with the exponential race (Gumbel-max): token = argmax over
+bisection over the float's 2^32 ordered keys (the largest key whose count, or
+probability mass, above it still reaches top-k, or top-p of the mass left). At a
+real vocabulary the search first runs over the candidates within CUT of the row's
+max, collected in one pass over many programs (_chunk_max, _collect, _select:
+exact whenever they hold the answer, which _select can tell), and only the rows
+they cannot settle take _threshold's search over the whole row (32 passes each). Then one draw with the exponential race (Gumbel-max): token = argmax over
 kept i of x_i - log E_i, E_i ~ Exp(1) from Philox keyed by (seed, token id,
 position), which picks i with probability p_i / sum of the kept p. A request's
 token depends only on its logits, parameters, seed and position, never on the
@@ -30,6 +33,9 @@ SMALL_VOCAB = 4096  # up to this vocabulary a program takes several rows (tests,
 THRESHOLD_TILE = 4096  # elements of one [rows, chunk] tile of the threshold search
 NO_INDEX = tl.constexpr(2**31 - 1)  # "no valid element" in a chunk; larger than any vocab index
 U_SCALE = tl.constexpr(2.0**-23)  # uniforms from the top 23 random bits: (x + 0.5)·2^-23 is exact and inside (0, 1)
+CUT = tl.constexpr(12.0)  # candidates: logit/T within this of the row's max (p > 6e-6 of the top token's)
+CAND_CAP = 128  # candidates one vocab chunk may hold (40 chunks at 163 840: 5 120 per row); past it, the full search
+SEARCH_ENV = "PEREGRINE_SAMPLE_SEARCH"  # "candidates" (default) or "bisect": the threshold search, for A/B runs
 SMALL_W = tl.constexpr(2.0**-10)  # below this 1 − u, -log(u) is taken from its series (log(≈1) loses digits)
 
 
@@ -102,8 +108,8 @@ def _scaled(x_ptr, stride_x, rows, rok, t, c, V, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _threshold(x_ptr, stride_x, B, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, key_ptr,
-               R: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+def _threshold(x_ptr, stride_x, B, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, key_ptr, need_ptr,
+               R: tl.constexpr, BLOCK: tl.constexpr, HAS_NEED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """Per row, the smallest key of logits/temperature that stays in the kept set: min-p, then top-k,
     then top-p of what is left (vLLM's order), each a threshold found without sorting: the largest
     key whose count (top-k) or probability mass (top-p) above it still reaches the target, by
@@ -114,6 +120,8 @@ def _threshold(x_ptr, stride_x, B, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, ke
     rok = rows < B
     t = tl.load(temp_ptr + rows, mask=rok, other=0.0)
     live = rok & (t > 0)  # greedy rows need no threshold: a program of only those reads nothing
+    if HAS_NEED:  # after the candidate search (_select): only the rows it could not settle
+        live = live & (tl.load(need_ptr + rows, mask=rok, other=0) != 0)
     t = tl.where(t > 0, t, 1.0)
     m = tl.full((R,), float("-inf"), tl.float32)
     for c in range(0, tl.max(live.to(tl.int32), axis=0) * V, BLOCK):
@@ -150,7 +158,93 @@ def _threshold(x_ptr, stride_x, B, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, ke
             acc += tl.sum(tl.where(ok & (_key(x).to(tl.int64) >= mid[:, None]), tl.exp(x - m[:, None]), 0.0), axis=1)
         take = acc >= target
         lo, hi = tl.where(take, mid, lo), tl.where(take, hi, mid)
-    tl.store(key_ptr + rows, lo.to(tl.int32), mask=rok)
+    tl.store(key_ptr + rows, lo.to(tl.int32), mask=live if HAS_NEED else rok)
+
+
+@triton.jit
+def _chunk_max(x_ptr, stride_x, V, temp_ptr, cmax_ptr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """Candidate search, pass 1: the max of logits/T over one chunk of one row."""
+    pdl_wait(USE_PDL)
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    rows = row + tl.arange(0, 1)
+    t = tl.load(temp_ptr + rows)
+    x, ok, _pos = _scaled(x_ptr, stride_x, rows, rows >= 0, tl.where(t > 0, t, 1.0), c * BLOCK, V, BLOCK)
+    tl.store(cmax_ptr + row * tl.num_programs(1) + c + tl.arange(0, 1), tl.max(x, axis=1))
+
+
+@triton.jit
+def _collect(x_ptr, stride_x, V, temp_ptr, cmax_ptr, cmass_ptr, ccnt_ptr, cx_ptr, BLOCK: tl.constexpr,
+             CB: tl.constexpr, CAP: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """Pass 2: over one chunk, the mass exp(x - max) and the candidates x >= max - CUT, written in order to the
+    chunk's own CAP slots (no atomics: every sum later runs in a fixed order, so the result is deterministic)."""
+    pdl_wait(USE_PDL)
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    nc = tl.num_programs(1)
+    r = tl.arange(0, CB)
+    m = tl.max(tl.load(cmax_ptr + row * nc + r, mask=r < nc, other=float("-inf")), axis=0)
+    rows = row + tl.arange(0, 1)
+    t = tl.load(temp_ptr + rows)
+    x, ok, _pos = _scaled(x_ptr, stride_x, rows, rows >= 0, tl.where(t > 0, t, 1.0), c * BLOCK, V, BLOCK)
+    cand = ok & (x >= m - CUT)
+    slot = tl.cumsum(cand.to(tl.int32), axis=1) - 1
+    at = (row * nc + c) * CAP
+    tl.store(cx_ptr + at + slot, x, mask=cand & (slot < CAP))
+    out = row * nc + c + tl.arange(0, 1)
+    tl.store(cmass_ptr + out, tl.sum(tl.where(ok, tl.exp(x - m), 0.0), axis=1))
+    tl.store(ccnt_ptr + out, tl.sum(cand.to(tl.int32), axis=1))
+
+
+@triton.jit
+def _select(V, n_chunks, temp_ptr, topk_ptr, topp_ptr, minp_ptr, cmax_ptr, cmass_ptr, ccnt_ptr, cx_ptr, key_ptr,
+            need_ptr, CB: tl.constexpr, CAP: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """Pass 3, one program per row: _threshold's searches over the row's candidates in registers. They settle
+    the row exactly when every token at or above the answer is a candidate: no chunk overflowed its CAP, top-k's
+    k-th token (or min-p's bound) is at or above the cut, and the candidates hold top-p's mass; else need = 1
+    and _threshold searches the whole row."""
+    pdl_wait(USE_PDL)
+    row = tl.program_id(0)
+    r = tl.arange(0, CB)
+    rok = r < n_chunks
+    m = tl.max(tl.load(cmax_ptr + row * n_chunks + r, mask=rok, other=float("-inf")), axis=0)
+    cnt = tl.load(ccnt_ptr + row * n_chunks + r, mask=rok, other=0)
+    mass_all = tl.sum(tl.load(cmass_ptr + row * n_chunks + r, mask=rok, other=0.0), axis=0)
+    j = tl.arange(0, CAP)
+    valid = rok[:, None] & (j[None, :] < cnt[:, None])
+    x = tl.load(cx_ptr + (row * n_chunks + r)[:, None] * CAP + j[None, :], mask=valid, other=float("-inf"))
+    e = tl.where(valid, tl.exp(x - m), 0.0)
+    cut = _key(m - CUT).to(tl.int64)
+    min_p = tl.load(minp_ptr + row)
+    lo = tl.where(min_p > 0, _key(m + tl.log(tl.maximum(min_p, 1e-38))), -2147483648).to(tl.int64)
+    lo0 = lo
+    top = _key(m).to(tl.int64) + 1
+    k = tl.load(topk_ptr + row).to(tl.int64)
+    k_on = (k > 0) & (k < V)
+    kk = tl.where(k_on, k, V + 1)
+    hi = top
+    for _it in range(32 * k_on.to(tl.int32)):
+        mid = lo + (hi - lo) // 2
+        take = tl.sum(tl.sum((valid & (_key(x).to(tl.int64) >= mid)).to(tl.int64), axis=1), axis=0) >= kk
+        lo, hi = tl.where(take, mid, lo), tl.where(take, hi, mid)
+    n_lo0 = tl.sum(tl.sum((valid & (_key(x).to(tl.int64) >= lo0)).to(tl.int64), axis=1), axis=0)
+    ok_k = (~k_on) | (n_lo0 >= k) | (lo0 >= cut)  # the k-th is a candidate, or min-p binds above the cut
+    cand_mass = tl.sum(tl.sum(tl.where(_key(x).to(tl.int64) >= lo, e, 0.0), axis=1), axis=0)
+    known = (lo >= cut) | (lo == -2147483648)  # the mass above lo: the candidates', or the whole row's
+    mass = tl.where(lo >= cut, cand_mass, mass_all)
+    top_p = tl.load(topp_ptr + row)
+    p_on = top_p < 1.0
+    target = tl.where(p_on, top_p * mass, float("inf"))
+    ok_p = (~p_on) | (known & (cand_mass >= target))
+    hi = top
+    for _it2 in range(32 * p_on.to(tl.int32)):
+        mid = lo + (hi - lo) // 2
+        take = tl.sum(tl.sum(tl.where(_key(x).to(tl.int64) >= mid, e, 0.0), axis=1), axis=0) >= target
+        lo, hi = tl.where(take, mid, lo), tl.where(take, hi, mid)
+    overflow = tl.max(cnt, axis=0) > CAP
+    settled = (~k_on & ~p_on) | (~overflow & ok_k & ok_p)
+    tl.store(key_ptr + row, lo.to(tl.int32))
+    tl.store(need_ptr + row, (~settled).to(tl.int32))
 
 
 @triton.jit
@@ -208,14 +302,51 @@ def _rows_per_program(B: int, V: int) -> int:
     return max(1, min(triton.next_power_of_2(max(B, 1)), THRESHOLD_TILE // triton.next_power_of_2(V)))
 
 
+def search_mode() -> str:
+    import os
+    v = os.environ.get(SEARCH_ENV, "candidates")
+    if v not in ("candidates", "bisect"):
+        raise ValueError(f"{SEARCH_ENV} must be candidates or bisect, got {v!r}")
+    return v
+
+
+def thresholds(logits, temp, top_k, top_p, min_p, R: int, search: str | None = None):
+    """Each row's threshold key ([B] int32; greedy rows: unused) and, with the candidate search, which rows needed
+    the full one ([B] int32, else None). R: rows per program (the candidate search takes R = 1 only)."""
+    B, V = logits.shape
+    dev = logits.device
+    keys = torch.empty((B,), dtype=torch.int32, device=dev)
+    pdl = launch_kwargs(dev)
+    tb = min(triton.next_power_of_2(V), max(16, THRESHOLD_TILE // R))
+    if R == 1 and (search or search_mode()) == "candidates":
+        nc = triton.cdiv(V, BLOCK_V)
+        cb = max(triton.next_power_of_2(nc), 16)
+        cmax = torch.empty((B, nc), dtype=torch.float32, device=dev)
+        cmass, ccnt = torch.empty_like(cmax), torch.empty((B, nc), dtype=torch.int32, device=dev)
+        cx = torch.empty((B, nc, CAND_CAP), dtype=torch.float32, device=dev)
+        need = torch.empty((B,), dtype=torch.int32, device=dev)
+        _chunk_max[(B, nc)](logits, logits.stride(0), V, temp, cmax, BLOCK=BLOCK_V, num_warps=8, **pdl)
+        _collect[(B, nc)](logits, logits.stride(0), V, temp, cmax, cmass, ccnt, cx, BLOCK=BLOCK_V, CB=cb,
+                          CAP=CAND_CAP, num_warps=8, **pdl)
+        _select[(B,)](V, nc, temp, top_k, top_p, min_p, cmax, cmass, ccnt, cx, keys, need, CB=cb, CAP=CAND_CAP,
+                      num_warps=8, **pdl)
+        _threshold[(B,)](logits, logits.stride(0), B, V, temp, top_k, top_p, min_p, keys, need,
+                         R=1, BLOCK=tb, HAS_NEED=True, num_warps=8, **pdl)
+        return keys, need
+    _threshold[(triton.cdiv(B, R),)](logits, logits.stride(0), B, V, temp, top_k, top_p, min_p, keys, keys,
+                                     R=R, BLOCK=tb, num_warps=8 if R == 1 else 4, **pdl)
+    return keys, None
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            seeds: torch.Tensor, positions: torch.Tensor, min_p: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, search: str | None = None) -> torch.Tensor:
     """[B, V] logits -> [B] int64 tokens, on the device with no host sync and static shapes (CUDA-graph
     capturable). Per row: temperature (0 = greedy: the argmax), min_p, top_k (0 = off), top_p (1 = off),
     then one draw keyed by (seed, position): a row's token depends on its logits, parameters, seed and
-    position only, never on the batch. No sort: the kept set is {logits/T >= a threshold} (_threshold).
-    out: a [B] int64 buffer to write (a graph's static output), else a new one."""
+    position only, never on the batch. No sort: the kept set is {logits/T >= a threshold} (thresholds()).
+    out: a [B] int64 buffer to write (a graph's static output), else a new one. search: the threshold search
+    ("candidates" / "bisect"; default PEREGRINE_SAMPLE_SEARCH or candidates)."""
     assert logits.dim() == 2 and logits.stride(1) == 1
     B, V = logits.shape
     dev = logits.device
@@ -229,12 +360,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     i64 = lambda t: t.to(device=dev, dtype=torch.int64).contiguous()  # noqa: E731
     temp = f32(temperature)
     mp = f32(min_p) if min_p is not None else torch.zeros(B, dtype=torch.float32, device=dev)
-    keys = torch.empty((B,), dtype=torch.int32, device=dev)
+    keys, _ = thresholds(logits, temp, i64(top_k), f32(top_p), mp, R, search)
     pdl = launch_kwargs(dev)
     grid_r = triton.cdiv(B, R)
-    tb = min(triton.next_power_of_2(V), max(16, THRESHOLD_TILE // R))
-    _threshold[(grid_r,)](logits, logits.stride(0), B, V, temp, i64(top_k), f32(top_p), mp, keys,
-                          R=R, BLOCK=tb, num_warps=8 if R == 1 else 4, **pdl)
     block = BLOCK_V if R == 1 else min(triton.next_power_of_2(V), max(16, THRESHOLD_TILE // R))
     n_chunks = triton.cdiv(V, block)
     pmax = torch.empty((B, n_chunks), dtype=torch.float32, device=dev)
