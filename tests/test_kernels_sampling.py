@@ -225,3 +225,12 @@ def test_candidate_search_equals_the_whole_row_search(device):
     seeds, pos = torch.arange(b, device=device), torch.full((b,), 7, device=device)
     assert torch.equal(sample(x, t, k, p, seeds, pos, mp, search="candidates"),
                        sample(x, t, k, p, seeds, pos, mp, search="bisect"))
+
+
+def test_search_env_is_checked(monkeypatch):
+    from peregrine.kernels.sampling import SEARCH_ENV, search_mode
+    monkeypatch.setenv(SEARCH_ENV, "bisect")
+    assert search_mode() == "bisect"
+    monkeypatch.setenv(SEARCH_ENV, "sorted")
+    with pytest.raises(ValueError, match=SEARCH_ENV):
+        search_mode()
