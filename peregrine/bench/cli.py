@@ -64,17 +64,22 @@ def add_bench_decode_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     p.add_argument("--additional-config", default=None, help="JSON object, as for serve")
     p.add_argument("--tensor-parallel-size", "-tp", type=_positive(int), default=1, help="GPUs (ranks) per engine")
-    g = p.add_argument_group("sampled requests (each B is then measured greedy and sampled, same engine)")
-    g.add_argument("--temperature", type=float, default=None, help="> 0: also measure rows sampled at this temperature")
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--min-p", type=float, default=None)
-    g.add_argument("--logprobs", type=int, default=None, metavar="N", help="each token's logprob and the top N")
+    add_sampling_args(p, "sampled requests (each B is then measured greedy and sampled, same engine)")
     p.set_defaults(func=run_bench_decode)
     return p
 
 
-def _sampling_settings(args) -> dict | None:
+def add_sampling_args(p, title: str) -> None:
+    """--temperature, --top-p, --top-k, --min-p, --logprobs: the sampled requests of a benchmark (sampling_settings)."""
+    g = p.add_argument_group(title)
+    g.add_argument("--temperature", type=float, default=None, help="> 0: requests sampled at this temperature")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--logprobs", type=int, default=None, metavar="N", help="each token's logprob and the top N")
+
+
+def sampling_settings(args) -> dict | None:
     """The sampled rows' SamplingParams fields, checked as a request's would be (ValueError names the field)."""
     kw = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k", "min_p", "logprobs")
           if getattr(args, k, None) is not None}
@@ -92,7 +97,7 @@ def run_bench_decode(args) -> int:
     try:
         if args.additional_config:
             json.loads(args.additional_config)  # fail early with a message, before any model is built
-        sampling = _sampling_settings(args)
+        sampling = sampling_settings(args)
         r = bench_decode(args.model, args.batch_sizes, args.input_len, args.output_len, tuple(args.backends),
                          args.dummy_weights, prompt_sets=args.prompt_sets, runs=args.runs,
                          kv_cache_dtype=args.kv_cache_dtype, additional_config=args.additional_config,

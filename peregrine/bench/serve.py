@@ -171,12 +171,12 @@ def plot(payload: dict | list[dict], path) -> None:
 
 
 def _sampling(args) -> dict | None:
-    kw = {k: getattr(args, k, None) for k in ("temperature", "top_p", "top_k", "min_p", "logprobs")}
-    kw = {k: v for k, v in kw.items() if v is not None}
-    if kw and not kw.get("temperature", 0) > 0:
-        from ..config import ConfigError
-        raise ConfigError("--top-p, --top-k, --min-p and --logprobs describe sampled requests: give --temperature > 0 too")
-    return kw or None
+    from ..config import ConfigError
+    from .cli import sampling_settings
+    try:
+        return sampling_settings(args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def run_cli(args) -> int:

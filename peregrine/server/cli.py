@@ -92,12 +92,8 @@ def add_bench_serve_parser(bench_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--label", default=None, help="configuration name in the JSON and the plot")
     p.add_argument("--results-dir", default="results")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    g = p.add_argument_group("sampled requests (default: greedy, temperature 0)")
-    g.add_argument("--temperature", type=float, default=None, help="> 0: every request samples at this temperature")
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--min-p", type=float, default=None)
-    g.add_argument("--logprobs", type=int, default=None, metavar="N", help="each token's logprob and the top N")
+    from ..bench.cli import add_sampling_args
+    add_sampling_args(p, "sampled requests (default: greedy, temperature 0)")
     p.set_defaults(func=cmd_bench_serve)
     return p
 
