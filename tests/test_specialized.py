@@ -413,3 +413,31 @@ def test_sampled_rows_drawn_in_the_step_keep_lookahead(model_dir):
     assert [len(x) for x in lps] == [n, n, 0]
     assert got[1] == on.generate(ps[1:2], [SamplingParams(max_tokens=n, ignore_eos=True)])[0]  # greedy row: as alone
     assert len({tuple(g) for g in got}) == 3
+
+
+def test_capture_all_takes_the_sampled_graphs_too(monkeypatch):
+    """At start the specialized runner's cache captures each B's plain and sampled graphs (most requests
+    sample: the server's default temperature is 1.0); a failed sampled capture leaves the plain ones."""
+    import types
+    from peregrine.cache import ModelCache
+    from peregrine.config import resolve_model
+    from peregrine.decode.standard import GraphCache
+    cfg, _ = resolve_model("tiny-kimi-linear")
+    c = ModelCache(cfg, num_blocks=40, block_size=4, num_slots=4, dtype=torch.float32, device="cpu")
+    for samples, fail in ((True, False), (True, True), (False, False)):
+        g = GraphCache(None, c, 3, fixed_blocks=16, samples=samples)
+
+        def capture(key, like=None, g=g, fail=fail):
+            if fail and len(key) > 2:
+                raise RuntimeError("not capturable")
+            st = g._static(*key[:2], sampled="sampled" in key[2:])
+            assert (st.sampling is not None) == ("sampled" in key[2:])
+            g.graphs[key] = (types.SimpleNamespace(replay=lambda: None), st, None)
+        monkeypatch.setattr(g, "_capture", capture)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+        g.capture_all()
+        plain = {(B, 16) for B in (1, 2, 3)}
+        want = plain | ({(B, 16, "sampled") for B in (1, 2, 3)} if samples and not fail else set())
+        assert set(g.graphs) == want and g.broken is None
+        assert set(g.failed) == ({(B, 16, "sampled") for B in (1, 2, 3)} if fail else set())

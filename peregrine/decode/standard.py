@@ -127,7 +127,9 @@ class GraphCache:
                 + (("penalties",) if step.penalties is not None else ()))
 
     def capture_all(self) -> None:
-        """Capture every batch size's graph now (fixed_blocks only), with progress output."""
+        """Capture every batch size's graph now (fixed_blocks only), with progress output; with samples, also its
+        sampled graph (the server's default temperature is 1.0: most requests sample, and a capture in the middle
+        of serving would stall every running request). Logprobs and penalties graphs are captured at first use."""
         import time as _time
         t0 = _time.time()
         for B in range(1, self.max_batch + 1):
@@ -135,8 +137,10 @@ class GraphCache:
                 self.log(f"capturing decode graphs: B={B}/{self.max_batch}" + (f" (verify, T={self.T})" if self.T > 1 else ""))
             if not self._try_capture((B, self.fixed_blocks)):
                 return
+            if self.samples:
+                self._try_capture((B, self.fixed_blocks, "sampled"))  # a failure leaves the plain graphs
         if self.log:
-            self.log(f"captured {self.max_batch} decode graphs in {_time.time() - t0:.1f}s "
+            self.log(f"captured {len(self.graphs)} decode graphs in {_time.time() - t0:.1f}s "
                      f"({torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated)")
 
     def run(self, step: StepInput):
