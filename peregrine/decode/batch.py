@@ -56,8 +56,8 @@ class StepInput:
     # logprobs inside the step (#41): the runner also returns each row's chosen-token logprob and the top
     # LOGPROBS_TOP (token id, logprob) of the raw logits, read back with the tokens
     logprobs: bool = False
-    # penalties inside the step (#41): (counts, seen, slots, repetition, frequency, presence) from
-    # engine/penalties.DevicePenalties; the runner applies them (apply_device) before drawing
+    # penalties inside the step (#41): (counts, seen, slots, repetition, frequency, presence, ban ids, ban until)
+    # from engine/penalties.DevicePenalties; the runner applies them (apply_device) before drawing
     penalties: tuple | None = None
 
     def decode_rows(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:

@@ -66,8 +66,8 @@ class GraphCache:
             context_lens_t=torch.full((B,), T, dtype=torch.int32, device=dev), max_context=nb * c.block_size)
         for k, v in self.static_extra.items():
             setattr(st, k, v)
+        f = lambda v, dt: torch.full((B,), v, dtype=dt, device=dev)  # noqa: E731
         if sampled:  # temperature, top_k, top_p, min_p, seed: every row greedy until run() copies a step's
-            f = lambda v, dt: torch.full((B,), v, dtype=dt, device=dev)  # noqa: E731
             st.sampling = (f(0.0, torch.float32), f(0, torch.int32), f(1.0, torch.float32), f(0.0, torch.float32),
                            f(0, torch.int64))
         if like is not None and like.penalties is not None:  # the engine's count buffers, read in place; rows: scratch

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from ..decode.batch import _to_device
+
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's bounds for presence_penalty and frequency_penalty
 
 
@@ -87,7 +89,6 @@ class DevicePenalties:
     def prepare(self, step, seqs, eos_ids) -> tuple:
         """Bring each row up to date for this decode step, queue the update with its input token, and return
         StepInput.penalties: (counts, seen, slots, repetition, frequency, presence, ban ids, ban until)."""
-        from ..decode.batch import _to_device
         dev = self.counts.device
         for s, c in zip(seqs, step.context_lens):
             j = c - 1 - s.prompt_len  # output index of this step's input token (a decode step: one per row)
@@ -110,9 +111,9 @@ class DevicePenalties:
                           col([p.presence_penalty for p in ps], torch.float32),
                           col([((b or [0]) * MAX_BAN)[:MAX_BAN] for b in bans], torch.long),  # [0]: never held (until 0)
                           col([s.prompt_len + p.min_tokens if b else 0 for s, p, b in zip(seqs, ps, bans)], torch.int32),
-                          torch.ones(len(seqs), device=dev))
+                          torch.ones(len(seqs), device=dev), torch.ones(len(seqs), dtype=torch.bool, device=dev))
             self._key = key
-        *rows, one = self._rows
+        *rows, one, yes = self._rows
         self.counts.index_put_((rows[0], step.input_ids), one, accumulate=True)
-        self.seen.index_put_((rows[0], step.input_ids), one.bool())
+        self.seen.index_put_((rows[0], step.input_ids), yes)
         return (self.counts, self.seen, *rows)
