@@ -38,7 +38,7 @@ def ref_dist(row, t, k, p, min_p=0.0):
     kk = k if k > 0 else q.numel()
     qs, order = qs[:kk], order[:kk]
     before = torch.cumsum(qs, 0) - qs
-    keep = (before < p * qs.sum()) & (qs > 0)
+    keep = (before < p * qs.sum()) & (qs > 0) if p < 1 else torch.ones_like(qs, dtype=torch.bool)  # 1: no nucleus
     keep[0] = True
     out = torch.zeros_like(q)
     out[order[keep]] = qs[keep]
@@ -182,7 +182,7 @@ def test_sampling_kernels_compile_for_sm90_without_spills():
     """The interpreter cannot catch compile errors: compile the sampler's kernels for sm_90a (ptxas included)."""
     from conftest import run_aot
     rows = run_aot("import json; from peregrine.bench import kernels_sampling as b; print(json.dumps(b.compile_check()))")
-    assert len(rows) == 9
+    assert len(rows) == 11  # threshold, race, race_stage2 x 2; chunk_max, collect, select; descend x 2
     for row in rows:
         assert "error" not in row, row
         assert row["spill"] == 0 and 0 < row["regs"] <= 255, row
@@ -199,38 +199,72 @@ def test_token_logprobs_equal_log_softmax(b, v, device):
     assert torch.equal(top_i.cpu(), ri) and torch.allclose(top_v.double().cpu(), rv, atol=1e-5)
 
 
-def test_candidate_search_equals_the_whole_row_search(device):
-    """The candidate search (one pass collects logits/T within CUT of the max, the searches run over those) gives
-    every row the whole-row bisection's threshold key: rows it settles (peaked rows) and rows it hands back
-    (a chunk over CAND_CAP candidates, a k-th token or a nucleus below the cut, min-p below the cut)."""
+def _key_ref(v):
+    """float32 -> int32 keys in float order (the kernel's _key), written here from the IEEE layout."""
+    bits = v.float().view(torch.int32)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@pytest.mark.parametrize("search", ["candidates", "radix", "bisect"])
+def test_threshold_searches_keep_the_reference_set(search, device):
+    """Each search's threshold key keeps exactly the reference's set (ref_dist > 0, FP64, by sorting): rows the
+    candidates settle (peaked heads) and rows they hand to the whole-row descent (a chunk over CAND_CAP
+    candidates, a k-th token or nucleus below the cut, min-p below the cut). FP32 sums may move a nucleus
+    boundary by its one token only where the reference's mass before that token is within 1e-6 of top_p."""
     b, v = 10, 5000  # > SMALL_VOCAB: one row a program, two vocab chunks
     g = torch.Generator().manual_seed(11)
     x = torch.randn(b, v, generator=g) * 2 - 40
     x[:, :60] += 40 + torch.randn(b, 60, generator=g) * 3  # a peaked head of 60 tokens, the rest far below
     x[8] = torch.randn(v, generator=g) * 0.5  # flat: every token a candidate, the chunks overflow
-    x = x.to(device)
-    t = torch.tensor([0.7, 1.0, 0.6, 1.3, 0.9, 1.0, 1.0, 0.8, 1.0, 0.0], device=device)
-    k = torch.tensor([0, 40, 0, 5, 100, 0, 0, 20, 0, 0], device=device)  # row 4: the 100th token is below the cut
-    p = torch.tensor([0.95, 1.0, 0.9, 0.8, 1.0, 1.0, 0.999999, 0.95, 0.9, 1.0], device=device)
-    mp = torch.tensor([0.0, 0.0, 0.1, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.0], device=device)
-    keys, need = thresholds(x, t, k, p, mp, 1, "candidates")
-    ref, none = thresholds(x, t, k, p, mp, 1, "bisect")
-    assert none is None
-    live = (t > 0).cpu()
-    assert torch.equal(keys.cpu()[live], ref.cpu()[live])
-    need = need.cpu().tolist()
-    assert need[0] == need[2] == need[3] == need[7] == 0, need  # peaked rows settle on their candidates
-    assert need[4] == 1 and need[8] == 1, need  # the 100th token below the cut; overflowing chunks
-    assert 60 < CAND_CAP * 2  # (the peaked rows fit: 60 candidates in two chunks)
-    seeds, pos = torch.arange(b, device=device), torch.full((b,), 7, device=device)
-    assert torch.equal(sample(x, t, k, p, seeds, pos, mp, search="candidates"),
-                       sample(x, t, k, p, seeds, pos, mp, search="bisect"))
+    t = torch.tensor([0.7, 1.0, 0.6, 1.3, 0.9, 1.0, 1.0, 0.8, 1.0, 0.0])
+    k = torch.tensor([0, 40, 0, 5, 100, 0, 0, 20, 0, 0])  # row 4: the 100th token is below the cut
+    p = torch.tensor([0.95, 1.0, 0.9, 0.8, 1.0, 1.0, 0.999999, 0.95, 0.9, 1.0])  # row 6: the nucleus in the tail
+    mp = torch.tensor([0.0, 0.0, 0.1, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.0])
+    dev = lambda z: z.to(device)  # noqa: E731
+    keys, need = thresholds(dev(x), dev(t), dev(k), dev(p), dev(mp), 1, search)
+    keys = keys.cpu()
+    assert (need is None) == (search != "candidates")
+    for i in range(b - 1):  # row 9 is greedy: no threshold
+        want = ref_dist(x[i], float(t[i]), int(k[i]), float(p[i]), float(mp[i])) > 0
+        got = _key_ref(x[i] / t[i]) >= keys[i]
+        if not torch.equal(got, want):
+            q = torch.softmax(x[i].double() / float(t[i]), -1)
+            (j,) = torch.nonzero(got ^ want)[:, 0].tolist()  # one token only, at the boundary
+            before = q[q > q[j]].sum() / q[got | want].sum()
+            assert abs(before - float(p[i])) < 1e-6, (search, i, float(before))
+    if search == "candidates":
+        need = need.cpu().tolist()
+        assert need[0] == need[2] == need[3] == need[7] == 0, need  # peaked rows settle on their candidates
+        assert need[4] == 1 and need[8] == 1, need  # the 100th token below the cut; overflowing chunks
+        assert 60 < CAND_CAP * 2  # (the peaked rows fit: 60 candidates in two chunks)
+
+
+def test_searches_draw_the_same_tokens(device):
+    """The draw after each search: the same tokens (no row here has a boundary within FP32 rounding)."""
+    x = _logits(6, 5000, device, seed=3, scale=2.0)
+    t, k, p, mp = (torch.tensor(z, device=device) for z in ([0.7, 1.0, 0.0, 1.2, 0.9, 0.6], [0, 40, 0, 7, 0, 300],
+                                                             [0.95, 0.9, 1.0, 1.0, 0.5, 0.99],
+                                                             [0.0, 0.0, 0.0, 0.02, 0.0, 0.0]))
+    seeds, pos = torch.arange(6, device=device), torch.full((6,), 7, device=device)
+    got = {s: sample(x, t, k, p, seeds, pos, mp, search=s) for s in ("candidates", "radix", "bisect")}
+    assert torch.equal(got["candidates"], got["bisect"]) and torch.equal(got["radix"], got["bisect"])
+    assert torch.equal(got["radix"].cpu(), sample_ref(x.cpu(), t.cpu(), k.cpu(), p.cpu(), seeds.cpu(), pos.cpu(),
+                                                      mp.cpu()))
+
+
+@pytest.mark.parametrize("nb", [4, 64])
+def test_descent_levels_reach_one_key(nb):
+    """The descent's level count narrows any bracket of the 2^32 keys to one key, nb-fold a level, and no fewer
+    would (the count is written here from 32 / log2(nb) bits, rounded up)."""
+    import math
+    assert sampling.descent_levels(nb) == math.ceil(32 / math.log2(nb))
 
 
 def test_search_env_is_checked(monkeypatch):
     from peregrine.kernels.sampling import SEARCH_ENV, search_mode
-    monkeypatch.setenv(SEARCH_ENV, "bisect")
-    assert search_mode() == "bisect"
+    for mode in ("bisect", "radix", "candidates"):
+        monkeypatch.setenv(SEARCH_ENV, mode)
+        assert search_mode() == mode
     monkeypatch.setenv(SEARCH_ENV, "sorted")
     with pytest.raises(ValueError, match=SEARCH_ENV):
         search_mode()

@@ -411,7 +411,9 @@ def test_sampled_rows_drawn_in_the_step_keep_lookahead(model_dir):
                 assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
                 assert [t for t, _ in a.top] == [t for t, _ in b.top]
     assert [len(x) for x in lps] == [n, n, 0]
-    assert got[1] == on.generate(ps[1:2], [SamplingParams(max_tokens=n, ignore_eos=True)])[0]  # greedy row: as alone
+    if DEVICE == "cpu":  # FP32: a greedy row as alone. In BF16 on the GPU each B has its own kernels, whose
+        # rounding differs, so a near-tie may go either way (seen on the H200: token 24 of 32)
+        assert got[1] == on.generate(ps[1:2], [SamplingParams(max_tokens=n, ignore_eos=True)])[0]
     assert len({tuple(g) for g in got}) == 3
 
 

@@ -1,8 +1,9 @@
 """The sampler's microbenchmark (issue #41, BENCHMARKS.md §2): kernels/sampling.py's argmax and sort-free
 sample at the Kimi vocabulary (163 840 FP32 logits a row), B = 1..16, per setting (greedy rows through
-sample, temperature only, top-p 0.95 as chat clients send it, top-k 50 + top-p, min-p; the candidate search
-against the whole-row bisection where a search runs; random logits x3 here, so how often the candidates
-settle a row on real text is for the decode bench to show), against the path it
+sample, temperature only, top-p 0.95 as chat clients send it, top-k 50 + top-p, min-p; where a search runs,
+the default (the candidates, then the descent for rows they cannot settle) against the descent alone at 64,
+32 and 128 pivots a level and the one-program bisection, on random logits x3, where few rows settle, and
+on a peaked head, where all do), against the path it
 replaces (engine/sampling.py before #41: full sort, softmax, cumsum, scatter, one multinomial a row) where
 that is timeable in a graph, timed as CUDA graphs. GB/s counts one read of the logits.
     python -m peregrine.bench.kernels_sampling [--quick]
@@ -23,6 +24,11 @@ SETTINGS = {  # name: (temperature, top_k, top_p, min_p)
     "top_k_50_top_p_0.9": (0.7, 50, 0.9, 0.0),
     "min_p_0.05": (1.0, 0, 1.0, 0.05),
 }
+
+
+SEARCH_AB = {"radix": dict(search="radix"), "radix_nb32": dict(search="radix", nb=32),
+             "radix_nb128": dict(search="radix", nb=128), "bisect": dict(search="bisect")}
+PEAK = 4.0  # logits x 3 x 4: the top tokens stand ~20 / T above the rest, as on real text
 
 
 def _sorted_sampler(logits, t, p):
@@ -57,8 +63,12 @@ def run(copy_gbps: float, full: bool = True, iters: int = 50) -> list[dict]:
                    "gbps": nbytes / ms / 1e6, "pct_of_copy": nbytes / ms / 1e6 / copy_gbps, "vs_argmax": ms / t_arg}
             if name == "top_p_0.95":
                 row["sorted_ms"] = graph_time([lambda: _sorted_sampler(logits, args[0], args[2])], iters)[0]
-            if name in ("top_p_0.95", "top_k_50_top_p_0.9"):  # the whole-row bisection, for the A/B
-                row["bisect_ms"] = graph_time([lambda: sample(logits, *args, out=out, search="bisect")], iters)[0]
+            if name in ("top_p_0.95", "top_k_50_top_p_0.9"):  # the other searches, for the A/B
+                for label, kw in SEARCH_AB.items():
+                    row[f"{label}_ms"] = graph_time([lambda: sample(logits, *args, out=out, **kw)], iters)[0]
+                peaked = logits * PEAK  # a head the candidates hold: what they save where they settle
+                row["peaked_ms"] = graph_time([lambda: sample(peaked, *args, out=out)], iters)[0]
+                row["peaked_radix_ms"] = graph_time([lambda: sample(peaked, *args, out=out, search="radix")], iters)[0]
             rows.append(row)
     return rows
 
@@ -72,8 +82,7 @@ def compile_check() -> list[dict]:
     for R, block in ((1, K.THRESHOLD_TILE), (16, 256)):  # the real vocabulary; a tiny model's rows packed
         common = dict(x_ptr=p("*fp32"), stride_x=n(VOCAB), B=n(8), V=n(VOCAB), temp_ptr=p("*fp32"), R=c(R))
         th = compile_sm90(K._threshold, common | dict(topk_ptr=p("*i64"), topp_ptr=p("*fp32"), minp_ptr=p("*fp32"),
-                                                      key_ptr=p("*i32"), need_ptr=p("*i32"), BLOCK=c(block),
-                                                      HAS_NEED=c(R == 1)), 8 if R == 1 else 4, 1)
+                                                      key_ptr=p("*i32"), BLOCK=c(block)), 8 if R == 1 else 4, 1)
         race = compile_sm90(K._race_stage1, common | dict(key_ptr=p("*i32"), seed_ptr=p("*i64"), pos_ptr=p("*i64"),
                                                           pmax_ptr=p("*fp32"), pidx_ptr=p("*i32"),
                                                           BLOCK=c(K.BLOCK_V if R == 1 else block)), 8 if R == 1 else 4, 1)
@@ -90,6 +99,12 @@ def compile_check() -> list[dict]:
         V=n(VOCAB), n_chunks=n(nc), temp_ptr=p("*fp32"), topk_ptr=p("*i64"), topp_ptr=p("*fp32"), minp_ptr=p("*fp32"),
         cmax_ptr=p("*fp32"), cmass_ptr=p("*fp32"), ccnt_ptr=p("*i32"), cx_ptr=p("*fp32"), key_ptr=p("*i32"),
         need_ptr=p("*i32"), CB=c(cb), CAP=c(K.CAND_CAP)), 8, 1))
+    for mass in (0, 1):  # a descent level: top-k's counts, top-p's masses
+        out.append({"kernel": f"descend mass={mass}"} | compile_sm90(K._descend, row | dict(
+            nc=n(nc), topk_ptr=p("*i64"), topp_ptr=p("*fp32"), minp_ptr=p("*fp32"), cmax_ptr=p("*fp32"),
+            need_ptr=p("*i32"), prev_part_ptr=p("*fp32"), prev_brk_ptr=p("*i64"), p0_part_ptr=p("*fp32"),
+            part_ptr=p("*fp32"), brk_ptr=p("*i64"), key_ptr=p("*i32"), MASS=c(mass), FIRST=c(0), FINAL=c(0),
+            HAS_NEED=c(1), BLOCK=c(K.BLOCK_V), NB=c(K.RADIX_NB), TILE=c(K.RADIX_TILE), CB=c(cb)), 4, 1))
     return out
 
 
@@ -98,7 +113,8 @@ def main():
     family_main("sampling", run, lambda r: f"{r['kernel']:>28} B={r['B']:>2} {1e3 * r['time_ms']:>8.1f} us "
                 f"{r['gbps']:>7.0f} GB/s {100 * r['pct_of_copy']:>5.1f}%"
                 + (f" (sorted sampler {1e3 * r['sorted_ms']:.1f} us)" if "sorted_ms" in r else "")
-                + (f" (whole-row bisection {1e3 * r['bisect_ms']:.1f} us)" if "bisect_ms" in r else ""), doc=__doc__)
+                + "".join(f" ({k[:-3]} {1e3 * r[k]:.1f} us)" for k in r if k.endswith("_ms") and k not in
+                          ("time_ms", "samples_ms", "sorted_ms")), doc=__doc__)
 
 
 if __name__ == "__main__":

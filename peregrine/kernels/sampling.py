@@ -12,8 +12,12 @@ probability mass, above it still reaches top-k, or top-p of the mass left). At a
 real vocabulary the search first runs over the candidates within CUT of the row's
 max, collected in one pass over many programs (_chunk_max, _collect, _select:
 exact whenever they hold the answer, which _select can tell), and only the rows
-they cannot settle take _threshold's search over the whole row (32 passes each). Then one draw with the exponential race (Gumbel-max): token = argmax over
-kept i of x_i - log E_i, E_i ~ Exp(1) from Philox keyed by (seed, token id,
+they cannot settle (flat rows: high temperature, a wide nucleus) take the descent
+over the whole row (_descend: a launch a level, the row's chunks in parallel, each
+level testing RADIX_NB pivots, so 6 levels settle the 32 bits). _threshold, the
+same search in one program a row (32 passes a bit), serves small vocabularies.
+Then one draw with the exponential race (Gumbel-max): token = argmax over kept i
+of x_i - log E_i, E_i ~ Exp(1) from Philox keyed by (seed, token id,
 position), which picks i with probability p_i / sum of the kept p. A request's
 token depends only on its logits, parameters, seed and position, never on the
 batch it shares, a graph replay or a step launched ahead.
@@ -26,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import interpreting
 from .pdl import launch_kwargs, pdl_wait
 
 BLOCK_V = 4096  # vocab chunk per program: 163840 -> 40 programs per row even at B = 1
@@ -35,7 +40,11 @@ NO_INDEX = tl.constexpr(2**31 - 1)  # "no valid element" in a chunk; larger than
 U_SCALE = tl.constexpr(2.0**-23)  # uniforms from the top 23 random bits: (x + 0.5)·2^-23 is exact and inside (0, 1)
 CUT = tl.constexpr(12.0)  # candidates: logit/T within this of the row's max (p > 6e-6 of the top token's)
 CAND_CAP = 128  # candidates one vocab chunk may hold (40 chunks at 163 840: 5 120 per row); past it, the full search
-SEARCH_ENV = "PEREGRINE_SAMPLE_SEARCH"  # "candidates" (default) or "bisect": the threshold search, for A/B runs
+SEARCH_ENV = "PEREGRINE_SAMPLE_SEARCH"  # "candidates" (default), "radix" or "bisect": the threshold search, for A/B runs
+SEARCHES = ("candidates", "radix", "bisect")
+RADIX_NB = 64  # pivots a descent level tests: 6 of the key's 32 bits a pass, 6 levels (a launch each) a search
+RADIX_TILE = 64  # elements a step of a level takes: a [64, RADIX_NB] compare in registers (16 a thread at 4 warps)
+RADIX_TILE_INTERPRET = 1024  # the interpreter pays per step, not per element
 SMALL_W = tl.constexpr(2.0**-10)  # below this 1 − u, -log(u) is taken from its series (log(≈1) loses digits)
 
 
@@ -108,8 +117,8 @@ def _scaled(x_ptr, stride_x, rows, rok, t, c, V, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _threshold(x_ptr, stride_x, B, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, key_ptr, need_ptr,
-               R: tl.constexpr, BLOCK: tl.constexpr, HAS_NEED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+def _threshold(x_ptr, stride_x, B, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, key_ptr,
+               R: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     """Per row, the smallest key of logits/temperature that stays in the kept set: min-p, then top-k,
     then top-p of what is left (vLLM's order), each a threshold found without sorting: the largest
     key whose count (top-k) or probability mass (top-p) above it still reaches the target, by
@@ -120,8 +129,6 @@ def _threshold(x_ptr, stride_x, B, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, ke
     rok = rows < B
     t = tl.load(temp_ptr + rows, mask=rok, other=0.0)
     live = rok & (t > 0)  # greedy rows need no threshold: a program of only those reads nothing
-    if HAS_NEED:  # after the candidate search (_select): only the rows it could not settle
-        live = live & (tl.load(need_ptr + rows, mask=rok, other=0) != 0)
     t = tl.where(t > 0, t, 1.0)
     m = tl.full((R,), float("-inf"), tl.float32)
     for c in range(0, tl.max(live.to(tl.int32), axis=0) * V, BLOCK):
@@ -158,7 +165,7 @@ def _threshold(x_ptr, stride_x, B, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, ke
             acc += tl.sum(tl.where(ok & (_key(x).to(tl.int64) >= mid[:, None]), tl.exp(x - m[:, None]), 0.0), axis=1)
         take = acc >= target
         lo, hi = tl.where(take, mid, lo), tl.where(take, hi, mid)
-    tl.store(key_ptr + rows, lo.to(tl.int32), mask=live if HAS_NEED else rok)
+    tl.store(key_ptr + rows, lo.to(tl.int32), mask=rok)
 
 
 @triton.jit
@@ -248,6 +255,111 @@ def _select(V, n_chunks, temp_ptr, topk_ptr, topp_ptr, minp_ptr, cmax_ptr, cmass
 
 
 @triton.jit
+def _pick(part_ptr, row, nc, lo, hi, target, NB: tl.constexpr, CB: tl.constexpr):
+    """One level of the descent, decided: of [lo, hi)'s NB pivots lo + j·w, the largest whose S (count or
+    mass of keys >= it, the row's chunks summed in a fixed order) reaches target, and the sub-bracket it opens
+    (j = 0 when none does: the bound already holds at lo, as top-k's when min-p leaves fewer than k)."""
+    w = (hi - lo + NB - 1) // NB
+    j = tl.arange(0, NB)
+    r = tl.arange(0, CB)
+    rd = (r < nc) & (hi - lo > 1)  # a bracket of one key was not weighed: nothing to read
+    s = tl.sum(tl.load(part_ptr + (row * nc + r)[:, None] * NB + j[None, :], mask=rd[:, None], other=0.0), axis=0)
+    ok = (lo + j.to(tl.int64) * w < hi) & (s >= target)
+    nlo = lo + tl.max(tl.where(ok, j, 0), axis=0).to(tl.int64) * w
+    return nlo, tl.minimum(nlo + w, hi)
+
+
+@triton.jit
+def _descend(x_ptr, stride_x, V, nc, temp_ptr, topk_ptr, topp_ptr, minp_ptr, cmax_ptr, need_ptr, prev_part_ptr,
+             prev_brk_ptr, p0_part_ptr, part_ptr, brk_ptr, key_ptr, MASS: tl.constexpr, FIRST: tl.constexpr,
+             FINAL: tl.constexpr, HAS_NEED: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, TILE: tl.constexpr,
+             CB: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """The whole-row threshold search spread over the row's chunks: a level per launch, each narrowing the
+    row's key bracket [lo, hi) NB-fold (_pick, from the last level's per-chunk counts or masses), then counting
+    (top-k: MASS = 0) or weighing (top-p: MASS = 1) this chunk's keys at the new bracket's NB pivots. top-k's
+    levels come first, from min-p's bound, then top-p's from top-k's answer (vLLM's order); a row with either
+    off gets the bracket [lo, lo + 1) there, so its levels read nothing. FINAL: the last pick, the key."""
+    pdl_wait(USE_PDL)
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    t = tl.load(temp_ptr + row)
+    live = t > 0
+    if HAS_NEED:  # after the candidate search: only the rows it could not settle
+        live = live & (tl.load(need_ptr + row) != 0)
+    if live:
+        r = tl.arange(0, CB)
+        m = tl.max(tl.load(cmax_ptr + row * nc + r, mask=r < nc, other=float("-inf")), axis=0)
+        top = _key(m).to(tl.int64) + 1  # nothing is >= this key
+        top_p = tl.load(topp_ptr + row)
+        if FIRST and not MASS:
+            min_p = tl.load(minp_ptr + row)
+            lo = tl.where(min_p > 0, _key(m + tl.log(tl.maximum(min_p, 1e-38))), -2147483648).to(tl.int64)
+            k = tl.load(topk_ptr + row)
+            hi = tl.where((k > 0) & (k < V), top, lo + 1)
+        else:
+            lo = tl.load(prev_brk_ptr + row * 2)
+            hi = tl.load(prev_brk_ptr + row * 2 + 1)
+            if (FINAL or MASS) and not FIRST:  # top-p's target: top_p of the mass at its first level's lo
+                target = top_p * tl.sum(tl.load(p0_part_ptr + (row * nc + r) * NB, mask=r < nc, other=0.0), axis=0)
+            else:
+                target = tl.load(topk_ptr + row).to(tl.float32)  # counts to 2^24 are exact in FP32
+            lo, hi = _pick(prev_part_ptr, row, nc, lo, hi, target, NB, CB)
+            if FIRST:
+                hi = tl.where(top_p < 1.0, top, lo + 1)
+        if FINAL:
+            tl.store(key_ptr + row, lo.to(tl.int32))
+        else:
+            if c == 0:
+                tl.store(brk_ptr + row * 2, lo)
+                tl.store(brk_ptr + row * 2 + 1, hi)
+            if hi - lo > 1:
+                w = (hi - lo + NB - 1) // NB
+                piv = tl.minimum(lo + tl.arange(0, NB).to(tl.int64) * w, 2147483647).to(tl.int32)  # past hi: unused
+                tt = tl.where(t > 0, t, 1.0)
+                acc = tl.zeros((NB,), tl.float32)
+                for s in range(0, BLOCK, TILE):
+                    pos = c * BLOCK + s + tl.arange(0, TILE)
+                    ok = pos < V
+                    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + pos, mask=ok, other=float("-inf"))
+                    x = x.to(tl.float32) / tt
+                    ge = ok[:, None] & (_key(x)[:, None] >= piv[None, :])
+                    if MASS:
+                        acc += tl.sum(tl.where(ge, tl.exp(x - m)[:, None], 0.0), axis=0)
+                    else:
+                        acc += tl.sum(ge.to(tl.float32), axis=0)
+                tl.store(part_ptr + (row * nc + c) * NB + tl.arange(0, NB), acc)
+
+
+def descent_levels(nb: int) -> int:
+    """Levels that narrow the 2^32 keys to one, nb-fold each."""
+    w, n = 2**32, 0
+    while w > 1:
+        w, n = -(-w // nb), n + 1
+    return n
+
+
+def _descent(logits, temp, top_k, top_p, min_p, cmax, keys, need, nb: int = 0):
+    """Launch _descend's levels (top-k's, top-p's, the final pick) for every live row (need None) or the rows
+    need marks; keys: [B] int32, written for those rows."""
+    B, V = logits.shape
+    nb = nb or RADIX_NB
+    nc = cmax.shape[1]
+    L = descent_levels(nb)
+    dev = logits.device
+    part = torch.empty((2 * L, B, nc, nb), dtype=torch.float32, device=dev)
+    brk = torch.empty((2 * L, B, 2), dtype=torch.int64, device=dev)
+    tile = min(BLOCK_V, RADIX_TILE_INTERPRET if interpreting() else RADIX_TILE)
+    common = dict(HAS_NEED=need is not None, BLOCK=BLOCK_V, NB=nb, TILE=tile, CB=max(triton.next_power_of_2(nc), 16),
+                  num_warps=4, **launch_kwargs(dev))
+    args = (logits, logits.stride(0), V, nc, temp, top_k, top_p, min_p, cmax, need if need is not None else keys)
+    for i in range(2 * L + 1):
+        prev = max(i - 1, 0)
+        _descend[(B, 1 if i == 2 * L else nc)](
+            *args, part[prev], brk[prev], part[L], part[min(i, 2 * L - 1)], brk[min(i, 2 * L - 1)], keys,
+            MASS=L <= i < 2 * L, FIRST=i in (0, L), FINAL=i == 2 * L, **common)
+
+
+@triton.jit
 def _race_stage1(x_ptr, stride_x, B, V, temp_ptr, key_ptr, seed_ptr, pos_ptr, pmax_ptr, pidx_ptr,
                  R: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     """Gumbel race over one chunk of R rows: kept token i scores x_i - log(E_i), E_i ~ Exp(1) from
@@ -305,48 +417,51 @@ def _rows_per_program(B: int, V: int) -> int:
 def search_mode() -> str:
     import os
     v = os.environ.get(SEARCH_ENV, "candidates")
-    if v not in ("candidates", "bisect"):
-        raise ValueError(f"{SEARCH_ENV} must be candidates or bisect, got {v!r}")
+    if v not in SEARCHES:
+        raise ValueError(f"{SEARCH_ENV} must be one of {', '.join(SEARCHES)}, got {v!r}")
     return v
 
 
-def thresholds(logits, temp, top_k, top_p, min_p, R: int, search: str | None = None):
+def thresholds(logits, temp, top_k, top_p, min_p, R: int, search: str | None = None, nb: int = 0):
     """Each row's threshold key ([B] int32; greedy rows: unused) and, with the candidate search, which rows needed
-    the full one ([B] int32, else None). R: rows per program (the candidate search takes R = 1 only)."""
+    the whole-row one ([B] int32, else None). R: rows per program (the candidate and radix searches take R = 1
+    only). search: "candidates" (then the descent for the rows they cannot settle), "radix" (the descent for
+    every row), "bisect" (_threshold, one program a row). nb: the descent's pivots a level (default RADIX_NB)."""
     B, V = logits.shape
     dev = logits.device
     keys = torch.empty((B,), dtype=torch.int32, device=dev)
     pdl = launch_kwargs(dev)
     tb = min(triton.next_power_of_2(V), max(16, THRESHOLD_TILE // R))
-    if R == 1 and (search or search_mode()) == "candidates":
+    search = search or search_mode()
+    if R == 1 and search != "bisect":
         nc = triton.cdiv(V, BLOCK_V)
-        cb = max(triton.next_power_of_2(nc), 16)
         cmax = torch.empty((B, nc), dtype=torch.float32, device=dev)
-        cmass, ccnt = torch.empty_like(cmax), torch.empty((B, nc), dtype=torch.int32, device=dev)
-        cx = torch.empty((B, nc, CAND_CAP), dtype=torch.float32, device=dev)
-        need = torch.empty((B,), dtype=torch.int32, device=dev)
         _chunk_max[(B, nc)](logits, logits.stride(0), V, temp, cmax, BLOCK=BLOCK_V, num_warps=8, **pdl)
-        _collect[(B, nc)](logits, logits.stride(0), V, temp, cmax, cmass, ccnt, cx, BLOCK=BLOCK_V, CB=cb,
-                          CAP=CAND_CAP, num_warps=8, **pdl)
-        _select[(B,)](V, nc, temp, top_k, top_p, min_p, cmax, cmass, ccnt, cx, keys, need, CB=cb, CAP=CAND_CAP,
-                      num_warps=8, **pdl)
-        _threshold[(B,)](logits, logits.stride(0), B, V, temp, top_k, top_p, min_p, keys, need,
-                         R=1, BLOCK=tb, HAS_NEED=True, num_warps=8, **pdl)
+        need = None
+        if search == "candidates":
+            cb = max(triton.next_power_of_2(nc), 16)
+            cmass, ccnt = torch.empty_like(cmax), torch.empty((B, nc), dtype=torch.int32, device=dev)
+            cx = torch.empty((B, nc, CAND_CAP), dtype=torch.float32, device=dev)
+            need = torch.empty((B,), dtype=torch.int32, device=dev)
+            _collect[(B, nc)](logits, logits.stride(0), V, temp, cmax, cmass, ccnt, cx, BLOCK=BLOCK_V, CB=cb,
+                              CAP=CAND_CAP, num_warps=8, **pdl)
+            _select[(B,)](V, nc, temp, top_k, top_p, min_p, cmax, cmass, ccnt, cx, keys, need, CB=cb, CAP=CAND_CAP,
+                          num_warps=8, **pdl)
+        _descent(logits, temp, top_k, top_p, min_p, cmax, keys, need, nb)
         return keys, need
-    _threshold[(triton.cdiv(B, R),)](logits, logits.stride(0), B, V, temp, top_k, top_p, min_p, keys, keys,
-                                     R=R, BLOCK=tb, num_warps=8 if R == 1 else 4, **pdl)
+    _threshold[(triton.cdiv(B, R),)](logits, logits.stride(0), B, V, temp, top_k, top_p, min_p, keys, R=R, BLOCK=tb, num_warps=8 if R == 1 else 4, **pdl)
     return keys, None
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            seeds: torch.Tensor, positions: torch.Tensor, min_p: torch.Tensor | None = None,
-           out: torch.Tensor | None = None, search: str | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, search: str | None = None, nb: int = 0) -> torch.Tensor:
     """[B, V] logits -> [B] int64 tokens, on the device with no host sync and static shapes (CUDA-graph
     capturable). Per row: temperature (0 = greedy: the argmax), min_p, top_k (0 = off), top_p (1 = off),
     then one draw keyed by (seed, position): a row's token depends on its logits, parameters, seed and
     position only, never on the batch. No sort: the kept set is {logits/T >= a threshold} (thresholds()).
     out: a [B] int64 buffer to write (a graph's static output), else a new one. search: the threshold search
-    ("candidates" / "bisect"; default PEREGRINE_SAMPLE_SEARCH or candidates)."""
+    (thresholds(); default PEREGRINE_SAMPLE_SEARCH or candidates); nb: the descent's pivots a level."""
     assert logits.dim() == 2 and logits.stride(1) == 1
     B, V = logits.shape
     dev = logits.device
@@ -360,7 +475,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     i64 = lambda t: t.to(device=dev, dtype=torch.int64).contiguous()  # noqa: E731
     temp = f32(temperature)
     mp = f32(min_p) if min_p is not None else torch.zeros(B, dtype=torch.float32, device=dev)
-    keys, _ = thresholds(logits, temp, i64(top_k), f32(top_p), mp, R, search)
+    keys, _ = thresholds(logits, temp, i64(top_k), f32(top_p), mp, R, search, nb)
     pdl = launch_kwargs(dev)
     grid_r = triton.cdiv(B, R)
     block = BLOCK_V if R == 1 else min(triton.next_power_of_2(V), max(16, THRESHOLD_TILE // R))
