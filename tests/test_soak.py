@@ -13,7 +13,7 @@ import subprocess
 import httpx
 import pytest
 
-from peregrine.bench.soak import scrape, soak, verdict
+from peregrine.bench.soak import Template, first_divergence, judge, scrape, soak, verdict
 from peregrine.host_memory import TRIM_ENV, Trimmer, malloc_info, rss_bytes, trim_period
 
 SOAK_S = 70          # seconds of load: the whole test stays under two minutes on 2 cores
@@ -38,10 +38,14 @@ def server():
 
 
 def test_soak_memory_flat_and_answers_unchanged(server):
-    res = asyncio.run(soak(server, SOAK_S, CLIENTS, sample_every=10, log=lambda *a: None))
+    """With a short warm-up under load and the references' top 5 taken (the GPU soak's settings, so their code
+    runs against a real server here too); in FP32 every answer must still equal the idle one exactly."""
+    res = asyncio.run(soak(server, SOAK_S, CLIENTS, sample_every=10, log=lambda *a: None, warmup_load=5,
+                           answers="top5"))
     summary = {k: res[k] for k in ("requests_sent", "checked", "dropped_streams", "rss_start_idle_mb",
-                                   "rss_end_idle_mb", "rss_growth_mb", "rss_max_during_mb", "errors")}
+                                   "rss_end_idle_mb", "rss_growth_mb", "rss_max_during_mb", "errors", "differed")}
     assert verdict(res, MAX_GROWTH_MB) == [], summary
+    assert res["differed"] == 0, summary  # exact, not only within the top-5 rule
     assert res["checked"] >= 20 and res["dropped_streams"] >= 1, summary  # the soak really ran its mix
     assert res["end"]["trims"] > 0, "the engine never trimmed"
 
@@ -92,3 +96,28 @@ def test_trim_period_env(monkeypatch):
         monkeypatch.setenv(TRIM_ENV, bad)
         with pytest.raises(ValueError, match=TRIM_ENV):
             trim_period()
+
+
+def test_first_divergence_follows_the_top5_rule():
+    """Token by token against a reference with its alternatives (written here): equal to the end, a stop inside
+    it, a first difference among the alternatives, one outside them."""
+    top = [("<1>", ["<1>", "<7>"]), ("<2>", ["<2>", "<9>", "<4>"]), ("<3>", ["<3>"])]
+    assert first_divergence(top, "<1><2><3>") == (3, True)
+    assert first_divergence(top, "<1><2>") == (3, True)           # a stop string cut it
+    assert first_divergence(top, "<1><9><5><5>") == (1, True)     # <9> was the reference's runner-up there
+    assert first_divergence(top, "<1><5><3>") == (1, False)       # <5> was not in its top
+    assert first_divergence(top, "<7><2><3>") == (0, True)
+
+
+def test_judge_by_mode():
+    greedy = Template("completions", {"prompt": "x", "temperature": 0.0}, want=[("<1><2><3>", "length")],
+                      top=[("<1>", ["<1>"]), ("<2>", ["<2>", "<9>"]), ("<3>", ["<3>"])])
+    seeded = Template("completions", {"prompt": "x", "temperature": 0.8, "seed": 3}, want=[("<1><2>", "length")])
+    assert judge(greedy, [("<1><2><3>", "length")], "exact") == (True, None)
+    assert judge(greedy, [("<1><9><8>", "length")], "exact") == (False, None)
+    assert judge(greedy, [("<1><9><8>", "length")], "top5") == (True, 1)
+    assert judge(greedy, [("<1><5><3>", "length")], "top5") == (False, 1)
+    assert judge(greedy, [("<1><9>", "abort")], "top5")[0] is False      # a lost request is never a near-tie
+    assert judge(greedy, [("<1><9><8>", "length")] * 2, "top5")[0] is False  # n changed
+    assert judge(seeded, [("<4><2>", "length")], "top5") == (True, None)   # seeded: its shape only
+    assert judge(seeded, [("<4><2>", "length")], "exact") == (False, None)
