@@ -417,6 +417,39 @@ def test_sampled_rows_drawn_in_the_step_keep_lookahead(model_dir):
     assert len({tuple(g) for g in got}) == 3
 
 
+def test_standard_runner_draws_sampled_rows_on_the_device(model_dir, monkeypatch):
+    """#41: the standard runner (the default backend) draws sampled, penalised and logprobs decode rows inside its
+    step on the GPU (its graphs get the same variants); forced on here under the interpreter: the same tokens and
+    logprobs as the same engine sampling on the host (sample_ref's Philox bits are the kernel's)."""
+    import peregrine.decode.standard as standard
+    calls = []
+    real = standard.draw
+    monkeypatch.setattr(standard, "draw", lambda logits, step: calls.append(step.num_seqs) or real(logits, step))
+    ps = prompts(3, seed=9)
+    n = STEPS // 2
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.8, top_p=0.9, seed=1, logprobs=3),
+              SamplingParams(max_tokens=n, ignore_eos=True),
+              SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.1, top_k=30, min_p=0.02, seed=2,
+                             frequency_penalty=0.4, repetition_penalty=1.2)]
+    runs = {}
+    for on in (False, True):
+        e, _ = engine(model_dir, "standard")
+        e.runner.device_sampler = e.device_sampling = on
+        runs[on] = _collect(e, ps, params)
+        if on:
+            assert calls and e.runner.graphs is None or any(len(k) > 2 for k in e.runner.graphs.graphs)
+        else:
+            assert not calls
+    (want, want_lps), (got, lps) = runs[False], runs[True]
+    assert got == want
+    for a_row, b_row in zip(lps, want_lps):
+        assert len(a_row) == len(b_row)
+        for a, b in zip(a_row, b_row):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < TOL
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert [len(x) for x in lps] == [n, 0, 0] and len({tuple(g) for g in got}) == 3
+
+
 def test_capture_all_takes_the_sampled_graphs_too(monkeypatch):
     """At start the specialized runner's cache captures each B's plain and sampled graphs (most requests
     sample: the server's default temperature is 1.0); a failed sampled capture leaves the plain ones."""

@@ -31,10 +31,10 @@ from ..kernels.moe_mxfp4 import moe_mxfp4_experts
 from ..kernels.norm import add_rms_norm, rms_norm
 from ..kernels.norm_gemm import norm_gemm
 from ..kernels.pdl import pdl as kernels_pdl
-from ..engine.penalties import apply_device
-from ..kernels.sampling import argmax, sample, token_logprobs
+from ..kernels.sampling import argmax, token_logprobs
 from ..models.layers import swiglu
 from ..parallel.group import SINGLE
+from .head import draw
 from .standard import GraphCache
 
 MAX_DECODE_BATCH = 16  # the skinny GEMMs are written for M ≤ 16 rows
@@ -214,20 +214,15 @@ class SpecializedRunner:
     def _head(self, logits, step):
         """The step's tokens from [B, V] FP32 logits: the argmax, or with step.sampling each row's draw
         (greedy rows the argmax too); vocab-parallel lm_head: gathered argmax and logits."""
-        if step.sampling is not None:
-            if self.tp.world > 1:
-                logits = self.tp.all_gather(logits, -1)
-            t, k, p, mp, seeds = step.sampling
-            x = apply_device(logits, *step.penalties, step.context_lens_t) if step.penalties is not None else logits
-            ids = sample(x, t, k, p, seeds, step.context_lens_t, mp)
+        if self.tp.world > 1 and step.sampling is None:
+            ids = self.tp.argmax(logits, argmax(logits))
+            logits = self.tp.all_gather(logits, -1)
+            lp = token_logprobs(logits, ids) if step.logprobs else None
         else:
-            ids = argmax(logits)
             if self.tp.world > 1:
-                ids = self.tp.argmax(logits, ids)
                 logits = self.tp.all_gather(logits, -1)
-        if step.logprobs:
-            return logits, ids, token_logprobs(logits, ids)
-        return logits, ids
+            ids, lp = draw(logits, step)
+        return (logits, ids) if lp is None else (logits, ids, lp)
 
     def _rbuf(self, h):
         """Where a row-parallel GEMM writes its [B, D] output: the all-reduce's own buffer, or anywhere."""

@@ -10,6 +10,7 @@ import time
 import torch
 
 from .batch import StepInput
+from .head import draw
 
 
 def context_bucket(blocks: int) -> int:
@@ -213,7 +214,11 @@ class StandardRunner:
         self.last_path = "standard"
         self.fallback_reasons: dict[str, int] = {}
         on_gpu = cuda_graphs and cache.latent.is_cuda
-        self.graphs = GraphCache(self._forward, cache, max_graph_batch, log) if on_gpu else None
+        # on the GPU a decode step with sampled, penalised or logprobs rows draws them itself (in its graph: a
+        # variant per kind), as the specialized runner does; the CPU engine samples on the host (sample_ref)
+        self.device_sampler = on_gpu
+        self.greedy_tokens = self.device_logprobs = None  # the last step's drawn tokens / logprobs, if it drew
+        self.graphs = GraphCache(self._forward, cache, max_graph_batch, log, samples=on_gpu) if on_gpu else None
         self.prefill = None
         if on_gpu and prefill_graph_tokens:
             from .prefill_graphs import PrefillGraphs, unsupported
@@ -226,11 +231,24 @@ class StandardRunner:
         self._routing: list[list[int]] = []
 
     @torch.inference_mode()
-    def _forward(self, step: StepInput) -> torch.Tensor:
-        return self.model(step, self.cache)
+    def _forward(self, step: StepInput):
+        """The logits, or (logits, tokens[, logprobs]) for a decode step the engine planned to draw here."""
+        logits = self.model(step, self.cache)
+        if self.device_sampler and step.is_decode and (step.sampling is not None or step.logprobs):
+            ids, lp = draw(logits, step)
+            return (logits, ids) if lp is None else (logits, ids, lp)
+        return logits
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:
+        self.greedy_tokens = self.device_logprobs = None
+        logits = self._graphed_or_eager(step)
+        if isinstance(logits, tuple):
+            logits, self.greedy_tokens, *lp = logits
+            self.device_logprobs = lp[0] if lp else None
+        return logits
+
+    def _graphed_or_eager(self, step: StepInput):
         logits = None
         # routing is recorded eagerly: a replayed graph's ids live in that graph's own buffers
         if self.graphs is not None and step.is_decode and step.num_seqs <= self.graphs.max_batch and not self.record_routing:
