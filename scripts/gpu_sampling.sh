@@ -3,7 +3,8 @@
 # (bench decode measures both in one engine), the GPU tests in BF16, and serving at c = 8 greedy vs
 # sampled against one server (alternated, so drift hits both). Logs to $OUT, JSON to results/.
 #   run (carry .commit and .whl):  PARTS="kernels decode tests serve" bash scripts/gpu_sampling.sh
-#   SAMP (default "--temperature 0.6 --top-p 0.95"), T_<part> (timeouts, s), ROUNDS (serve, default 2)
+#   SAMP (default "--temperature 0.6 --top-p 0.95"), LOGPROBS (decode: "0 5", each a run; 0 = none),
+#   T_<part> (timeouts, s), ROUNDS (serve, default 2)
 source "$(dirname "$0")/device_env.sh"
 M="--model kimi-linear-48b-a3b --dummy-weights"
 SAMP=${SAMP:-"--temperature 0.6 --top-p 0.95"}
@@ -19,7 +20,8 @@ for p in ${PARTS:-kernels decode tests serve}; do
       timeout "${T_kernels:-150}" python3 -m peregrine.bench.kernels_sampling --results-dir results 2>&1 \
         | tee "$OUT/kernels-sampling.log" | tail -40 || rc=1 ;;
     decode)
-      for lp in "" "--logprobs 5"; do
+      for n in ${LOGPROBS:-0 5}; do  # 0: sampled only; N: sampled with logprobs top-N
+        lp=""; [ "$n" != 0 ] && lp="--logprobs $n"
         timeout "${T_decode:-200}" python3 -m peregrine bench decode $M --backends latency_specialized \
           --batch-sizes 1,2,4,8 --input-len 1 --prompt-sets 1 --runs 2 --output-len 256 $SAMP $lp \
           --results-dir results 2>&1 | tee -a "$OUT/decode-sampled.log" | grep -v captur | tail -16 || rc=1
