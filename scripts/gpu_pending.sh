@@ -35,24 +35,19 @@
 # - K3's bounded gate in the shared varlen fla call (VARLEN_BOUNDED_GATE, off; cut three times by fla's autotune
 #   of K3's shapes on a fresh machine, so give it ~300 s): python3 -m pytest -v -m gpu tests/test_prefill.py -k "k3-shared or k3-per-row"
 # - #20's MXFP4 experts against OpenAI's triton_kernels MXFP4 MoE on k3-slice shapes: not started
-# - #41 (session 22, nothing of it has run on a GPU): the sampler kernels' tests in BF16 and the specialized path's
-#   sampled / logprobs graphs, the microbenchmark (sort-free sample vs the old sorted sampler, % of copy), then the
-#   sampled step beside the greedy one (targets: within 3 % at B = 1, 2, 4, 8; with --logprobs 5 within 5 %), and
-#   serving at c = 8 greedy vs temperature 0.6 (TPOT p50 within 5 %); one H200, ~15 min:
-#   python3 -m pytest -q -m gpu tests/test_kernels_sampling.py tests/test_lookahead.py tests/test_outputs.py \
-#     tests/test_specialized.py -k "sampl or logprob or penalt or min_tokens or lookahead or graph" 2>&1 | tee $OUT/pytest-sampling.log
-#   python3 -m peregrine.bench.kernels_sampling 2>&1 | tee $OUT/kernels-sampling.log
-#   for lp in "" "--logprobs 5"; do python3 -m peregrine bench decode --model kimi-linear-48b-a3b --dummy-weights \
-#     --backends latency_specialized --batch-sizes 1,2,4,8 --prompt-sets 1 --runs 2 --output-len 256 \
-#     --temperature 0.6 --top-p 0.95 $lp 2>&1 | tee -a $OUT/decode-sampled.log; done
-#   serving, greedy then sampled: for s in "" "--temperature 0.6 --top-p 0.95"; do SAMPLING="$s" CONC=8 NP=40 \
-#     BACKENDS=latency_specialized bash scripts/gpu_serve.sh; done   (TPOT p50 within 5 %)
-#   kernels_sampling times the candidate search (default) against the whole-row bisection (bisect_ms); for the
-#   decode bench A/B: PEREGRINE_SAMPLE_SEARCH=bisect. How often candidates settle a row on real text (CUT = 12,
-#   CAND_CAP = 128 a chunk) is not known: dummy weights' logits are not real text's
-# - #47 (session 22): the 10-minute soak of the 48B at c = 8 with the mixed traffic, host RSS and GPU memory every 30 s,
-#   with the trims and (AB=1) without them first (~25 min with both; ~12 alone):
-#   run (carry .commit and .whl):  DURATION=600 CONC=8 bash scripts/gpu_soak.sh    (target: RSS growth <= 100 MB, no errors)
+# - #41 after session 23 (results/2026-12-05-session23: at 4ce4980 the sampled step was greedy + 1.4 ms at every B,
+#   the candidates never settling dummy weights' flat rows and the one-program bisection costing 1.3 ms; the
+#   descent over the row's chunks replaced it in 4781ebb): one H200, ~12 min, carry .commit and .whl:
+#   LOGPROBS="0 5" T_decode=140 PARTS="decode kernels tests serve" bash scripts/gpu_sampling.sh
+#   (targets: sampled within 3 % of greedy at B = 1, 2, 4, 8, with --logprobs 5 within 5 %, c = 8 TPOT p50 within 5 %;
+#   kernels_sampling times the default against the descent alone at 64 / 32 / 128 pivots and the bisection, on
+#   flat and peaked logits: pick the default from it; tests now include the standard runner's device draw)
+#   and the default backend's sampled serving (the standard runner now draws in its graphs too):
+#   SAMPLING="--temperature 0.6 --top-p 0.95" CONC=8 NP=40 BACKENDS=standard bash scripts/gpu_serve.sh
+# - #47 after session 23 (its 600 s soak at 4ce4980: RSS +114 MB in the first 30 s of load, then +11 MB over 570 s;
+#   2 164 of 3 301 answers unlike the idle server's, by BF16 per-B rounding): the soak again with a 60 s warm-up
+#   under load and VERIFY.md's top-5 rule (~13 min, so start it detached and collect it in a second call):
+#   (OUT=/tmp/soak DURATION=600 CONC=8 setsid nohup bash scripts/gpu_soak.sh > /tmp/soak.log 2>&1 < /dev/null &)
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \

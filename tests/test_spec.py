@@ -188,3 +188,65 @@ def test_speculation_with_tensor_parallel_is_a_clear_error():
         EngineConfig(tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}).validate()
     EngineConfig(tensor_parallel_size=2).validate()  # each alone is fine
     EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).validate()
+
+
+SYNTH = {"method": "ngram", "num_speculative_tokens": 7, "rejection_sample_method": "synthetic"}
+
+
+def test_synthetic_length_becomes_vllms_schedule():
+    """The length counts the bonus token and is spent on the earliest positions (vLLM's and SGLang's schedule;
+    3.78 at 7 drafts is [1, 1, 0.78, 0, 0, 0, 0] in their docs)."""
+    from peregrine.spec.config import acceptance_rates_for
+    assert acceptance_rates_for(3.78, 7) == [1, 1, 0.78, 0, 0, 0, 0]
+    assert acceptance_rates_for(6.0, 7) == [1, 1, 1, 1, 1, 0, 0]
+    assert acceptance_rates_for(2.33, 3) == [1, 0.33, 0]
+    assert acceptance_rates_for(1.0, 3) == [0, 0, 0] and acceptance_rates_for(8.0, 7) == [1] * 7
+    cfg = SpeculativeConfig.parse(dict(SYNTH, synthetic_acceptance_length=4.73))
+    assert cfg.synthetic and abs(sum(cfg.acceptance_rates()) + 1 - 4.73) < 1e-9
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"synthetic_acceptance_length": 9.0}, "1..8"), ({"synthetic_acceptance_length": 0.5}, "1..8"),
+    ({}, "exactly one"), ({"synthetic_acceptance_length": 3.0, "synthetic_acceptance_rates": [1] * 7}, "exactly one"),
+    ({"synthetic_acceptance_rates": [1, 0.5]}, "7 numbers"), ({"synthetic_acceptance_rates": [0.5, 0.9] + [0] * 5}, "non-increasing"),
+    ({"rejection_sample_method": "block"}, "rejection_sample_method"),
+    ({"rejection_sample_method": "standard", "synthetic_acceptance_length": 3.0}, "need"),
+])
+def test_synthetic_config_errors_name_the_key(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        SpeculativeConfig.parse(dict(SYNTH, **bad))
+
+
+@pytest.mark.parametrize("rates", [[1, 1, 0.78, 0, 0, 0, 0], [0.9, 0.7, 0.55, 0.4, 0.2, 0.1, 0.05]])
+def test_synthetic_draws_follow_the_rates(rates):
+    """10 000 draws (keyed by request seed and length, as the engine makes them): the mean accepted length within
+    1 % of the configured one, each position accepted at its rate (within 4 binomial sigmas), a prefix always."""
+    from types import SimpleNamespace
+    from peregrine.spec.decoder import SpecDecoder
+    d = SpecDecoder.__new__(SpecDecoder)
+    d.rates = [float(r) for r in rates]
+    n, k = 10_000, len(rates)
+    counts = [d.synthetic_accepted(SimpleNamespace(seed=s, token_ids=[0] * (10 + s % 7)), k) for s in range(n)]
+    assert abs((1 + sum(counts) / n) - (1 + sum(rates))) < 0.01 * (1 + sum(rates))
+    for j, r in enumerate(rates):
+        got = sum(c > j for c in counts) / n
+        assert abs(got - r) <= 4 * (r * (1 - r) / n) ** 0.5 + 1e-12, (j, got, r)
+    assert d.synthetic_accepted(SimpleNamespace(seed=1, token_ids=[0] * 5), 2) <= 2  # never past the drafts
+
+
+def test_synthetic_acceptance_in_the_engine():
+    """Every greedy row verifies its whole room and accepts the drawn count: the engine's measured mean acceptance
+    length matches the configured one (the drafts themselves are never compared), outputs keep their lengths, the
+    metrics say the acceptance is synthetic."""
+    from peregrine.server.metrics import Metrics
+    e = tiny(dict(SYNTH, num_speculative_tokens=3, synthetic_acceptance_length=2.5))
+    outs = e.generate([[5, 6, 7], [1, 2], [9] * 6, [4, 3, 2, 1]], greedy(40))
+    assert [len(o) for o in outs] == [40] * 4
+    st = e.stats["spec"]
+    # padded to the room: only a request's last two verifies (3 tokens or fewer left) draft fewer than 3
+    assert st["num_drafts"] >= 20 and st["num_draft_tokens"] >= 3 * st["num_drafts"] - 3 * 4
+    assert abs(e.spec.mean_acceptance_length - 2.5) < 0.35, e.spec.mean_acceptance_length
+    assert st["accepted_per_pos"][0] >= st["accepted_per_pos"][1] >= st["accepted_per_pos"][2] == 0
+    text = Metrics(e, "m").render().decode()
+    assert 'peregrine:spec_mean_acceptance_length{acceptance="synthetic"}' in text
+    assert "peregrine:spec_synthetic_acceptance_length 2.5" in text

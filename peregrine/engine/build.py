@@ -74,6 +74,8 @@ def build_engine(model: str, engine_cfg: EngineConfig | None = None, dummy_weigh
         from ..parallel.driver import TPDriver
         runner = TPDriver(runner, tp)
     engine = LLMEngine(runner, cfg, ecfg, cache, tokenizer=tok)
+    if engine.spec is not None and engine.spec.rates is not None:
+        log(engine.spec.synthetic_note)  # at start, where the operator reads it
     engine.model = m
     engine.tp_holdings = holdings if tp.world > 1 else None  # what every rank holds (parallel/shard.py)
     return engine, tok

@@ -97,9 +97,16 @@ class EngineCollector:
                 c.add_metric([str(pos)], n)
             yield c
             g = GaugeMetricFamily("peregrine:spec_mean_acceptance_length",
-                                  "Tokens per verified draft: 1 + accepted / drafts")
-            g.add_metric([], sp.get("mean_acceptance_length", 0.0))
+                                  "Tokens per verified draft: 1 + accepted / drafts", labels=["acceptance"])
+            synthetic = sp.get("synthetic_acceptance_length") is not None
+            g.add_metric(["synthetic" if synthetic else "model"], sp.get("mean_acceptance_length", 0.0))
             yield g
+            if synthetic:
+                g = GaugeMetricFamily("peregrine:spec_synthetic_acceptance_length",
+                                      "Configured synthetic acceptance length: drafts accepted by chance, outputs are "
+                                      "not the model's (benchmark mode)")
+                g.add_metric([], sp["synthetic_acceptance_length"])
+                yield g
         hm = _safe_copy(e.stats.get("host_memory") or {})
         c = CounterMetricFamily("peregrine:host_memory_trims", "Times the engine gave the host allocator's free pages back")
         c.add_metric([], hm.get("trims", 0))

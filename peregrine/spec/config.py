@@ -3,6 +3,12 @@
   {"method": "draft_model", "model": PRESET|DIR, "num_speculative_tokens": 4, "dummy_weights": false}
 ("model" alone implies draft_model, as in vLLM.) Speculation serves greedy requests only:
 requests with temperature > 0 ride along in a verify step but are never drafted for.
+
+Synthetic acceptance, for benchmarking only (vLLM's keys and meaning):
+  {"method": "ngram", "num_speculative_tokens": 7, "rejection_sample_method": "synthetic",
+   "synthetic_acceptance_length": 3.78}          (or "synthetic_acceptance_rates": [1, 1, 0.78, 0, 0, 0, 0])
+Every greedy row then verifies k drafts a step and accepts a count drawn from the rates, whatever the
+drafts say: the speed of a drafter with that acceptance, with output that is not the model's.
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from dataclasses import dataclass
 from ..config import ConfigError
 
 METHODS = ("ngram", "draft_model")
+REJECTION = ("standard", "synthetic")
 MAX_SPEC_TOKENS = 15  # k + 1 query tokens per sequence: the KDA decode keeps T positions in one program
 NGRAM_MAX_DEFAULT = 4  # longest suffix n-gram matched (vLLM makes this required; 4 is its usual example)
 
@@ -24,6 +31,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     model: str | None = None         # draft model: preset or folder with the target's vocabulary
     dummy_weights: bool = False      # draft model: seeded random weights (presets without a checkpoint)
+    rejection_sample_method: str = "standard"  # "synthetic": accepted counts drawn from synthetic_acceptance_rates
+    synthetic_acceptance_length: float | None = None  # mean tokens a verify yields, the bonus token counted
+    synthetic_acceptance_rates: list | None = None    # P(draft position j accepted), unconditional, non-increasing
 
     @classmethod
     def parse(cls, text_or_dict) -> "SpeculativeConfig | None":
@@ -39,7 +49,8 @@ class SpeculativeConfig:
                 raise ConfigError(f"--speculative-config is not valid JSON: {e.msg}") from None
         if not isinstance(d, dict):
             raise ConfigError("--speculative-config must be a JSON object")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "dummy_weights"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "dummy_weights",
+                 "rejection_sample_method", "synthetic_acceptance_length", "synthetic_acceptance_rates"}
         bad = sorted(set(d) - known)
         if bad:
             raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(bad)} (valid: {', '.join(sorted(known))})")
@@ -49,7 +60,10 @@ class SpeculativeConfig:
         cfg = cls(method=method, num_speculative_tokens=d.get("num_speculative_tokens"),
                   prompt_lookup_max=d.get("prompt_lookup_max", NGRAM_MAX_DEFAULT),
                   prompt_lookup_min=d.get("prompt_lookup_min", 1), model=d.get("model"),
-                  dummy_weights=d.get("dummy_weights", False))
+                  dummy_weights=d.get("dummy_weights", False),
+                  rejection_sample_method=d.get("rejection_sample_method", "standard"),
+                  synthetic_acceptance_length=d.get("synthetic_acceptance_length"),
+                  synthetic_acceptance_rates=d.get("synthetic_acceptance_rates"))
         cfg.validate()
         return cfg
 
@@ -59,6 +73,7 @@ class SpeculativeConfig:
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
                 raise ConfigError(f"--speculative-config: {name} must be an int in {lo}..{hi}, got {v!r}")
         int_in("num_speculative_tokens", 1, MAX_SPEC_TOKENS)
+        self._validate_synthetic()
         if self.method == "ngram":
             int_in("prompt_lookup_min", 1, 64)
             int_in("prompt_lookup_max", self.prompt_lookup_min, 64)
@@ -68,6 +83,56 @@ class SpeculativeConfig:
             if not isinstance(self.dummy_weights, bool):
                 raise ConfigError(f"--speculative-config: dummy_weights must be true or false, got {self.dummy_weights!r}")
 
+    def _validate_synthetic(self) -> None:
+        m, k = self.rejection_sample_method, self.num_speculative_tokens
+        if m not in REJECTION:
+            raise ConfigError(f"--speculative-config: rejection_sample_method must be one of {', '.join(REJECTION)}, "
+                              f"got {m!r}")
+        length, rates = self.synthetic_acceptance_length, self.synthetic_acceptance_rates
+        if m == "standard":
+            if length is not None or rates is not None:
+                raise ConfigError("--speculative-config: synthetic_acceptance_length / _rates need "
+                                  "\"rejection_sample_method\": \"synthetic\"")
+            return
+        if (length is None) == (rates is None):
+            raise ConfigError("--speculative-config: synthetic acceptance needs exactly one of "
+                              "synthetic_acceptance_length and synthetic_acceptance_rates")
+        if length is not None:
+            if isinstance(length, bool) or not isinstance(length, (int, float)) or not 1 <= length <= k + 1:
+                raise ConfigError(f"--speculative-config: synthetic_acceptance_length must be a number in 1..{k + 1} "
+                                  f"(the bonus token counts: num_speculative_tokens + 1 at most), got {length!r}")
+            return
+        ok = isinstance(rates, list) and len(rates) == k and all(
+            isinstance(r, (int, float)) and not isinstance(r, bool) and 0 <= r <= 1 for r in rates)
+        if not ok or any(b > a for a, b in zip(rates, rates[1:])):
+            raise ConfigError(f"--speculative-config: synthetic_acceptance_rates must be {k} numbers in [0, 1], one per "
+                              f"draft position, non-increasing (a position is reached only past the one before), "
+                              f"got {rates!r}")
+
     @property
     def k(self) -> int:
         return self.num_speculative_tokens
+
+    @property
+    def synthetic(self) -> bool:
+        return self.rejection_sample_method == "synthetic"
+
+    def acceptance_rates(self) -> list[float]:
+        """Per draft position, the unconditional probability that it is accepted: the rates as given, or the
+        length's minimum-variance schedule (acceptance_rates_for)."""
+        if self.synthetic_acceptance_rates is not None:
+            return [float(r) for r in self.synthetic_acceptance_rates]
+        return acceptance_rates_for(float(self.synthetic_acceptance_length), self.k)
+
+
+def acceptance_rates_for(length: float, k: int) -> list[float]:
+    """A mean acceptance length (the bonus token counted) as per-position rates, as vLLM and SGLang spend it:
+    the earliest positions first, so 3.78 at k = 7 is [1, 1, 0.78, 0, 0, 0, 0] (2 drafts always, a 3rd with
+    probability 0.78: the schedule of least variance for that mean)."""
+    left = length - 1.0
+    rates = []
+    for _ in range(k):
+        r = min(1.0, max(0.0, left))
+        rates.append(round(r, 12))  # 3.78 - 1 - 2 is 0.78 up to float dust
+        left -= r
+    return rates

@@ -7,6 +7,11 @@ Greedy rows accept the longest prefix of drafts that equals the target's argmax 
 target's token after it, so greedy output equals non-speculative greedy output. Rows with
 temperature > 0 get no drafts; they sample from their first position as a plain step would.
 
+Synthetic acceptance (config.py; benchmarking only): every greedy row drafts its full room (the drafter's
+tokens, padded with its last token) and accepts a count drawn from the configured per-position rates with
+one uniform keyed by (the request's seed, its length), so a request's draws do not depend on its batch;
+the token after the accepted drafts is the target's there, as in a real verify.
+
 Rollback: the KDA layers write the state (and conv window) after each position into
 checkpoint buffers; a row that accepted a < T-1 drafts gets the state after position a
 copied back into its slot. The MLA cache is truncated: the sequence's length moves back to
@@ -16,11 +21,14 @@ cache's scratch block, never into another sequence's.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..decode.batch import StepInput
 from .config import SpeculativeConfig
 from .drafters import NgramDrafter
+
+SYNTHETIC_SEED = 0x5EED  # the synthetic acceptance draws' key, beside each request's seed and length
 
 
 def make_drafter(cfg: SpeculativeConfig, engine, log):
@@ -44,6 +52,10 @@ class SpecDecoder:
                      torch.empty(c.conv.shape[0], rows, T, *c.conv.shape[2:], dtype=c.conv.dtype, device=c.conv.device))
         self.stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "verify_steps": 0,
                       "accepted_per_pos": [0] * self.k}
+        self.rates = cfg.acceptance_rates() if cfg.synthetic else None
+        if self.rates is not None:
+            self.stats["synthetic_acceptance_length"] = 1.0 + sum(self.rates)
+            log(self.synthetic_note)
         self.max_blocks = -(-(engine.max_model_len + self.k) // c.block_size)
         enable = getattr(engine.runner, "enable_speculation", None)
         if enable is not None:
@@ -58,6 +70,18 @@ class SpecDecoder:
 
     def release(self, seq) -> None:
         self.drafter.release(seq)
+
+    @property
+    def synthetic_note(self) -> str:
+        return (f"WARNING: speculative decoding with synthetic acceptance (rates {self.rates}, mean acceptance length "
+                f"{1 + sum(self.rates):.2f}): drafts are accepted by chance, not by the model, so outputs are not the "
+                f"model's. For benchmarks only")
+
+    def synthetic_accepted(self, seq, drafted: int) -> int:
+        """Drafts accepted under synthetic acceptance: position j is accepted when u < rates[j] (non-increasing,
+        so the accepted ones are a prefix and P(more than j) = rates[j]); u keyed by the request and its length."""
+        u = np.random.default_rng([SYNTHETIC_SEED, seq.seed % 2**63, len(seq.token_ids)]).random()
+        return sum(1 for r in self.rates[:drafted] if u < r)
 
     # ---- the step ----
     def room(self, seq) -> int:
@@ -76,6 +100,8 @@ class SpecDecoder:
         if not ask:
             return None
         props = self.drafter.propose([batch[i][0] for i, _ in ask], [k for _, k in ask])
+        if self.rates is not None:  # synthetic: every row verifies its whole room, whatever was proposed
+            props = [list(p[:k]) + [batch[i][0].token_ids[-1]] * (k - len(p[:k])) for (i, k), p in zip(ask, props)]
         drafts = {i: list(p[:k]) for (i, k), p in zip(ask, props) if p}
         if not drafts:
             return None
@@ -123,8 +149,11 @@ class SpecDecoder:
             d = drafts.get(i, [])
             if seq.params.plain_greedy:
                 a = 0
-                while a < len(d) and d[a] == tgt[pos + a]:
-                    a += 1
+                if self.rates is not None:
+                    a = self.synthetic_accepted(seq, len(d))
+                else:
+                    while a < len(d) and d[a] == tgt[pos + a]:
+                        a += 1
                 out.append((i, seq, d[:a] + [tgt[pos + a]]))
             else:
                 a = 0
