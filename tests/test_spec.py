@@ -250,3 +250,51 @@ def test_synthetic_acceptance_in_the_engine():
     text = Metrics(e, "m").render().decode()
     assert 'peregrine:spec_mean_acceptance_length{acceptance="synthetic"}' in text
     assert "peregrine:spec_synthetic_acceptance_length 2.5" in text
+
+
+# ---- the verify width chooser (#42 item 3) ----
+def test_choose_width_on_given_costs():
+    """Expected tokens per ms, worked by hand: one request with survival [1, 1, 0.78] (3.78's schedule) and
+    cheap verifies takes every draft; a weak drafter against costly verifies takes a plain step; a batch whose
+    step cost climbs with T (a MoE's union of experts) stops where the next draft no longer pays."""
+    from peregrine.spec.width import choose_width
+    # w: tokens / ms = 1/2.0 = 0.50, 2/2.2 = 0.91, 3/2.4 = 1.25, 3.78/2.6 = 1.45
+    assert choose_width([[1.0, 1.0, 0.78]], {1: 2.0, 2: 2.2, 3: 2.4, 4: 2.6}) == 3
+    # 1/2.0 = 0.50 against 1.3/4.5 = 0.29 and 1.4/5.0 = 0.28: the plain step wins
+    assert choose_width([[0.3, 0.1]], {1: 2.0, 2: 4.5, 3: 5.0}) == 0
+    # B = 4, survival [0.8, 0.5, 0.2] each: tokens 4, 7.2, 9.2, 10.0 over 7.0, 9.0, 11.0, 14.0 ms
+    # -> 0.571, 0.800, 0.836, 0.714: width 2 (0.836 clears 0.800 by more than MIN_GAIN's 2 %)
+    assert choose_width([[0.8, 0.5, 0.2]] * 4, {1: 7.0, 2: 9.0, 3: 11.0, 4: 14.0}) == 2
+    # a request without drafts still yields its own token: 2 rows, one drafting [0.9]: 2/3.0 = 0.67 vs 2.9/3.3 = 0.88
+    assert choose_width([[0.9], []], {1: 3.0, 2: 3.3}) == 1
+
+
+def test_acceptance_tracker_counts_conditional_rates():
+    from peregrine.spec.width import PRIOR_RATE, PRIOR_WEIGHT, AcceptanceTracker
+    t = AcceptanceTracker(3)
+    for drafted, accepted in ((3, 3), (3, 1), (2, 0), (3, 2)):
+        t.record(drafted, accepted)
+    # position 0 reached 4 times, accepted 3; position 1 reached 3 (the 3 / 1 / 2 rows), accepted 2;
+    # position 2 reached 2 (the rows with 3 and 2 accepted), accepted 1
+    assert t.reached == [4, 3, 2] and t.accepted == [3, 2, 1]
+    c = [(a + PRIOR_RATE * PRIOR_WEIGHT) / (r + PRIOR_WEIGHT) for a, r in ((3, 4), (2, 3), (1, 2))]
+    s = t.survival(3)
+    assert abs(s[0] - c[0]) < 1e-12 and abs(s[1] - c[0] * c[1]) < 1e-12 and abs(s[2] - c[0] * c[1] * c[2]) < 1e-12
+
+
+def test_width_chooser_in_the_engine_keeps_greedy_exact():
+    """With a cost table injected (the GPU measures one at start-up): verifies costlier than they yield make every
+    step plain; a table where only T = 2 pays verifies one draft a step; both give plain greedy's tokens."""
+    ps = repetitive(4)
+    want = tiny().generate(ps, greedy(24))
+    for table, width in (({1: 1.0, 2: 5.0, 3: 6.0, 4: 7.0}, 0), ({1: 1.0, 2: 1.05, 3: 9.0, 4: 9.5}, 1)):
+        e = tiny(NGRAM)
+        e.enable_speculation(NGRAM, drafter=ScriptedDrafter({tuple(p): w for p, w in zip(ps, want)}, [1, 3], 320))
+        e.spec.costs = {B: dict(table) for B in range(1, 5)}
+        assert e.generate(ps, greedy(24)) == want
+        st = e.spec.stats
+        assert st["width_steps"][width] > 0 and sum(st["width_steps"]) == st["width_steps"][width]
+        if width == 0:
+            assert st["verify_steps"] == 0
+        else:
+            assert st["num_drafts"] > 0 and st["num_draft_tokens"] == st["num_drafts"]  # one draft each

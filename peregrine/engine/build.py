@@ -88,6 +88,8 @@ def warm_up(engine, log=print) -> None:
     if pg is not None:
         pg.warm_up()
     warm_cold_attention(engine, log)
+    if getattr(engine, "spec", None) is not None:  # the verify width chooser's cost table (GPU graphs only)
+        engine.spec.measure_costs(log)
 
 
 def warm_cold_attention(engine, log=print) -> int:

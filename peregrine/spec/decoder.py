@@ -12,6 +12,10 @@ tokens, padded with its last token) and accepts a count drawn from the configure
 one uniform keyed by (the request's seed, its length), so a request's draws do not depend on its batch;
 the token after the accepted drafts is the target's there, as in a real verify.
 
+Verify width (width.py): with a cost table measured at start-up (measure_costs, on the GPU), each pure
+decode step verifies only as many drafts a request as maximise expected tokens per millisecond, down to a
+plain step; without one (the CPU, or PEREGRINE_SPEC_WIDTH=full) every draft is verified.
+
 Rollback: the KDA layers write the state (and conv window) after each position into
 checkpoint buffers; a row that accepted a < T-1 drafts gets the state after position a
 copied back into its slot. The MLA cache is truncated: the sequence's length moves back to
@@ -21,14 +25,19 @@ cache's scratch block, never into another sequence's.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
 from ..decode.batch import StepInput
 from .config import SpeculativeConfig
 from .drafters import NgramDrafter
+from .width import AcceptanceTracker, choose_width
 
 SYNTHETIC_SEED = 0x5EED  # the synthetic acceptance draws' key, beside each request's seed and length
+WIDTH_ENV = "PEREGRINE_SPEC_WIDTH"  # "auto" (default: chosen per step from measured costs) or "full" (every draft)
+COST_ITERS = 20  # graph replays timed per (B, T) for the width chooser's table at start-up
 
 
 def make_drafter(cfg: SpeculativeConfig, engine, log):
@@ -52,6 +61,12 @@ class SpecDecoder:
                      torch.empty(c.conv.shape[0], rows, T, *c.conv.shape[2:], dtype=c.conv.dtype, device=c.conv.device))
         self.stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "verify_steps": 0,
                       "accepted_per_pos": [0] * self.k}
+        self.stats["width_steps"] = [0] * (self.k + 1)  # pure decode steps by chosen width (0: plain, by choice)
+        self.tracker = AcceptanceTracker(self.k)
+        self.costs: dict[int, dict[int, float]] = {}  # B -> {T: step ms}: the width chooser's table (empty: full)
+        self.width_mode = os.environ.get(WIDTH_ENV, "auto")
+        if self.width_mode not in ("auto", "full"):
+            raise ValueError(f"{WIDTH_ENV} must be auto or full, got {self.width_mode!r}")
         self.rates = cfg.acceptance_rates() if cfg.synthetic else None
         if self.rates is not None:
             self.stats["synthetic_acceptance_length"] = 1.0 + sum(self.rates)
@@ -76,6 +91,29 @@ class SpecDecoder:
         return (f"WARNING: speculative decoding with synthetic acceptance (rates {self.rates}, mean acceptance length "
                 f"{1 + sum(self.rates):.2f}): drafts are accepted by chance, not by the model, so outputs are not the "
                 f"model's. For benchmarks only")
+
+    def measure_costs(self, log=print, iters: int = COST_ITERS) -> dict:
+        """The width chooser's table: each (B, T)'s step time from its CUDA graph (plain graphs for T = 1), replayed
+        on scratch inputs. Needs the runner's graphs (the specialized path on a GPU); else the table stays empty
+        and every draft is verified."""
+        rt = getattr(self.engine.runner, "graph_replay_time", None)
+        if rt is None or self.width_mode == "full":
+            return self.costs
+        B_max = max(self.engine.engine_cfg.max_num_seqs, 1)
+        log(f"speculative decoding: timing verify steps for the width chooser (B = 1..{B_max}, T = 1..{self.k + 1})")
+        for B in range(1, B_max + 1):
+            row = {T: rt(B, iters, T=T) for T in range(1, self.k + 2)}
+            if all(v is not None for v in row.values()):
+                self.costs[B] = row
+        if self.costs:
+            log("speculative decoding: step ms by T, " + "; ".join(
+                f"B={B}: " + " ".join(f"{v:.2f}" for v in row.values()) for B, row in self.costs.items()))
+        return self.costs
+
+    def _survival(self, d: list[int]) -> list[float]:
+        if self.rates is not None:
+            return self.rates[:len(d)]
+        return self.tracker.survival(len(d))
 
     def synthetic_accepted(self, seq, drafted: int) -> int:
         """Drafts accepted under synthetic acceptance: position j is accepted when u < rates[j] (non-increasing,
@@ -105,6 +143,13 @@ class SpecDecoder:
         drafts = {i: list(p[:k]) for (i, k), p in zip(ask, props) if p}
         if not drafts:
             return None
+        costs = self.costs.get(len(batch)) if len(dec) == len(batch) and self.width_mode == "auto" else None
+        if costs is not None:  # a pure decode step at a measured B: verify the width that pays best
+            w = choose_width([self._survival(drafts.get(i, [])) for i in dec], costs)
+            self.stats["width_steps"][w] += 1
+            drafts = {i: d[:w] for i, d in drafts.items() if w}
+            if not drafts:
+                return None
         T = 1 + max(len(d) for d in drafts.values())
         e, c = self.engine, self.cache
         bs = c.block_size
@@ -166,6 +211,8 @@ class SpecDecoder:
                 for j in range(a):
                     self.stats["accepted_per_pos"][j] += 1
             self.drafter.verified(seq, len(d), a)
+            if d:
+                self.tracker.record(len(d), a)
             start = seq.num_cached
             seq.num_cached += 1 + a
             if a < T - 1:  # roll back: state after position a; entries a+1.. are rejected
