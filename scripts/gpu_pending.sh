@@ -48,6 +48,12 @@
 #   2 164 of 3 301 answers unlike the idle server's, by BF16 per-B rounding): the soak again with a 60 s warm-up
 #   under load and VERIFY.md's top-5 rule (~13 min, so start it detached and collect it in a second call):
 #   (OUT=/tmp/soak DURATION=600 CONC=8 setsid nohup bash scripts/gpu_soak.sh > /tmp/soak.log 2>&1 < /dev/null &)
+# - #42 (session 23: items 1 and 3 built and CPU-tested, nothing of it on a GPU): the synthetic-acceptance protocol
+#   with the width chooser against full width, one H200 (~10 min; the 48B's verify graphs for k = 7 are B 1..8 x T 2..8):
+#   python3 -m peregrine bench spec --model kimi-linear-48b-a3b --dummy-weights --batch-sizes 1,2,4,8 --k 7 \
+#     --input-len 256 --output-len 128 --no-oracle --acceptance-lengths 2.33,3,3.78,4.73,6 --widths auto,full
+#   then --k 3 --acceptance-lengths 2.33,3,3.78, and --input-len 32768 --batch-sizes 1 --acceptance-lengths 3.78
+#   (targets at 3.78, k = 7: >= 1.7 / 1.5 / 1.3 / 1.15 x plain at B = 1 / 2 / 4 / 8; 6.0: >= 2.2 x at B = 1; never < 1.0 x)
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \

@@ -298,3 +298,20 @@ def test_width_chooser_in_the_engine_keeps_greedy_exact():
             assert st["verify_steps"] == 0
         else:
             assert st["num_drafts"] > 0 and st["num_draft_tokens"] == st["num_drafts"]  # one draft each
+
+
+def test_bench_spec_synthetic_lengths(tmp_path):
+    """bench spec's synthetic rows: per acceptance length and width mode, tokens a step per user near the length
+    (every greedy row drafts its room and accepts the drawn count), rows verified per request 1 + k."""
+    from peregrine.spec.bench import bench_spec
+    r = bench_spec("tiny-kimi-linear", batch_sizes=(2,), ks=(3,), input_len=16, output_len=24, pattern_len=4, runs=1,
+                   backend="standard", dummy_weights=True, oracle=False, results_dir=str(tmp_path), log=lambda m: None,
+                   acceptance_lengths=(2.0, 3.5), widths=("full",))
+    (b,) = r["batches"]
+    labels = [c["label"] for c in b["configs"]]
+    assert labels == ["plain", "ngram k=3", "synthetic 2 k=3 full", "synthetic 3.5 k=3 full"]
+    for c, L in zip(b["configs"][2:], (2.0, 3.5)):
+        assert c["acceptance_length"] == L and c["draft_tokens"] > 0
+        assert abs(c["accepted_tokens"] / (c["draft_tokens"] / 3) + 1 - L) < 0.4  # per full-room verify
+        assert c["rows_per_request"] > 3.0  # own token + (mostly) 3 drafts
+    assert "synthetic 3.5 k=3 full" in open(r["paths"]["md"]).read()

@@ -9,6 +9,13 @@ tokens per step per user, effective tok/s/user = tokens / B / time of those step
 acceptance (drafts, accepted, mean acceptance length), distinct routed experts per MoE layer per step
 (verification routes B·(k+1) tokens: more experts read per step), and whether the greedy outputs
 equal the plain ones. JSON (and a Markdown table) under results/.
+
+--acceptance-lengths: per k, the same engine with synthetic acceptance at each mean acceptance length
+(vLLM's rejection_sample_method "synthetic": every greedy row drafts its whole room and accepts a drawn
+count; outputs are not the model's), once per --widths mode: "auto" (the verify width chosen per step
+from the costs timed at enable, GPU graphs only: elsewhere it verifies every draft) and "full" (every
+draft, the seed's "DL7" protocol). Reported beside the rest: rows verified per request a step and the
+widths chosen.
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ import torch
 
 from ..config import ConfigError, EngineConfig, resolve_model
 from ..bench.decode import run_batch
-from .config import SpeculativeConfig
+from .config import SpeculativeConfig, acceptance_rates_for
 
 PROMPT_SEED = 4321       # prompt set s uses PROMPT_SEED + s: the same prompts for every configuration
 ROUTING_TOKENS = 64      # tokens of the untimed run that counts routed experts
@@ -115,6 +122,7 @@ def _measure(engine, B, prompt_sets, params, runs, refs, log, label) -> dict:
            "mean_step_ms": dur * 1e3 / len(recs), "median_verify_step_ms": _median(ver), "verify_steps": len(ver),
            "tokens_per_step_per_user": new / len(recs) / B, "effective_tok_s_user": new / B / dur,
            "draft_tokens": drafted, "accepted_tokens": accepted,
+           "rows_per_request": 1 + drafted / B / len(ver) if ver else 1.0,  # per verify step: own token + drafts
            "acceptance_rate": accepted / drafted if drafted else None,
            "paths": dict(sorted({x["path"]: 0 for x in recs}.items()))}
     for x in recs:
@@ -127,10 +135,39 @@ def _measure(engine, B, prompt_sets, params, runs, refs, log, label) -> dict:
     return out
 
 
+def _synthetic(engine, drafter, B, k, lengths, widths, sets, params, runs, plain, rparams, log) -> list[dict]:
+    """The synthetic-acceptance configurations of one B and k (the engine's speculation enabled at k)."""
+    out, sp = [], engine.spec
+    for L in lengths:
+        if not 1 <= L <= k + 1:
+            continue
+        for mode in widths:
+            label = f"synthetic {L:g} k={k} {mode}"
+            sp.drafter, sp.rates, sp.width_mode = drafter, acceptance_rates_for(L, k), mode
+            sp.stats["synthetic_acceptance_length"] = L
+            w0 = list(sp.stats["width_steps"])
+            try:
+                c = _measure(engine, B, sets[B], params, runs, None, log, label)
+                c.update(k=k, acceptance_length=L, width=mode,
+                         speedup_vs_plain=c["effective_tok_s_user"] / plain[B]["effective_tok_s_user"],
+                         width_steps=[a - b for a, b in zip(sp.stats["width_steps"], w0)])
+                v = c["median_verify_step_ms"]
+                c["verify_vs_plain_step"] = v / plain[B]["median_step_ms"] if v else None
+                c["routing"] = _routing(engine, sets[B][0], rparams, B)
+            except Exception as e:  # a failing configuration is reported, the sweep goes on
+                log(f"WARNING: {label} B={B} failed: {e!r}")
+                c = {"label": label, "k": k, "status": "error", "reason": repr(e), "traceback": traceback.format_exc()}
+            out.append(c)
+    sp.rates, sp.width_mode = None, "auto"
+    sp.stats.pop("synthetic_acceptance_length", None)
+    return out
+
+
 def bench_spec(model: str, batch_sizes=(1, 2, 4), ks=(3,), spec_config=None, input_len: int = 256,
                output_len: int = 128, pattern_len: int = 16, prompt_sets: int = 1, runs: int = 2,
                backend: str = "latency_specialized", dummy_weights: bool = False, oracle: bool = True,
-               results_dir: str | None = "results", builder=None, log=print) -> dict:
+               results_dir: str | None = "results", builder=None, log=print, acceptance_lengths=(),
+               widths=("auto", "full")) -> dict:
     from ..bench import gpu
     from ..engine.request import SamplingParams
     base = SpeculativeConfig.parse(spec_config or {"method": "ngram", "num_speculative_tokens": max(ks)})
@@ -145,7 +182,8 @@ def bench_spec(model: str, batch_sizes=(1, 2, 4), ks=(3,), spec_config=None, inp
     result = {"kind": "spec_decode", "model": cfg.name, "metadata": gpu.run_metadata(),
               "config": {"batch_sizes": list(batch_sizes), "ks": list(ks), "spec_config": vars(base), "input_len": input_len,
                          "output_len": output_len, "pattern_len": pattern_len, "prompt_sets": prompt_sets, "runs": runs,
-                         "backend": backend, "dummy_weights": dummy_weights, "oracle": oracle},
+                         "backend": backend, "dummy_weights": dummy_weights, "oracle": oracle,
+                         "acceptance_lengths": list(acceptance_lengths), "widths": list(widths)},
               "batches": []}
     try:
         sets, refs, plain = {}, {}, {}
@@ -166,7 +204,10 @@ def bench_spec(model: str, batch_sizes=(1, 2, 4), ks=(3,), spec_config=None, inp
                 for entry in result["batches"]:
                     entry["configs"].append({"label": f"{base.method} k={k}", "k": k, "status": "error", "reason": repr(e)})
                 continue
-            drafters = [(f"{base.method} k={k}", engine.spec.drafter)] + ([(f"oracle k={k}", OracleDrafter(refs))] if oracle else [])
+            own = engine.spec.drafter
+            if acceptance_lengths:
+                engine.spec.measure_costs(log)  # the width chooser's table (empty without graphs: full width)
+            drafters = [(f"{base.method} k={k}", own)] + ([(f"oracle k={k}", OracleDrafter(refs))] if oracle else [])
             for entry in result["batches"]:
                 B = entry["batch"]
                 for label, drafter in drafters:
@@ -188,6 +229,8 @@ def bench_spec(model: str, batch_sizes=(1, 2, 4), ks=(3,), spec_config=None, inp
                         log(f"WARNING: {label} B={B} failed: {e!r}")
                         c = {"label": label, "k": k, "status": "error", "reason": repr(e), "traceback": traceback.format_exc()}
                     entry["configs"].append(c)
+                entry["configs"] += _synthetic(engine, own, B, k, acceptance_lengths, widths, sets, params, runs, plain,
+                                               rparams, log)
             engine.enable_speculation(None)
     finally:
         result["engine_stats"] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in engine.stats.items()}
@@ -207,20 +250,31 @@ def markdown(result: dict) -> str:
     lines = [f"**{result['model']}** speculative decoding, backend {c['backend']}, input {c['input_len']} "
              f"(pattern {c['pattern_len']}), output {c['output_len']}", "",
              "| B | config | median step ms | verify step ms | tok/step/user | eff. tok/s/user | speedup | accepted/drafted "
-             "| experts/layer (plain → verify) | = plain |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| rows/request | experts/layer (plain → verify) | = plain |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     f = lambda v, fmt: "" if v is None else format(v, fmt)  # noqa: E731
     for b in result["batches"]:
         for x in b["configs"]:
             if x.get("status") == "error":
-                lines.append(f"| {b['batch']} | {x['label']} | error: {x['reason'][:60]} | | | | | | | |")
+                lines.append(f"| {b['batch']} | {x['label']} | error: {x['reason'][:60]} | | | | | | | | |")
                 continue
             rt = x.get("routing") or {}
             ex = " → ".join(f"{rt[k]:.1f}" for k in ("plain_steps", "verify_steps") if k in rt)
             lines.append(f"| {b['batch']} | {x['label']} | {f(x['median_step_ms'], '.3f')} | {f(x['median_verify_step_ms'], '.3f')} "
                          f"| {x['tokens_per_step_per_user']:.2f} | {x['effective_tok_s_user']:.1f} "
-                         f"| {f(x.get('speedup_vs_plain'), '.2f')} | {x['accepted_tokens']}/{x['draft_tokens']} | {ex} "
+                         f"| {f(x.get('speedup_vs_plain'), '.2f')} | {x['accepted_tokens']}/{x['draft_tokens']} "
+                         f"| {f(x.get('rows_per_request'), '.2f')} | {ex} "
                          f"| {x.get('outputs_equal_plain', '')} |")
     return "\n".join(lines) + "\n"
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        v = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not v or any(x < 1 for x in v):
+        raise argparse.ArgumentTypeError(f"expected acceptance lengths >= 1 (the bonus token counts), got {text!r}")
+    return v
 
 
 def _int_list(text: str) -> list[int]:
@@ -248,6 +302,11 @@ def add_bench_spec_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prompt-sets", type=int, default=1)
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--no-oracle", action="store_true", help="skip the oracle drafter (acceptance ceiling)")
+    p.add_argument("--acceptance-lengths", type=_float_list, default=[], metavar="L,...",
+                   help="synthetic acceptance at these mean lengths (the bonus token counted), e.g. 2.33,3,3.78,4.73,6; "
+                        "benchmark only: drafts are accepted by chance")
+    p.add_argument("--widths", default="auto,full", help="verify width modes for the synthetic runs: auto (chosen per "
+                   "step from measured costs), full (every draft); default both")
     p.add_argument("--results-dir", default="results")
     p.set_defaults(func=run_bench_spec)
     return p
@@ -263,9 +322,13 @@ def run_bench_spec(args) -> int:
         for name in ("input_len", "output_len", "pattern_len", "prompt_sets", "runs"):
             if getattr(args, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        widths = [w.strip() for w in args.widths.split(",") if w.strip()]
+        if not widths or any(w not in ("auto", "full") for w in widths):
+            raise ConfigError(f"--widths takes auto and/or full, got {args.widths!r}")
         r = bench_spec(args.model, args.batch_sizes, args.k, sc, args.input_len, args.output_len, args.pattern_len,
                        args.prompt_sets, args.runs, args.backend, args.dummy_weights, not args.no_oracle, args.results_dir,
-                       log=lambda m: print(f"[peregrine] {m}", file=sys.stderr, flush=True))
+                       log=lambda m: print(f"[peregrine] {m}", file=sys.stderr, flush=True),
+                       acceptance_lengths=args.acceptance_lengths, widths=widths)
     except json.JSONDecodeError as e:
         print(f"error: --speculative-config is not valid JSON: {e.msg}", file=sys.stderr)
         return 2

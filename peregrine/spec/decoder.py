@@ -100,13 +100,15 @@ class SpecDecoder:
         if rt is None or self.width_mode == "full":
             return self.costs
         B_max = max(self.engine.engine_cfg.max_num_seqs, 1)
-        log(f"speculative decoding: timing verify steps for the width chooser (B = 1..{B_max}, T = 1..{self.k + 1})")
         for B in range(1, B_max + 1):
-            row = {T: rt(B, iters, T=T) for T in range(1, self.k + 2)}
+            try:
+                row = {T: rt(B, iters, T=T) for T in range(1, self.k + 2)}
+            except TypeError:  # a runner without verify graphs (standard): every draft is verified
+                return self.costs
             if all(v is not None for v in row.values()):
                 self.costs[B] = row
         if self.costs:
-            log("speculative decoding: step ms by T, " + "; ".join(
+            log("speculative decoding: verify width chosen per step from these step ms (T = 1..k+1), " + "; ".join(
                 f"B={B}: " + " ".join(f"{v:.2f}" for v in row.values()) for B, row in self.costs.items()))
         return self.costs
 
