@@ -95,8 +95,9 @@ def test_scripted_acceptance_and_rollback_match_plain(accepts):
 
 
 def test_mixed_steps_prefill_chunks_sampling_and_stops():
-    """Verify rows share steps with chunked prefills and a late arrival; a sampled request (no drafts)
-    gets the same tokens as without speculation; a stop token inside accepted drafts ends the request there."""
+    """Verify rows share steps with chunked prefills and a late arrival; a sampled request (drafted too since
+    #42: speculative sampling) gets the same tokens as without speculation; a stop token inside accepted drafts
+    ends the request there."""
     ps = repetitive(7, n=3)
     base = tiny(max_num_batched_tokens=12)
     ref = base.generate(ps, greedy(18))
@@ -118,7 +119,7 @@ def test_mixed_steps_prefill_chunks_sampling_and_stops():
 
     want = run(tiny(max_num_batched_tokens=12))
     e = tiny(NGRAM, max_num_batched_tokens=12)
-    dr = ScriptedDrafter({tuple(p): w for p, w in zip(ps, ref)}, [3, 1, 2], 320)
+    dr = ScriptedDrafter({tuple(p): w for p, w in zip(ps, want)}, [3, 1, 2], 320)  # each request's own output
     e.enable_speculation(NGRAM, drafter=dr)
     got = run(e)
     assert got == want
@@ -315,3 +316,42 @@ def test_bench_spec_synthetic_lengths(tmp_path):
         assert abs(c["accepted_tokens"] / (c["draft_tokens"] / 3) + 1 - L) < 0.4  # per full-room verify
         assert c["rows_per_request"] > 3.0  # own token + (mostly) 3 drafts
     assert "synthetic 3.5 k=3 full" in open(r["paths"]["md"]).read()
+
+
+# ---- sampled requests speculate (#42 item 4) ----
+def test_sampled_requests_speculate_and_keep_their_tokens():
+    """Seeded sampled requests (temperature, top-p, top-k) get drafts: with a drafter proposing the plain sampled
+    continuation with its j-th token wrong, exactly min(j, drafts) are accepted a verify and the outputs equal plain
+    sampling's token for token (draws keyed by seed and position); a logprobs request rides along undrafted."""
+    ps = repetitive(6)
+    params = [greedy(20, temperature=0.9, seed=11), greedy(20, temperature=0.7, top_p=0.8, top_k=20, seed=12),
+              greedy(20, temperature=1.0, seed=13, logprobs=2)]
+    want = tiny().generate(ps, params)
+    e = tiny(NGRAM)
+    dr = ScriptedDrafter({tuple(p): w for p, w in zip(ps[:2], want[:2])}, [1, 3, 0, 2], 320)
+    e.enable_speculation(NGRAM, drafter=dr)
+    assert e.generate(ps, params) == want
+    st = e.stats["spec"]
+    assert st["num_drafts"] == dr.n > 0 and st["num_accepted_tokens"] == dr.expected > 0
+
+
+def test_speculative_sampling_rule_matches_its_definition():
+    """The rule on one row of a small vocabulary over 20 000 seeds: a draft x is accepted with probability
+    min(1, p(x) / q(x)) = p(x) (q one-hot), and a rejected position's token follows the residual (p - q)+
+    normalised, p being softmax(logits / T) written here in FP64 (chi-square, 7 degrees of freedom)."""
+    from peregrine.engine.sampling import sample
+    V, T, n, x = 8, 0.8, 20_000, 2
+    logits = torch.tensor([1.0, 0.2, 1.4, -0.5, 0.9, 0.0, -1.2, 0.6])
+    p = torch.softmax(logits.double() / T, -1)
+    toks = sample(logits.repeat(n, 1), [greedy(1, temperature=T)] * n, list(range(n)), [100] * n)
+    acc = sum(t == x for t in toks)
+    assert abs(acc / n - p[x]) < 4 * (p[x] * (1 - p[x]) / n) ** 0.5
+    rej = [t for t in toks if t != x]
+    resid = p.clone()
+    resid[x] = 0
+    resid /= resid.sum()
+    counts = torch.bincount(torch.tensor(rej), minlength=V).double()
+    expected = resid * len(rej)
+    keep = expected > 0
+    chi2 = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    assert counts[x] == 0 and chi2 < 24.3  # chi-square 0.999 quantile, 6 degrees of freedom

@@ -1,8 +1,8 @@
 """--speculative-config, in vLLM's spelling:
   {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
   {"method": "draft_model", "model": PRESET|DIR, "num_speculative_tokens": 4, "dummy_weights": false}
-("model" alone implies draft_model, as in vLLM.) Speculation serves greedy requests only:
-requests with temperature > 0 ride along in a verify step but are never drafted for.
+("model" alone implies draft_model, as in vLLM.) Greedy and sampled requests are drafted for (sampled ones
+by speculative sampling, decoder.py); requests with logprobs or penalties ride along undrafted.
 
 Synthetic acceptance, for benchmarking only (vLLM's keys and meaning):
   {"method": "ngram", "num_speculative_tokens": 7, "rejection_sample_method": "synthetic",

@@ -4,8 +4,10 @@ Every decoding row of a step with at least one draft becomes a verify row of T =
 tokens (its last sampled token, its drafts, then filler up to the longest draft of the step),
 so a pure-decode step is uniform and the specialized path serves it from one graph per (B, T).
 Greedy rows accept the longest prefix of drafts that equals the target's argmax and append the
-target's token after it, so greedy output equals non-speculative greedy output. Rows with
-temperature > 0 get no drafts; they sample from their first position as a plain step would.
+target's token after it, so greedy output equals non-speculative greedy output. Sampled rows do the
+same with the token each position draws (keyed by seed and position, as a plain step draws it): that is
+speculative sampling for a deterministic drafter, and their tokens equal non-speculative sampling's.
+Rows with logprobs or penalties get no drafts; they sample from their first position.
 
 Synthetic acceptance (config.py; benchmarking only): every greedy row drafts its full room (the drafter's
 tokens, padded with its last token) and accepts a count drawn from the configured per-position rates with
@@ -31,9 +33,17 @@ import numpy as np
 import torch
 
 from ..decode.batch import StepInput
+from ..engine.penalties import needs_processing
+from ..engine.sampling import sample as sample_tokens
 from .config import SpeculativeConfig
 from .drafters import NgramDrafter
 from .width import AcceptanceTracker, choose_width
+
+def speculates(p) -> bool:
+    """Requests that get drafts: greedy or sampled (the draws are keyed by position, so speculation keeps a sampled
+    request's tokens), without logprobs or logits processing (penalties, min_tokens), which ride along undrafted."""
+    return p.logprobs is None and not needs_processing(p)
+
 
 SYNTHETIC_SEED = 0x5EED  # the synthetic acceptance draws' key, beside each request's seed and length
 WIDTH_ENV = "PEREGRINE_SPEC_WIDTH"  # "auto" (default: chosen per step from measured costs) or "full" (every draft)
@@ -117,6 +127,34 @@ class SpecDecoder:
             return self.rates[:len(d)]
         return self.tracker.survival(len(d))
 
+    def _draw_sampled(self, batch, drafts, T, logits) -> dict[int, list[int]]:
+        """Sampled rows with drafts: the token each verify position draws, keyed by (seed, the position of the
+        token drawn) as a plain step would draw it (engine/sampling.py). Accepting drafts while they equal these
+        draws is speculative sampling for a deterministic drafter (q one-hot): draft x survives with probability
+        p(x) = min(1, p(x) / q(x)), and a rejected position's draw is p without x, renormalised: the residual."""
+        rows, params, seeds, positions, who = [], [], [], [], []
+        pos = 0
+        for i, (seq, n) in enumerate(batch):
+            if seq.in_prefill:
+                pos += 1
+                continue
+            d = drafts.get(i, [])
+            if d and not seq.params.greedy:
+                L = len(seq.token_ids)
+                rows += range(pos, pos + len(d) + 1)
+                params += [seq.params] * (len(d) + 1)
+                seeds += [seq.seed] * (len(d) + 1)
+                positions += range(L, L + len(d) + 1)
+                who.append((i, len(d) + 1))
+            pos += T
+        if not rows:
+            return {}
+        toks = sample_tokens(logits[rows], params, seeds, positions)
+        out, at = {}, 0
+        for i, n in who:
+            out[i], at = toks[at:at + n], at + n
+        return out
+
     def synthetic_accepted(self, seq, drafted: int) -> int:
         """Drafts accepted under synthetic acceptance: position j is accepted when u < rates[j] (non-increasing,
         so the accepted ones are a prefix and P(more than j) = rates[j]); u keyed by the request and its length."""
@@ -135,7 +173,7 @@ class SpecDecoder:
         if not self.enabled:
             return None
         dec = [i for i, (s, _) in enumerate(batch) if not s.in_prefill]
-        ask = [(i, self.room(batch[i][0])) for i in dec if batch[i][0].params.plain_greedy]  # logprobs, penalties: sampled
+        ask = [(i, self.room(batch[i][0])) for i in dec if speculates(batch[i][0].params)]
         ask = [(i, k) for i, k in ask if k > 0]
         if not ask:
             return None
@@ -182,6 +220,7 @@ class SpecDecoder:
         if greedy is None or greedy.shape[0] != logits.shape[0]:
             greedy = logits.argmax(-1)
         tgt = greedy.tolist()
+        drawn = self._draw_sampled(batch, drafts, T, logits)
         out, sample_rows, sample_seqs = [], [], []
         restore_rows, restore_slots, restore_pos, dead = [], [], [], []
         pos = 0
@@ -194,14 +233,15 @@ class SpecDecoder:
                 pos += 1
                 continue
             d = drafts.get(i, [])
-            if seq.params.plain_greedy:
+            if seq.params.plain_greedy or i in drawn:  # the target's tokens: argmax, or keyed draws per position
+                t = drawn[i] if i in drawn else tgt[pos:pos + len(d) + 1]
                 a = 0
                 if self.rates is not None:
                     a = self.synthetic_accepted(seq, len(d))
                 else:
-                    while a < len(d) and d[a] == tgt[pos + a]:
+                    while a < len(d) and d[a] == t[a]:
                         a += 1
-                out.append((i, seq, d[:a] + [tgt[pos + a]]))
+                out.append((i, seq, d[:a] + [t[a]]))
             else:
                 a = 0
                 sample_rows.append(pos)
