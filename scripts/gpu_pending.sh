@@ -54,6 +54,10 @@
 #     --input-len 256 --output-len 128 --no-oracle --acceptance-lengths 2.33,3,3.78,4.73,6 --widths auto,full
 #   then --k 3 --acceptance-lengths 2.33,3,3.78, and --input-len 32768 --batch-sizes 1 --acceptance-lengths 3.78
 #   (targets at 3.78, k = 7: >= 1.7 / 1.5 / 1.3 / 1.15 x plain at B = 1 / 2 / 4 / 8; 6.0: >= 2.2 x at B = 1; never < 1.0 x)
+#   #42 item 2, its first piece: the skinny GEMM's wide tile (17..64 verify rows in one M tile, weights streamed once),
+#   off by default: python3 -m peregrine.bench.kernels_gemm --shapes decode48b --ms 16,24,32,40,48,56,64 (skinny vs
+#   cuBLAS per shape, same run), then bench spec above with PEREGRINE_VERIFY_GEMM=triton against without; make it the
+#   default (and plan "torch" entries where cuBLAS wins) only on that evidence
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \

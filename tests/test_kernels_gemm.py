@@ -284,3 +284,64 @@ def test_stream_option_adds_the_reads_alone_to_each_row(monkeypatch, device):
     assert rows[0]["stream_ms"] == 2.0 and rows[0]["stream_pct_of_copy"] == 40 * 64 * 4 / 2.0 / 1e6 / 1000.0
     assert "stream_ms" not in rows[1], "cuBLAS rows have no tiling to stream"
     assert "reads alone" in kg.table(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mnk", [(17, 100, 257), (40, 64, 300), (64, 33, 128), (70, 40, 96)])
+def test_verify_rows_in_one_wide_tile(mnk, dtype, device, monkeypatch):
+    """17..64 rows (a verify step's B x T) take one M tile of 32 or 64 (each weight tile read once: the grid has
+    a single M program); past 64, 64-row tiles. Poisoned output, FP32 reference, the dot and split-K paths."""
+    m = mnk[0]
+    seen, kernel = [], gemm._gemm_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            seen.append(grid)
+            return kernel[grid]
+    monkeypatch.setattr(gemm, "_gemm_kernel", Spy())
+    for variant in ("plain_dot", "splitk_dot"):
+        x, w = _inputs(*mnk, dtype, device)
+        out = poisoned((m, mnk[1]), dtype, device)
+        skinny_gemm(x, w, out=out, config=VARIANTS[variant])
+        assert_close(out, ref(x, w), TOL[dtype])
+        assert seen[-1][2] == -(-m // 64), (variant, seen[-1])  # M programs: one up to 64 rows
+    assert gemm.tiling(m, mnk[1], mnk[2], VARIANTS["plain_dot"])[2]["BLOCK_M"] == (32 if m <= 32 else 64)
+
+
+def test_verify_gemm_switch(monkeypatch):
+    """_mm sends 17..64 rows to the skinny kernel only with PEREGRINE_VERIFY_GEMM=triton (cuBLAS until measured)."""
+    from peregrine.decode import specialized as sp
+    calls = []
+    monkeypatch.setattr(sp, "skinny_gemm", lambda x, w, out=None: calls.append(x.shape[0]) or x @ w.T)
+    x, w = torch.randn(40, 8), torch.randn(6, 8)
+    monkeypatch.delenv(sp.VERIFY_GEMM_ENV, raising=False)
+    sp._mm(x, w)
+    sp._mm(x[:16], w)
+    assert calls == [16]
+    monkeypatch.setenv(sp.VERIFY_GEMM_ENV, "triton")
+    sp._mm(x, w)
+    sp._mm(torch.randn(65, 8), w)
+    assert calls == [16, 40]
+
+
+def test_wide_verify_tile_compiles_for_sm90_without_spills():
+    """The 64-row tile (BLOCK_N 32 and 64, BLOCK_K 128, tensor cores, BF16) compiled ahead of time for sm_90a:
+    the interpreter cannot catch a compile error or register spills."""
+    from conftest import run_aot
+    rows = run_aot("""
+import json
+from peregrine.bench.kernels_moe import compile_sm90
+from peregrine.kernels import gemm
+p, n, c = (lambda t: (t, 0)), (lambda v: ("i32", v)), (lambda v: ("constexpr", v))
+out = []
+for bn in (32, 64):
+    args = dict(x_ptr=p("*bf16"), w_ptr=p("*bf16"), y_ptr=p("*bf16"), M=n(40), N=n(4096), K=n(2304), stride_xm=n(2304),
+                stride_wn=n(2304), stride_ym=n(4096), stride_ys=n(0), k_per_split=n(2304), out_ptr=p("*bf16"),
+                stride_om=n(0), count_ptr=p("*i32"), group_n=n(0), BLOCK_M=c(64), BLOCK_N=c(bn), BLOCK_K=c(128),
+                USE_DOT=c(True), IEEE=c(False), EVEN_K=c(True), INLINE_REDUCE=c(False), PREFETCH=c(False))
+    out.append(dict(compile_sm90(gemm._gemm_kernel, args, 4, 2), BLOCK_N=bn))
+print(json.dumps(out))
+""")
+    assert len(rows) == 2
+    for row in rows:
+        assert "error" not in row and row["spill"] == 0 and 0 < row["regs"] <= 255, row

@@ -21,7 +21,7 @@ from collections import Counter
 import torch
 
 from .. import kernels
-from ..kernels.gemm import groupable, grouped_gemm, skinny_gemm
+from ..kernels.gemm import WIDE_MAX_ROWS, groupable, grouped_gemm, skinny_gemm
 from ..kernels.kda import kda_decode
 from ..kernels.mla import mla_decode, uv_why_not
 from ..kernels.mla_prologue import mla_prologue
@@ -46,10 +46,19 @@ FUSED_UV_ENV = "PEREGRINE_MLA_FUSED_UV"  # MLA's combine with W_UV in one launch
 FUSED_UV_MAX_B = 2
 
 
+VERIFY_GEMM_ENV = "PEREGRINE_VERIFY_GEMM"  # "triton": verify steps' 17..64-row GEMMs on the skinny kernel's wide tile
+
+
+def _verify_rows() -> int:
+    """Most rows _mm gives the skinny kernel: MAX_DECODE_BATCH, or with PEREGRINE_VERIFY_GEMM=triton the wide
+    tile's WIDE_MAX_ROWS (one M tile: the weights stream once). cuBLAS stays the default above 16 rows until an
+    H200 run of kernels_gemm --ms 17..64 says which is faster per shape (then plan entries choose)."""
+    return WIDE_MAX_ROWS if os.environ.get(VERIFY_GEMM_ENV) == "triton" else MAX_DECODE_BATCH
+
+
 def _mm(x, w, out=None):
-    """Skinny GEMM up to MAX_DECODE_BATCH rows; cuBLAS/torch beyond (verify steps of B·T rows), since
-    the skinny kernel would stream the weights once per 16-row tile."""
-    if x.shape[0] <= MAX_DECODE_BATCH:
+    """Skinny GEMM up to _verify_rows() rows; cuBLAS/torch beyond (verify steps of B·T rows)."""
+    if x.shape[0] <= _verify_rows():
         return skinny_gemm(x, w, out=out)
     return x @ w.T if out is None else torch.matmul(x, w.T, out=out)
 

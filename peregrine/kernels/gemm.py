@@ -1,4 +1,4 @@
-"""Skinny GEMM for decode: y = x @ w.T with x [M, K] (M = 1..16), w [N, K].
+"""Skinny GEMM for decode: y = x @ w.T with x [M, K] (M = 1..16; verify steps up to 64), w [N, K].
 
 At M <= 16 the GEMM is a weight-streaming problem: every program owns a tile
 of N, reads its rows of w exactly once and produces all M rows from that one
@@ -20,8 +20,9 @@ before this step's math), not one: Triton does not pipeline these loads itself.
           behind the stream), and the rows' reductions lost at B >= 2 (bench decode +35..368 us).
 grouped_gemm runs G independent products side by side (block-diagonal w) in
 the same launch: each N tile reads its group's K columns of x.
-Inner product either on tensor cores (tl.dot, rows padded to 16) or as FMAs
-into a [BM, BN, BK] accumulator reduced once at the end (cheap for M <= 4).
+Inner product either on tensor cores (tl.dot, rows padded to 16; 17..64 rows in one tile of 32 or 64,
+so a verify step's weights stream once, not once per 16 rows) or as FMAs into a [BM, BN, BK]
+accumulator reduced once at the end (cheap for M <= 4).
 gemm_plan.json maps "M,N,K" -> config, measured on the GPU by
 peregrine.bench.kernels_gemm --tune; other shapes use `heuristic`.
 """
@@ -42,6 +43,7 @@ from peregrine.kernels.pdl import launch_kwargs, pdl_wait
 PLAN_PATH = Path(__file__).with_name("gemm_plan.json")
 NUM_SMS = 132  # H200; the heuristic aims for >= 2 waves of programs
 DOT_MIN_ROWS = 16  # tl.dot needs >= 16 rows; smaller M is zero-padded
+WIDE_MAX_ROWS = 64  # verify steps (B x T rows): up to 64 rows in one M tile, so each weight tile streams once
 FMA_MAX_ROWS = 4  # above this the FMA path does too much ALU work per weight byte
 FMA_ACC_REGS = 64  # FP32 accumulator registers per thread for the FMA path (no spills at 64)
 MAX_SPLIT_K = 16  # more partials cost more workspace traffic than they save
@@ -350,7 +352,8 @@ def tiling(M: int, N: int, K: int, cfg: dict) -> tuple[tuple[int, int, int], int
     assert cfg["kernel"] in ("plain", "splitk"), f"no split-K tiling for kernel {cfg['kernel']!r}"
     bn, bk, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"] if cfg["kernel"] == "splitk" else 1
     dot = cfg.get("dot", M > FMA_MAX_ROWS)
-    bm = DOT_MIN_ROWS if dot else min(triton.next_power_of_2(M), FMA_MAX_ROWS)
+    bm = min(max(DOT_MIN_ROWS, triton.next_power_of_2(M)), WIDE_MAX_ROWS) if dot else min(triton.next_power_of_2(M),
+                                                                                            FMA_MAX_ROWS)
     k_per = triton.cdiv(triton.cdiv(K, split), bk) * bk
     split = triton.cdiv(K, k_per)  # drop splits that would start past K
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot, EVEN_K=k_per * split == K,
