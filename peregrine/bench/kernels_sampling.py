@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from peregrine.bench.gpu import graph_time
+from peregrine.kernels.pdl import pdl
 from peregrine.kernels.sampling import argmax, sample
 
 VOCAB = 163840
@@ -63,6 +64,10 @@ def run(copy_gbps: float, full: bool = True, iters: int = 50) -> list[dict]:
                    "gbps": nbytes / ms / 1e6, "pct_of_copy": nbytes / ms / 1e6 / copy_gbps, "vs_argmax": ms / t_arg}
             if name == "top_p_0.95":
                 row["sorted_ms"] = graph_time([lambda: _sorted_sampler(logits, args[0], args[2])], iters)[0]
+            if name in ("top_p_0.95", "top_k_50_top_p_0.9"):  # as the decode step launches them: with PDL
+                with pdl(True):
+                    row["pdl_ms"] = graph_time([lambda: sample(logits, *args, out=out)], iters)[0]
+                    row["pdl_radix_ms"] = graph_time([lambda: sample(logits, *args, out=out, search="radix")], iters)[0]
             if name in ("top_p_0.95", "top_k_50_top_p_0.9"):  # the other searches, for the A/B
                 for label, kw in SEARCH_AB.items():
                     row[f"{label}_ms"] = graph_time([lambda: sample(logits, *args, out=out, **kw)], iters)[0]
