@@ -292,6 +292,7 @@ def test_width_chooser_in_the_engine_keeps_greedy_exact():
         e = tiny(NGRAM)
         e.enable_speculation(NGRAM, drafter=ScriptedDrafter({tuple(p): w for p, w in zip(ps, want)}, [1, 3], 320))
         e.spec.costs = {B: dict(table) for B in range(1, 5)}
+        e.spec.observe = lambda *a: None  # the CPU's wall times are not the injected table's: no learning here
         assert e.generate(ps, greedy(24)) == want
         st = e.spec.stats
         assert st["width_steps"][width] > 0 and sum(st["width_steps"]) == st["width_steps"][width]
@@ -355,3 +356,36 @@ def test_speculative_sampling_rule_matches_its_definition():
     keep = expected > 0
     chi2 = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
     assert counts[x] == 0 and chi2 < 24.3  # chi-square 0.999 quantile, 6 degrees of freedom
+
+
+def test_width_chooser_learns_the_host_side_excess():
+    """The table times graph replays only; observed steps that take longer (drafting, read-back, rollback) raise
+    what the chooser counts for their kind, so a width that paid on the table stops being chosen."""
+    from peregrine.spec.decoder import SpecDecoder
+    from peregrine.spec.width import choose_width
+    d = SpecDecoder.__new__(SpecDecoder)
+    d.costs, d.excess = {2: {1: 3.0, 2: 3.3, 3: 3.6}}, {"plain": 0.0, "verify": 0.0}
+    surv = [[0.5, 0.25]] * 2
+    # table: 2 / 3.0 = 0.667 against 3 / 3.3 = 0.909 and 3.5 / 3.6 = 0.972 -> width 2
+    assert choose_width(surv, d.effective_costs(2)) == 2
+    for _ in range(60):
+        d.observe(2, 3, 6.6)   # verify steps take 3 ms more than their replay
+        d.observe(2, 1, 3.1)   # plain ones 0.1 ms more
+    assert abs(d.excess["verify"] - 3.0) < 0.01 and abs(d.excess["plain"] - 0.1) < 0.01
+    # now 2 / 3.1 = 0.645 against 3 / 6.3 = 0.476 and 3.5 / 6.6 = 0.530 -> plain
+    assert choose_width(surv, d.effective_costs(2)) == 0
+    d.observe(5, 2, 9.0)  # a B without a table row changes nothing
+    assert d.effective_costs(5) is None and abs(d.excess["verify"] - 3.0) < 0.01
+
+
+def test_engine_feeds_the_width_chooser_its_step_times():
+    """Each pure decode step's wall time reaches observe: on this CPU every step takes far longer than the 1 ms
+    injected for a plain step, so the plain excess grows above zero."""
+    ps = repetitive(4)
+    e = tiny(NGRAM)
+    e.spec.costs = {B: {1: 1e-3, 2: 1e-3, 3: 1e-3, 4: 1e-3} for B in range(1, 5)}
+    seen = []
+    real = e.spec.observe
+    e.spec.observe = lambda B, T, ms: seen.append((B, T)) or real(B, T, ms)
+    e.generate(ps, greedy(8))
+    assert seen and all(B == 3 for B, _ in seen) and e.spec.excess["plain"] + e.spec.excess["verify"] > 0

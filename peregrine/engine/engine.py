@@ -321,6 +321,8 @@ class LLMEngine:
             kind = "decode" if not n_prefill else ("prefill" if not n_decode else "mixed")
             if piece:
                 kind = "decode + prefill piece" if n_decode else "prefill pieces"
+            if self.spec is not None and kind == "decode" and n_decode == len(batch):  # the width chooser learns
+                self.spec.observe(len(batch), spec[2] if spec else 1, 1e3 * self.last_step.duration_s)
             k = self.stats["step_kinds"].setdefault(kind, {"steps": 0, "seconds": 0.0, "prefill_tokens": 0})
             k["steps"] += 1
             k["seconds"] += self.last_step.duration_s

@@ -48,6 +48,7 @@ def speculates(p) -> bool:
 SYNTHETIC_SEED = 0x5EED  # the synthetic acceptance draws' key, beside each request's seed and length
 WIDTH_ENV = "PEREGRINE_SPEC_WIDTH"  # "auto" (default: chosen per step from measured costs) or "full" (every draft)
 COST_ITERS = 20  # graph replays timed per (B, T) for the width chooser's table at start-up
+RESID_EMA = 0.1  # weight of each new step in the running host-side excess over the table (drafting, accept, sync)
 
 
 def make_drafter(cfg: SpeculativeConfig, engine, log):
@@ -74,6 +75,7 @@ class SpecDecoder:
         self.stats["width_steps"] = [0] * (self.k + 1)  # pure decode steps by chosen width (0: plain, by choice)
         self.tracker = AcceptanceTracker(self.k)
         self.costs: dict[int, dict[int, float]] = {}  # B -> {T: step ms}: the width chooser's table (empty: full)
+        self.excess = {"plain": 0.0, "verify": 0.0}  # observed step wall ms minus the table's, running (RESID_EMA)
         self.width_mode = os.environ.get(WIDTH_ENV, "auto")
         if self.width_mode not in ("auto", "full"):
             raise ValueError(f"{WIDTH_ENV} must be auto or full, got {self.width_mode!r}")
@@ -121,6 +123,22 @@ class SpecDecoder:
             log("speculative decoding: verify width chosen per step from these step ms (T = 1..k+1), " + "; ".join(
                 f"B={B}: " + " ".join(f"{v:.2f}" for v in row.values()) for B, row in self.costs.items()))
         return self.costs
+
+    def effective_costs(self, B: int) -> dict[int, float] | None:
+        """B's table plus what pure decode steps were seen to cost beyond it on the host: a verify step drafts,
+        reads its tokens back and rolls back; a plain one only reads back."""
+        row = self.costs.get(B)
+        if row is None:
+            return None
+        return {T: ms + self.excess["plain" if T == 1 else "verify"] for T, ms in row.items()}
+
+    def observe(self, B: int, T: int, wall_ms: float) -> None:
+        """A pure decode step of B sequences at T tokens each (1: plain) took wall_ms: update the excess."""
+        row = self.costs.get(B)
+        if row is None or T not in row:
+            return
+        k = "plain" if T == 1 else "verify"
+        self.excess[k] += RESID_EMA * ((wall_ms - row[T]) - self.excess[k])
 
     def _survival(self, d: list[int]) -> list[float]:
         if self.rates is not None:
@@ -183,7 +201,7 @@ class SpecDecoder:
         drafts = {i: list(p[:k]) for (i, k), p in zip(ask, props) if p}
         if not drafts:
             return None
-        costs = self.costs.get(len(batch)) if len(dec) == len(batch) and self.width_mode == "auto" else None
+        costs = self.effective_costs(len(batch)) if len(dec) == len(batch) and self.width_mode == "auto" else None
         if costs is not None:  # a pure decode step at a measured B: verify the width that pays best
             w = choose_width([self._survival(drafts.get(i, [])) for i in dec], costs)
             self.stats["width_steps"][w] += 1
