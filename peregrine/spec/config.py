@@ -1,6 +1,9 @@
 """--speculative-config, in vLLM's spelling:
   {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
   {"method": "draft_model", "model": PRESET|DIR, "num_speculative_tokens": 4, "dummy_weights": false}
+  {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 24,
+   "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
+   "suffix_decoding_min_token_prob": 0.1}     (suffix.py; vLLM's keys and defaults)
 ("model" alone implies draft_model, as in vLLM.) Greedy and sampled requests are drafted for (sampled ones
 by speculative sampling, decoder.py); requests with logprobs or penalties ride along undrafted.
 
@@ -17,8 +20,10 @@ from dataclasses import dataclass
 
 from ..config import ConfigError
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "suffix")
 REJECTION = ("standard", "synthetic")
+SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+               "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
 MAX_SPEC_TOKENS = 15  # k + 1 query tokens per sequence: the KDA decode keeps T positions in one program
 NGRAM_MAX_DEFAULT = 4  # longest suffix n-gram matched (vLLM makes this required; 4 is its usual example)
 
@@ -34,6 +39,10 @@ class SpeculativeConfig:
     rejection_sample_method: str = "standard"  # "synthetic": accepted counts drawn from synthetic_acceptance_rates
     synthetic_acceptance_length: float | None = None  # mean tokens a verify yields, the bonus token counted
     synthetic_acceptance_rates: list | None = None    # P(draft position j accepted), unconditional, non-increasing
+    suffix_decoding_max_tree_depth: int = 24          # suffix: longest context counted (vLLM's default)
+    suffix_decoding_max_cached_requests: int = 10000  # suffix: finished requests' outputs in the global trie
+    suffix_decoding_max_spec_factor: float = 1.0      # suffix: drafts per matched token
+    suffix_decoding_min_token_prob: float = 0.1       # suffix: a draft path stops below this probability
 
     @classmethod
     def parse(cls, text_or_dict) -> "SpeculativeConfig | None":
@@ -50,20 +59,25 @@ class SpeculativeConfig:
         if not isinstance(d, dict):
             raise ConfigError("--speculative-config must be a JSON object")
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "dummy_weights",
-                 "rejection_sample_method", "synthetic_acceptance_length", "synthetic_acceptance_rates"}
+                 "rejection_sample_method", "synthetic_acceptance_length", "synthetic_acceptance_rates",
+                 *SUFFIX_KEYS}
         bad = sorted(set(d) - known)
         if bad:
             raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(bad)} (valid: {', '.join(sorted(known))})")
         method = d.get("method") or ("draft_model" if d.get("model") else None)
         if method not in METHODS:
             raise ConfigError(f"--speculative-config: method must be one of {', '.join(METHODS)}, got {method!r}")
-        cfg = cls(method=method, num_speculative_tokens=d.get("num_speculative_tokens"),
+        k = d.get("num_speculative_tokens")
+        if k is None and method == "suffix":  # vLLM: the tree depth; here at most what a verify step takes
+            k = min(d.get("suffix_decoding_max_tree_depth", 24), MAX_SPEC_TOKENS)
+        cfg = cls(method=method, num_speculative_tokens=k,
                   prompt_lookup_max=d.get("prompt_lookup_max", NGRAM_MAX_DEFAULT),
                   prompt_lookup_min=d.get("prompt_lookup_min", 1), model=d.get("model"),
                   dummy_weights=d.get("dummy_weights", False),
                   rejection_sample_method=d.get("rejection_sample_method", "standard"),
                   synthetic_acceptance_length=d.get("synthetic_acceptance_length"),
-                  synthetic_acceptance_rates=d.get("synthetic_acceptance_rates"))
+                  synthetic_acceptance_rates=d.get("synthetic_acceptance_rates"),
+                  **{key: d[key] for key in SUFFIX_KEYS if key in d})
         cfg.validate()
         return cfg
 
@@ -72,16 +86,26 @@ class SpeculativeConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
                 raise ConfigError(f"--speculative-config: {name} must be an int in {lo}..{hi}, got {v!r}")
-        int_in("num_speculative_tokens", 1, MAX_SPEC_TOKENS)
-        self._validate_synthetic()
         if self.method == "ngram":
             int_in("prompt_lookup_min", 1, 64)
             int_in("prompt_lookup_max", self.prompt_lookup_min, 64)
+        elif self.method == "suffix":
+            int_in("suffix_decoding_max_tree_depth", 1, 1024)
+            int_in("suffix_decoding_max_cached_requests", 0, 10**7)
+            f, p = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 64:
+                raise ConfigError(f"--speculative-config: suffix_decoding_max_spec_factor must be a number in (0, 64], "
+                                  f"got {f!r}")
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+                raise ConfigError(f"--speculative-config: suffix_decoding_min_token_prob must be a number in [0, 1], "
+                                  f"got {p!r}")
         else:
             if not isinstance(self.model, str) or not self.model:
                 raise ConfigError("--speculative-config: draft_model needs \"model\": a preset name or model folder")
             if not isinstance(self.dummy_weights, bool):
                 raise ConfigError(f"--speculative-config: dummy_weights must be true or false, got {self.dummy_weights!r}")
+        int_in("num_speculative_tokens", 1, MAX_SPEC_TOKENS)  # after the method's own keys (suffix derives k)
+        self._validate_synthetic()
 
     def _validate_synthetic(self) -> None:
         m, k = self.rejection_sample_method, self.num_speculative_tokens

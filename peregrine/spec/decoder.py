@@ -54,6 +54,10 @@ RESID_EMA = 0.1  # weight of each new step in the running host-side excess over 
 def make_drafter(cfg: SpeculativeConfig, engine, log):
     if cfg.method == "ngram":
         return NgramDrafter(cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+    if cfg.method == "suffix":
+        from .suffix import SuffixDrafter
+        return SuffixDrafter(cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_cached_requests,
+                             cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob)
     from .draft_model import DraftModelDrafter
     return DraftModelDrafter(cfg, engine, log)
 
@@ -140,9 +144,14 @@ class SpecDecoder:
         k = "plain" if T == 1 else "verify"
         self.excess[k] += RESID_EMA * ((wall_ms - row[T]) - self.excess[k])
 
-    def _survival(self, d: list[int]) -> list[float]:
+    def _survival(self, seq, d: list[int]) -> list[float]:
+        """P(drafts 0..j all accepted): the synthetic rates, the drafter's own confidences (suffix: its path
+        probabilities), or each position's acceptance learnt from verifies."""
         if self.rates is not None:
             return self.rates[:len(d)]
+        own = getattr(self.drafter, "survival", {}).get(id(seq))
+        if own is not None and len(own) >= len(d):
+            return own[:len(d)]
         return self.tracker.survival(len(d))
 
     def _draw_sampled(self, batch, drafts, T, logits) -> dict[int, list[int]]:
@@ -203,7 +212,7 @@ class SpecDecoder:
             return None
         costs = self.effective_costs(len(batch)) if len(dec) == len(batch) and self.width_mode == "auto" else None
         if costs is not None:  # a pure decode step at a measured B: verify the width that pays best
-            w = choose_width([self._survival(drafts.get(i, [])) for i in dec], costs)
+            w = choose_width([self._survival(batch[i][0], drafts.get(i, [])) for i in dec], costs)
             self.stats["width_steps"][w] += 1
             drafts = {i: d[:w] for i, d in drafts.items() if w}
             if not drafts:

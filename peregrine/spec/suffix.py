@@ -1,0 +1,153 @@
+"""Suffix decoding (model-free; SuffixDecoding, Snowflake, NeurIPS 2025; vLLM's "method": "suffix").
+
+Two bounded-depth suffix tries count which token followed every context of up to `max_tree_depth` tokens:
+one per request over its prompt and output (agents copy from their context), one global over the outputs of
+the last `max_cached_requests` finished requests (agents repeat themselves across calls). To draft, the
+longest suffix of the sequence found in a trie (its match length m) is followed greedily along its most
+frequent continuation while the path's probability (the product of count(child) / count(children)) stays at
+or above `min_token_prob`, for at most min(k, ceil(max_spec_factor * m)) tokens: longer matches speculate
+further. Of the two tries' drafts the one with more expected accepted tokens wins. Those path probabilities are
+also the drafts' survival for the verify width chooser (width.py).
+
+Written here rather than taken from `arctic-inference` (Snowflake's implementation): it ships as a source
+package only, whose C++ build needs cmake, nanobind, protobuf and grpc tooling and a torch to build against,
+and it installs as a vLLM plugin; the GPU machine has no network and Python 3.12, so every such build would
+have to travel as a wheel made elsewhere. A trie in dicts does the same counting at O(depth) per token.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+DEFAULTS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 10000,
+            "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}  # vLLM's
+
+
+class _Node:
+    __slots__ = ("count", "kids")
+
+    def __init__(self):
+        self.count = 0      # occurrences of the context this node spells
+        self.kids: dict[int, _Node] = {}
+
+
+class SuffixTrie:
+    """Counts of every context of up to `depth` tokens and what followed it, over one or more sequences."""
+
+    def __init__(self, depth: int):
+        self.depth, self.root = depth, _Node()
+
+    def step(self, active: list[_Node], t: int, sign: int = 1) -> list[_Node]:
+        """Count (sign 1) or uncount (-1) token t after the root and after each context in `active` (the nodes of
+        the contexts ending at the previous token, shortest first); -> the same for the contexts ending at t."""
+        nxt = []
+        for node in [self.root] + active:
+            child = node.kids.get(t)
+            if child is None:
+                child = node.kids[t] = _Node()
+            child.count += sign
+            if child.count == 0:
+                del node.kids[t]
+            elif len(nxt) < self.depth - 1:  # a context at the depth is not extended further
+                nxt.append(child)
+        return nxt
+
+    def add(self, tokens, sign: int = 1) -> None:
+        """Count (sign 1) or uncount (-1) every context of `tokens` up to the depth."""
+        active: list[_Node] = []
+        for t in tokens:
+            active = self.step(active, t, sign)
+
+    def match(self, tokens) -> tuple[_Node | None, int]:
+        """The node of the longest suffix of `tokens` (up to the depth) that has continuations, and its length."""
+        for m in range(min(self.depth, len(tokens)), 0, -1):
+            node = self.root
+            for t in tokens[len(tokens) - m:]:
+                node = node.kids.get(t)
+                if node is None:
+                    break
+            else:
+                if node.kids:
+                    return node, m
+        return None, 0
+
+
+class _Request:
+    """A request's own trie, kept current as tokens are appended (O(depth) a token)."""
+
+    def __init__(self, depth: int):
+        self.trie, self.seen, self.active = SuffixTrie(depth), 0, []
+
+    def update(self, tokens) -> None:
+        for t in tokens[self.seen:]:
+            self.active = self.trie.step(self.active, t)
+        self.seen = len(tokens)
+
+
+def follow(node: _Node, limit: int, min_prob: float) -> tuple[list[int], list[float]]:
+    """Greedy path from node along its most frequent continuation: (tokens, survival), survival[j] being the
+    product of the conditional frequencies up to token j; stops below min_prob or at limit tokens."""
+    toks, surv, p = [], [], 1.0
+    while node.kids and len(toks) < limit:
+        total = sum(c.count for c in node.kids.values())
+        t, child = max(node.kids.items(), key=lambda kv: (kv[1].count, -kv[0]))  # ties: the lowest id
+        p *= child.count / total
+        if p < min_prob:
+            break
+        toks.append(t)
+        surv.append(p)
+        node = child
+    return toks, surv
+
+
+class SuffixDrafter:
+    """The drafter interface (drafters.py) over the two tries; `survival` holds each proposal's path
+    probabilities (by sequence) for the width chooser."""
+
+    def __init__(self, max_tree_depth: int, max_cached_requests: int, max_spec_factor: float, min_token_prob: float):
+        self.depth, self.max_cached = max_tree_depth, max_cached_requests
+        self.factor, self.min_prob = max_spec_factor, min_token_prob
+        self.requests: dict[int, _Request] = {}       # by id(seq), while it runs
+        self.glob = SuffixTrie(max_tree_depth)         # outputs of finished requests
+        self.cached: OrderedDict[int, list[int]] = OrderedDict()  # what glob counts, oldest first
+        self._n = 0  # keys of self.cached (ids of finished sequences can be reused)
+        self.survival: dict[int, list[float]] = {}
+
+    def _draft(self, trie_node, m: int, k: int) -> tuple[list[int], list[float]]:
+        if trie_node is None:
+            return [], []
+        return follow(trie_node, min(k, math.ceil(self.factor * m)), self.min_prob)
+
+    def propose(self, seqs, ks: list[int]) -> list[list[int]]:
+        out = []
+        for s, k in zip(seqs, ks):
+            r = self.requests.get(id(s))
+            if r is None:
+                r = self.requests[id(s)] = _Request(self.depth)
+            r.update(s.token_ids)
+            # the request's own trie counts the sequence's end too: its deepest suffix has no continuation
+            # there, so match finds the longest suffix seen before with one
+            best = max((self._draft(*t.match(s.token_ids), k) for t in (r.trie, self.glob)),
+                       key=lambda d: sum(d[1]))
+            self.survival[id(s)] = best[1]
+            out.append(best[0])
+        return out
+
+    def verified(self, seq, drafted: int, accepted: int) -> None:
+        pass
+
+    def release(self, seq) -> None:
+        """A finished (or aborted) request's output joins the global trie; the oldest leaves past the cap."""
+        self.requests.pop(id(seq), None)
+        self.survival.pop(id(seq), None)
+        if self.max_cached <= 0:
+            return
+        out = list(seq.token_ids[seq.prompt_len:])
+        if not out:
+            return
+        self.glob.add(out)
+        self._n += 1
+        self.cached[self._n] = out
+        while len(self.cached) > self.max_cached:
+            _, old = self.cached.popitem(last=False)
+            self.glob.add(old, sign=-1)

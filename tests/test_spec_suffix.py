@@ -1,0 +1,123 @@
+"""Suffix decoding (peregrine/spec/suffix.py): the tries against counts taken by brute force here, the drafts'
+rules (depth, match-scaled length, probability floor, the global trie and its cap), and the engine exact."""
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from peregrine.config import ConfigError
+from peregrine.spec.config import SpeculativeConfig
+from peregrine.spec.suffix import SuffixDrafter, SuffixTrie, follow
+from test_spec import greedy, tiny
+
+
+def continuations(seqs, ctx):
+    """Brute force: how often each token followed `ctx` across the sequences."""
+    out = {}
+    for s in seqs:
+        for i in range(len(s) - len(ctx)):
+            if s[i:i + len(ctx)] == ctx:
+                t = s[i + len(ctx)]
+                out[t] = out.get(t, 0) + 1
+    return out
+
+
+def node_of(trie, ctx):
+    node = trie.root
+    for t in ctx:
+        node = node.kids[t]
+    return node
+
+
+@pytest.mark.parametrize("depth", [1, 3, 6])
+def test_trie_counts_equal_brute_force_and_uncount_cleanly(depth):
+    rng = random.Random(depth)
+    seqs = [[rng.randrange(4) for _ in range(rng.randrange(5, 40))] for _ in range(4)]
+    trie = SuffixTrie(depth)
+    for s in seqs:
+        trie.add(s)
+    for s in seqs:
+        for i in range(len(s)):
+            for n in range(1, depth):  # contexts shorter than the depth have their continuations counted
+                ctx = s[i:i + n]
+                if len(ctx) < n:
+                    continue
+                want = continuations(seqs, ctx)
+                got = {t: c.count for t, c in node_of(trie, ctx).kids.items()}
+                assert got == want, (ctx, got, want)
+    for s in seqs:
+        trie.add(s, sign=-1)
+    assert trie.root.kids == {}
+
+
+def test_follow_stops_at_the_probability_floor_and_the_limit():
+    trie = SuffixTrie(8)
+    for s in ([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 5, 6], [1, 7]):
+        trie.add(s)
+    node = node_of(trie, [1])  # after 1: 2 (3 times), 7 (once)
+    toks, surv = follow(node, 10, 0.1)
+    assert toks == [2, 3, 4] and surv == pytest.approx([0.75, 0.5, 0.5])  # 2: 3/4; 3 after 1 2: 2/3 -> 0.5
+    assert follow(node, 10, 0.6) == ([2], [0.75])
+    assert follow(node, 1, 0.0)[0] == [2]
+
+
+def seq(tokens, prompt_len=None):
+    return SimpleNamespace(token_ids=list(tokens), prompt_len=len(tokens) if prompt_len is None else prompt_len)
+
+
+def test_drafts_copy_from_the_request_and_scale_with_the_match():
+    d = SuffixDrafter(max_tree_depth=24, max_cached_requests=10, max_spec_factor=1.0, min_token_prob=0.1)
+    text = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    s = seq(text + [1, 2] + text[:3])  # the context ends on 5 6 7, seen before followed by 8 9 10 ...
+    (draft,) = d.propose([s], [15])
+    assert draft == [8, 9, 10]  # 3 matched tokens, factor 1: 3 drafts
+    assert d.survival[id(s)] == [1.0, 1.0, 1.0]
+    d2 = SuffixDrafter(24, 10, 2.0, 0.1)
+    assert d2.propose([s], [15])[0] == [8, 9, 10, 11, 12, 13]  # factor 2
+    assert d2.propose([seq(s.token_ids)], [4])[0] == [8, 9, 10, 11]  # k caps it
+    assert d.propose([seq([1, 2, 3])], [5])[0] == []  # nothing seen before
+
+
+def test_the_global_trie_serves_a_repeated_request_and_keeps_its_cap():
+    d = SuffixDrafter(max_tree_depth=8, max_cached_requests=2, max_spec_factor=4.0, min_token_prob=0.1)
+    prompt = [3, 1, 4, 1, 5]
+    first = seq(prompt + [9, 2, 6, 5, 3, 5], prompt_len=5)
+    d.propose([first], [4])
+    d.release(first)  # its output 9 2 6 5 3 5 joins the global trie
+    again = seq(prompt + [9, 2], prompt_len=5)
+    assert d.propose([again], [4])[0] == [6, 5, 3, 5]
+    for n in range(2):  # two more finished requests push the first out (cap 2)
+        r = seq([40 + n, 41 + n, 42 + n], prompt_len=0)
+        d.propose([r], [2])
+        d.release(r)
+    assert len(d.cached) == 2
+    assert d.propose([seq(prompt + [9, 2], prompt_len=5)], [4])[0] == []
+
+
+def test_config_keys_defaults_and_errors():
+    c = SpeculativeConfig.parse({"method": "suffix"})
+    assert (c.k, c.suffix_decoding_max_tree_depth, c.suffix_decoding_max_cached_requests,
+            c.suffix_decoding_max_spec_factor, c.suffix_decoding_min_token_prob) == (15, 24, 10000, 1.0, 0.1)
+    assert SpeculativeConfig.parse({"method": "suffix", "suffix_decoding_max_tree_depth": 6}).k == 6
+    for bad, match in (({"suffix_decoding_min_token_prob": 1.5}, "min_token_prob"),
+                       ({"suffix_decoding_max_spec_factor": 0}, "max_spec_factor"),
+                       ({"suffix_decoding_max_tree_depth": 0}, "max_tree_depth")):
+        with pytest.raises(ConfigError, match=match):
+            SpeculativeConfig.parse({"method": "suffix", **bad})
+
+
+def test_suffix_in_the_engine_exact_and_accepting_a_repeated_request():
+    """Greedy output equals plain; the same prompt a second time is drafted from the first answer (the global
+    trie) and accepts most of it; the width chooser reads the drafter's own path probabilities."""
+    ps = [[7, 3, 9, 1, 4, 4, 2, 8, 5, 6, 0, 3]]
+    want = tiny().generate(ps, greedy(24))
+    e = tiny({"method": "suffix", "num_speculative_tokens": 7, "suffix_decoding_max_spec_factor": 4.0})
+    assert e.generate(ps, greedy(24)) == want
+    before = dict(e.spec.stats)
+    assert e.generate(ps, greedy(24)) == want
+    st = e.spec.stats
+    accepted = st["num_accepted_tokens"] - before["num_accepted_tokens"]
+    assert accepted >= 15, st  # most of the 24 tokens came from drafts the second time
+    s = SimpleNamespace(token_ids=[1])
+    e.spec.drafter.survival[id(s)] = [0.9, 0.4]
+    assert e.spec._survival(s, [5, 6]) == [0.9, 0.4]
