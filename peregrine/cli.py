@@ -45,8 +45,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--additional-config", default="", metavar="JSON",
                    help='engine options as JSON, e.g. \'{"decode_backend": "latency_specialized"}\'')
     g.add_argument("--speculative-config", default="", metavar="JSON",
-                   help='speculative decoding (greedy requests), e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                        'or \'{"method": "draft_model", "model": "tiny-kimi-linear", "num_speculative_tokens": 4}\'')
+                   help='speculative decoding (greedy and sampled requests), e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\', \'{"method": "suffix"}\' (suffix decoding: copies from the '
+                        'context and from earlier answers) or \'{"method": "draft_model", "model": "tiny-kimi-linear", '
+                        '"num_speculative_tokens": 4}\'; benchmarks only: "rejection_sample_method": "synthetic" with '
+                        '"synthetic_acceptance_length"')
 
 
 def engine_config(args) -> EngineConfig:
