@@ -121,3 +121,46 @@ def test_suffix_in_the_engine_exact_and_accepting_a_repeated_request():
     s = SimpleNamespace(token_ids=[1])
     e.spec.drafter.survival[id(s)] = [0.9, 0.4]
     assert e.spec._survival(s, [5, 6]) == [0.9, 0.4]
+
+
+# ---- replay (#43 item 4) ----
+def test_forced_replies_are_emitted_and_verified_against():
+    """engine.forced: the request emits the recorded tokens whatever the model says (plain steps and verify
+    steps alike); a drafter proposing that recording with its j-th token wrong gets exactly min(j, k) accepted."""
+    from spec_helpers import ScriptedDrafter
+    prompt = [5, 9, 2, 7, 7, 1]
+    forced = [(3 * i + 1) % 250 for i in range(20)]
+    e = tiny()
+    e.forced["r"] = forced
+    got = []
+    e.add_request(prompt, greedy(len(forced)), request_id="r", on_token=lambda o: o.finished and got.append(o.output_token_ids))
+    while e.has_unfinished():
+        e.step()
+    assert got == [forced]
+    s = tiny({"method": "ngram", "num_speculative_tokens": 3})
+    dr = ScriptedDrafter({tuple(prompt): forced}, [2, 0, 3], 320)
+    s.enable_speculation({"method": "ngram", "num_speculative_tokens": 3}, drafter=dr)
+    s.forced["r"] = forced
+    got = []
+    s.add_request(prompt, greedy(len(forced)), request_id="r", on_token=lambda o: o.finished and got.append(o.output_token_ids))
+    while s.has_unfinished():
+        s.step()
+    assert got == [forced] and s.spec.stats["num_accepted_tokens"] == dr.expected > 0
+
+
+def test_replay_sessions_measure_drafters_on_copied_text():
+    """Agent-shaped sessions from this package's source: the reply quotes the context, so suffix decoding
+    and n-gram lookup are accepted on it with the model's noise replaced by the recording."""
+    from peregrine.spec.replay import agent_sessions, replay
+    two = agent_sessions(1, 2, seed=1, max_chars=3000)
+    assert len(two[0]) == 2 and two[0][1][0].startswith(two[0][0][0])  # the context grows turn by turn
+    for ctx, reply in two[0]:
+        assert "```python" in reply and reply.split("```python\n")[1].split("\n")[0].strip() in ctx.replace("_v2", "")
+    sess = agent_sessions(1, 1, seed=2, max_chars=1200)  # one short turn through the engine (the interpreter's cost)
+    e = tiny(max_model_len=2048)
+    enc = lambda t: [b % 250 for b in t.encode()]  # noqa: E731  (the tiny vocabulary)
+    plain = replay(e, sess, enc, "plain", log=lambda m: None)
+    e.enable_speculation({"method": "suffix", "num_speculative_tokens": 5})
+    suf = replay(e, sess, enc, "suffix", log=lambda m: None)
+    assert plain["drafts"] == 0 and suf["drafts"] > 0 and suf["acceptance_length"] > 2.0, suf
+    assert [t["output_tokens"] for t in suf["turns"]] == [t["output_tokens"] for t in plain["turns"]]

@@ -109,6 +109,9 @@ class LLMEngine:
                       "step_kinds": {}}  # decode / prefill / mixed: steps, host seconds, prompt tokens
         # lookahead needs a runner whose argmax stays on the device and can feed the next step's ids
         self.lookahead = bool(getattr(engine_cfg, "decode_lookahead", True) and getattr(runner, "lookahead", False))
+        # replay (benchmarks only): request id -> the tokens it must emit, whatever the model says; the model still
+        # runs every step, so a drafter's acceptance on recorded text is measured at the engine's real cost
+        self.forced: dict[str, list[int]] = {}
         # sampled rows drawn inside the runner's step (its tokens stay on the device, so lookahead serves them
         # too); not yet under tensor parallel, whose other ranks would need the rows' settings sent along
         self.device_sampling = bool(getattr(runner, "device_sampler", False)) and getattr(engine_cfg, "tensor_parallel_size", 1) == 1
@@ -548,6 +551,8 @@ class LLMEngine:
         inside the blocks they own: then it may be launched before this step's tokens are read."""
         if not self.lookahead or self.spec is not None or self.scheduler.admits_now():
             return False  # (a request that cannot start yet does not stop it)
+        if self.forced and any(s.request_id in self.forced for s in seqs):
+            return False  # replay: the next input is the recorded token, not the one on the device
         if len(seqs) != len(self.scheduler.running) or any(s.finished for s in seqs):
             return False  # a sequence stopped or was aborted since this step was launched
         with self._lock:
@@ -580,6 +585,10 @@ class LLMEngine:
     @_traced("accept")
     def _accept(self, seq: Sequence, toks: list[int]) -> RequestOutput:
         """Append the step's tokens up to the first stop; emit them (and finish the request if it stopped)."""
+        f = self.forced.get(seq.request_id)
+        if f is not None:  # replay: the recorded tokens at these positions (the caller caps max_tokens by them)
+            at = len(seq.token_ids) - seq.prompt_len
+            toks = [f[at + j] if at + j < len(f) else t for j, t in enumerate(toks)]
         kept = []
         for tok in toks:
             seq.token_ids.append(tok)

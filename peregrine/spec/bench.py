@@ -163,6 +163,43 @@ def _synthetic(engine, drafter, B, k, lengths, widths, sets, params, runs, plain
     return out
 
 
+def bench_replay(model: str, methods=("ngram", "suffix"), k: int = 7, sessions: int = 2, turns: int = 3,
+                 context_chars: int = 120_000, backend: str = "latency_specialized", dummy_weights: bool = False,
+                 results_dir: str | None = "results", log=print) -> dict:
+    """Replay (replay.py): agent-shaped sessions at B = 1 with every reply forced, plain decode and then each
+    drafter method at k on the same engine; tok/s/user after the first token and acceptance, per turn."""
+    from ..bench import gpu
+    from ..engine.build import build_engine
+    from .replay import agent_sessions, replay
+    cfg, _ = resolve_model(model)
+    sess = agent_sessions(sessions, turns, max_chars=context_chars)
+    engine, tok = build_engine(model, EngineConfig(max_num_seqs=1, decode_backend=backend,
+                                                   max_model_len=min(cfg.max_position_embeddings, 65536)),
+                               dummy_weights=dummy_weights, log=log)
+    longest = max(len(tok.encode(c + r)) for p in sess for c, r in p)
+    if longest + k + 2 > engine.max_model_len:
+        raise ConfigError(f"replay sessions reach {longest} tokens, past max_model_len {engine.max_model_len}: "
+                          f"lower --replay-context")
+    result = {"kind": "spec_replay", "model": cfg.name, "metadata": gpu.run_metadata(),
+              "config": {"methods": list(methods), "k": k, "sessions": sessions, "turns": turns,
+                         "context_chars": context_chars, "backend": backend, "dummy_weights": dummy_weights},
+              "runs": []}
+    engine.enable_speculation(None)
+    result["runs"].append(replay(engine, sess, tok.encode, "plain", log))
+    for m in methods:
+        engine.enable_speculation({"method": m, "num_speculative_tokens": k}, log=log)
+        r = replay(engine, sess, tok.encode, m, log)
+        base = result["runs"][0]["tok_s_user"]
+        r["speedup_vs_plain"] = r["tok_s_user"] / base if base and r["tok_s_user"] else None
+        result["runs"].append(r)
+    engine.enable_speculation(None)
+    if results_dir is not None:
+        path = gpu.write_result(gpu.result_path(cfg.name, f"spec-replay-{backend}", results_dir), result)
+        result["paths"] = {"json": str(path)}
+        log(f"wrote {path}")
+    return result
+
+
 def bench_spec(model: str, batch_sizes=(1, 2, 4), ks=(3,), spec_config=None, input_len: int = 256,
                output_len: int = 128, pattern_len: int = 16, prompt_sets: int = 1, runs: int = 2,
                backend: str = "latency_specialized", dummy_weights: bool = False, oracle: bool = True,
@@ -307,6 +344,12 @@ def add_bench_spec_parser(subparsers) -> argparse.ArgumentParser:
                         "benchmark only: drafts are accepted by chance")
     p.add_argument("--widths", default="auto,full", help="verify width modes for the synthetic runs: auto (chosen per "
                    "step from measured costs), full (every draft); default both")
+    p.add_argument("--replay-sessions", type=int, default=0, metavar="N",
+                   help="instead of the sweep: N agent-shaped sessions replayed at B = 1 with every reply forced "
+                        "(drafters' acceptance on real text, the engine's real cost); methods from --replay-methods")
+    p.add_argument("--replay-turns", type=int, default=3, help="turns per replayed session (default 3)")
+    p.add_argument("--replay-context", type=int, default=120_000, help="characters of files a session adds in all")
+    p.add_argument("--replay-methods", default="ngram,suffix", help="drafter methods to replay (default ngram,suffix)")
     p.add_argument("--results-dir", default="results")
     p.set_defaults(func=run_bench_spec)
     return p
@@ -322,6 +365,18 @@ def run_bench_spec(args) -> int:
         for name in ("input_len", "output_len", "pattern_len", "prompt_sets", "runs"):
             if getattr(args, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if args.replay_sessions > 0:
+            methods = [m.strip() for m in args.replay_methods.split(",") if m.strip()]
+            if any(m not in ("ngram", "suffix") for m in methods) or args.replay_turns < 1:
+                raise ConfigError("--replay-methods takes ngram and/or suffix; --replay-turns must be >= 1")
+            r = bench_replay(args.model, methods, max(args.k), args.replay_sessions, args.replay_turns,
+                             args.replay_context, args.backend, args.dummy_weights, args.results_dir,
+                             log=lambda m: print(f"[peregrine] {m}", file=sys.stderr, flush=True))
+            for run_ in r["runs"]:
+                print(f"{run_['label']:>8}: {run_['tok_s_user'] or 0:.1f} tok/s/user"
+                      + (f", acceptance length {run_['acceptance_length']:.2f}" if run_["acceptance_length"] else "")
+                      + (f", {run_['speedup_vs_plain']:.2f}x plain" if run_.get("speedup_vs_plain") else ""))
+            return 0
         widths = [w.strip() for w in args.widths.split(",") if w.strip()]
         if not widths or any(w not in ("auto", "full") for w in widths):
             raise ConfigError(f"--widths takes auto and/or full, got {args.widths!r}")

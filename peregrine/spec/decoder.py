@@ -262,6 +262,10 @@ class SpecDecoder:
             d = drafts.get(i, [])
             if seq.params.plain_greedy or i in drawn:  # the target's tokens: argmax, or keyed draws per position
                 t = drawn[i] if i in drawn else tgt[pos:pos + len(d) + 1]
+                f = e.forced.get(seq.request_id)
+                if f is not None:  # replay: the recorded tokens are the target's choice
+                    at = len(seq.token_ids) - seq.prompt_len
+                    t = [f[at + j] if at + j < len(f) else t[j] for j in range(len(d) + 1)]
                 a = 0
                 if self.rates is not None:
                     a = self.synthetic_accepted(seq, len(d))
