@@ -58,6 +58,11 @@
 #   off by default: python3 -m peregrine.bench.kernels_gemm --shapes decode48b --ms 16,24,32,40,48,56,64 (skinny vs
 #   cuBLAS per shape, same run), then bench spec above with PEREGRINE_VERIFY_GEMM=triton against without; make it the
 #   default (and plan "torch" entries where cuBLAS wins) only on that evidence
+# - #43 (session 23: suffix decoding and the replay mode built, CPU-tested): drafters on agent-shaped text at the 48B's
+#   real cost, B = 1, replies forced (~10 min with a 32K context):
+#   python3 -m peregrine bench spec --model kimi-linear-48b-a3b --dummy-weights --k 7 --replay-sessions 2 \
+#     --replay-turns 4 --replay-context 120000 --replay-methods ngram,suffix
+#   (targets: suffix >= 1.5x plain tok/s/user on the editing turns, never < 1.0x on any turn)
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \
