@@ -164,3 +164,16 @@ def test_replay_sessions_measure_drafters_on_copied_text():
     suf = replay(e, sess, enc, "suffix", log=lambda m: None)
     assert plain["drafts"] == 0 and suf["drafts"] > 0 and suf["acceptance_length"] > 2.0, suf
     assert [t["output_tokens"] for t in suf["turns"]] == [t["output_tokens"] for t in plain["turns"]]
+
+
+def test_the_global_trie_is_held_to_its_token_budget(monkeypatch):
+    import peregrine.spec.suffix as sx
+    monkeypatch.setattr(sx, "GLOBAL_MAX_TOKENS", 10)
+    d = SuffixDrafter(max_tree_depth=4, max_cached_requests=100, max_spec_factor=1.0, min_token_prob=0.1)
+    for n in range(4):  # 4 outputs of 4 tokens: only the last two fit in 10
+        r = seq([1] + [10 * n + j for j in range(4)], prompt_len=1)
+        d.propose([r], [2])
+        d.release(r)
+    assert d.cached_tokens == 8 and len(d.cached) == 2
+    counted = {t for t in d.glob.root.kids}
+    assert counted == {20, 21, 22, 23, 30, 31, 32, 33}  # the first two outputs were uncounted on eviction
