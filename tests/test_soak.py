@@ -40,7 +40,7 @@ def server():
 def test_soak_memory_flat_and_answers_unchanged(server):
     """With a short warm-up under load and the references' top 5 taken (the GPU soak's settings, so their code
     runs against a real server here too); in FP32 every answer must still equal the idle one exactly."""
-    res = asyncio.run(soak(server, SOAK_S, CLIENTS, sample_every=10, log=lambda *a: None, warmup_load=5,
+    res = asyncio.run(soak(server, SOAK_S, CLIENTS, sample_every=10, log=lambda *a: None, warmup_load=10,
                            answers="top5"))
     summary = {k: res[k] for k in ("requests_sent", "checked", "dropped_streams", "rss_start_idle_mb",
                                    "rss_end_idle_mb", "rss_growth_mb", "rss_max_during_mb", "errors", "differed")}

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import httpx
 
 IDLE_SETTLE_S = 3.0   # after the load: the engine's idle trim and the last aborts land within this
+REST_READS = 3        # memory at rest: the least of this many reads a second apart (one read caught a transient)
 DROP_SHARE = 0.1      # streams closed after their first chunk (a client gone mid-way)
 FRESH_SHARE = 0.5     # requests with a prompt never seen before (only their success is checked)
 PREFIX_CHARS = (200, 600, 1200)  # shared prompt prefixes: prefix caching's hits and evictions under load
@@ -201,6 +202,16 @@ async def scrape(client: httpx.AsyncClient) -> dict:
     return {k: vals.get(name) for k, name in GAUGES.items()}
 
 
+async def at_rest(client: httpx.AsyncClient) -> dict:
+    """The idle server's gauges, the read with the least resident memory of REST_READS a second apart."""
+    reads = []
+    for i in range(REST_READS):
+        if i:
+            await asyncio.sleep(1.0)
+        reads.append(await scrape(client))
+    return min(reads, key=lambda r: r["rss"] if r["rss"] is not None else 0)
+
+
 async def soak(base_url: str, duration: float, concurrency: int, sample_every: float,
                templates: int = 24, max_tokens: int = 24, seed: int = 0, model: str | None = None,
                log=print, warmup_load: float = 0.0, answers: str = "exact") -> dict:
@@ -259,8 +270,8 @@ async def soak(base_url: str, duration: float, concurrency: int, sample_every: f
             tally.errors, tally.mismatched = dict(warm.errors), list(warm.mismatched)  # they count all the same
         await asyncio.sleep(IDLE_SETTLE_S)
         samples = []
+        start = dict(await at_rest(client), t=0.0)
         t0 = time.monotonic()
-        start = dict(await scrape(client), t=0.0)
         log(f"soak: at rest after the warm-up: rss {start['rss'] / 2**20:.0f} MB; {duration:.0f} s of load from "
             f"{concurrency} clients")
         stop_at = t0 + duration
@@ -269,7 +280,7 @@ async def soak(base_url: str, duration: float, concurrency: int, sample_every: f
         await asyncio.gather(*(user(k, tally) for k in range(concurrency)))
         await asyncio.sleep(IDLE_SETTLE_S)
         s_task.cancel()
-        end = await scrape(client)
+        end = await at_rest(client)
         end["t"] = round(time.monotonic() - t0, 2)
     during = [s["rss"] for s in samples]
     mb = lambda b: round(b / 2**20, 1)  # noqa: E731
