@@ -177,3 +177,16 @@ def test_the_global_trie_is_held_to_its_token_budget(monkeypatch):
     assert d.cached_tokens == 8 and len(d.cached) == 2
     counted = {t for t in d.glob.root.kids}
     assert counted == {20, 21, 22, 23, 30, 31, 32, 33}  # the first two outputs were uncounted on eviction
+
+
+def test_request_match_reads_its_active_nodes_as_a_walk_would():
+    """_Request.match (the nodes its updates hold) equals SuffixTrie.match's walk from the root, on random text."""
+    from peregrine.spec.suffix import _Request
+    rng = random.Random(5)
+    for depth in (1, 4, 24):
+        r = _Request(depth)
+        toks = []
+        for _ in range(300):
+            toks.append(rng.randrange(6))
+            r.update(toks)
+            assert r.match() == r.trie.match(toks)

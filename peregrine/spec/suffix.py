@@ -46,14 +46,14 @@ class SuffixTrie:
         """Count (sign 1) or uncount (-1) token t after the root and after each context in `active` (the nodes of
         the contexts ending at the previous token, shortest first); -> the same for the contexts ending at t."""
         nxt = []
-        for node in [self.root] + active:
+        for node in [self.root] + active[:self.depth - 1]:  # a context at the depth is not extended further
             child = node.kids.get(t)
             if child is None:
                 child = node.kids[t] = _Node()
             child.count += sign
             if child.count == 0:
                 del node.kids[t]
-            elif len(nxt) < self.depth - 1:  # a context at the depth is not extended further
+            else:
                 nxt.append(child)
         return nxt
 
@@ -87,6 +87,14 @@ class _Request:
         for t in tokens[self.seen:]:
             self.active = self.trie.step(self.active, t)
         self.seen = len(tokens)
+
+    def match(self) -> tuple[_Node | None, int]:
+        """SuffixTrie.match of the request's own tokens, read off the nodes update already holds: active[m - 1]
+        is the context of the last m tokens."""
+        for m in range(len(self.active), 0, -1):
+            if self.active[m - 1].kids:
+                return self.active[m - 1], m
+        return None, 0
 
 
 def follow(node: _Node, limit: int, min_prob: float) -> tuple[list[int], list[float]]:
@@ -133,7 +141,7 @@ class SuffixDrafter:
             r.update(s.token_ids)
             # the request's own trie counts the sequence's end too: its deepest suffix has no continuation
             # there, so match finds the longest suffix seen before with one
-            best = max((self._draft(*t.match(s.token_ids), k) for t in (r.trie, self.glob)),
+            best = max((self._draft(*r.match(), k), self._draft(*self.glob.match(s.token_ids), k)),
                        key=lambda d: sum(d[1]))
             self.survival[id(s)] = best[1]
             out.append(best[0])
