@@ -304,24 +304,21 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _float_list(text: str) -> list[float]:
-    try:
-        v = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not v or any(x < 1 for x in v):
-        raise argparse.ArgumentTypeError(f"expected acceptance lengths >= 1 (the bonus token counts), got {text!r}")
-    return v
+def _list_of(typ, what: str):
+    """argparse type: comma-separated values of typ, each >= 1 (what: the error's name for them)."""
+    def parse(text: str) -> list:
+        try:
+            v = [typ(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+        if not v or any(x < 1 for x in v):
+            raise argparse.ArgumentTypeError(f"expected {what} >= 1, got {text!r}")
+        return v
+    return parse
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        v = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not v or any(x < 1 for x in v):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return v
+_int_list = _list_of(int, "integers")
+_float_list = _list_of(float, "acceptance lengths (the bonus token counts)")
 
 
 def add_bench_spec_parser(subparsers) -> argparse.ArgumentParser:
