@@ -182,7 +182,7 @@ def test_sampling_kernels_compile_for_sm90_without_spills():
     """The interpreter cannot catch compile errors: compile the sampler's kernels for sm_90a (ptxas included)."""
     from conftest import run_aot
     rows = run_aot("import json; from peregrine.bench import kernels_sampling as b; print(json.dumps(b.compile_check()))")
-    assert len(rows) == 11  # threshold, race, race_stage2 x 2; chunk_max, collect, select; descend x 2
+    assert len(rows) == 12  # threshold, race, race_stage2 x 2; chunk_max, collect, select; descend x 3
     for row in rows:
         assert "error" not in row, row
         assert row["spill"] == 0 and 0 < row["regs"] <= 255, row
@@ -250,6 +250,50 @@ def test_searches_draw_the_same_tokens(device):
     assert torch.equal(got["candidates"], got["bisect"]) and torch.equal(got["radix"], got["bisect"])
     assert torch.equal(got["radix"].cpu(), sample_ref(x.cpu(), t.cpu(), k.cpu(), p.cpu(), seeds.cpu(), pos.cpu(),
                                                       mp.cpu()))
+
+
+@pytest.mark.parametrize("block", [64, 1024, 4096])
+def test_descent_without_top_k_levels_keeps_the_reference_set(block, device, monkeypatch):
+    """Rows without top-k, searched by the descent that launches no top-k levels (top_k_any=False: top-p's first
+    level starts from min-p's bound, or from the bottom key) keep the reference's set (FP64, by sorting), however
+    much of the row one program weighs (64: 79 slices of the row, whose partials every pick sums; 4096: two),
+    and draw the reference's tokens."""
+    monkeypatch.setenv(sampling.DESCENT_BLOCK_ENV, str(block))
+    b, v = 6, 5000
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(b, v, generator=g) * 1.5  # flat rows: wide nuclei, as dummy weights give
+    t = torch.tensor([0.6, 1.0, 0.8, 1.0, 1.3, 0.0])
+    p = torch.tensor([0.95, 1.0, 0.5, 1.0, 0.99, 1.0])  # row 1: temperature only; row 3: min-p alone
+    mp = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.05, 0.0])
+    k = torch.zeros(b, dtype=torch.int64)
+    dev = lambda z: z.to(device)  # noqa: E731
+    keys, _ = thresholds(dev(x), dev(t), dev(k), dev(p), dev(mp), 1, "radix", top_k_any=False)
+    keys = keys.cpu()
+    for i in range(b - 1):  # row 5 is greedy
+        want = ref_dist(x[i], float(t[i]), 0, float(p[i]), float(mp[i])) > 0
+        got = _key_ref(x[i] / t[i]) >= keys[i]
+        if not torch.equal(got, want):
+            q = torch.softmax(x[i].double() / float(t[i]), -1)
+            (j,) = torch.nonzero(got ^ want)[:, 0].tolist()  # one token only, at the boundary
+            before = q[q > q[j]].sum() / q[got | want].sum()
+            assert abs(before - float(p[i])) < 1e-6, (block, i, float(before))
+    seeds, pos = torch.arange(b) * 31, torch.full((b,), 9)
+    for search in ("radix", "candidates"):
+        got = sample(dev(x), dev(t), dev(k), dev(p), dev(seeds), dev(pos), dev(mp), search=search, top_k_any=False)
+        assert torch.equal(got.cpu(), sample_ref(x, t, k, p, seeds, pos, mp)), search
+
+
+def test_descent_block_fills_the_gpu_at_small_batch():
+    """The slice a descent program weighs: 1024 (160 programs a row) at B = 1, growing with B while B x slices stay
+    >= DESCENT_PROGRAMS, never past BLOCK_V; the override is rounded to a power of two."""
+    V = 163840
+    blocks = {B: sampling.descent_block(B, V) for B in (1, 2, 4, 8, 16)}
+    assert blocks[1] == sampling.DESCENT_MIN_BLOCK and all(x <= sampling.BLOCK_V for x in blocks.values())
+    assert all(blocks[a] <= blocks[b] for a, b in ((1, 2), (2, 4), (4, 8), (8, 16)))
+    for B, blk in blocks.items():
+        n = B * -(-V // blk)
+        assert n >= sampling.DESCENT_PROGRAMS or blk == sampling.DESCENT_MIN_BLOCK, (B, blk, n)
+        assert blk == sampling.BLOCK_V or B * -(-V // (2 * blk)) < sampling.DESCENT_PROGRAMS, (B, blk)
 
 
 @pytest.mark.parametrize("nb", [4, 64])

@@ -292,6 +292,11 @@ def test_graph_keys():
         st = StepInput.build([([1], ctx - 1, 0, list(range(-(-ctx // 4)))), ([2], 0, 1, [20])], 4, "cpu")
         assert fixed.key_for(st) == (2, 16)
         assert bucketed.key_for(st) == (2, bucket)
+    sampled = GraphCache(None, c, 4, fixed_blocks=16, samples=True)
+    st.sampling = sampled._static(2, 16, sampled=True).sampling
+    for top_k, want in ((False, (2, 16, "sampled")), (True, (2, 16, "sampled", "topk"))):
+        st.sample_top_k = top_k  # top-k's descent levels are in the graph only where some row uses top-k
+        assert sampled.key_for(st) == want
 
 
 def test_a_failed_variant_capture_leaves_the_plain_graphs(monkeypatch):
@@ -448,6 +453,24 @@ def test_standard_runner_draws_sampled_rows_on_the_device(model_dir, monkeypatch
             assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < TOL
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
     assert [len(x) for x in lps] == [n, 0, 0] and len({tuple(g) for g in got}) == 3
+
+
+def test_top_k_levels_only_for_batches_that_use_top_k(model_dir, monkeypatch):
+    """The engine tells a device-drawn step whether any sampled row uses top-k (StepInput.sample_top_k), so the
+    sampler launches top-k's descent levels, and the graph cache keeps a graph with them, only for such batches:
+    while the top-k request runs, and not once it has finished; a greedy row's top_k counts for nothing."""
+    import peregrine.decode.standard as standard
+    seen = []
+    real = standard.draw
+    monkeypatch.setattr(standard, "draw",
+                        lambda logits, step: seen.append((step.num_seqs, step.sample_top_k)) or real(logits, step))
+    e, _ = engine(model_dir, "standard")
+    e.runner.device_sampler = e.device_sampling = True
+    params = [SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.8, top_k=20, seed=1),
+              SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, top_p=0.9, seed=2),
+              SamplingParams(max_tokens=10, ignore_eos=True, top_k=5)]  # greedy
+    e.generate(prompts(3, seed=4), params)
+    assert (3, True) in seen and (2, False) in seen and (2, True) not in seen, seen
 
 
 def test_capture_all_takes_the_sampled_graphs_too(monkeypatch):

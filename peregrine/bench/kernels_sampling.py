@@ -10,10 +10,14 @@ that is timeable in a graph, timed as CUDA graphs. GB/s counts one read of the l
 """
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 from peregrine.bench.gpu import graph_time
 from peregrine.kernels.pdl import pdl
+from peregrine.kernels import sampling as K
 from peregrine.kernels.sampling import argmax, sample
 
 VOCAB = 163840
@@ -29,6 +33,20 @@ SETTINGS = {  # name: (temperature, top_k, top_p, min_p)
 
 SEARCH_AB = {"radix": dict(search="radix"), "radix_nb32": dict(search="radix", nb=32),
              "radix_nb128": dict(search="radix", nb=128), "bisect": dict(search="bisect")}
+DESCENT_BLOCKS = (1024, 2048, 4096)  # the descent's slice a program weighs, fixed for every B (default: by B)
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = old
 PEAK = 4.0  # logits x 3 x 4: the top tokens stand ~20 / T above the rest, as on real text
 
 
@@ -59,21 +77,31 @@ def run(copy_gbps: float, full: bool = True, iters: int = 50) -> list[dict]:
         for name, (t, k, p, mp) in SETTINGS.items() if full else list(SETTINGS.items())[1:3]:
             f = lambda v, dt: torch.full((B,), v, device="cuda", dtype=dt)  # noqa: E731
             args = (f(t, torch.float32), f(k, torch.int32), f(p, torch.float32), seeds, pos, f(mp, torch.float32))
-            ms, samples = graph_time([lambda: sample(logits, *args, out=out)], iters)  # the default search
+            kw0 = dict(top_k_any=k > 0)  # as the engine calls it: top-k's levels only where a row uses top-k
+            ms, samples = graph_time([lambda: sample(logits, *args, out=out, **kw0)], iters)  # the default search
             row = {"kernel": f"sample {name}", "B": B, "time_ms": ms, "samples_ms": samples,
                    "gbps": nbytes / ms / 1e6, "pct_of_copy": nbytes / ms / 1e6 / copy_gbps, "vs_argmax": ms / t_arg}
             if name == "top_p_0.95":
                 row["sorted_ms"] = graph_time([lambda: _sorted_sampler(logits, args[0], args[2])], iters)[0]
             if name in ("top_p_0.95", "top_k_50_top_p_0.9"):  # as the decode step launches them: with PDL
                 with pdl(True):
-                    row["pdl_ms"] = graph_time([lambda: sample(logits, *args, out=out)], iters)[0]
-                    row["pdl_radix_ms"] = graph_time([lambda: sample(logits, *args, out=out, search="radix")], iters)[0]
+                    row["pdl_ms"] = graph_time([lambda: sample(logits, *args, out=out, **kw0)], iters)[0]
+                    row["pdl_radix_ms"] = graph_time([lambda: sample(logits, *args, out=out, search="radix", **kw0)],
+                                                     iters)[0]
             if name in ("top_p_0.95", "top_k_50_top_p_0.9"):  # the other searches, for the A/B
                 for label, kw in SEARCH_AB.items():
-                    row[f"{label}_ms"] = graph_time([lambda: sample(logits, *args, out=out, **kw)], iters)[0]
+                    row[f"{label}_ms"] = graph_time([lambda: sample(logits, *args, out=out, **kw0, **kw)], iters)[0]
+                for blk in DESCENT_BLOCKS:
+                    with _env(K.DESCENT_BLOCK_ENV, str(blk)):
+                        row[f"radix_block{blk}_ms"] = graph_time(
+                            [lambda: sample(logits, *args, out=out, search="radix", **kw0)], iters)[0]
+                if k == 0:  # what skipping top-k's levels saves
+                    row["radix_topk_levels_ms"] = graph_time(
+                        [lambda: sample(logits, *args, out=out, search="radix", top_k_any=True)], iters)[0]
                 peaked = logits * PEAK  # a head the candidates hold: what they save where they settle
-                row["peaked_ms"] = graph_time([lambda: sample(peaked, *args, out=out)], iters)[0]
-                row["peaked_radix_ms"] = graph_time([lambda: sample(peaked, *args, out=out, search="radix")], iters)[0]
+                row["peaked_ms"] = graph_time([lambda: sample(peaked, *args, out=out, **kw0)], iters)[0]
+                row["peaked_radix_ms"] = graph_time([lambda: sample(peaked, *args, out=out, search="radix", **kw0)],
+                                                    iters)[0]
             rows.append(row)
     return rows
 
@@ -81,7 +109,6 @@ def run(copy_gbps: float, full: bool = True, iters: int = 50) -> list[dict]:
 def compile_check() -> list[dict]:
     """The sampling kernels compiled ahead of time for sm_90a (no GPU needed): ptxas's registers, spills."""
     from peregrine.bench.kernels_moe import compile_sm90
-    from peregrine.kernels import sampling as K
     p, n, c = (lambda t: (t, 0)), (lambda v: ("i32", v)), (lambda v: ("constexpr", v))
     out = []
     for R, block in ((1, K.THRESHOLD_TILE), (16, 256)):  # the real vocabulary; a tiny model's rows packed
@@ -104,12 +131,14 @@ def compile_check() -> list[dict]:
         V=n(VOCAB), n_chunks=n(nc), temp_ptr=p("*fp32"), topk_ptr=p("*i64"), topp_ptr=p("*fp32"), minp_ptr=p("*fp32"),
         cmax_ptr=p("*fp32"), cmass_ptr=p("*fp32"), ccnt_ptr=p("*i32"), cx_ptr=p("*fp32"), key_ptr=p("*i32"),
         need_ptr=p("*i32"), CB=c(cb), CAP=c(K.CAND_CAP)), 8, 1))
-    for mass in (0, 1):  # a descent level: top-k's counts, top-p's masses
-        out.append({"kernel": f"descend mass={mass}"} | compile_sm90(K._descend, row | dict(
-            nc=n(nc), topk_ptr=p("*i64"), topp_ptr=p("*fp32"), minp_ptr=p("*fp32"), cmax_ptr=p("*fp32"),
+    for mass, start, block in ((0, 1, K.DESCENT_MIN_BLOCK), (1, 0, K.DESCENT_MIN_BLOCK), (1, 1, K.BLOCK_V)):
+        nd = -(-VOCAB // block)  # a descent level: top-k's counts, top-p's masses, over B = 1's or B = 8's slices
+        out.append({"kernel": f"descend mass={mass} start={start} block={block}"} | compile_sm90(K._descend, row | dict(
+            nc=n(nc), nd=n(nd), topk_ptr=p("*i64"), topp_ptr=p("*fp32"), minp_ptr=p("*fp32"), cmax_ptr=p("*fp32"),
             need_ptr=p("*i32"), prev_part_ptr=p("*fp32"), prev_brk_ptr=p("*i64"), p0_part_ptr=p("*fp32"),
-            part_ptr=p("*fp32"), brk_ptr=p("*i64"), key_ptr=p("*i32"), MASS=c(mass), FIRST=c(0), FINAL=c(0),
-            HAS_NEED=c(1), BLOCK=c(K.BLOCK_V), NB=c(K.RADIX_NB), TILE=c(K.RADIX_TILE), CB=c(cb)), 4, 1))
+            part_ptr=p("*fp32"), brk_ptr=p("*i64"), key_ptr=p("*i32"), MASS=c(mass), START=c(start), FIRST=c(0),
+            FINAL=c(0), HAS_NEED=c(1), BLOCK=c(block), NB=c(K.RADIX_NB), TILE=c(K.RADIX_TILE), CB=c(cb),
+            CBD=c(max(16, 1 << (nd - 1).bit_length()))), 4, 1))
     return out
 
 

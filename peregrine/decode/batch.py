@@ -53,6 +53,9 @@ class StepInput:
     # device, for a pure decode step whose rows all sample on the device; the runner's tokens are then drawn by
     # kernels/sampling.sample with key (seed, context_lens: the new token's index) instead of the argmax
     sampling: tuple | None = None
+    # whether some row of .sampling uses top-k (host-known): without, the sampler skips top-k's descent levels
+    # and the step replays a graph captured without them
+    sample_top_k: bool = False
     # logprobs inside the step (#41): the runner also returns each row's chosen-token logprob and the top
     # LOGPROBS_TOP (token id, logprob) of the raw logits, read back with the tokens
     logprobs: bool = False

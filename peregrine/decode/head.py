@@ -15,7 +15,7 @@ def draw(logits: torch.Tensor, step) -> tuple[torch.Tensor, tuple | None]:
     if step.sampling is not None:
         t, k, p, mp, seeds = step.sampling
         x = apply_device(logits, *step.penalties, step.context_lens_t) if step.penalties is not None else logits
-        ids = sample(x, t, k, p, seeds, step.context_lens_t, mp)
+        ids = sample(x, t, k, p, seeds, step.context_lens_t, mp, top_k_any=step.sample_top_k)
     else:
         ids = argmax(logits)
     return ids, (token_logprobs(logits, ids) if step.logprobs else None)

@@ -85,6 +85,7 @@ class GraphCache:
             self.pool = torch.cuda.graph_pool_handle()
         st = self._static(B, nb, sampled="sampled" in key[2:], like=like)
         st.logprobs = "logprobs" in key[2:]
+        st.sample_top_k = "topk" in key[2:]
         g, out = capture(lambda: self.fn(st), self.pool)
         torch.cuda.synchronize()
         self.graphs[key] = (g, st, out)
@@ -115,8 +116,9 @@ class GraphCache:
             return False
 
     def key_for(self, step: StepInput) -> tuple:
-        """(B, blocks), and "sampled" / "logprobs" / "penalties" for a step that samples, takes logprobs or
-        applies penalties inside the graph (a graph of its own, captured at the first such step)."""
+        """(B, blocks), and "sampled" (and "topk" where a row uses top-k) / "logprobs" / "penalties" for a step
+        that samples, takes logprobs or applies penalties inside the graph (a graph of its own, captured at the
+        first such step)."""
         need = (max(step.context_lens) + self.cache.block_size - 1) // self.cache.block_size
         if self.fixed_blocks is not None and need <= self.fixed_blocks:
             key = step.num_seqs, self.fixed_blocks
@@ -124,7 +126,8 @@ class GraphCache:
             key = step.num_seqs, min(context_bucket(need), self.cache.num_blocks)
         if not self.samples:
             return key
-        return (key + (("sampled",) if step.sampling is not None else ()) + (("logprobs",) if step.logprobs else ())
+        sampled = ("sampled",) + (("topk",) if step.sample_top_k else ()) if step.sampling is not None else ()
+        return (key + sampled + (("logprobs",) if step.logprobs else ())
                 + (("penalties",) if step.penalties is not None else ()))
 
     def capture_all(self) -> None:

@@ -406,6 +406,8 @@ class LLMEngine:
                 self._penalties = penalties.DevicePenalties(self.cache.num_slots, self.model_cfg.vocab_size, self.device)
             step.penalties = self._penalties.prepare(step, seqs, self.eos_ids)
         step.sampling = None if all(p.greedy for p in ps) and not penalised else self._sampling_for(seqs)
+        V = self.model_cfg.vocab_size
+        step.sample_top_k = step.sampling is not None and any(0 < p.top_k < V and not p.greedy for p in ps)
         step.logprobs = any(p.logprobs is not None for p in ps)
         return True
 

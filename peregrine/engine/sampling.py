@@ -33,6 +33,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
             t([p.top_p for p in params], torch.float32), t(seeds, torch.int64), t(positions, torch.int64),
             t([p.min_p for p in params], torch.float32))
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
-    out = sample_kernel(x, *args) if dev.type == "cuda" else sample_ref(x, *args)
+    top_k_any = any(0 < p.top_k < x.shape[-1] and not p.greedy for p in params)
+    out = sample_kernel(x, *args, top_k_any=top_k_any) if dev.type == "cuda" else sample_ref(x, *args)
     assert out.shape == (S,)
     return out.tolist()

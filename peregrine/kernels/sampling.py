@@ -26,6 +26,8 @@ sample_ref is the same sampler in PyTorch with sorting, and the same random bits
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -45,6 +47,9 @@ SEARCHES = ("candidates", "radix", "bisect")
 RADIX_NB = 64  # pivots a descent level tests: 6 of the key's 32 bits a pass, 6 levels (a launch each) a search
 RADIX_TILE = 64  # elements a step of a level takes: a [64, RADIX_NB] compare in registers (16 a thread at 4 warps)
 RADIX_TILE_INTERPRET = 1024  # the interpreter pays per step, not per element
+DESCENT_MIN_BLOCK = 1024  # smallest row slice a descent program weighs: B = 1 gets 160 programs at 163 840
+DESCENT_PROGRAMS = 256  # descent programs a level aims for (about two per SM) before slices grow
+DESCENT_BLOCK_ENV = "PEREGRINE_SAMPLE_DESCENT_BLOCK"  # a fixed slice for every B, for A/B runs
 SMALL_W = tl.constexpr(2.0**-10)  # below this 1 − u, -log(u) is taken from its series (log(≈1) loses digits)
 
 
@@ -270,15 +275,17 @@ def _pick(part_ptr, row, nc, lo, hi, target, NB: tl.constexpr, CB: tl.constexpr)
 
 
 @triton.jit
-def _descend(x_ptr, stride_x, V, nc, temp_ptr, topk_ptr, topp_ptr, minp_ptr, cmax_ptr, need_ptr, prev_part_ptr,
-             prev_brk_ptr, p0_part_ptr, part_ptr, brk_ptr, key_ptr, MASS: tl.constexpr, FIRST: tl.constexpr,
-             FINAL: tl.constexpr, HAS_NEED: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, TILE: tl.constexpr,
-             CB: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """The whole-row threshold search spread over the row's chunks: a level per launch, each narrowing the
-    row's key bracket [lo, hi) NB-fold (_pick, from the last level's per-chunk counts or masses), then counting
+def _descend(x_ptr, stride_x, V, nc, nd, temp_ptr, topk_ptr, topp_ptr, minp_ptr, cmax_ptr, need_ptr, prev_part_ptr,
+             prev_brk_ptr, p0_part_ptr, part_ptr, brk_ptr, key_ptr, MASS: tl.constexpr, START: tl.constexpr,
+             FIRST: tl.constexpr, FINAL: tl.constexpr, HAS_NEED: tl.constexpr, BLOCK: tl.constexpr,
+             NB: tl.constexpr, TILE: tl.constexpr, CB: tl.constexpr, CBD: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """The whole-row threshold search spread over the row's nd chunks of BLOCK: a level per launch, each narrowing
+    the row's key bracket [lo, hi) NB-fold (_pick, from the last level's per-chunk counts or masses), then counting
     (top-k: MASS = 0) or weighing (top-p: MASS = 1) this chunk's keys at the new bracket's NB pivots. top-k's
     levels come first, from min-p's bound, then top-p's from top-k's answer (vLLM's order); a row with either
-    off gets the bracket [lo, lo + 1) there, so its levels read nothing. FINAL: the last pick, the key."""
+    off gets the bracket [lo, lo + 1) there, so its levels read nothing. START: the first launch (no level
+    before it: the bracket comes from min-p; top-p's levels start there when no row of the batch uses top-k).
+    FIRST: a phase's first level. FINAL: the last pick, the key. nc: cmax's chunks (the row's max)."""
     pdl_wait(USE_PDL)
     row = tl.program_id(0)
     c = tl.program_id(1)
@@ -291,19 +298,23 @@ def _descend(x_ptr, stride_x, V, nc, temp_ptr, topk_ptr, topp_ptr, minp_ptr, cma
         m = tl.max(tl.load(cmax_ptr + row * nc + r, mask=r < nc, other=float("-inf")), axis=0)
         top = _key(m).to(tl.int64) + 1  # nothing is >= this key
         top_p = tl.load(topp_ptr + row)
-        if FIRST and not MASS:
+        if START:
             min_p = tl.load(minp_ptr + row)
             lo = tl.where(min_p > 0, _key(m + tl.log(tl.maximum(min_p, 1e-38))), -2147483648).to(tl.int64)
-            k = tl.load(topk_ptr + row)
-            hi = tl.where((k > 0) & (k < V), top, lo + 1)
+            if MASS:
+                hi = tl.where(top_p < 1.0, top, lo + 1)
+            else:
+                k = tl.load(topk_ptr + row)
+                hi = tl.where((k > 0) & (k < V), top, lo + 1)
         else:
             lo = tl.load(prev_brk_ptr + row * 2)
             hi = tl.load(prev_brk_ptr + row * 2 + 1)
+            rd = tl.arange(0, CBD)
             if (FINAL or MASS) and not FIRST:  # top-p's target: top_p of the mass at its first level's lo
-                target = top_p * tl.sum(tl.load(p0_part_ptr + (row * nc + r) * NB, mask=r < nc, other=0.0), axis=0)
+                target = top_p * tl.sum(tl.load(p0_part_ptr + (row * nd + rd) * NB, mask=rd < nd, other=0.0), axis=0)
             else:
                 target = tl.load(topk_ptr + row).to(tl.float32)  # counts to 2^24 are exact in FP32
-            lo, hi = _pick(prev_part_ptr, row, nc, lo, hi, target, NB, CB)
+            lo, hi = _pick(prev_part_ptr, row, nd, lo, hi, target, NB, CBD)
             if FIRST:
                 hi = tl.where(top_p < 1.0, top, lo + 1)
         if FINAL:
@@ -316,7 +327,9 @@ def _descend(x_ptr, stride_x, V, nc, temp_ptr, topk_ptr, topp_ptr, minp_ptr, cma
                 w = (hi - lo + NB - 1) // NB
                 piv = tl.minimum(lo + tl.arange(0, NB).to(tl.int64) * w, 2147483647).to(tl.int32)  # past hi: unused
                 tt = tl.where(t > 0, t, 1.0)
-                acc = tl.zeros((NB,), tl.float32)
+                # a [TILE, NB] register accumulator, reduced once after the loop: a reduction across the
+                # tile's rows every step (shuffles and shared memory) would sit in the loop's critical path
+                acc = tl.zeros((TILE, NB), tl.float32)
                 for s in range(0, BLOCK, TILE):
                     pos = c * BLOCK + s + tl.arange(0, TILE)
                     ok = pos < V
@@ -324,10 +337,10 @@ def _descend(x_ptr, stride_x, V, nc, temp_ptr, topk_ptr, topp_ptr, minp_ptr, cma
                     x = x.to(tl.float32) / tt
                     ge = ok[:, None] & (_key(x)[:, None] >= piv[None, :])
                     if MASS:
-                        acc += tl.sum(tl.where(ge, tl.exp(x - m)[:, None], 0.0), axis=0)
+                        acc += tl.where(ge, tl.exp(x - m)[:, None], 0.0)
                     else:
-                        acc += tl.sum(ge.to(tl.float32), axis=0)
-                tl.store(part_ptr + (row * nc + c) * NB + tl.arange(0, NB), acc)
+                        acc += ge.to(tl.float32)
+                tl.store(part_ptr + (row * nd + c) * NB + tl.arange(0, NB), tl.sum(acc, axis=0))
 
 
 def descent_levels(nb: int) -> int:
@@ -338,25 +351,46 @@ def descent_levels(nb: int) -> int:
     return n
 
 
-def _descent(logits, temp, top_k, top_p, min_p, cmax, keys, need, nb: int = 0):
-    """Launch _descend's levels (top-k's, top-p's, the final pick) for every live row (need None) or the rows
-    need marks; keys: [B] int32, written for those rows."""
+def descent_block(B: int, V: int) -> int:
+    """Elements of a row one descent program weighs: the smallest power of two from DESCENT_MIN_BLOCK that still
+    gives B x chunks >= DESCENT_PROGRAMS (a level is a loop of dependent loads: small B needs many short programs
+    to fill the GPU, large B fewer, longer ones, as each level's pick reads every chunk's NB partials);
+    PEREGRINE_SAMPLE_DESCENT_BLOCK overrides, for A/B runs."""
+    env = os.environ.get(DESCENT_BLOCK_ENV)
+    if env:
+        return max(RADIX_TILE, triton.next_power_of_2(int(env)))
+    block = DESCENT_MIN_BLOCK
+    while block < BLOCK_V and B * triton.cdiv(V, 2 * block) >= DESCENT_PROGRAMS:
+        block *= 2
+    return block
+
+
+def _descent(logits, temp, top_k, top_p, min_p, cmax, keys, need, nb: int = 0, top_k_any: bool = True,
+             block: int = 0):
+    """Launch _descend's levels (top-k's unless no row uses top-k, top-p's, the final pick) for every live row
+    (need None) or the rows need marks; keys: [B] int32, written for those rows. top_k_any False: the caller
+    vouches that every row's top_k is 0 (off) or >= V, so top-k's levels are not launched at all."""
     B, V = logits.shape
     nb = nb or RADIX_NB
     nc = cmax.shape[1]
     L = descent_levels(nb)
+    block = block or descent_block(B, V)
+    nd = triton.cdiv(V, block)
     dev = logits.device
-    part = torch.empty((2 * L, B, nc, nb), dtype=torch.float32, device=dev)
-    brk = torch.empty((2 * L, B, 2), dtype=torch.int64, device=dev)
-    tile = min(BLOCK_V, RADIX_TILE_INTERPRET if interpreting() else RADIX_TILE)
-    common = dict(HAS_NEED=need is not None, BLOCK=BLOCK_V, NB=nb, TILE=tile, CB=max(triton.next_power_of_2(nc), 16),
-                  num_warps=4, **launch_kwargs(dev))
-    args = (logits, logits.stride(0), V, nc, temp, top_k, top_p, min_p, cmax, need if need is not None else keys)
-    for i in range(2 * L + 1):
-        prev = max(i - 1, 0)
-        _descend[(B, 1 if i == 2 * L else nc)](
-            *args, part[prev], brk[prev], part[L], part[min(i, 2 * L - 1)], brk[min(i, 2 * L - 1)], keys,
-            MASS=L <= i < 2 * L, FIRST=i in (0, L), FINAL=i == 2 * L, **common)
+    phases = (0, 1) if top_k_any else (1,)  # MASS of each phase's L levels
+    n = len(phases) * L
+    part = torch.empty((n, B, nd, nb), dtype=torch.float32, device=dev)
+    brk = torch.empty((n, B, 2), dtype=torch.int64, device=dev)
+    tile = min(block, RADIX_TILE_INTERPRET if interpreting() else RADIX_TILE)
+    common = dict(HAS_NEED=need is not None, BLOCK=block, NB=nb, TILE=tile, CB=max(triton.next_power_of_2(nc), 16),
+                  CBD=max(triton.next_power_of_2(nd), 16), num_warps=4, **launch_kwargs(dev))
+    args = (logits, logits.stride(0), V, nc, nd, temp, top_k, top_p, min_p, cmax, need if need is not None else keys)
+    p0 = n - L  # top-p's first level
+    for i in range(n + 1):
+        prev, cur = max(i - 1, 0), min(i, n - 1)
+        _descend[(B, 1 if i == n else nd)](
+            *args, part[prev], brk[prev], part[p0], part[cur], brk[cur], keys,
+            MASS=i < n and phases[i // L] == 1, START=i == 0, FIRST=i % L == 0 and i < n, FINAL=i == n, **common)
 
 
 @triton.jit
@@ -422,7 +456,8 @@ def search_mode() -> str:
     return v
 
 
-def thresholds(logits, temp, top_k, top_p, min_p, R: int, search: str | None = None, nb: int = 0):
+def thresholds(logits, temp, top_k, top_p, min_p, R: int, search: str | None = None, nb: int = 0,
+               top_k_any: bool = True):
     """Each row's threshold key ([B] int32; greedy rows: unused) and, with the candidate search, which rows needed
     the whole-row one ([B] int32, else None). R: rows per program (the candidate and radix searches take R = 1
     only). search: "candidates" (then the descent for the rows they cannot settle), "radix" (the descent for
@@ -447,7 +482,7 @@ def thresholds(logits, temp, top_k, top_p, min_p, R: int, search: str | None = N
                               CAP=CAND_CAP, num_warps=8, **pdl)
             _select[(B,)](V, nc, temp, top_k, top_p, min_p, cmax, cmass, ccnt, cx, keys, need, CB=cb, CAP=CAND_CAP,
                           num_warps=8, **pdl)
-        _descent(logits, temp, top_k, top_p, min_p, cmax, keys, need, nb)
+        _descent(logits, temp, top_k, top_p, min_p, cmax, keys, need, nb, top_k_any)
         return keys, need
     _threshold[(triton.cdiv(B, R),)](logits, logits.stride(0), B, V, temp, top_k, top_p, min_p, keys, R=R, BLOCK=tb, num_warps=8 if R == 1 else 4, **pdl)
     return keys, None
@@ -455,13 +490,15 @@ def thresholds(logits, temp, top_k, top_p, min_p, R: int, search: str | None = N
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            seeds: torch.Tensor, positions: torch.Tensor, min_p: torch.Tensor | None = None,
-           out: torch.Tensor | None = None, search: str | None = None, nb: int = 0) -> torch.Tensor:
+           out: torch.Tensor | None = None, search: str | None = None, nb: int = 0,
+           top_k_any: bool = True) -> torch.Tensor:
     """[B, V] logits -> [B] int64 tokens, on the device with no host sync and static shapes (CUDA-graph
     capturable). Per row: temperature (0 = greedy: the argmax), min_p, top_k (0 = off), top_p (1 = off),
     then one draw keyed by (seed, position): a row's token depends on its logits, parameters, seed and
     position only, never on the batch. No sort: the kept set is {logits/T >= a threshold} (thresholds()).
     out: a [B] int64 buffer to write (a graph's static output), else a new one. search: the threshold search
-    (thresholds(); default PEREGRINE_SAMPLE_SEARCH or candidates); nb: the descent's pivots a level."""
+    (thresholds(); default PEREGRINE_SAMPLE_SEARCH or candidates); nb: the descent's pivots a level.
+    top_k_any: False only when no row's top_k is in (0, V): top-k's descent levels are then not launched."""
     assert logits.dim() == 2 and logits.stride(1) == 1
     B, V = logits.shape
     dev = logits.device
@@ -475,7 +512,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     i64 = lambda t: t.to(device=dev, dtype=torch.int64).contiguous()  # noqa: E731
     temp = f32(temperature)
     mp = f32(min_p) if min_p is not None else torch.zeros(B, dtype=torch.float32, device=dev)
-    keys, _ = thresholds(logits, temp, i64(top_k), f32(top_p), mp, R, search, nb)
+    keys, _ = thresholds(logits, temp, i64(top_k), f32(top_p), mp, R, search, nb, top_k_any)
     pdl = launch_kwargs(dev)
     grid_r = triton.cdiv(B, R)
     block = BLOCK_V if R == 1 else min(triton.next_power_of_2(V), max(16, THRESHOLD_TILE // R))
