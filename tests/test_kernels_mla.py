@@ -266,3 +266,75 @@ def test_bench_plan_writer_round_trips(tmp_path):
     row = {"cache": "fp8", "B": 8, "context": 32768, "num_splits": 16, "time_ms": 0.1, "gbps": 3000.0,
            "pct_of_copy": 0.7, "rel_err": 1e-3, "tiling": vars(t)}
     assert "fp16" in bench.table([row])
+
+
+VERIFY_CASES = [  # (dims, page, dtype, fp8, T, query_rows, num_splits, sequence lengths counting the T rows)
+    (TINY, 16, torch.float32, False, 4, 0, None, [4, 70, 33]),  # the first sequence's row 0 sees one entry
+    (TINY, 16, torch.float32, False, 3, 2, 3, [3, 100]),  # ragged: the second program of a sequence has one row
+    (TINY, 64, torch.float32, False, 5, 4, 1, [9, 64]),  # one split: the program writes o itself
+    (TINY, 16, torch.float32, True, 4, 2, 2, [40, 5]),
+    (REAL, 16, torch.float32, False, 8, 2, 2, [8, 150]),
+]
+if FULL_SHAPES:
+    VERIFY_CASES += [(REAL, 64, torch.bfloat16, False, 8, 0, None, [8192, 9]),
+                     (REAL, 64, torch.bfloat16, True, 4, 0, None, [300, 4096])]
+
+
+def _verify_rows(bt, lens, T):
+    """The verify step's rows as the plain kernel sees them: sequence s's table for each of its T rows, row r
+    attending to the entries before len_s - (T - 1) + r."""
+    rows = torch.repeat_interleave(bt, T, dim=0)
+    r = torch.arange(T, dtype=lens.dtype, device=lens.device).repeat(lens.shape[0])
+    return rows, torch.repeat_interleave(lens, T) - (T - 1) + r
+
+
+@pytest.mark.parametrize("dims,page,dtype,fp8,T,query_rows,num_splits,lens", VERIFY_CASES)
+def test_mla_verify_rows_share_the_latent_reads(dims, page, dtype, fp8, T, query_rows, num_splits, lens):
+    """#42: T query rows of a sequence in one program (tokens_per_seq, query_rows) equal the FP64 reference of
+    each row alone over its causal prefix; output rows poisoned, the rows around them untouched."""
+    H, C, R = dims
+    _, lat, scale, bt, lens_t = make_case(lens, H, C, R, page, dtype, fp8=fp8)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(len(lens) * T, H, C + R, generator=g).to(dtype).to(DEVICE)
+    tiling = SPLIT_TILING if num_splits is not None and not fp8 else None
+    got = run_checked(q, lat, scale, bt, lens_t, C, num_splits=num_splits, tokens_per_seq=T,
+                      query_rows=query_rows, **({"tiling": tiling} if tiling else {}))
+    rows, row_lens = _verify_rows(bt, lens_t, T)
+    assert_close(got.float(), reference(q, lat, scale, rows, row_lens, C), TOL["fp8" if fp8 else dtype])
+
+
+@pytest.mark.parametrize("T,query_rows,num_splits", [(4, 2, 3), (3, 0, 1)])
+def test_mla_verify_rows_with_w_uv(T, query_rows, num_splits):
+    """The verify layout through combine_uv (W_UV in the combine): each row's attention output times W_UV."""
+    from peregrine.kernels.mla import mla_decode_uv_ref
+    H, C, R = TINY
+    _, lat, scale, bt, lens_t = make_case([50, 6], H, C, R, 16, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2 * T, H, C + R, generator=g).to(DEVICE)
+    w_uv = torch.randn(H, 16, C, generator=g).to(DEVICE)
+    got = mla_decode(q, lat, scale, bt, lens_t, SM_SCALE, kv_lora_rank=C, w_uv=w_uv, num_splits=num_splits,
+                     tiling=SPLIT_TILING, tokens_per_seq=T, query_rows=query_rows)
+    rows, row_lens = _verify_rows(bt, lens_t, T)
+    want = mla_decode_uv_ref(q, lat, scale, rows, row_lens, SM_SCALE, w_uv, kv_lora_rank=C)
+    assert_close(got, want, TOL[torch.float32])
+
+
+def test_verify_query_rows():
+    """Rows a verify program takes: a power of two, one by default, never more than T's."""
+    from peregrine.kernels.mla import verify_query_rows
+    assert verify_query_rows(8) == 1 and verify_query_rows(8, 2) == 2 and verify_query_rows(8, 3) == 4
+    assert verify_query_rows(3, 8) == 4 and verify_query_rows(2, 4) == 2
+
+
+def test_mla_kernels_compile_for_sm90():
+    """The interpreter cannot catch compile errors: the split kernel for sm_90a (ptxas included). The decode
+    tilings and the one-row verify layout must not spill; the two-row (M = 64) layout's spills are reported by
+    the bench and are why it is opt-in."""
+    from conftest import run_aot
+    rows = run_aot("import json; from peregrine.bench import kernels_mla as b; print(json.dumps(b.compile_check()))")
+    assert [r["kernel"] for r in rows] == ["decode bf16", "decode fp8", "verify qr=1 bf16", "verify qr=2 bf16",
+                                           "verify qr=2 fp8"]
+    for row in rows:
+        assert "error" not in row and 0 < row["regs"] <= 255, row
+        if "qr=2" not in row["kernel"]:
+            assert row["spill"] == 0, row

@@ -48,10 +48,15 @@ def greedy(n):
     return SamplingParams(max_tokens=n, ignore_eos=True)
 
 
-def test_verify_step_matches_standard(model_dir):
+@pytest.mark.parametrize("query_rows", ["1", "2", "0"])
+def test_verify_step_matches_standard(model_dir, monkeypatch, query_rows):
     """One verify step of T = 3 tokens for 2 sequences, same cache contents: the fused step's logits,
-    per-position KDA checkpoints and cache writes equal the standard path's (verify as a short chunk)."""
+    per-position KDA checkpoints and cache writes equal the standard path's (verify as a short chunk), whichever
+    MLA verify layout (PEREGRINE_MLA_VERIFY_ROWS: a row a program, two sharing each latent tile, expanded rows)."""
+    from peregrine.decode.specialized import VERIFY_MLA_ENV
+    monkeypatch.setenv(VERIFY_MLA_ENV, query_rows)
     std, spec = engine(model_dir, "standard"), engine(model_dir, "latency_specialized")
+    assert spec.runner.verify_query_rows == int(query_rows)
     ps = prompts(0)
     for e in (std, spec):
         e.generate(ps, greedy(4))  # real cache contents in slots 0, 1 and blocks 0.., 16..

@@ -9,7 +9,7 @@ partials are overhead, not counted.
 then the TOP_K tilings over a range of split counts; the fastest config whose error is
 within tolerance goes into peregrine/kernels/mla_plan.json (read by mla_decode at run time).
 A time budget stops the sweep cleanly (what was tuned is still written).
-    python -m peregrine.bench.kernels_mla [--quick] [--tune [--no-write] [--budget-s 420]]
+    python -m peregrine.bench.kernels_mla [--quick] [--tune [--no-write] [--budget-s 420]] [--verify]
 """
 from __future__ import annotations
 
@@ -85,19 +85,21 @@ class Case:
         self.call(self.tables[0], **kw)
         return ((self.out.float() - self.ref).norm() / self.ref.norm()).item()
 
-    def time(self, iters: int = 30, **kw) -> tuple[float, list[float]]:
+    def time(self, iters: int = 30, fn=None, **kw) -> tuple[float, list[float]]:
+        """Median ms of one call (fn(bt) if given, else mla_decode with kw) over rotating cache copies."""
         from peregrine.bench.gpu import time_fn
+        call = fn or (lambda bt: self.call(bt, **kw))
         seq = [self.tables[i % len(self.tables)] for i in range(REPS)]
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for bt in seq[:3]:  # compile + allocator warm-up outside capture
-                self.call(bt, **kw)
+                call(bt)
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for bt in seq:
-                self.call(bt, **kw)
+                call(bt)
         samples = [t / REPS for t in time_fn(g.replay, iters=iters, warmup=3)]
         del g
         return statistics.median(samples), samples
@@ -166,6 +168,83 @@ def run(copy_gbps: float, full: bool = True, tune: bool = False, iters: int = 30
         write_plan(best, meta or {})
         print(f"wrote {mla.PLAN_PATH} ({len(best)} entries)")
     return rows
+
+
+VERIFY_TS = (2, 4, 8)  # verify widths 1 + k: k = 1, 3, 7 drafts
+VERIFY_QUERY_ROWS = (1, 2)  # rows of a sequence a program takes (2: M = 64 with 32 heads, VERIFY_TILING)
+
+
+def run_verify(copy_gbps: float, full: bool = True, iters: int = 30) -> list[dict]:
+    """#42 item 2: a verify step's MLA (T query rows a sequence, causal within the draft) three ways, same
+    case: "rows" (what the runner did: each row its own sequence over an expanded table, the latent read T
+    times), "shared qr=1" (the T rows share the sequence's table and length in the kernel: no expand, the
+    same programs) and "shared qr=2" (two rows a program, M = 64: the latent read T / 2 times); and the plain
+    decode step (T = 1) as the floor. GB/s counts the cache once a sequence: the read a verify step needs."""
+    rows = []
+    for fp8, batch, ctx in cases(full):
+        case = Case(batch, ctx, fp8)
+        t1, _ = case.time(iters)
+        for T in VERIFY_TS:
+            q = torch.randn(batch * T, H, L, device="cuda", dtype=DTYPE)
+            out = torch.empty(batch * T, H, KV_LORA, device="cuda", dtype=DTYPE)
+            lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+
+            def as_rows(bt, q=q, out=out, lens=lens, T=T):  # _mla_attend before #42 item 2, expand included
+                tables = bt.unsqueeze(1).expand(batch, T, bt.shape[1]).reshape(batch * T, -1)
+                row_lens = (lens.unsqueeze(1) - (T - 1) + torch.arange(T, device="cuda", dtype=lens.dtype)).reshape(-1)
+                return mla.mla_decode(q, case.latent, case.scale, tables, row_lens, SM_SCALE, kv_lora_rank=KV_LORA,
+                                      out=out)
+
+            variants = {"rows": as_rows}
+            for qr in VERIFY_QUERY_ROWS:
+                variants[f"shared qr={qr}"] = (
+                    lambda bt, q=q, out=out, lens=lens, T=T, qr=qr: mla.mla_decode(
+                        q, case.latent, case.scale, bt, lens, SM_SCALE, kv_lora_rank=KV_LORA, out=out,
+                        tokens_per_seq=T, query_rows=qr))
+            want = as_rows(case.tables[0]).float().clone()
+            for name, fn in variants.items():
+                try:
+                    got = fn(case.tables[0]).float()
+                    err = ((got - want).norm() / want.norm()).item()
+                    t, samples = case.time(iters, fn=fn)
+                    rows.append(_row(case, copy_gbps, t, samples, kernel=f"verify {name}", T=T, rel_err=err,
+                                     plain_decode_ms=t1, vs_plain=t / t1, num_splits=0))
+                    r = rows[-1]
+                    print(f"{r['shape']} T={T} {name:>13}: {1e3 * t:8.1f} us ({t / t1:.2f}x plain decode "
+                          f"{1e3 * t1:.1f} us) {r['gbps']:7.0f} GB/s {100 * r['pct_of_copy']:5.1f}% err {err:.1e}",
+                          flush=True)
+                except Exception as e:  # noqa: BLE001 - one failing variant must not hide the rest
+                    print(f"{case.batch} {ctx} T={T} {name}: FAILED {type(e).__name__}: {e}")
+        del case
+        torch.cuda.empty_cache()
+    return rows
+
+
+def compile_check() -> list[dict]:
+    """The split kernel compiled ahead of time for sm_90a (no GPU needed): ptxas's registers and spills for
+    the decode tilings (BF16 and FP8 caches) and the verify layouts (a row a program; two rows, M = 64)."""
+    import triton.language as tl
+
+    from peregrine.bench.kernels_moe import compile_sm90
+    p, n, c = (lambda t: (t, 0)), (lambda v: ("i32", v)), (lambda v: ("constexpr", v))
+    out = []
+    for name, t, qr, fp8 in (("decode bf16", mla.DEFAULT_TILING, 0, False), ("decode fp8", mla.FP8_TILING, 0, True),
+                             ("verify qr=1 bf16", mla.DEFAULT_TILING, 1, False),
+                             ("verify qr=2 bf16", mla.VERIFY_TILING, 2, False),
+                             ("verify qr=2 fp8", mla.FP8_VERIFY_TILING, 2, True)):
+        bh = mla._block_h(H, t)
+        fp16 = fp8 and t.fp8_compute == "fp16"
+        args = dict(q_ptr=p("*bf16"), lat_ptr=p("*fp8e4nv" if fp8 else "*bf16"), scale_ptr=p("*fp32"),
+                    bt_ptr=p("*i32"), len_ptr=p("*i32"), part_ptr=p("*fp32"), lse_ptr=p("*fp32"), out_ptr=p("*bf16"),
+                    qk_scale=("fp32", 0.1), q_mul=("fp32", 1.0), H=n(H), num_splits=n(8), T=n(8),
+                    s_qb=n(H * L), s_qh=n(L), s_lblk=n(PAGE * L), s_ltok=n(L), s_sblk=n(PAGE), s_stok=n(1),
+                    s_btb=n(64), s_pb=n(1), s_ph=n(1), s_ps=n(1), s_eb=n(1), s_eh=n(1), s_ob=n(1), s_oh=n(1),
+                    C=c(KV_LORA), R=c(ROPE), BLOCK_C=c(KV_LORA), BLOCK_R=c(ROPE), BLOCK_H=c(bh),
+                    BLOCK_N=c(t.block_n), MIN_CHUNK=c(t.min_split_tokens), PAGE=c(PAGE), FP8=c(fp8), PV_LOG=c(fp16),
+                    DIRECT=c(False), PREC=c("tf32"), CDT=c(tl.float16 if fp16 else tl.bfloat16), QR=c(qr),
+                    BLOCK_M=c(max(qr, 1) * bh))
+        out.append({"kernel": name} | compile_sm90(mla._mla_split_kernel, args, t.num_warps, t.num_stages))
+    return out
 
 
 def _try(case, copy_gbps, iters, tiling, splits) -> dict:
@@ -245,10 +324,17 @@ def main():
     ap.add_argument("--tune", action="store_true", help="sweep tilings x splits per case and write mla_plan.json")
     ap.add_argument("--no-write", action="store_true", help="with --tune: report only, leave the plan alone")
     ap.add_argument("--budget-s", type=float, default=420.0, help="with --tune: stop tuning new cases after this")
+    ap.add_argument("--verify", action="store_true",
+                    help="#42: a verify step's MLA (T = 2, 4, 8 rows a sequence) as rows, shared qr=1, qr=2")
     ap.add_argument("--results-dir", default="results")
     a = ap.parse_args()
     copy = copy_bandwidth()
     meta = run_metadata() | {"copy_gbps": copy["gbps"], "copy_samples_ms": copy["samples_ms"]}
+    if a.verify:
+        rows = run_verify(copy["gbps"], full=not a.quick)
+        path = write_result(result_path("kernels", "mla-verify", a.results_dir), {"meta": meta, "rows": rows})
+        print(f"copy bandwidth {copy['gbps']:.0f} GB/s -> {path}")
+        return
     rows = run(copy["gbps"], full=not a.quick, tune=a.tune, write=not a.no_write, budget_s=a.budget_s,
                meta={k: meta[k] for k in ("commit", "gpu", "torch", "triton", "time_utc", "copy_gbps")})
     path = write_result(result_path("kernels", "mla-tune" if a.tune else "mla", a.results_dir),

@@ -5,8 +5,9 @@ argmax) replayed from one CUDA graph per (B, context bucket).
 Speculative verify steps (peregrine/spec) are pure decode steps of T = 1 + k tokens per
 sequence: the GEMMs take B·T rows, the KDA decode runs the T positions in one program and
 writes the state after each into the step's checkpoint buffers, and MLA gives each query
-position its own row over the sequence's block table, with the length up to itself (causal
-within the draft; the cache is read T times, cheap at decode lengths). One graph per (B, T).
+position the sequence's block table and the length up to itself (causal within the draft),
+one row a program by default (PEREGRINE_MLA_VERIFY_ROWS=2: two rows share each latent tile it
+reads). One graph per (B, T).
 
 It reads the model's parameters in place — the model already stores them fused
 (one input projection per attention layer, stacked experts), so the standard runner
@@ -47,6 +48,9 @@ FUSED_UV_MAX_B = 2
 
 
 VERIFY_GEMM_ENV = "PEREGRINE_VERIFY_GEMM"  # "triton": verify steps' 17..64-row GEMMs on the skinny kernel's wide tile
+# verify steps' MLA, rows of a sequence per program: 1 (default: the rows share the sequence's table and length in
+# the kernel, no expand), 2 (M = 64, the latent read T / 2 times; ptxas spills: opt-in until measured), 0 (before)
+VERIFY_MLA_ENV = "PEREGRINE_MLA_VERIFY_ROWS"
 
 
 def _verify_rows() -> int:
@@ -79,6 +83,8 @@ class SpecializedRunner:
         # the shared expert served by the routed-expert launches as one more slot (_moe); 0: on the side stream
         self.shared_in_experts = os.environ.get(SHARED_SLOT_ENV, "1") != "0"
         self.fused_glue = os.environ.get(FUSED_GLUE_ENV, "1") != "0"  # _mla_attend's prologue in one launch
+        # verify steps' MLA: a sequence's query rows a program takes (0: each row its own sequence, expanded)
+        self.verify_query_rows = int(os.environ.get(VERIFY_MLA_ENV, "1"))
         # _mla_attend's combine and W_UV in one launch for batches up to this many rows
         self.fused_uv_max_b = {"1": MAX_DECODE_BATCH, "0": 0}.get(os.environ.get(FUSED_UV_ENV), FUSED_UV_MAX_B)
         self.last_path = self.name
@@ -312,14 +318,17 @@ class SpecializedRunner:
             q_lat = torch.bmm(q[..., : attn.nope].transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, r]
             qh = torch.cat([q_lat, q[..., attn.nope:]], -1)
         tables, lens = step.block_tables, step.context_lens_t
-        if T > 1:  # verify: query t of a sequence is its own row, attending to the cache up to itself
+        kw = {}
+        if T > 1 and self.verify_query_rows == 0:  # verify, the A/B baseline: query t of a sequence its own row
             S = B // T  # expand, not repeat_interleave: no host sync inside a graph capture
             tables = tables.unsqueeze(1).expand(S, T, tables.shape[1]).reshape(B, -1)
             lens = (lens.unsqueeze(1) - (T - 1) + torch.arange(T, device=lens.device, dtype=lens.dtype)).reshape(B)
+        elif T > 1:  # verify: the kernel gives row t of a sequence its table and the length up to itself
+            kw = dict(tokens_per_seq=T, query_rows=self.verify_query_rows)
         args = (qh, c.latent[mi], c.scale[mi] if c.fp8 else None, tables, lens, attn.sm_scale)
         if B <= self.fused_uv_max_b and uv_why_not(qh, w_uv, attn.r) is None:  # W_UV in the combine: [B, H·v]
-            return mla_decode(*args, kv_lora_rank=attn.r, w_uv=w_uv)
-        o_lat = mla_decode(*args, kv_lora_rank=attn.r)
+            return mla_decode(*args, kv_lora_rank=attn.r, w_uv=w_uv, **kw)
+        o_lat = mla_decode(*args, kv_lora_rank=attn.r, **kw)
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(B, -1)
 
     def _dense(self, mlp, h, out=None):

@@ -81,6 +81,13 @@ class MlaTiling:
 DEFAULT_TILING = MlaTiling()
 FP8_TILING = MlaTiling(block_n=32)  # the FP8→BF16 converts need registers: 64 tokens spill
 FP32_TILING = MlaTiling(block_n=32, num_stages=2)  # tests only: FP32 tiles would overflow shared memory
+# Verify steps with several query rows a program: M = rows x heads (FlashMLA's 64: two rows of Kimi-Linear's 32
+# heads). The [64, 512] FP32 accumulator goes to wgmma; with 8 warps and 16-token tiles ptxas (sm_90a) still
+# spills ~200 bytes a thread (4 warps or 16 warps spill far more), so it is opt-in until an H200 run decides.
+VERIFY_M = 64
+VERIFY_TILING = MlaTiling(block_n=16, num_warps=8, num_stages=2)
+FP8_VERIFY_TILING = MlaTiling(block_n=16, num_warps=8, num_stages=2)
+FP32_VERIFY_TILING = MlaTiling(block_h=16, block_n=16, num_stages=1)  # tests only
 
 
 @functools.lru_cache(maxsize=None)
@@ -172,19 +179,29 @@ def _split_bounds(n, num_splits, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr)
 @triton.jit
 def _mla_split_kernel(
     q_ptr, lat_ptr, scale_ptr, bt_ptr, len_ptr, part_ptr, lse_ptr, out_ptr,
-    qk_scale, q_mul, H, num_splits,
+    qk_scale, q_mul, H, num_splits, T,
     s_qb, s_qh, s_lblk, s_ltok, s_sblk, s_stok, s_btb,
     s_pb, s_ph, s_ps, s_eb, s_eh, s_ob, s_oh,
     C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, PAGE: tl.constexpr,
     FP8: tl.constexpr, PV_LOG: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr, CDT: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    QR: tl.constexpr = 0, BLOCK_M: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):
+    """QR = 0: a program is (sequence b, split, head group), BLOCK_M = BLOCK_H query rows. QR >= 1 (verify
+    steps): the T query rows of a sequence are rows s·T .. s·T + T - 1 of q, its table and length (the last
+    row's) are entry s, and a program takes QR of its rows x BLOCK_H heads (BLOCK_M = QR·BLOCK_H): each latent
+    tile it loads serves all of them, row r seeing the tokens before n - (T - 1) + r."""
     pdl_wait(USE_PDL)  # no weights here: q̂, lengths, tables and this step's cache entry come from earlier work
     b = tl.program_id(0)
     sp = tl.program_id(1)
     g = tl.program_id(2)
-    n = tl.load(len_ptr + b)
+    if QR > 0:
+        nq = (T + QR - 1) // QR
+        seq = b // nq
+        r0 = (b % nq) * QR
+    else:
+        seq = b
+    n = tl.load(len_ptr + seq)
     chunk, n_active = _split_bounds(n, num_splits, BLOCK_N, MIN_CHUNK)
     if DIRECT:
         n_active = tl.maximum(n_active, 1)  # a length-0 row still gets its zeros written
@@ -193,21 +210,32 @@ def _mla_split_kernel(
     start = sp * chunk
     end = tl.minimum(start + chunk, n)
 
-    heads = g * BLOCK_H + tl.arange(0, BLOCK_H)
-    hm = heads < H
+    if QR > 0:
+        mm = tl.arange(0, BLOCK_M)
+        qr = r0 + mm // BLOCK_H  # the query row within the sequence
+        heads = g * BLOCK_H + mm % BLOCK_H
+        hm = (heads < H) & (qr < T)
+        qrow = seq.to(tl.int64) * T + qr  # its row of q, the partials and the output
+        lim = n - (T - 1) + qr  # causal within the draft: row qr sees the tokens before lim
+        q_row = q_ptr + qrow[:, None] * s_qb + heads[:, None] * s_qh
+        neg = -FLT_BIG  # a row may have no token in a tile or a split: its running max stays finite
+    else:
+        heads = g * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = heads < H
+        q_row = q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh
+        neg = float("-inf")
     oc = tl.arange(0, BLOCK_C)
     cm = oc < C
     orr = tl.arange(0, BLOCK_R)
     rm = orr < R
-    q_row = q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh
     q_c = (tl.load(q_row + oc[None, :], mask=hm[:, None] & cm[None, :], other=0.0).to(tl.float32) * q_mul).to(CDT)
     q_r = (tl.load(q_row + C + orr[None, :], mask=hm[:, None] & rm[None, :], other=0.0).to(tl.float32) * q_mul).to(CDT)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    mv_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # PV_LOG: running max of s + log2(scale)
-    acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
-    bt_row = bt_ptr + b.to(tl.int64) * s_btb
+    m_i = tl.full([BLOCK_M], neg, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    mv_i = tl.full([BLOCK_M], neg, tl.float32)  # PV_LOG: running max of s + log2(scale)
+    acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    bt_row = bt_ptr + seq.to(tl.int64) * s_btb
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tm = t < end  # masked loads never touch entries past the context
@@ -232,7 +260,10 @@ def _mla_split_kernel(
         if FP8:  # value = fp8 · scale: scale the score columns, not the tile
             sc = tl.load(scale_ptr + blk * s_sblk + off * s_stok, mask=tm, other=0.0)
             s = s * sc[None, :]
-        s = tl.where(tm[None, :], s * qk_scale, float("-inf"))
+        if QR > 0:
+            s = tl.where(tm[None, :] & (t[None, :] < lim[:, None]), s * qk_scale, float("-inf"))
+        else:
+            s = tl.where(tm[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -255,29 +286,34 @@ def _mla_split_kernel(
         acc = acc * tl.where(l_i > 0, tl.exp2(mv_i - m_i), 0.0)[:, None]
     o = acc / tl.maximum(l_i, L_FLOOR)[:, None]
     om = hm[:, None] & cm[None, :]
+    if QR > 0:
+        ob, pb, eb = qrow[:, None] * s_ob, qrow[:, None] * s_pb, qrow * s_eb
+    else:
+        ob, pb, eb = b.to(tl.int64) * s_ob, b.to(tl.int64) * s_pb, b.to(tl.int64) * s_eb
     if DIRECT:  # one split: no combine, write the output itself
-        out = out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + oc[None, :]
+        out = out_ptr + ob + heads[:, None] * s_oh + oc[None, :]
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=om)
     else:
-        part = part_ptr + b.to(tl.int64) * s_pb + heads[:, None] * s_ph + sp * s_ps + oc[None, :]
+        part = part_ptr + pb + heads[:, None] * s_ph + sp * s_ps + oc[None, :]
         tl.store(part, o, mask=om)
-        tl.store(lse_ptr + b.to(tl.int64) * s_eb + heads * s_eh + sp, m_i + tl.log2(l_i), mask=hm)
+        tl.store(lse_ptr + eb + heads * s_eh + sp, m_i + tl.log2(l_i), mask=hm)
 
 
 @triton.jit
 def _mla_combine_kernel(
-    part_ptr, lse_ptr, len_ptr, out_ptr, num_splits,
+    part_ptr, lse_ptr, len_ptr, out_ptr, num_splits, T,
     s_pb, s_ph, s_ps, s_eb, s_eh, s_ob, s_oh,
     C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_CC: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    """One (sequence, head, channel slice): all of its splits in one [BLOCK_S, BLOCK_CC] tile."""
+    """One (row, head, channel slice): all of its splits in one [BLOCK_S, BLOCK_CC] tile. T: rows per
+    sequence (verify steps: the splits were sized by the sequence's length, len_ptr's entry b // T)."""
     pdl_wait(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     oc = tl.program_id(2) * BLOCK_CC + tl.arange(0, BLOCK_CC)
     cm = oc < C
-    n = tl.load(len_ptr + b)
+    n = tl.load(len_ptr + b // T)
     chunk, n_active = _split_bounds(n, num_splits, BLOCK_N, MIN_CHUNK)
     sp = tl.arange(0, BLOCK_S)
     sm = sp < n_active  # inactive splits were never written: never read them
@@ -290,12 +326,12 @@ def _mla_combine_kernel(
 
 
 @triton.jit
-def _combine_slice(part_ptr, lse_ptr, len_ptr, b, h, cc, cm, B, num_splits, s_pb, s_ph, s_ps, s_eb, s_eh,
+def _combine_slice(part_ptr, lse_ptr, len_ptr, b, h, cc, cm, B, T, num_splits, s_pb, s_ph, s_ps, s_eb, s_eh,
                    BLOCK_S: tl.constexpr, BLOCK_SS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
                    MIN_CHUNK: tl.constexpr):
     """_mla_combine_kernel's result for (sequence b, head h, channels cc) in FP32, the splits read
     BLOCK_SS at a time (one tile, its exact expression, when BLOCK_SS == BLOCK_S). b >= B gives 0."""
-    n = tl.load(len_ptr + b, mask=b < B, other=0)
+    n = tl.load(len_ptr + b // T, mask=b < B, other=0)
     chunk, n_active = _split_bounds(n, num_splits, BLOCK_N, MIN_CHUNK)
     e_row = lse_ptr + b.to(tl.int64) * s_eb + h * s_eh
     p_row = part_ptr + b.to(tl.int64) * s_pb + h * s_ph
@@ -321,7 +357,7 @@ def _combine_slice(part_ptr, lse_ptr, len_ptr, b, h, cc, cm, B, num_splits, s_pb
 
 @triton.jit
 def _mla_uv_kernel(
-    part_ptr, lse_ptr, len_ptr, w_ptr, ws_ptr, count_ptr, out_ptr, B, H, V, NV, num_splits,
+    part_ptr, lse_ptr, len_ptr, w_ptr, ws_ptr, count_ptr, out_ptr, B, H, V, NV, num_splits, T,
     s_pb, s_ph, s_ps, s_eb, s_eh, s_wh, s_wv, s_ob,
     C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_SS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_B: tl.constexpr, NC: tl.constexpr, BLOCK_NC: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -348,7 +384,7 @@ def _mla_uv_kernel(
         if DIRECT:  # one split: o is the split kernel's output, already in the model dtype
             o = tl.load(part_ptr + b.to(tl.int64) * s_pb + h * s_ph + cc, mask=cm & (b < B), other=0.0)
         else:
-            o = _combine_slice(part_ptr, lse_ptr, len_ptr, b, h, cc, cm, B, num_splits, s_pb, s_ph, s_ps,
+            o = _combine_slice(part_ptr, lse_ptr, len_ptr, b, h, cc, cm, B, T, num_splits, s_pb, s_ph, s_ps,
                                s_eb, s_eh, BLOCK_S, BLOCK_SS, BLOCK_C, BLOCK_N, MIN_CHUNK).to(ty)
         y = tl.sum(w.to(tl.float32) * o.to(tl.float32)[None, :], 1)
         if NC == 1:
@@ -395,10 +431,12 @@ class Partials(NamedTuple):
     context_lens: torch.Tensor
     num_splits: int
     tiling: MlaTiling
+    tokens_per_seq: int = 1  # verify steps: T rows per sequence, context_lens one entry per sequence
 
 
 def mla_decode(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lora_rank,
-               num_splits=None, out=None, tiling: MlaTiling | None = None, w_uv=None, uv_tiling=None):
+               num_splits=None, out=None, tiling: MlaTiling | None = None, w_uv=None, uv_tiling=None,
+               tokens_per_seq: int = 1, query_rows: int = 0):
     """Attention of q [B, H, L] over the paged latent cache; returns o [B, H, kv_lora_rank] in q.dtype.
 
     latent [num_blocks, block_size, L] (model dtype or float8_e4m3fn), scale [num_blocks, block_size]
@@ -409,6 +447,12 @@ def mla_decode(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lor
 
     w_uv [H, v, kv_lora_rank] (q.dtype, unit inner stride; see uv_why_not): the W_UV projection is
     fused into the split combine (combine_uv) and the result is [B, H·v] in q.dtype (`out` that shape).
+
+    tokens_per_seq T > 1 (speculative verify): q's B rows are B / T sequences' T query positions each,
+    block_tables and context_lens have one entry per sequence (its length counting all T), and row r of a
+    sequence attends to the entries before length - (T - 1) + r. A program takes query_rows (default 1) of a
+    sequence's rows with its head group, so the latent is read ceil(T / query_rows) times per sequence and
+    head group; more than one row uses VERIFY_TILING (M = rows x heads, VERIFY_M at Kimi-Linear's 32 heads).
     """
     B, H, _ = q.shape
     if w_uv is not None:
@@ -421,7 +465,8 @@ def mla_decode(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lor
         assert out.shape == (B, H, kv_lora_rank) and out.dtype == q.dtype and out.stride(2) == 1
         o_lat = out
     p = mla_partials(q, latent, scale, block_tables, context_lens, sm_scale, kv_lora_rank=kv_lora_rank,
-                     num_splits=num_splits, tiling=tiling, direct_out=o_lat)
+                     num_splits=num_splits, tiling=tiling, direct_out=o_lat, tokens_per_seq=tokens_per_seq,
+                     query_rows=query_rows)
     if w_uv is not None:
         return combine_uv(p, w_uv, out=out, uv_tiling=uv_tiling)
     if p.direct is None and B > 0:
@@ -429,20 +474,39 @@ def mla_decode(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lor
     return out
 
 
+def verify_query_rows(T: int, query_rows: int = 0) -> int:
+    """Query rows of one sequence a verify program takes: a power of two, at most T's; default 1."""
+    return max(1, min(triton.next_power_of_2(max(query_rows, 1)), triton.next_power_of_2(T)))
+
+
+def _verify_tiling(latent_dtype) -> MlaTiling:
+    fp8 = latent_dtype == torch.float8_e4m3fn
+    return FP32_VERIFY_TILING if latent_dtype == torch.float32 else FP8_VERIFY_TILING if fp8 else VERIFY_TILING
+
+
 def mla_partials(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lora_rank,
-                 num_splits=None, tiling: MlaTiling | None = None, direct_out=None) -> Partials:
+                 num_splits=None, tiling: MlaTiling | None = None, direct_out=None, tokens_per_seq: int = 1,
+                 query_rows: int = 0) -> Partials:
     """The split kernel of mla_decode (same arguments): its Partials. With one split it writes o itself,
     into direct_out [B, H, C] when given."""
     B, H, L = q.shape
     C = kv_lora_rank
     R = L - C
+    T = tokens_per_seq
     nblk, page, L2 = latent.shape
     assert L2 == L and R >= 1, f"latent dim {L2} vs q {L} (kv_lora {C})"
     assert latent.stride(2) == 1 and q.stride(2) == 1, "last dims must be contiguous"
     fp8 = latent.dtype == torch.float8_e4m3fn
     assert (scale is not None) == fp8, "scale is required exactly for an FP8 cache"
-    assert block_tables.shape[0] == B and context_lens.shape[0] == B
-    t, S = resolve(max(B, 1), H, block_tables.shape[1] * page, latent.dtype, q.dtype, q.device, tiling, num_splits)
+    assert B % T == 0 and block_tables.shape[0] == context_lens.shape[0] == B // T
+    capacity = block_tables.shape[1] * page
+    qr = verify_query_rows(T, query_rows) if T > 1 else 0
+    programs = B // T * triton.cdiv(T, qr) if T > 1 else B
+    if qr > 1:  # verify with M = query rows x heads: its own tiling, splits sized for its programs
+        t = tiling or _verify_tiling(latent.dtype)
+        S = min(num_splits or pick_num_splits(max(programs, 1), H, capacity, q.device, t), MAX_SPLITS)
+    else:  # decode, or verify a row a program (the decode's M, tiling and plan, as for B·T rows)
+        t, S = resolve(max(programs, 1), H, capacity, latent.dtype, q.dtype, q.device, tiling, num_splits)
     direct = S == 1
     if direct:
         out = direct_out if direct_out is not None else torch.empty(B, H, C, dtype=q.dtype, device=q.device)
@@ -453,7 +517,7 @@ def mla_partials(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_l
         part = torch.empty(B, H, S, C, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
         ps, es = part.stride()[:3], lse.stride()[:2]
-    res = Partials(None if direct else part, None if direct else lse, out if direct else None, context_lens, S, t)
+    res = Partials(None if direct else part, None if direct else lse, out if direct else None, context_lens, S, t, T)
     if B == 0:
         return res
     block_h = _block_h(H, t)
@@ -468,15 +532,16 @@ def mla_partials(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_l
     cdt = (tl.float32 if interpreting() or q.dtype == torch.float32
            else tl.float16 if fp16 else _TL_DTYPE[q.dtype])
     q_mul = Q_FP16_SCALE if fp16 else 1.0
-    grid = (B, S, triton.cdiv(H, block_h))
+    grid = (programs, S, triton.cdiv(H, block_h))
     _mla_split_kernel[grid](
         q, latent, sc, block_tables, context_lens, part, lse, out,
-        float(sm_scale) * LOG2E / q_mul, q_mul, H, S,
+        float(sm_scale) * LOG2E / q_mul, q_mul, H, S, T,
         q.stride(0), q.stride(1), latent.stride(0), latent.stride(1), s_sblk, s_stok, block_tables.stride(0),
         ps[0], ps[1], ps[2], es[0], es[1], out.stride(0), out.stride(1),
         C=C, R=R, BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_N=t.block_n,
         MIN_CHUNK=t.min_split_tokens, PAGE=page, FP8=fp8, PV_LOG=fp16, DIRECT=direct, PREC=prec, CDT=cdt,
-        num_warps=t.num_warps, num_stages=t.num_stages, **launch_kwargs(q.device),
+        QR=qr, BLOCK_M=max(qr, 1) * block_h, num_warps=t.num_warps, num_stages=t.num_stages,
+        **launch_kwargs(q.device),
     )
     return res
 
@@ -488,7 +553,7 @@ def combine(p: Partials, out) -> torch.Tensor:
     block_s = triton.next_power_of_2(S)
     cc = max(MIN_DOT, min(COMBINE_MAX_C, triton.next_power_of_2(C), COMBINE_TILE // block_s))
     _mla_combine_kernel[(B, H, triton.cdiv(C, cc))](
-        p.part, p.lse, p.context_lens, out, S,
+        p.part, p.lse, p.context_lens, out, S, p.tokens_per_seq,
         ps[0], ps[1], ps[2], es[0], es[1], out.stride(0), out.stride(1),
         C=C, BLOCK_S=block_s, BLOCK_CC=cc, BLOCK_N=p.tiling.block_n, MIN_CHUNK=p.tiling.min_split_tokens,
         num_warps=4, **launch_kwargs(out.device),
@@ -567,7 +632,7 @@ def combine_uv(p: Partials, w_uv, *, out=None, uv_tiling: UvTiling | None = None
     ws = torch.empty(B, H, nc, V, dtype=torch.float32, device=out.device) if nc > 1 else out
     count = arrival_counters(out.device, nb * H * nv) if nc > 1 else out
     _mla_uv_kernel[(nc, H * nv, nb)](
-        src, lse, p.context_lens, w_uv, ws, count, out, B, H, V, nv, S,
+        src, lse, p.context_lens, w_uv, ws, count, out, B, H, V, nv, S, p.tokens_per_seq,
         ps[0], ps[1], ps[2], es[0], es[1], w_uv.stride(0), w_uv.stride(1), out.stride(0),
         C=C, BLOCK_S=block_s, BLOCK_SS=block_ss, BLOCK_V=block_v, BLOCK_C=block_c, BLOCK_B=block_b, NC=nc,
         BLOCK_NC=triton.next_power_of_2(nc), BLOCK_N=p.tiling.block_n, MIN_CHUNK=p.tiling.min_split_tokens,
