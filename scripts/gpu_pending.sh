@@ -63,6 +63,17 @@
 #   python3 -m peregrine bench spec --model kimi-linear-48b-a3b --dummy-weights --k 7 --replay-sessions 2 \
 #     --replay-turns 4 --replay-context 120000 --replay-methods ngram,suffix
 #   (targets: suffix >= 1.5x plain tok/s/user on the editing turns, never < 1.0x on any turn)
+# - session 24 (no device lent): #41's descent reworked in 8391a25 (its slices sized by B: 160 programs at B = 1, not
+#   40; the pivot counts in a register tile reduced once; top-k's 6 levels not launched unless a row uses top-k, a
+#   "topk" graph variant). The #41 run above measures it as is; kernels_sampling now also times the slices fixed at
+#   1024 / 2048 / 4096 (radix_block*) and top-p with top-k's levels launched (radix_topk_levels): if a fixed slice
+#   beats the by-B default, repeat decode with PEREGRINE_SAMPLE_DESCENT_BLOCK=<it> in the same call
+# - #42 item 2, MLA (d83fba9): a verify step's T rows share the sequence's table and length in the kernel (default,
+#   no expand in the graph) and, opt-in, two rows a program (M = 64, each latent tile read once for both; ptxas
+#   spills ~200 B a thread). Same-run A/B against the old expanded rows and the plain decode, ~3 min:
+#   python3 -m peregrine.bench.kernels_mla --verify --quick
+#   then bench spec (above) with PEREGRINE_MLA_VERIFY_ROWS=2 and =0 against the default (1) at ISL 32768, B = 1
+#   (make 2 the default only where it wins; 0 is the pre-#42 layout)
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \
