@@ -4,4 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-cpu.txt
+# test-only: z-lab's DFlash drafter (dflash/model.py), the reference of tests/test_dflash.py; its declared
+# dependencies (datasets, tqdm, requests) serve its benchmark CLI, not the model, so they are left out
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps dflash==0.1.0
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .

@@ -1,0 +1,274 @@
+"""DFlash / DSpark drafters: a few non-causal decoder layers that draft a block of tokens at once from the
+target's hidden states (z-lab's DFlash; DeepSeek's DeepSpec adds DSpark's Markov head and confidence head).
+
+    taps   = cat(h_L for L in target_layer_ids)        h_L: the target's residual stream after layer L
+                                                        (-1: after the embedding), [C, n·H] for C context tokens
+    c      = RMSNorm(fc · taps)                          [C, H], written into a paged buffer beside the target's
+                                                        KV cache by the target's own forward (TapWriter)
+    block  = embed([anchor, mask, ..., mask])           [Bk, H] at positions start .. start + Bk - 1 (anchor: the
+                                                        last token, not yet fed to the target, at position start)
+    layer  : x += o(attn(q = q_norm(q(n)), k = k_norm([k(c); k(n)]), v = [v(c); v(n)])), n = RMSNorm(x), RoPE on
+             q and k at their positions, no mask (every block slot sees the whole context and the whole block);
+             x += down(silu(gate(m)) · up(m)), m = RMSNorm(x)
+    logits = lm_head(RMSNorm(x)) (the target's embedding and lm_head unless the folder carries its own)
+z-lab's convention: slot j predicts the token at start + j, so slots 1 .. Bk-1 are the Bk - 1 drafts. DeepSpec's
+(DSpark, its dflash_*_block7): slot j predicts the token at start + j + 1, all Bk slots are drafts.
+DSpark: logits_j += W2 · W1[x_{j-1}] (x_{-1} the anchor, then each slot's own draft, so the slots are drawn in
+order) and a confidence c_j = sigmoid(proj([h_j; W1[x_{j-1}]])), whose running product is the drafts' survival
+for the verify width chooser. Greedy drafts (argmax).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ConfigError
+
+MARKOV_TYPES = ("vanilla",)  # DeepSpec also has "gated" and "rnn" heads: not implemented, refused at load
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list
+    num_target_layers: int | None
+    shifted: bool                  # DeepSpec: slot j predicts start + j + 1 (every slot a draft)
+    attention_bias: bool = False
+    vocab_size: int | None = None
+    markov_rank: int = 0
+    confidence: bool = False
+    confidence_with_markov: bool = True
+    input_embedding_scale: float = 1.0     # z-lab: the block's embeddings times this
+    output_multiplier: float = 1.0         # z-lab: logits times this, then
+    final_logit_softcapping: float | None = None  # tanh(logits / cap) · cap
+
+    @property
+    def num_drafts(self) -> int:
+        return self.block_size if self.shifted else self.block_size - 1
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str) -> "DFlashConfig":
+        """A published config.json: z-lab's (architectures DFlashDraftModel; dflash_config holds mask_token_id
+        and target_layer_ids, block_size top level or there) or DeepSpec's flat one (Qwen3DSparkModel)."""
+        arch = (d.get("architectures") or [""])[0]
+        sub = d.get("dflash_config") or {}
+        deepspec = arch.startswith("Qwen3DSpark") or (arch == "" and "markov_rank" in d)
+        if not deepspec and arch != "DFlashDraftModel":
+            raise ConfigError(f"{where}: not a DFlash or DSpark drafter (architectures {d.get('architectures')})")
+
+        def get(key, default=None, required=True):
+            v = sub.get(key, d.get(key, default))
+            if v is None and required:
+                raise ConfigError(f"{where}: missing '{key}'")
+            return v
+        for t in d.get("layer_types") or []:
+            if t != "full_attention":
+                raise ConfigError(f"{where}: layer type '{t}' is not supported (full_attention only)")
+        markov_type = d.get("markov_head_type", "vanilla")
+        if int(d.get("markov_rank", 0) or 0) and markov_type not in MARKOV_TYPES:
+            raise ConfigError(f"{where}: markov_head_type '{markov_type}' is not supported ({', '.join(MARKOV_TYPES)})")
+        heads = int(get("num_attention_heads"))
+        rope = d.get("rope_parameters") or {}
+        return cls(hidden_size=int(get("hidden_size")), intermediate_size=int(get("intermediate_size")),
+                   num_layers=int(get("num_hidden_layers")), num_heads=heads,
+                   num_kv_heads=int(get("num_key_value_heads", heads)),
+                   head_dim=int(get("head_dim", None, False) or int(get("hidden_size")) // heads),
+                   rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+                   rope_theta=float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                   block_size=int(get("block_size")), mask_token_id=int(get("mask_token_id")),
+                   target_layer_ids=[int(x) for x in get("target_layer_ids")],
+                   num_target_layers=get("num_target_layers", None, False), shifted=deepspec,
+                   attention_bias=bool(d.get("attention_bias", False)), vocab_size=d.get("vocab_size"),
+                   markov_rank=int(d.get("markov_rank", 0) or 0),
+                   confidence=bool(d.get("enable_confidence_head", False)),
+                   confidence_with_markov=bool(d.get("confidence_head_with_markov", True)),
+                   input_embedding_scale=float(get("input_embedding_scale", 1.0)),
+                   output_multiplier=float(get("output_multiplier", 1.0)),
+                   final_logit_softcapping=get("final_logit_softcapping", None, False))
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE (Qwen3's) of x [N, heads, hd] at positions pos [N], in FP32."""
+    hd = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
+    f = pos.float()[:, None] * inv[None, :]
+    cos, sin = torch.cat([f, f], -1).cos()[:, None, :], torch.cat([f, f], -1).sin()[:, None, :]
+    x1, x2 = x.float().chunk(2, -1)
+    return x.float() * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def _norm(x, w, eps):
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+
+
+class DFlashModel:
+    """The drafter's weights (a dict of tensors, the checkpoint's names) and its two halves: context() turns the
+    target's taps into c, context_kv() c into each layer's keys and values, block() drafts from them."""
+
+    def __init__(self, cfg: DFlashConfig, weights: dict, embed: torch.Tensor, lm_head: torch.Tensor):
+        self.cfg, self.w = cfg, weights
+        self.embed, self.lm_head = weights.get("embed_tokens.weight", embed), weights.get("lm_head.weight", lm_head)
+
+    def names(self) -> dict[str, tuple]:
+        """Every tensor the checkpoint must hold, with its shape."""
+        c = self.cfg
+        H, hd, I = c.hidden_size, c.head_dim, c.intermediate_size
+        out = {"fc.weight": (H, len(c.target_layer_ids) * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            out |= {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                    p + "self_attn.q_proj.weight": (c.num_heads * hd, H),
+                    p + "self_attn.k_proj.weight": (c.num_kv_heads * hd, H),
+                    p + "self_attn.v_proj.weight": (c.num_kv_heads * hd, H),
+                    p + "self_attn.o_proj.weight": (H, c.num_heads * hd),
+                    p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                    p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H), p + "mlp.down_proj.weight": (H, I)}
+            if c.attention_bias:
+                out |= {p + f"self_attn.{n}_proj.bias": (s,) for n, s in
+                        (("q", c.num_heads * hd), ("k", c.num_kv_heads * hd), ("v", c.num_kv_heads * hd))}
+        V = self.lm_head.shape[0]
+        if c.markov_rank:
+            out |= {f"markov_head.markov_w{i}.weight": (V, c.markov_rank) for i in (1, 2)}
+        if c.confidence:
+            out |= {"confidence_head.proj.weight": (1, H + (c.markov_rank if c.confidence_with_markov else 0)),
+                    "confidence_head.proj.bias": (1,)}
+        return out
+
+    def _lin(self, x, name):
+        y = x @ self.w[name + ".weight"].float().T
+        b = self.w.get(name + ".bias")
+        return y if b is None else y + b.float()
+
+    def context(self, taps: torch.Tensor) -> torch.Tensor:
+        """[C, n·H] taps -> c [C, H] (FP32)."""
+        return _norm(taps.float() @ self.w["fc.weight"].float().T, self.w["hidden_norm.weight"], self.cfg.rms_norm_eps)
+
+    def context_kv(self, c: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """c [C, H] at positions pos [C] -> per layer (keys after k_norm and RoPE, values), [C, kv heads, hd]."""
+        cfg, out = self.cfg, []
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}.self_attn."
+            k = self._lin(c, p + "k_proj").view(-1, cfg.num_kv_heads, cfg.head_dim)
+            k = _rope(_norm(k, self.w[p + "k_norm.weight"], cfg.rms_norm_eps), pos, cfg.rope_theta)
+            out.append((k, self._lin(c, p + "v_proj").view(-1, cfg.num_kv_heads, cfg.head_dim)))
+        return out
+
+    def hidden(self, ids: torch.Tensor, start: int, ctx_kv) -> torch.Tensor:
+        """The block [anchor, masks...] (ids [Bk]) at positions start.. over one sequence's context keys and
+        values -> the final-normed block states [Bk, H] (FP32)."""
+        cfg = self.cfg
+        Bk, g = ids.shape[0], cfg.num_heads // cfg.num_kv_heads
+        pos = torch.arange(start, start + Bk, device=ids.device)
+        x = self.embed[ids].float() * cfg.input_embedding_scale
+        for i, (kc, vc) in enumerate(ctx_kv):
+            p = f"layers.{i}."
+            n = _norm(x, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+            q = self._lin(n, p + "self_attn.q_proj").view(Bk, cfg.num_heads, cfg.head_dim)
+            q = _rope(_norm(q, self.w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps), pos, cfg.rope_theta)
+            k = self._lin(n, p + "self_attn.k_proj").view(Bk, cfg.num_kv_heads, cfg.head_dim)
+            k = _rope(_norm(k, self.w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps), pos, cfg.rope_theta)
+            v = self._lin(n, p + "self_attn.v_proj").view(Bk, cfg.num_kv_heads, cfg.head_dim)
+            K = torch.cat([kc, k]).repeat_interleave(g, 1)  # [C + Bk, heads, hd]: grouped-query attention
+            V = torch.cat([vc, v]).repeat_interleave(g, 1)
+            s = torch.einsum("qhd,khd->hqk", q, K) / math.sqrt(cfg.head_dim)
+            o = torch.einsum("hqk,khd->qhd", s.softmax(-1), V).reshape(Bk, -1)
+            x = x + self._lin(o, p + "self_attn.o_proj")
+            m = _norm(x, self.w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            x = x + self._lin(F.silu(self._lin(m, p + "mlp.gate_proj")) * self._lin(m, p + "mlp.up_proj"),
+                              p + "mlp.down_proj")
+        return _norm(x, self.w["norm.weight"], cfg.rms_norm_eps)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Block states [n, H] -> logits [n, V] (FP32), with z-lab's multiplier and soft cap where configured."""
+        cfg = self.cfg
+        x = (h @ self.lm_head.float().T) * cfg.output_multiplier
+        cap = cfg.final_logit_softcapping
+        return torch.tanh(x / float(cap)) * float(cap) if cap and float(cap) > 0 else x
+
+    def draft(self, anchor: int, start: int, ctx_kv, k: int) -> tuple[list[int], list[float] | None, torch.Tensor]:
+        """Up to k greedy drafts after the anchor token at position start, the confidences (DSpark) or None,
+        and the draft slots' logits [k, V] (FP32)."""
+        cfg = self.cfg
+        ids = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long, device=self.embed.device)
+        ids[0] = anchor
+        h = self.hidden(ids, start, ctx_kv)
+        h = h if cfg.shifted else h[1:]
+        h = h[:k]
+        logits = self.logits(h)
+        if not cfg.markov_rank and not cfg.confidence:
+            return logits.argmax(-1).tolist(), None, logits
+        out, conf, prev, rows = [], [], anchor, []
+        for j in range(h.shape[0]):  # each slot's bias reads the previous slot's draft: drawn in order
+            lj = logits[j]
+            e = self.w["markov_head.markov_w1.weight"][prev].float() if cfg.markov_rank else None
+            if cfg.markov_rank:
+                lj = lj + self.w["markov_head.markov_w2.weight"].float() @ e
+            if cfg.confidence:
+                z = torch.cat([h[j], e]) if cfg.markov_rank and cfg.confidence_with_markov else h[j]
+                conf.append(torch.sigmoid(self._lin(z[None], "confidence_head.proj")).item())
+            prev = int(lj.argmax())
+            out.append(prev)
+            rows.append(lj)
+        return out, (conf if cfg.confidence else None), torch.stack(rows) if rows else logits
+
+
+def load_folder(folder: str | Path) -> tuple[DFlashConfig, dict]:
+    """(config, weights on the CPU) of a drafter folder: config.json and *.safetensors."""
+    from safetensors.torch import load_file
+    p = Path(folder)
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"drafter folder {folder}: no config.json")
+    try:
+        d = json.loads((p / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"drafter folder {folder}: config.json is not valid JSON ({e.msg})") from None
+    cfg = DFlashConfig.from_dict(d, f"drafter {folder}")
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"drafter folder {folder}: no *.safetensors")
+    weights = {}
+    for f in files:
+        weights |= {k.removeprefix("model."): v for k, v in load_file(str(f)).items()}
+    return cfg, weights
+
+
+def check_fits(cfg: DFlashConfig, weights: dict, model: DFlashModel, target_cfg, where: str) -> None:
+    """A clear error where the drafter is not for this target: hidden size, tapped layers, vocabulary, tensors."""
+    H = target_cfg.hidden_size
+    if cfg.hidden_size != H:
+        raise ConfigError(f"{where}: hidden size {cfg.hidden_size}, the target's is {H}")
+    n = target_cfg.num_hidden_layers
+    if cfg.num_target_layers is not None and int(cfg.num_target_layers) != n:
+        raise ConfigError(f"{where}: drafts for a {cfg.num_target_layers}-layer target, this one has {n} layers")
+    bad = [L for L in cfg.target_layer_ids if not -1 <= L < n]
+    if bad or not cfg.target_layer_ids:
+        raise ConfigError(f"{where}: target_layer_ids {cfg.target_layer_ids} outside the target's layers -1..{n - 1}")
+    V = target_cfg.vocab_size
+    if cfg.vocab_size is not None and int(cfg.vocab_size) != V:
+        raise ConfigError(f"{where}: vocabulary {cfg.vocab_size}, the target's is {V}")
+    if not 0 <= cfg.mask_token_id < V:
+        raise ConfigError(f"{where}: mask_token_id {cfg.mask_token_id} outside the target's vocabulary ({V})")
+    for name, shape in model.names().items():
+        t = weights.get(name)
+        if t is None:
+            raise ConfigError(f"{where}: missing tensor {name}")
+        if tuple(t.shape) != shape:
+            raise ConfigError(f"{where}: {name} has shape {tuple(t.shape)}, expected {shape}")
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        if name in weights and tuple(weights[name].shape) != (V, H):
+            raise ConfigError(f"{where}: {name} has shape {tuple(weights[name].shape)}, expected {(V, H)}")

@@ -1,0 +1,134 @@
+"""DFlash / DSpark drafters (spec/dflash.py) against references nobody here wrote, FP32 on the CPU: z-lab's
+`dflash` package (test-only) for the DFlash layers and block convention."""
+import json
+
+import pytest
+import torch
+
+from peregrine.config import ConfigError
+from peregrine.spec.dflash import DFlashConfig, DFlashModel, check_fits, load_folder
+
+V, H, TARGET_LAYERS = 128, 64, 6
+SMALL = dict(hidden_size=H, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=V, max_position_embeddings=512)
+TAPS = [1, 3, 4]
+BLOCK, MASK = 5, V - 1
+
+
+def zlab_config() -> dict:
+    """A config.json in z-lab's published layout (z-lab/Qwen3-8B-DFlash-b16's keys, small values)."""
+    return SMALL | {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": BLOCK,
+                    "num_target_layers": TARGET_LAYERS, "attention_bias": False, "tie_word_embeddings": False,
+                    "layer_types": ["full_attention"] * SMALL["num_hidden_layers"],
+                    "dflash_config": {"mask_token_id": MASK, "target_layer_ids": TAPS}}
+
+
+def zlab_reference(seed=0):
+    """z-lab's DFlashDraftModel on the small config, every weight random (norms around 1)."""
+    dflash_model = pytest.importorskip("dflash.model")
+    from transformers import Qwen3Config
+    d = zlab_config()
+    cfg = Qwen3Config(**{k: v for k, v in d.items() if k not in ("architectures", "dflash_config", "block_size",
+                                                                   "num_target_layers")})
+    cfg.block_size, cfg.num_target_layers, cfg.dflash_config = BLOCK, TARGET_LAYERS, dict(d["dflash_config"])
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    m = dflash_model.DFlashDraftModel(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    return m, d
+
+
+@pytest.mark.parametrize("C", [1, 9])
+def test_dflash_block_equals_zlab(C):
+    """The drafter's block states and draft logits equal z-lab's DFlashDraftModel (FP32, within 1e-4): context
+    taps through fc and hidden_norm, keys and values of context and block, RoPE at start.., no mask; z-lab's
+    convention, slots 1.. are the drafts."""
+    ref, d = zlab_reference()
+    g = torch.Generator().manual_seed(C)
+    embed, head = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g) * 0.1
+    taps = torch.randn(C, len(TAPS) * H, generator=g)
+    ids = torch.full((BLOCK,), MASK)
+    ids[0] = 17
+    with torch.no_grad():
+        want_h = ref(position_ids=torch.arange(C + BLOCK)[None], noise_embedding=embed[ids][None],
+                     target_hidden=taps[None])[0]
+    cfg = DFlashConfig.from_dict(d, "test")
+    weights = {k: v.detach().clone() for k, v in ref.state_dict().items() if "rotary" not in k}
+    m = DFlashModel(cfg, weights, embed, head)
+    check_fits(cfg, weights, m, type("T", (), {"hidden_size": H, "num_hidden_layers": TARGET_LAYERS,
+                                               "vocab_size": V})(), "test")
+    kv = m.context_kv(m.context(taps), torch.arange(C))
+    got_h = m.hidden(ids, C, kv)
+    assert torch.allclose(got_h, want_h, atol=1e-4, rtol=1e-4), (got_h - want_h).abs().max()
+    drafts, conf, logits = m.draft(17, C, kv, BLOCK - 1)
+    assert cfg.num_drafts == BLOCK - 1 and conf is None
+    assert torch.allclose(logits, want_h[1:] @ head.T, atol=1e-4, rtol=1e-4)
+    assert drafts == (want_h[1:] @ head.T).argmax(-1).tolist()
+
+
+def test_folder_errors_name_the_problem(tmp_path):
+    """A folder that is not a drafter for this target is a clear error at start."""
+    from safetensors.torch import save_file
+    ref, d = zlab_reference()
+    target = type("T", (), {"hidden_size": H, "num_hidden_layers": TARGET_LAYERS, "vocab_size": V})()
+    weights = {k: v.detach().clone().contiguous() for k, v in ref.state_dict().items() if "rotary" not in k}
+
+    def folder(conf, w=weights):
+        p = tmp_path / str(len(list(tmp_path.iterdir())))
+        p.mkdir()
+        (p / "config.json").write_text(json.dumps(conf))
+        save_file(w, str(p / "model.safetensors"))
+        return p
+
+    def fits(conf, w=weights):
+        cfg, ws = load_folder(folder(conf, w))
+        check_fits(cfg, ws, DFlashModel(cfg, ws, torch.zeros(V, H), torch.zeros(V, H)), target, "drafter")
+
+    fits(zlab_config())  # the good one loads
+    cases = [
+        (zlab_config() | {"hidden_size": 2 * H}, "hidden size 128, the target's is 64"),
+        (zlab_config() | {"num_target_layers": 27}, "27-layer target"),
+        (zlab_config() | {"dflash_config": {"mask_token_id": MASK, "target_layer_ids": [1, 9]}}, "target_layer_ids"),
+        (zlab_config() | {"dflash_config": {"mask_token_id": V + 5, "target_layer_ids": TAPS}}, "mask_token_id"),
+        (zlab_config() | {"vocab_size": 1000}, "vocabulary 1000"),
+        (zlab_config() | {"architectures": ["LlamaForCausalLM"]}, "not a DFlash or DSpark drafter"),
+        (zlab_config() | {"layer_types": ["sliding_attention"] * 2}, "sliding_attention"),
+    ]
+    for conf, msg in cases:
+        with pytest.raises(ConfigError, match=msg):
+            fits(conf)
+    w = dict(weights)
+    w.pop("layers.1.mlp.up_proj.weight")
+    with pytest.raises(ConfigError, match="missing tensor layers.1.mlp.up_proj.weight"):
+        fits(zlab_config(), w)
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_folder(tmp_path / "nowhere")
+
+
+def test_dspark_equals_deepspec_golden():
+    """DeepSpec's DSpark drafter (its flat config, own embedding and head, a tap of the embedding output, the
+    vanilla Markov head, the confidence head; DeepSpec's convention: every slot a draft) through golden outputs
+    made by tests/golden/make_dspark_golden.py from DeepSpec's own code: block states, Markov-corrected logits,
+    greedy drafts drawn in order and the confidences, FP32 within 1e-4."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    gold = Path(__file__).parent / "golden"
+    d = json.loads((gold / "dspark_small.json").read_text())
+    t = load_file(str(gold / "dspark_small.safetensors"))
+    case = {k.removeprefix("case."): t.pop(k) for k in list(t) if k.startswith("case.")}
+    cfg = DFlashConfig.from_dict(d, "golden")
+    assert cfg.shifted and cfg.num_drafts == cfg.block_size and cfg.markov_rank == 8 and cfg.confidence
+    m = DFlashModel(cfg, t, None, None)
+    check_fits(cfg, t, m, type("T", (), {"hidden_size": d["hidden_size"], "num_hidden_layers": 6,
+                                         "vocab_size": d["vocab_size"]})(), "golden")
+    C = case["taps"].shape[0]
+    kv = m.context_kv(m.context(case["taps"]), torch.arange(C))
+    h = m.hidden(case["ids"], C, kv)
+    assert torch.allclose(h, case["hidden"], atol=1e-4, rtol=1e-4), (h - case["hidden"]).abs().max()
+    drafts, conf, logits = m.draft(int(case["ids"][0]), C, kv, cfg.num_drafts)
+    assert drafts == case["drafts"].tolist()
+    assert torch.allclose(logits, case["logits"], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(torch.tensor(conf), torch.sigmoid(case["confidence_logits"]), atol=1e-5)
