@@ -132,3 +132,136 @@ def test_dspark_equals_deepspec_golden():
     assert drafts == case["drafts"].tolist()
     assert torch.allclose(logits, case["logits"], atol=1e-4, rtol=1e-4)
     assert torch.allclose(torch.tensor(conf), torch.sigmoid(case["confidence_logits"]), atol=1e-5)
+
+
+# ---- the drafter in the engine ----
+
+def _drafter_folder(path, target_cfg, *, dspark=False, seed=0, block=4, taps=(-1, 1)):
+    """A random drafter folder that fits the target: z-lab's layout, or DeepSpec's with the Markov and confidence
+    heads (own embedding and head copied from nothing: random, as a drafter trained apart would have)."""
+    from safetensors.torch import save_file
+    H, V, L = target_cfg.hidden_size, target_cfg.vocab_size, target_cfg.num_hidden_layers
+    d = dict(hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=V,
+             num_target_layers=L, block_size=block, layer_types=["full_attention"] * 2)
+    if dspark:
+        d |= dict(architectures=["Qwen3DSparkModel"], mask_token_id=V - 1, target_layer_ids=list(taps),
+                  markov_rank=8, markov_head_type="vanilla", enable_confidence_head=True,
+                  confidence_head_with_markov=True)
+    else:
+        d |= dict(architectures=["DFlashDraftModel"], dflash_config={"mask_token_id": V - 1,
+                                                                      "target_layer_ids": list(taps)})
+    cfg = DFlashConfig.from_dict(d, "test")
+    g = torch.Generator().manual_seed(seed)
+    shapes = DFlashModel(cfg, {}, torch.zeros(V, H), torch.zeros(V, H)).names()
+    w = {k: (1.0 + 0.1 * torch.randn(s, generator=g)) if "norm" in k else 0.3 * torch.randn(s, generator=g)
+         for k, s in shapes.items()}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(d))
+    save_file(w, str(path / "model.safetensors"))
+    return str(path), cfg
+
+
+@pytest.mark.parametrize("dspark", [False, True])
+def test_drafter_in_the_engine_keeps_greedy_exact_and_reads_the_targets_taps(tmp_path, dspark, monkeypatch):
+    """With a DFlash (or DSpark) drafter the engine's greedy tokens equal plain greedy decoding; the context each
+    propose reads from the taps buffer (written by the target's own forwards: prefill, verify, rollback) equals
+    the context recomputed from a fresh forward over the same tokens (FP32 within 1e-4); DSpark's confidences
+    reach the width chooser as survival probabilities."""
+    from peregrine.config import EngineConfig
+    from peregrine.decode.batch import StepInput
+    from peregrine.engine import SamplingParams
+    from peregrine.engine.build import build_engine
+    from peregrine.spec import dflash
+
+    def engine(spec=None):
+        e, _ = build_engine("tiny-kimi-linear", EngineConfig(speculative_config=spec, max_num_seqs=2, block_size=16,
+                                                             max_model_len=128), dummy_weights=True, log=lambda m: None)
+        return e
+    plain = engine()
+    folder, _ = _drafter_folder(tmp_path / "d", plain.model_cfg, dspark=dspark)
+    seen = []
+    real = dflash.DFlashDrafter._context
+
+    def spy(self, seq, n):
+        kv = real(self, seq, n)
+        seen.append((list(seq.token_ids[:n]), self.writer.read(seq.blocks, self.bs, 0, n).clone()))
+        return kv
+    monkeypatch.setattr(dflash.DFlashDrafter, "_context", spy)
+    surv = []
+    real_propose = dflash.DFlashDrafter.propose
+
+    def propose(self, seqs, ks):
+        out = real_propose(self, seqs, ks)
+        surv.extend(self.survival.get(id(s)) for s, d in zip(seqs, out) if d)
+        return out
+    monkeypatch.setattr(dflash.DFlashDrafter, "propose", propose)
+    spec = engine({"method": "dspark" if dspark else "dflash", "model": folder})
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (9, 23)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert spec.generate(prompts, params) == plain.generate(prompts, params)
+    st = spec.stats["spec"]
+    assert st["num_drafts"] > 0 and st["verify_steps"] > 0
+    drafter = spec.spec.drafter
+    if dspark:  # the running product of the confidences: non-increasing, in (0, 1]
+        assert surv and all(s is not None and all(0 < b <= a <= 1 for a, b in zip([1.0] + s, s)) for s in surv)
+    else:
+        assert surv and all(s is None for s in surv)
+    # the taps the target wrote, against a fresh forward over the same tokens
+    model, cfg = plain.runner.model, drafter.model.cfg
+    checked = 0
+    for toks, c in seen[:: max(1, len(seen) // 4)]:
+        fresh = engine()
+        rec = []
+        st_in = StepInput.build([(toks, 0, 0, list(range(-(-len(toks) // 16))))], 16, "cpu")
+        with torch.inference_mode():
+            x = model.embed(st_in.input_ids)
+            model.hidden_states(st_in, fresh.cache, rec)
+        outs = {-1: x} | dict(enumerate(rec))
+        want = drafter.model.context(torch.cat([outs[L] for L in cfg.target_layer_ids], -1))
+        assert torch.allclose(c.float(), want, atol=1e-4, rtol=1e-4), (c.float() - want).abs().max()
+        checked += 1
+    assert checked >= 2
+
+
+def test_speculative_config_for_drafter_folders(tmp_path):
+    """{"method": "dflash" | "dspark", "model": DIR}: k defaults to the block's drafts; a missing folder, a k past
+    the block and a K3 target are clear errors."""
+    from peregrine.config import EngineConfig, resolve_model
+    from peregrine.engine.build import build_engine
+    from peregrine.spec.config import SpeculativeConfig
+    tcfg, _ = resolve_model("tiny-kimi-linear")
+    zlab, _ = _drafter_folder(tmp_path / "z", tcfg, block=6)
+    deep, _ = _drafter_folder(tmp_path / "s", tcfg, dspark=True, block=6)
+    assert SpeculativeConfig.parse({"method": "dflash", "model": zlab}).k == 5  # z-lab: slots 1..5
+    assert SpeculativeConfig.parse({"method": "dspark", "model": deep}).k == 6  # DeepSpec: every slot
+    assert SpeculativeConfig.parse({"method": "dflash", "model": zlab, "num_speculative_tokens": 3}).k == 3
+    with pytest.raises(ConfigError, match="num_speculative_tokens must be an int in 1..5"):
+        SpeculativeConfig.parse({"method": "dflash", "model": zlab, "num_speculative_tokens": 7})
+    with pytest.raises(ConfigError, match="has no config.json"):
+        SpeculativeConfig.parse({"method": "dspark", "model": str(tmp_path / "none")})
+    with pytest.raises(ConfigError, match='dflash needs "model"'):
+        SpeculativeConfig.parse({"method": "dflash"})
+    with pytest.raises(ConfigError, match="AttnRes"):
+        build_engine("tiny-k3", EngineConfig(speculative_config={"method": "dflash", "model": zlab}, max_num_seqs=2,
+                                             max_model_len=64), dummy_weights=True, log=lambda m: None)
+
+
+def test_packed_anchors_equal_one_block_at_a_time():
+    """Training packs a sequence's anchors into one call (block a sees the context before its start and its own
+    block): each block's states equal the one-block call over its own context, the z-lab-checked path."""
+    ref, d = zlab_reference(seed=2)
+    cfg = DFlashConfig.from_dict(d, "test")
+    g = torch.Generator().manual_seed(4)
+    m = DFlashModel(cfg, {k: v.detach() for k, v in ref.state_dict().items() if "rotary" not in k},
+                    torch.randn(V, H, generator=g), torch.randn(V, H, generator=g))
+    C = 12
+    kv = m.context_kv(m.context(torch.randn(C, len(TAPS) * H, generator=g)), torch.arange(C))
+    starts = torch.tensor([3, 7, 12])
+    ids = torch.randint(0, V - 1, (3, BLOCK), generator=g)
+    ids[:, 1:] = MASK
+    packed = m.hidden(ids, starts, kv)
+    for a, s in enumerate(starts.tolist()):
+        alone = m.hidden(ids[a], s, [(k[:s], v[:s]) for k, v in kv])
+        assert torch.allclose(packed[a], alone, atol=1e-5, rtol=1e-5), a

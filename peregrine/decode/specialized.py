@@ -128,6 +128,8 @@ class SpecializedRunner:
             return "batch too large"
         if self._k3 and step.spec_tokens:
             return "unsupported feature: speculative verify on K3 layers"
+        if getattr(self.model, "taps", None) is not None:
+            return "a DFlash drafter's hidden-state taps (taken on the standard path)"
         return None
 
     def _fall_back(self, reason: str) -> None:

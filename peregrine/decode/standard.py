@@ -280,7 +280,8 @@ class StandardRunner:
 
     def _prefill_graphed(self, step) -> bool:
         # routing is recorded eagerly (a graph's expert ids include its padded rows)
-        return self.prefill is not None and not self.record_routing and self.prefill.serves(step)
+        return (self.prefill is not None and not self.record_routing and self.model.taps is None
+                and self.prefill.serves(step))  # a drafter's taps are taken in the eager forward
 
     def record_step_routing(self) -> None:
         """Distinct experts each MoE layer used in the step just run (host sync: untimed passes only)."""

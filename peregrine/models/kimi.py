@@ -108,6 +108,7 @@ class KimiModel(nn.Module):
         self.lm_head = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.output_res = AttnRes(cfg.hidden_size, cfg.rms_norm_eps, dtype) if cfg.attn_res_block_size else None
         self._blocks: list[torch.Tensor] = []  # AttnRes block list of the last hidden_states call
+        self.taps = None  # a DFlash drafter's TapWriter (spec/dflash.py): fed the tapped layers' outputs
 
     def hf_params(self) -> list[HFParam]:
         V, D = self.embed_tokens.shape
@@ -132,11 +133,15 @@ class KimiModel(nn.Module):
     def hidden_states(self, step, cache, record: list | None = None) -> torch.Tensor:
         """Final residual stream [N, D]; with AttnRes the block list is kept for compute_logits."""
         x = self.embed(step.input_ids)
+        if self.taps is not None:
+            self.taps.take(-1, x, step)
         blocks: list[torch.Tensor] = []
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = layer.forward_res(x, blocks, step, cache) if layer.res else layer(x, step, cache)
             if record is not None:
                 record.append(x)
+            if self.taps is not None:
+                self.taps.take(i, x, step)
         self._blocks = blocks
         return x
 
@@ -174,9 +179,13 @@ class KimiModel(nn.Module):
         """forward() as a generator over groups of layers: yields None after each group but the last,
         then the logits. Between two pieces other steps may run, on other sequences' cache entries."""
         x = self.embed(step.input_ids)
+        if self.taps is not None:
+            self.taps.take(-1, x, step)
         blocks: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             x = layer.forward_res(x, blocks, step, cache) if layer.res else layer(x, step, cache)
+            if self.taps is not None:
+                self.taps.take(i, x, step)
             if (i + 1) % layers_per_piece == 0 and i + 1 < len(self.layers):
                 yield None
         self._blocks = blocks  # (set here: a step run between two pieces has its own)

@@ -1,6 +1,8 @@
 """--speculative-config, in vLLM's spelling:
   {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
   {"method": "draft_model", "model": PRESET|DIR, "num_speculative_tokens": 4, "dummy_weights": false}
+  {"method": "dflash" | "dspark", "model": DIR, "num_speculative_tokens": 15}   (dflash.py: a DFlash or DSpark
+   drafter folder, z-lab's or DeepSpec's layout; k defaults to the drafts of its block)
   {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 24,
    "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
    "suffix_decoding_min_token_prob": 0.1}     (suffix.py; vLLM's keys and defaults)
@@ -20,12 +22,27 @@ from dataclasses import dataclass
 
 from ..config import ConfigError
 
-METHODS = ("ngram", "draft_model", "suffix")
+METHODS = ("ngram", "draft_model", "suffix", "dflash", "dspark")
+DRAFTER_FOLDERS = ("dflash", "dspark")  # methods whose "model" is a drafter folder (spec/dflash.py)
 REJECTION = ("standard", "synthetic")
 SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
 MAX_SPEC_TOKENS = 15  # k + 1 query tokens per sequence: the KDA decode keeps T positions in one program
 NGRAM_MAX_DEFAULT = 4  # longest suffix n-gram matched (vLLM makes this required; 4 is its usual example)
+
+
+def _drafts_in(folder: str) -> int:
+    """Drafts a block of the DFlash / DSpark drafter in folder gives (its config.json), or a ConfigError."""
+    from pathlib import Path
+
+    from .dflash import DFlashConfig
+    p = Path(folder) / "config.json"
+    if not p.is_file():
+        raise ConfigError(f"--speculative-config: drafter folder {folder!r} has no config.json")
+    try:
+        return DFlashConfig.from_dict(json.loads(p.read_text()), f"drafter {folder}").num_drafts
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--speculative-config: {p} is not valid JSON ({e.msg})") from None
 
 
 @dataclass
@@ -70,6 +87,8 @@ class SpeculativeConfig:
         k = d.get("num_speculative_tokens")
         if k is None and method == "suffix":  # vLLM: the tree depth; here at most what a verify step takes
             k = min(d.get("suffix_decoding_max_tree_depth", 24), MAX_SPEC_TOKENS)
+        if k is None and method in DRAFTER_FOLDERS and isinstance(d.get("model"), str):  # the drafter's block
+            k = min(_drafts_in(d["model"]), MAX_SPEC_TOKENS)
         cfg = cls(method=method, num_speculative_tokens=k,
                   prompt_lookup_max=d.get("prompt_lookup_max", NGRAM_MAX_DEFAULT),
                   prompt_lookup_min=d.get("prompt_lookup_min", 1), model=d.get("model"),
@@ -99,6 +118,10 @@ class SpeculativeConfig:
             if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
                 raise ConfigError(f"--speculative-config: suffix_decoding_min_token_prob must be a number in [0, 1], "
                                   f"got {p!r}")
+        elif self.method in DRAFTER_FOLDERS:
+            if not isinstance(self.model, str) or not self.model:
+                raise ConfigError(f"--speculative-config: {self.method} needs \"model\": the drafter's folder")
+            int_in("num_speculative_tokens", 1, min(MAX_SPEC_TOKENS, _drafts_in(self.model)))
         else:
             if not isinstance(self.model, str) or not self.model:
                 raise ConfigError("--speculative-config: draft_model needs \"model\": a preset name or model folder")

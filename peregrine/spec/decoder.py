@@ -69,6 +69,9 @@ def make_drafter(cfg: SpeculativeConfig, engine, log):
         from .suffix import SuffixDrafter
         return SuffixDrafter(cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_cached_requests,
                              cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob)
+    if cfg.method in ("dflash", "dspark"):
+        from .dflash import DFlashDrafter
+        return DFlashDrafter(cfg, engine, log)
     from .draft_model import DraftModelDrafter
     return DraftModelDrafter(cfg, engine, log)
 

@@ -168,30 +168,43 @@ class DFlashModel:
             out.append((k, self._lin(c, p + "v_proj").view(-1, cfg.num_kv_heads, cfg.head_dim)))
         return out
 
-    def hidden(self, ids: torch.Tensor, start: int, ctx_kv) -> torch.Tensor:
-        """The block [anchor, masks...] (ids [Bk]) at positions start.. over one sequence's context keys and
-        values -> the final-normed block states [Bk, H] (FP32)."""
+    def hidden(self, ids: torch.Tensor, start, ctx_kv) -> torch.Tensor:
+        """Blocks [anchor, masks...] (ids [Bk], or [A, Bk] for A blocks of one sequence) at positions start..
+        (an int, or [A]) over that sequence's context keys and values; block a sees the context before its
+        start and its own block (training packs a sequence's anchors this way) -> final-normed states [(A,) Bk, H]
+        (FP32)."""
         cfg = self.cfg
-        Bk, g = ids.shape[0], cfg.num_heads // cfg.num_kv_heads
-        pos = torch.arange(start, start + Bk, device=ids.device)
-        x = self.embed[ids].float() * cfg.input_embedding_scale
+        one = ids.dim() == 1
+        ids = ids[None] if one else ids
+        A, Bk = ids.shape
+        g = cfg.num_heads // cfg.num_kv_heads
+        st = torch.as_tensor(start, device=ids.device).reshape(-1).expand(A)
+        pos = (st[:, None] + torch.arange(Bk, device=ids.device)).reshape(-1)  # [A·Bk]
+        C = ctx_kv[0][0].shape[0]
+        own = torch.arange(A, device=ids.device).repeat_interleave(Bk)
+        see = torch.cat([torch.arange(C, device=ids.device)[None, :] < st.repeat_interleave(Bk)[:, None],
+                         own[:, None] == own[None, :]], 1)  # [A·Bk, C + A·Bk]
+        x = self.embed[ids.reshape(-1)].float() * cfg.input_embedding_scale
+        N = A * Bk
         for i, (kc, vc) in enumerate(ctx_kv):
             p = f"layers.{i}."
             n = _norm(x, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            q = self._lin(n, p + "self_attn.q_proj").view(Bk, cfg.num_heads, cfg.head_dim)
+            q = self._lin(n, p + "self_attn.q_proj").view(N, cfg.num_heads, cfg.head_dim)
             q = _rope(_norm(q, self.w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps), pos, cfg.rope_theta)
-            k = self._lin(n, p + "self_attn.k_proj").view(Bk, cfg.num_kv_heads, cfg.head_dim)
+            k = self._lin(n, p + "self_attn.k_proj").view(N, cfg.num_kv_heads, cfg.head_dim)
             k = _rope(_norm(k, self.w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps), pos, cfg.rope_theta)
-            v = self._lin(n, p + "self_attn.v_proj").view(Bk, cfg.num_kv_heads, cfg.head_dim)
-            K = torch.cat([kc, k]).repeat_interleave(g, 1)  # [C + Bk, heads, hd]: grouped-query attention
+            v = self._lin(n, p + "self_attn.v_proj").view(N, cfg.num_kv_heads, cfg.head_dim)
+            K = torch.cat([kc, k]).repeat_interleave(g, 1)  # [C + N, heads, hd]: grouped-query attention
             V = torch.cat([vc, v]).repeat_interleave(g, 1)
             s = torch.einsum("qhd,khd->hqk", q, K) / math.sqrt(cfg.head_dim)
-            o = torch.einsum("hqk,khd->qhd", s.softmax(-1), V).reshape(Bk, -1)
+            s = s.masked_fill(~see[None], float("-inf"))
+            o = torch.einsum("hqk,khd->qhd", s.softmax(-1), V).reshape(N, -1)
             x = x + self._lin(o, p + "self_attn.o_proj")
             m = _norm(x, self.w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             x = x + self._lin(F.silu(self._lin(m, p + "mlp.gate_proj")) * self._lin(m, p + "mlp.up_proj"),
                               p + "mlp.down_proj")
-        return _norm(x, self.w["norm.weight"], cfg.rms_norm_eps)
+        h = _norm(x, self.w["norm.weight"], cfg.rms_norm_eps).view(A, Bk, -1)
+        return h[0] if one else h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Block states [n, H] -> logits [n, V] (FP32), with z-lab's multiplier and soft cap where configured."""
@@ -272,3 +285,99 @@ def check_fits(cfg: DFlashConfig, weights: dict, model: DFlashModel, target_cfg,
     for name in ("embed_tokens.weight", "lm_head.weight"):
         if name in weights and tuple(weights[name].shape) != (V, H):
             raise ConfigError(f"{where}: {name} has shape {tuple(weights[name].shape)}, expected {(V, H)}")
+
+
+class TapWriter:
+    """Installed on the target model (KimiModel.taps): its forward hands over the residual stream after the tapped
+    layers (take), and the drafter's context c of every token the target is fed is written at the token's cache
+    slot (step.slot_mapping), in a paged buffer beside the KV cache: any path that feeds tokens (prefill pieces,
+    decode, verify, graphs) keeps it, and a rejected draft's entry is overwritten when its position is fed again."""
+
+    def __init__(self, model: DFlashModel, num_slots: int, dtype, device):
+        self.model, self.layers = model, list(model.cfg.target_layer_ids)
+        self.buf = torch.zeros(num_slots, model.cfg.hidden_size, dtype=dtype, device=device)
+        self.parts: dict[int, torch.Tensor] = {}
+
+    def take(self, layer: int, x: torch.Tensor, step) -> None:
+        """layer: the target layer whose output x [N, H] is (-1: the embedding)."""
+        if layer not in self.layers:
+            return
+        self.parts[layer] = x
+        if len(self.parts) == len(set(self.layers)):
+            taps = torch.cat([self.parts[L] for L in self.layers], -1)
+            self.parts = {}
+            self.buf[step.slot_mapping] = self.model.context(taps).to(self.buf.dtype)
+
+    def read(self, blocks: list[int], block_size: int, start: int, end: int) -> torch.Tensor:
+        """c of positions start..end-1 of a sequence with these cache blocks."""
+        pos = torch.arange(start, end)
+        slots = torch.tensor(blocks, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
+        return self.buf[slots.to(self.buf.device)]
+
+
+class DFlashDrafter:
+    """--speculative-config {"method": "dflash" | "dspark", "model": DIR}: drafts a block per request from the
+    target's tapped hidden states. Per request it keeps each drafter layer's context keys and values, extended at
+    each propose by the tokens the target was fed since (their c read from the TapWriter's buffer)."""
+
+    def __init__(self, cfg, engine, log=print):
+        cfg_d, weights = load_folder(cfg.model)
+        tcfg = engine.model_cfg
+        if tcfg.attn_res_block_size is not None:
+            raise ConfigError(f"--speculative-config: {cfg.method} drafts from a residual stream; this target's "
+                              "AttnRes layers have none (Kimi K3): use ngram, suffix or draft_model")
+        dev = engine.cache.latent.device
+        target = engine.runner.model
+        if cfg_d.shifted != (cfg.method == "dspark"):
+            log(f"speculative: {cfg.model} is a {'DeepSpec' if cfg_d.shifted else 'z-lab'} drafter; "
+                f"its own convention is used (method '{cfg.method}' only names the family)")
+        weights = {k: v.to(dev) for k, v in weights.items()}
+        self.model = DFlashModel(cfg_d, weights, target.embed_tokens, target.lm_head)
+        check_fits(cfg_d, weights, self.model, tcfg, f"drafter {cfg.model}")
+        c = engine.cache
+        self.writer = TapWriter(self.model, c.latent.shape[1] * c.block_size, target.embed_tokens.dtype, dev)
+        target.taps = self.writer
+        self.bs, self.k = c.block_size, cfg.k
+        self.ctx: dict[str, tuple[int, list]] = {}  # request -> (positions held, per layer (keys, values))
+        self.survival: dict[int, list[float]] = {}  # id(seq) -> P(drafts 0..j all accepted), from the confidences
+        log(f"speculative: {cfg_d.num_layers}-layer {'DSpark' if cfg_d.markov_rank or cfg_d.confidence else 'DFlash'}"
+            f" drafter from {cfg.model}, taps at target layers {cfg_d.target_layer_ids}, block {cfg_d.block_size}, "
+            f"up to {cfg_d.num_drafts} drafts; the target runs on the standard path (its taps)")
+
+    def _context(self, seq, n: int) -> list:
+        have, kv = self.ctx.get(seq.request_id, (0, None))
+        have = min(have, n)
+        if kv is not None and have < kv[0][0].shape[0]:
+            kv = [(k[:have], v[:have]) for k, v in kv]
+        if have < n:
+            new = self.model.context_kv(self.writer.read(seq.blocks, self.bs, have, n).float(),
+                                        torch.arange(have, n, device=self.writer.buf.device))
+            kv = new if kv is None else [(torch.cat([k, k2]), torch.cat([v, v2])) for (k, v), (k2, v2) in zip(kv, new)]
+        self.ctx[seq.request_id] = (n, kv)
+        return kv
+
+    @torch.inference_mode()
+    def propose(self, seqs, ks: list[int]) -> list[list[int]]:
+        out = []
+        for seq, k in zip(seqs, ks):
+            n = seq.num_cached
+            if k <= 0 or n == 0 or len(seq.token_ids) != n + 1:  # drafts follow the one token not yet fed
+                out.append([])
+                continue
+            drafts, conf, _ = self.model.draft(seq.token_ids[-1], n, self._context(seq, n),
+                                               min(k, self.model.cfg.num_drafts))
+            if conf is not None:
+                surv, run = [], 1.0
+                for c in conf:
+                    run *= c
+                    surv.append(run)
+                self.survival[id(seq)] = surv
+            out.append(drafts)
+        return out
+
+    def verified(self, seq, drafted: int, accepted: int) -> None:
+        pass  # the next propose reads the fed positions' context; rejected ones were never read
+
+    def release(self, seq) -> None:
+        self.ctx.pop(seq.request_id, None)
+        self.survival.pop(id(seq), None)

@@ -68,17 +68,23 @@ def moe_forward(moe, x: torch.Tensor, loads: list | None = None) -> torch.Tensor
     return y + moe.shared(x) if moe.shared is not None else y
 
 
-def hidden_states(model, ids: torch.Tensor, loads: list | None = None, chunk: int = CHUNK) -> torch.Tensor:
-    """ids [B, T] -> final hidden states [B, T, D] (before the final norm)."""
+def hidden_states(model, ids: torch.Tensor, loads: list | None = None, chunk: int = CHUNK,
+                  record: list | None = None) -> torch.Tensor:
+    """ids [B, T] -> final hidden states [B, T, D] (before the final norm). record: gets the embedding output,
+    then each layer's output (a drafter's taps: record[L + 1] is layer L's)."""
     c = model.cfg
     if c.is_k3 or c.q_lora_rank is not None or c.mla_output_gate or c.attn_res_block_size or c.hidden_act != "silu":
         raise NotImplementedError("the training forward covers Kimi-Linear models only (no K3 q-LoRA / gate / AttnRes / SiTU)")
     x = model.embed_tokens[ids]
+    if record is not None:
+        record.append(x)
     for layer in model.layers:
         a = layer.input_layernorm(x)
         h = x + (kda_forward(layer.attn, a, chunk) if layer.is_kda else mla_forward(layer.attn, a))
         m = layer.post_attention_layernorm(h)
         x = h + (moe_forward(layer.mlp, m, loads) if layer.is_moe else layer.mlp(m))
+        if record is not None:
+            record.append(x)
     return x
 
 

@@ -1,0 +1,216 @@
+"""Train a DSpark-style drafter (spec/dflash.py) for a target on the target's own greedy outputs, DeepSpec's recipe.
+
+    python -m peregrine.train.drafter --target peregrine-tiny --out DIR [--minutes 20] [--problems 400]
+
+Data: problems of every task (tasks.py, a seed apart from the eval set), answered greedily by the target through
+the engine; a sequence is prompt + the target's answer. One teacher-forced forward of the target per sequence
+gives the tapped layers' outputs and its logits at every position (train/forward.py, FP32).
+Anchors: every answer position a (the last token the drafter knows), its block [x_a, mask, ...] at a .. a+Bk-1
+seeing the context before a; slot j drafts x_{a+j+1} (DeepSpec's convention), the Markov head reading the true
+previous token (teacher forcing). Loss (DeepSpec's DSpark: deepspec/modeling/dspark/loss.py):
+    w_j = exp(-j / GAMMA) over each block's valid slots,  p_d = softmax(Markov-corrected logits),
+    p_t = the target's next-token distribution at a+j,  L1 = ||p_d - p_t||_1,
+    loss = 0.1 CE(x*) + 0.9 L1 + 1.0 BCE(confidence, clamp(1 - L1 / 2, 0, 1)), each weighted by w, over sum(w).
+The drafter shares the target's embedding and lm_head (frozen, not saved); DIR receives config.json (DeepSpec's
+flat layout), model.safetensors and train_log.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..spec.dflash import DFlashConfig, DFlashModel
+from . import tasks
+from .forward import hidden_states
+
+GAMMA = 4.0              # DeepSpec's loss_decay_gamma: slot j weighs exp(-j / 4)
+ALPHA_CE, ALPHA_L1, ALPHA_CONF = 0.1, 0.9, 1.0  # DeepSpec's DSpark loss mix
+LR, WARMUP, CLIP = 6e-4, 0.04, 1.0               # DeepSpec's optimiser settings (AdamW, no weight decay)
+TRAIN_SEED = 0xD5  # problems for training: tasks.generate's stream apart from the eval set's
+TASKS = ("copy", "reverse", "add", "recall")
+RECALL_CONTEXT = 512  # recall prompts in training: the lookup is the same at any length, shorter is cheaper
+
+
+def log(msg: str) -> None:
+    print(f"[drafter] {msg}", flush=True)
+
+
+def drafter_config(target_cfg, layers: int, block: int, markov_rank: int, taps: list[int]) -> dict:
+    """DeepSpec's flat config.json for a drafter of this target: the target's width, 64-wide heads."""
+    H = target_cfg.hidden_size
+    heads = max(1, H // 64)
+    return dict(architectures=["Qwen3DSparkModel"], model_type="qwen3", hidden_size=H, intermediate_size=2 * H,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                head_dim=64, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=target_cfg.vocab_size,
+                num_target_layers=target_cfg.num_hidden_layers, block_size=block,
+                mask_token_id=target_cfg.pad_token_id if target_cfg.pad_token_id is not None else target_cfg.vocab_size - 1,
+                target_layer_ids=taps, markov_rank=markov_rank, markov_head_type="vanilla",
+                enable_confidence_head=True, confidence_head_with_markov=True, tie_word_embeddings=False,
+                layer_types=["full_attention"] * layers, attention_bias=False)
+
+
+def init_weights(model: DFlashModel, seed: int) -> dict:
+    """Trainable FP32 tensors under the checkpoint's names: norms at 1, matrices N(0, 1/fan_in), biases 0."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in model.names().items():
+        if "norm" in name:
+            t = torch.ones(shape)
+        elif name.endswith(".bias"):
+            t = torch.zeros(shape)
+        else:
+            t = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+        out[name] = t.requires_grad_(True)
+    return out
+
+
+def collect(target: str, n_per_task: int, log=log) -> list[tuple[list[int], int]]:
+    """(prompt + the target's greedy answer, prompt length) for n problems of every task."""
+    from ..config import EngineConfig
+    from ..eval import answers
+    out = []
+    for task in TASKS:
+        probs = tasks.generate(task, n_per_task, TRAIN_SEED, RECALL_CONTEXT)
+        t0 = time.time()
+        got = answers(target, probs, EngineConfig(max_num_seqs=32), dummy_weights=False)
+        out += [(p.prompt_ids() + a, len(p.prompt_ids())) for p, a in zip(probs, got)]
+        log(f"{task}: {len(probs)} answers in {time.time() - t0:.0f}s")
+    return out
+
+
+@torch.no_grad()
+def features(tmodel, seq: list[int], taps: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's taps [L, n·H] and logits [L, V] over one sequence (teacher-forced, FP32)."""
+    rec: list = []
+    h = hidden_states(tmodel, torch.tensor([seq]), record=rec)
+    return torch.cat([rec[L + 1][0] for L in taps], -1), tmodel.compute_logits(h)[0].float()
+
+
+def sequence_loss(m: DFlashModel, taps, tlogits, seq: list[int], prompt_len: int, anchors: int, rng) -> tuple:
+    """DeepSpec's loss over up to `anchors` answer anchors of one sequence -> (weighted sums of CE, L1, BCE, the
+    weights, accepted-length proxy): divided by the summed weights by the caller."""
+    cfg = m.cfg
+    L, Bk = len(seq), cfg.block_size
+    cand = list(range(prompt_len - 1, L - 1))  # anchor a: x_{a+1} exists
+    if len(cand) > anchors:
+        cand = sorted(rng.sample(cand, anchors))
+    a = torch.tensor(cand)
+    x = torch.tensor(seq)
+    kv = m.context_kv(m.context(taps), torch.arange(L))
+    ids = torch.full((len(cand), Bk), cfg.mask_token_id, dtype=torch.long)
+    ids[:, 0] = x[a]
+    h = m.hidden(ids, a, kv)                                    # [A, Bk, H]
+    j = torch.arange(Bk)
+    tpos = a[:, None] + j[None, :] + 1                          # the token slot j drafts
+    valid = tpos < L
+    tgt = x[tpos.clamp(max=L - 1)]
+    prev = x[(tpos - 1).clamp(max=L - 1)]                       # teacher forcing: the true previous token
+    e = m.w["markov_head.markov_w1.weight"][prev]               # [A, Bk, r]
+    logits = m.logits(h) + e @ m.w["markov_head.markov_w2.weight"].T
+    pt = tlogits[(tpos - 1).clamp(max=L - 1)].softmax(-1)       # the target's distribution for that token
+    pd = logits.softmax(-1)
+    l1 = (pd - pt).abs().sum(-1)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none").view_as(l1)
+    conf = (torch.cat([h, e], -1) @ m.w["confidence_head.proj.weight"].T + m.w["confidence_head.proj.bias"])[..., 0]
+    bce = F.binary_cross_entropy_with_logits(conf, (1 - l1 / 2).clamp(0, 1).detach(), reduction="none")
+    w = torch.exp(-j.float() / GAMMA)[None, :] * valid
+    hit = (logits.argmax(-1) == tgt) & valid
+    acc_len = torch.cumprod(hit.float(), 1).sum(1).mean()       # drafts a verify would keep, teacher-forced
+    return (w * ce).sum(), (w * l1).sum(), (w * bce).sum(), w.sum(), acc_len
+
+
+def train(target: str, out: Path, minutes: float, problems: int, layers: int, block: int, markov_rank: int,
+          anchors: int, seed: int) -> dict:
+    from ..config import resolve_model
+    from ..models.kimi import KimiModel
+    from ..models.loader import load_weights
+    tcfg, folder = resolve_model(target)
+    tmodel = KimiModel(tcfg, torch.float32).eval()
+    load_weights(tmodel, folder, log=lambda m: None)
+    for p in tmodel.parameters():
+        p.requires_grad_(False)
+    n = tcfg.num_hidden_layers
+    taps = sorted({-1, n // 2 - 1, n - 2})  # the embedding, the middle and next-to-last layers
+    d = drafter_config(tcfg, layers, block, markov_rank, taps)
+    cfg = DFlashConfig.from_dict(d, "drafter")
+    shapes = DFlashModel(cfg, {}, tmodel.embed_tokens, tmodel.lm_head)
+    w = init_weights(shapes, seed)
+    m = DFlashModel(cfg, w, tmodel.embed_tokens, tmodel.lm_head)
+    data = collect(target, problems)
+    log(f"target features of {len(data)} sequences")
+    feats = [features(tmodel, s, taps) for s, _ in data]
+    opt = torch.optim.AdamW(list(w.values()), lr=LR, weight_decay=0.0)
+    rng = random.Random(seed)
+    t_end, t0, step, hist = time.time() + 60 * minutes, time.time(), 0, []
+    est_steps = None
+    order = list(range(len(data)))
+    while time.time() < t_end:
+        rng.shuffle(order)
+        for i in order:
+            if time.time() >= t_end:
+                break
+            if est_steps is None and step == 20:  # the run's length in steps, for the warm-up and cosine decay
+                est_steps = int(20 * 60 * minutes / max(time.time() - t0, 1e-3))
+            total = est_steps or 10**9
+            lr = LR * min(1.0, (step + 1) / max(1, WARMUP * total)) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / total)))
+            for gr in opt.param_groups:
+                gr["lr"] = lr
+            ce, l1, bce, ws, acc = sequence_loss(m, feats[i][0], feats[i][1], data[i][0], data[i][1], anchors, rng)
+            loss = (ALPHA_CE * ce + ALPHA_L1 * l1 + ALPHA_CONF * bce) / ws.clamp(min=1e-6)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(list(w.values()), CLIP)
+            opt.step()
+            hist.append((loss.item(), (ce / ws).item(), (l1 / ws).item(), acc.item()))
+            step += 1
+            if step % 200 == 0:
+                k = hist[-200:]
+                log(f"step {step} ({time.time() - t0:.0f}s): loss {sum(x[0] for x in k) / len(k):.3f} "
+                    f"ce {sum(x[1] for x in k) / len(k):.3f} l1 {sum(x[2] for x in k) / len(k):.3f} "
+                    f"teacher-forced accepted {sum(x[3] for x in k) / len(k):.2f}")
+    from safetensors.torch import save_file
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(d, indent=1) + "\n")
+    save_file({k: v.detach().contiguous() for k, v in w.items()}, str(out / "model.safetensors"))
+    k = hist[-200:] or [(0, 0, 0, 0)]
+    summary = {"target": target, "steps": step, "seconds": round(time.time() - t0, 1), "sequences": len(data),
+               "problems_per_task": problems, "layers": layers, "block_size": block, "markov_rank": markov_rank,
+               "anchors_per_sequence": anchors, "target_layer_ids": taps, "seed": seed,
+               "final_loss": sum(x[0] for x in k) / len(k), "final_ce": sum(x[1] for x in k) / len(k),
+               "final_l1": sum(x[2] for x in k) / len(k),
+               "final_teacher_forced_accepted": sum(x[3] for x in k) / len(k),
+               "curve": [[i, round(sum(x[0] for x in hist[i:i + 100]) / len(hist[i:i + 100]), 4)]
+                         for i in range(0, len(hist), 100)]}
+    (out / "train_log.json").write_text(json.dumps(summary, indent=1) + "\n")
+    log(f"wrote {out}: {step} steps, teacher-forced accepted length {summary['final_teacher_forced_accepted']:.2f}")
+    return summary
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="peregrine-tiny", help="target preset or model folder (default peregrine-tiny)")
+    ap.add_argument("--out", required=True, help="folder to write the drafter into")
+    ap.add_argument("--minutes", type=float, default=20.0, help="training wall time (default 20)")
+    ap.add_argument("--problems", type=int, default=400, help="problems per task answered by the target (default 400)")
+    ap.add_argument("--layers", type=int, default=2, help="drafter layers (default 2)")
+    ap.add_argument("--block", type=int, default=8, help="block size = drafts per block (default 8)")
+    ap.add_argument("--markov-rank", type=int, default=32, help="rank of the Markov head (default 32)")
+    ap.add_argument("--anchors", type=int, default=32, help="anchors per sequence and step (default 32)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    for name in ("minutes", "problems", "layers", "block", "markov_rank", "anchors"):
+        if getattr(a, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be positive")
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    train(a.target, Path(a.out), a.minutes, a.problems, a.layers, a.block, a.markov_rank, a.anchors, a.seed)
+
+
+if __name__ == "__main__":
+    main()
