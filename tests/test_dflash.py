@@ -162,21 +162,28 @@ def _drafter_folder(path, target_cfg, *, dspark=False, seed=0, block=4, taps=(-1
     return str(path), cfg
 
 
-@pytest.mark.parametrize("dspark", [False, True])
-def test_drafter_in_the_engine_keeps_greedy_exact_and_reads_the_targets_taps(tmp_path, dspark, monkeypatch):
+@pytest.mark.parametrize("dspark,backend", [(False, "standard"), (True, "standard"), (False, "latency_specialized")])
+def test_drafter_in_the_engine_keeps_greedy_exact_and_reads_the_targets_taps(tmp_path, dspark, backend, monkeypatch):
     """With a DFlash (or DSpark) drafter the engine's greedy tokens equal plain greedy decoding; the context each
-    propose reads from the taps buffer (written by the target's own forwards: prefill, verify, rollback) equals
-    the context recomputed from a fresh forward over the same tokens (FP32 within 1e-4); DSpark's confidences
-    reach the width chooser as survival probabilities."""
+    propose reads from the taps buffer (written by the target's own forwards: prefill, verify, rollback; on the
+    specialized path its fused step's residual) equals the context recomputed from a fresh forward over the same
+    tokens (FP32 within 1e-4); DSpark's confidences reach the width chooser as survival probabilities."""
     from peregrine.config import EngineConfig
     from peregrine.decode.batch import StepInput
     from peregrine.engine import SamplingParams
     from peregrine.engine.build import build_engine
     from peregrine.spec import dflash
 
+    from conftest import write_dummy_model
+    from peregrine.config import PRESET_DIR
+    from test_specialized import MICRO
+    (tmp_path / "target").mkdir()
+    target = write_dummy_model(tmp_path / "target", json.loads((PRESET_DIR / "tiny-kimi-linear.json").read_text())
+                               | MICRO, seed=1)  # narrower: the fused path runs under the interpreter here
+
     def engine(spec=None):
-        e, _ = build_engine("tiny-kimi-linear", EngineConfig(speculative_config=spec, max_num_seqs=2, block_size=16,
-                                                             max_model_len=128), dummy_weights=True, log=lambda m: None)
+        e, _ = build_engine(target, EngineConfig(speculative_config=spec, max_num_seqs=2, block_size=16,
+                                                 max_model_len=128, decode_backend=backend), log=lambda m: None)
         return e
     plain = engine()
     folder, _ = _drafter_folder(tmp_path / "d", plain.model_cfg, dspark=dspark)
@@ -198,11 +205,13 @@ def test_drafter_in_the_engine_keeps_greedy_exact_and_reads_the_targets_taps(tmp
     monkeypatch.setattr(dflash.DFlashDrafter, "propose", propose)
     spec = engine({"method": "dspark" if dspark else "dflash", "model": folder})
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (9, 23)]
+    prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (9, 23)]  # MICRO's vocabulary is 300
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     assert spec.generate(prompts, params) == plain.generate(prompts, params)
     st = spec.stats["spec"]
     assert st["num_drafts"] > 0 and st["verify_steps"] > 0
+    if backend == "latency_specialized":  # verify and decode steps on the fused path, taps taken there
+        assert spec.stats["steps_by_path"].get("latency_specialized", 0) >= st["verify_steps"] > 0
     drafter = spec.spec.drafter
     if dspark:  # the running product of the confidences: non-increasing, in (0, 1]
         assert surv and all(s is not None and all(0 < b <= a <= 1 for a, b in zip([1.0] + s, s)) for s in surv)
@@ -265,3 +274,46 @@ def test_packed_anchors_equal_one_block_at_a_time():
     for a, s in enumerate(starts.tolist()):
         alone = m.hidden(ids[a], s, [(k[:s], v[:s]) for k, v in kv])
         assert torch.allclose(packed[a], alone, atol=1e-5, rtol=1e-5), a
+
+
+def test_training_loss_is_deepspecs_per_anchor():
+    """train/drafter.sequence_loss against DeepSpec's loss written here anchor by anchor, slot by slot: block
+    [x_a, mask...] over the context before a, slot j drafting x_{a+j+1}, the Markov bias from the true previous
+    token, w_j = exp(-j/4) on slots inside the sequence, L1 against the target's distribution at a+j, and the
+    confidence's BCE target clamp(1 - L1/2, 0, 1)."""
+    import math
+
+    import torch.nn.functional as F
+
+    from peregrine.train import drafter as D
+    g = torch.Generator().manual_seed(6)
+    tcfg = type("T", (), {"hidden_size": H, "vocab_size": V, "num_hidden_layers": TARGET_LAYERS,
+                          "pad_token_id": MASK})()
+    d = D.drafter_config(tcfg, 2, 4, 8, [-1, 2, 4])
+    cfg = DFlashConfig.from_dict(d, "test")
+    embed, head = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g) * 0.2
+    m = DFlashModel(cfg, D.init_weights(DFlashModel(cfg, {}, embed, head), 3), embed, head)
+    seq, P = torch.randint(0, V - 1, (11,), generator=g).tolist(), 6
+    taps, tlogits = torch.randn(11, 3 * H, generator=g), torch.randn(11, V, generator=g)
+    import random
+    ce, l1, bce, ws, _ = D.sequence_loss(m, taps, tlogits, seq, P, 100, random.Random(0))
+    kv = m.context_kv(m.context(taps), torch.arange(11))
+    want = [0.0, 0.0, 0.0, 0.0]
+    w1, w2 = m.w["markov_head.markov_w1.weight"], m.w["markov_head.markov_w2.weight"]
+    for a in range(P - 1, 10):
+        ids = torch.tensor([seq[a]] + [cfg.mask_token_id] * 3)
+        h = m.hidden(ids, a, [(k[:a], v[:a]) for k, v in kv])
+        for j in range(4):
+            if a + j + 1 >= 11:
+                break
+            wj = math.exp(-j / 4.0)
+            e = w1[seq[a + j]]
+            lg = h[j] @ head.T + w2 @ e
+            dist = (lg.softmax(-1) - tlogits[a + j].softmax(-1)).abs().sum()
+            c = torch.cat([h[j], e]) @ m.w["confidence_head.proj.weight"][0] + m.w["confidence_head.proj.bias"][0]
+            want[0] += wj * F.cross_entropy(lg[None], torch.tensor([seq[a + j + 1]]))
+            want[1] += wj * dist
+            want[2] += wj * F.binary_cross_entropy_with_logits(c, (1 - dist / 2).clamp(0, 1).detach())
+            want[3] += wj
+    for got, exp in zip((ce, l1, bce, ws), want):
+        assert torch.allclose(torch.as_tensor(got).float(), torch.as_tensor(exp).float(), rtol=1e-4, atol=1e-5)

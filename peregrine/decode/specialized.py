@@ -128,8 +128,8 @@ class SpecializedRunner:
             return "batch too large"
         if self._k3 and step.spec_tokens:
             return "unsupported feature: speculative verify on K3 layers"
-        if getattr(self.model, "taps", None) is not None:
-            return "a DFlash drafter's hidden-state taps (taken on the standard path)"
+        if getattr(self.model, "taps", None) is not None and (self.cfg.is_k3 or self.cfg.expert_quant is not None):
+            return "a DFlash drafter's hidden-state taps (not taken in the K3 / MXFP4 step)"
         return None
 
     def _fall_back(self, reason: str) -> None:
@@ -202,10 +202,15 @@ class SpecializedRunner:
             self.oneshot.reset()  # the same buffer order in every step and every graph
         T = step.spec_tokens or 1  # query tokens per sequence: 1 + k in a verify step
         residual = m.embed(step.input_ids)
+        taps = m.taps  # a DFlash drafter's: layer L's output is the residual once layer L + 1 adds its MLP output
+        if taps is not None:
+            taps.take(-1, residual.clone(), step)  # clones: the residual is added to in place further on
         layers = m.layers
         x, w_in = None, layers[0].input_layernorm.weight  # layer 0's input: RMSNorm(residual), nothing to add
         for i, layer in enumerate(layers):
             proj, residual = self._norm_in_proj(layer.attn, x, residual, w_in)
+            if taps is not None and i > 0:
+                taps.take(i - 1, residual.clone(), step)
             a = (self._kda(layer.attn, None, step, T, proj=proj) if layer.is_kda
                  else self._mla(layer.attn, None, step, T, proj=proj))
             h, residual = add_rms_norm(self._reduce(a), residual, layer.post_attention_layernorm.weight, eps)
@@ -213,6 +218,8 @@ class SpecializedRunner:
             x = self._reduce(f)
             w_in = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else None
         h, residual = add_rms_norm(x, residual, m.norm.weight, eps)
+        if taps is not None:
+            taps.take(len(layers) - 1, residual.clone(), step)
         return self._head(_mm(h, m.lm_head).float(), step)
 
     def _norm_in_proj(self, attn, x, residual, w):

@@ -33,10 +33,8 @@ NGRAM_MAX_DEFAULT = 4  # longest suffix n-gram matched (vLLM makes this required
 
 def _drafts_in(folder: str) -> int:
     """Drafts a block of the DFlash / DSpark drafter in folder gives (its config.json), or a ConfigError."""
-    from pathlib import Path
-
-    from .dflash import DFlashConfig
-    p = Path(folder) / "config.json"
+    from .dflash import DFlashConfig, drafter_dir
+    p = drafter_dir(folder) / "config.json"
     if not p.is_file():
         raise ConfigError(f"--speculative-config: drafter folder {folder!r} has no config.json")
     try:

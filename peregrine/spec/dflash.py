@@ -240,10 +240,17 @@ class DFlashModel:
         return out, (conf if cfg.confidence else None), torch.stack(rows) if rows else logits
 
 
+def drafter_dir(name: str | Path) -> Path:
+    """A drafter folder: the path itself, or a folder shipped beside the presets (peregrine-tiny-dspark)."""
+    from ..config import PRESET_DIR
+    p = Path(name)
+    return p if p.is_dir() or p.is_absolute() else (PRESET_DIR / p if (PRESET_DIR / p).is_dir() else p)
+
+
 def load_folder(folder: str | Path) -> tuple[DFlashConfig, dict]:
     """(config, weights on the CPU) of a drafter folder: config.json and *.safetensors."""
     from safetensors.torch import load_file
-    p = Path(folder)
+    p = drafter_dir(folder)
     if not (p / "config.json").is_file():
         raise ConfigError(f"drafter folder {folder}: no config.json")
     try:
@@ -342,7 +349,7 @@ class DFlashDrafter:
         self.survival: dict[int, list[float]] = {}  # id(seq) -> P(drafts 0..j all accepted), from the confidences
         log(f"speculative: {cfg_d.num_layers}-layer {'DSpark' if cfg_d.markov_rank or cfg_d.confidence else 'DFlash'}"
             f" drafter from {cfg.model}, taps at target layers {cfg_d.target_layer_ids}, block {cfg_d.block_size}, "
-            f"up to {cfg_d.num_drafts} drafts; the target runs on the standard path (its taps)")
+            f"up to {cfg_d.num_drafts} drafts")
 
     def _context(self, seq, n: int) -> list:
         have, kv = self.ctx.get(seq.request_id, (0, None))

@@ -1,6 +1,7 @@
 """Train a DSpark-style drafter (spec/dflash.py) for a target on the target's own greedy outputs, DeepSpec's recipe.
 
     python -m peregrine.train.drafter --target peregrine-tiny --out DIR [--minutes 20] [--problems 400]
+    python -m peregrine.train.drafter --eval DIR --out results/X.json [--n 500] [--tasks copy,reverse,add,recall]
 
 Data: problems of every task (tasks.py, a seed apart from the eval set), answered greedily by the target through
 the engine; a sequence is prompt + the target's answer. One teacher-forced forward of the target per sequence
@@ -32,7 +33,10 @@ from .forward import hidden_states
 
 GAMMA = 4.0              # DeepSpec's loss_decay_gamma: slot j weighs exp(-j / 4)
 ALPHA_CE, ALPHA_L1, ALPHA_CONF = 0.1, 0.9, 1.0  # DeepSpec's DSpark loss mix
-LR, WARMUP, CLIP = 6e-4, 0.04, 1.0               # DeepSpec's optimiser settings (AdamW, no weight decay)
+WARMUP, CLIP = 0.04, 1.0  # DeepSpec's warm-up fraction and gradient clip (AdamW, no weight decay)
+# DeepSpec's lr is 6e-4 at 512 sequences a step; here a step is one sequence's anchors and the copy circuit appears
+# only after a plateau (an overfit check on 64 copy answers: loss flat at 2.14 for ~750 steps at 1e-3, then 0.45)
+LR = 1e-3
 TRAIN_SEED = 0xD5  # problems for training: tasks.generate's stream apart from the eval set's
 TASKS = ("copy", "reverse", "add", "recall")
 RECALL_CONTEXT = 512  # recall prompts in training: the lookup is the same at any length, shorter is cheaper
@@ -127,7 +131,7 @@ def sequence_loss(m: DFlashModel, taps, tlogits, seq: list[int], prompt_len: int
 
 
 def train(target: str, out: Path, minutes: float, problems: int, layers: int, block: int, markov_rank: int,
-          anchors: int, seed: int) -> dict:
+          anchors: int, seed: int, lr: float = LR) -> dict:
     from ..config import resolve_model
     from ..models.kimi import KimiModel
     from ..models.loader import load_weights
@@ -146,22 +150,20 @@ def train(target: str, out: Path, minutes: float, problems: int, layers: int, bl
     data = collect(target, problems)
     log(f"target features of {len(data)} sequences")
     feats = [features(tmodel, s, taps) for s, _ in data]
-    opt = torch.optim.AdamW(list(w.values()), lr=LR, weight_decay=0.0)
+    opt = torch.optim.AdamW(list(w.values()), lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
     t_end, t0, step, hist = time.time() + 60 * minutes, time.time(), 0, []
-    est_steps = None
     order = list(range(len(data)))
     while time.time() < t_end:
         rng.shuffle(order)
         for i in order:
             if time.time() >= t_end:
                 break
-            if est_steps is None and step == 20:  # the run's length in steps, for the warm-up and cosine decay
-                est_steps = int(20 * 60 * minutes / max(time.time() - t0, 1e-3))
-            total = est_steps or 10**9
-            lr = LR * min(1.0, (step + 1) / max(1, WARMUP * total)) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / total)))
+            # warm-up over the first WARMUP of the wall time, then a cosine to zero at its end: step times differ
+            # by sequence length (a recall sequence costs ~50 short ones), so the schedule follows the clock
+            frac = min(1.0, (time.time() - t0) / (60 * minutes))
             for gr in opt.param_groups:
-                gr["lr"] = lr
+                gr["lr"] = lr * min(1.0, (frac + 1e-3) / WARMUP) * 0.5 * (1 + math.cos(math.pi * frac))
             ce, l1, bce, ws, acc = sequence_loss(m, feats[i][0], feats[i][1], data[i][0], data[i][1], anchors, rng)
             loss = (ALPHA_CE * ce + ALPHA_L1 * l1 + ALPHA_CONF * bce) / ws.clamp(min=1e-6)
             opt.zero_grad(set_to_none=True)
@@ -182,7 +184,7 @@ def train(target: str, out: Path, minutes: float, problems: int, layers: int, bl
     k = hist[-200:] or [(0, 0, 0, 0)]
     summary = {"target": target, "steps": step, "seconds": round(time.time() - t0, 1), "sequences": len(data),
                "problems_per_task": problems, "layers": layers, "block_size": block, "markov_rank": markov_rank,
-               "anchors_per_sequence": anchors, "target_layer_ids": taps, "seed": seed,
+               "anchors_per_sequence": anchors, "target_layer_ids": taps, "seed": seed, "lr": lr,
                "final_loss": sum(x[0] for x in k) / len(k), "final_ce": sum(x[1] for x in k) / len(k),
                "final_l1": sum(x[2] for x in k) / len(k),
                "final_teacher_forced_accepted": sum(x[3] for x in k) / len(k),
@@ -191,6 +193,52 @@ def train(target: str, out: Path, minutes: float, problems: int, layers: int, bl
     (out / "train_log.json").write_text(json.dumps(summary, indent=1) + "\n")
     log(f"wrote {out}: {step} steps, teacher-forced accepted length {summary['final_teacher_forced_accepted']:.2f}")
     return summary
+
+
+EVAL_METHODS = ("dspark", "suffix", "ngram")
+
+
+def evaluate(target: str, drafter: str, n: int, task_names, k: int, recall_context: int, results: Path | None,
+             log=log) -> dict:
+    """Per task: the target's plain greedy answers, then with each drafter (this one, suffix, n-gram; k drafts a
+    verify, every draft verified: the width chooser needs a GPU cost table) -> acceptance length (1 + accepted /
+    verifies, vLLM's), answers identical to plain, accuracy; into results/ as JSON."""
+    from ..config import EngineConfig
+    from ..engine import SamplingParams
+    from ..engine.build import build_engine
+    from ..eval import EVAL_SEED, _engine_cfg
+    specs = {"dspark": {"method": "dspark", "model": drafter, "num_speculative_tokens": k},
+             "suffix": {"method": "suffix", "num_speculative_tokens": k},
+             "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}}
+    out = {"target": target, "drafter": drafter, "k": k, "n": n, "recall_context": recall_context,
+           "width": "full (CPU: no cost table)", "tasks": {}}
+    for task in task_names:
+        probs = tasks.generate(task, n, EVAL_SEED, recall_context)
+        prompts = [p.prompt_ids() for p in probs]
+        params = [SamplingParams(temperature=0.0, max_tokens=tasks.max_new_tokens(p)) for p in probs]
+        row = {}
+        for method in ("plain",) + EVAL_METHODS:
+            ecfg = _engine_cfg(EngineConfig(max_num_seqs=32, speculative_config=specs.get(method)), probs)
+            e, _ = build_engine(target, ecfg, log=lambda m: None)
+            t0 = time.time()
+            got = e.generate(prompts, params)
+            dt = time.time() - t0
+            r = {"seconds": round(dt, 1), "accuracy": sum(tasks.check(p, a) for p, a in zip(probs, got)) / n}
+            if method == "plain":
+                plain = got
+            else:
+                st = e.stats["spec"]
+                r |= {"acceptance_length": round(e.spec.mean_acceptance_length, 3), "verifies": st["num_drafts"],
+                      "drafted": st["num_draft_tokens"], "accepted": st["num_accepted_tokens"],
+                      "identical_to_plain": sum(a == b for a, b in zip(got, plain)), "n": n}
+            row[method] = r
+            log(f"{task} {method}: " + ", ".join(f"{key} {v}" for key, v in r.items()))
+        out["tasks"][task] = row
+    if results is not None:
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps(out, indent=1) + "\n")
+        log(f"wrote {results}")
+    return out
 
 
 def main(argv=None) -> None:
@@ -204,12 +252,28 @@ def main(argv=None) -> None:
     ap.add_argument("--markov-rank", type=int, default=32, help="rank of the Markov head (default 32)")
     ap.add_argument("--anchors", type=int, default=32, help="anchors per sequence and step (default 32)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=LR, help=f"peak learning rate (default {LR})")
+    ap.add_argument("--eval", metavar="DIR", help="evaluate the drafter in DIR instead of training: acceptance per "
+                    "task against suffix and n-gram, answers against plain greedy (--out: the results JSON)")
+    ap.add_argument("--n", type=int, default=500, help="--eval: problems per task (default 500)")
+    ap.add_argument("--tasks", default=",".join(TASKS), help="--eval: comma-separated tasks (default all four)")
+    ap.add_argument("--k", type=int, default=7, help="--eval: drafts a verify (default 7)")
+    ap.add_argument("--recall-context", type=int, default=RECALL_CONTEXT, help="--eval: recall prompt tokens")
     a = ap.parse_args(argv)
+    if a.eval:
+        names = [t for t in a.tasks.split(",") if t]
+        bad = [t for t in names if t not in TASKS]
+        if bad or a.n <= 0 or a.k <= 0:
+            ap.error(f"--tasks from {', '.join(TASKS)}, --n and --k positive (got tasks {bad}, n {a.n}, k {a.k})")
+        evaluate(a.target, a.eval, a.n, names, a.k, a.recall_context, Path(a.out))
+        return
     for name in ("minutes", "problems", "layers", "block", "markov_rank", "anchors"):
         if getattr(a, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    train(a.target, Path(a.out), a.minutes, a.problems, a.layers, a.block, a.markov_rank, a.anchors, a.seed)
+    if a.lr <= 0:
+        ap.error("--lr must be positive")
+    train(a.target, Path(a.out), a.minutes, a.problems, a.layers, a.block, a.markov_rank, a.anchors, a.seed, a.lr)
 
 
 if __name__ == "__main__":
