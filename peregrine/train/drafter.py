@@ -1,6 +1,6 @@
 """Train a DSpark-style drafter (spec/dflash.py) for a target on the target's own greedy outputs, DeepSpec's recipe.
 
-    python -m peregrine.train.drafter --target peregrine-tiny --out DIR [--minutes 20] [--problems 400]
+    python -m peregrine.train.drafter --target peregrine-tiny --out DIR [--minutes 30] [--problems copy=1000,add=5000,...]
     python -m peregrine.train.drafter --eval DIR --out results/X.json [--n 500] [--tasks copy,reverse,add,recall]
 
 Data: problems of every task (tasks.py, a seed apart from the eval set), answered greedily by the target through
@@ -75,13 +75,13 @@ def init_weights(model: DFlashModel, seed: int) -> dict:
     return out
 
 
-def collect(target: str, n_per_task: int, log=log) -> list[tuple[list[int], int]]:
-    """(prompt + the target's greedy answer, prompt length) for n problems of every task."""
+def collect(target: str, per_task: dict, log=log) -> list[tuple[list[int], int]]:
+    """(prompt + the target's greedy answer, prompt length) for per_task[task] problems of each task."""
     from ..config import EngineConfig
     from ..eval import answers
     out = []
-    for task in TASKS:
-        probs = tasks.generate(task, n_per_task, TRAIN_SEED, RECALL_CONTEXT)
+    for task, n in per_task.items():
+        probs = tasks.generate(task, n, TRAIN_SEED, RECALL_CONTEXT)
         t0 = time.time()
         got = answers(target, probs, EngineConfig(max_num_seqs=32), dummy_weights=False)
         out += [(p.prompt_ids() + a, len(p.prompt_ids())) for p, a in zip(probs, got)]
@@ -130,7 +130,7 @@ def sequence_loss(m: DFlashModel, taps, tlogits, seq: list[int], prompt_len: int
     return (w * ce).sum(), (w * l1).sum(), (w * bce).sum(), w.sum(), acc_len
 
 
-def train(target: str, out: Path, minutes: float, problems: int, layers: int, block: int, markov_rank: int,
+def train(target: str, out: Path, minutes: float, problems: dict, layers: int, block: int, markov_rank: int,
           anchors: int, seed: int, lr: float = LR) -> dict:
     from ..config import resolve_model
     from ..models.kimi import KimiModel
@@ -191,7 +191,8 @@ def train(target: str, out: Path, minutes: float, problems: int, layers: int, bl
                "curve": [[i, round(sum(x[0] for x in hist[i:i + 100]) / len(hist[i:i + 100]), 4)]
                          for i in range(0, len(hist), 100)]}
     (out / "train_log.json").write_text(json.dumps(summary, indent=1) + "\n")
-    log(f"wrote {out}: {step} steps, teacher-forced accepted length {summary['final_teacher_forced_accepted']:.2f}")
+    log(f"wrote {out}: {step} steps, teacher-forced drafts accepted per anchor "
+        f"{summary['final_teacher_forced_accepted']:.2f}")
     return summary
 
 
@@ -245,8 +246,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="peregrine-tiny", help="target preset or model folder (default peregrine-tiny)")
     ap.add_argument("--out", required=True, help="folder to write the drafter into")
-    ap.add_argument("--minutes", type=float, default=20.0, help="training wall time (default 20)")
-    ap.add_argument("--problems", type=int, default=400, help="problems per task answered by the target (default 400)")
+    ap.add_argument("--minutes", type=float, default=30.0, help="training wall time (default 30)")
+    ap.add_argument("--problems", default="copy=1000,reverse=1000,add=5000,recall=300",
+                    help="problems per task answered by the target, task=N,... (default copy=1000,reverse=1000,"
+                         "add=5000,recall=300: addition needs the most examples, recall costs the most)")
     ap.add_argument("--layers", type=int, default=2, help="drafter layers (default 2)")
     ap.add_argument("--block", type=int, default=8, help="block size = drafts per block (default 8)")
     ap.add_argument("--markov-rank", type=int, default=32, help="rank of the Markov head (default 32)")
@@ -267,13 +270,19 @@ def main(argv=None) -> None:
             ap.error(f"--tasks from {', '.join(TASKS)}, --n and --k positive (got tasks {bad}, n {a.n}, k {a.k})")
         evaluate(a.target, a.eval, a.n, names, a.k, a.recall_context, Path(a.out))
         return
-    for name in ("minutes", "problems", "layers", "block", "markov_rank", "anchors"):
+    try:
+        mix = {t: int(n) for t, n in (kv.split("=") for kv in a.problems.split(",") if kv)}
+    except ValueError:
+        ap.error(f"--problems must look like copy=1000,add=5000, got {a.problems!r}")
+    if not mix or any(t not in TASKS or n <= 0 for t, n in mix.items()):
+        ap.error(f"--problems: tasks from {', '.join(TASKS)} with positive counts, got {a.problems!r}")
+    for name in ("minutes", "layers", "block", "markov_rank", "anchors"):
         if getattr(a, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if a.lr <= 0:
         ap.error("--lr must be positive")
-    train(a.target, Path(a.out), a.minutes, a.problems, a.layers, a.block, a.markov_rank, a.anchors, a.seed, a.lr)
+    train(a.target, Path(a.out), a.minutes, mix, a.layers, a.block, a.markov_rank, a.anchors, a.seed, a.lr)
 
 
 if __name__ == "__main__":
