@@ -74,6 +74,11 @@
 #   python3 -m peregrine.bench.kernels_mla --verify --quick
 #   then bench spec (above) with PEREGRINE_MLA_VERIFY_ROWS=2 and =0 against the default (1) at ISL 32768, B = 1
 #   (make 2 the default only where it wins; 0 is the pre-#42 layout)
+# - #43 items 2-3 (session 24, CPU): DFlash / DSpark drafters (taps on both paths; the drafter's block eager, outside
+#   the step's graph) and peregrine-tiny-dspark. On one H200, the drafter's acceptance with the verify width chooser
+#   (the GPU has its cost table) and the answers against plain greedy, ~5 min:
+#   python3 -m peregrine.train.drafter --eval peregrine-tiny-dspark --n 500 --out results/tiny-dspark-gpu.json
+#   then the drafter's block inside the verify graph (not written: it needs the GPU to show it pays)
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \

@@ -1,6 +1,6 @@
 """Train a DSpark-style drafter (spec/dflash.py) for a target on the target's own greedy outputs, DeepSpec's recipe.
 
-    python -m peregrine.train.drafter --target peregrine-tiny --out DIR [--minutes 30] [--problems copy=1000,add=5000,...]
+    python -m peregrine.train.drafter --target peregrine-tiny --out DIR [--minutes 30] [--problems copy=300,...]
     python -m peregrine.train.drafter --eval DIR --out results/X.json [--n 500] [--tasks copy,reverse,add,recall]
 
 Data: problems of every task (tasks.py, a seed apart from the eval set), answered greedily by the target through
@@ -40,6 +40,7 @@ LR = 1e-3
 TRAIN_SEED = 0xD5  # problems for training: tasks.generate's stream apart from the eval set's
 TASKS = ("copy", "reverse", "add", "recall")
 RECALL_CONTEXT = 512  # recall prompts in training: the lookup is the same at any length, shorter is cheaper
+COLLECT_CHUNK = 250  # problems per engine call: bounded memory, and progress between calls
 
 
 def log(msg: str) -> None:
@@ -83,7 +84,9 @@ def collect(target: str, per_task: dict, log=log) -> list[tuple[list[int], int]]
     for task, n in per_task.items():
         probs = tasks.generate(task, n, TRAIN_SEED, RECALL_CONTEXT)
         t0 = time.time()
-        got = answers(target, probs, EngineConfig(max_num_seqs=32), dummy_weights=False)
+        got = []
+        for i in range(0, len(probs), COLLECT_CHUNK):
+            got += answers(target, probs[i:i + COLLECT_CHUNK], EngineConfig(max_num_seqs=32), dummy_weights=False)
         out += [(p.prompt_ids() + a, len(p.prompt_ids())) for p, a in zip(probs, got)]
         log(f"{task}: {len(probs)} answers in {time.time() - t0:.0f}s")
     return out
@@ -247,9 +250,9 @@ def main(argv=None) -> None:
     ap.add_argument("--target", default="peregrine-tiny", help="target preset or model folder (default peregrine-tiny)")
     ap.add_argument("--out", required=True, help="folder to write the drafter into")
     ap.add_argument("--minutes", type=float, default=30.0, help="training wall time (default 30)")
-    ap.add_argument("--problems", default="copy=1000,reverse=1000,add=5000,recall=300",
-                    help="problems per task answered by the target, task=N,... (default copy=1000,reverse=1000,"
-                         "add=5000,recall=300: addition needs the most examples, recall costs the most)")
+    ap.add_argument("--problems", default="copy=300,reverse=300,add=300,recall=300",
+                    help="problems per task answered by the target, task=N,... (default 300 each: what trained "
+                         "peregrine-tiny-dspark; an add-heavy mix, add=5000, learnt slower on every task in 30 min)")
     ap.add_argument("--layers", type=int, default=2, help="drafter layers (default 2)")
     ap.add_argument("--block", type=int, default=8, help="block size = drafts per block (default 8)")
     ap.add_argument("--markov-rank", type=int, default=32, help="rank of the Markov head (default 32)")
@@ -279,7 +282,6 @@ def main(argv=None) -> None:
     for name in ("minutes", "layers", "block", "markov_rank", "anchors"):
         if getattr(a, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     if a.lr <= 0:
         ap.error("--lr must be positive")
     train(a.target, Path(a.out), a.minutes, mix, a.layers, a.block, a.markov_rank, a.anchors, a.seed, a.lr)
