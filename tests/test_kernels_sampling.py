@@ -253,6 +253,8 @@ def test_searches_draw_the_same_tokens(device):
 
 
 @pytest.mark.parametrize("block", [64, 1024, 4096])
+# the interpreter also reduces masked-off lanes (-inf - -inf at 79 slices of a 5 000 row); their results are unused
+@pytest.mark.filterwarnings("ignore:invalid value encountered in reduce:RuntimeWarning")
 def test_descent_without_top_k_levels_keeps_the_reference_set(block, device, monkeypatch):
     """Rows without top-k, searched by the descent that launches no top-k levels (top_k_any=False: top-p's first
     level starts from min-p's bound, or from the bottom key) keep the reference's set (FP64, by sorting), however
