@@ -205,6 +205,18 @@ def _key_ref(v):
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
+def _keeps_reference_set(x, t, k, p, mp, key, where):
+    """The row's threshold key keeps exactly ref_dist's set (FP64, by sorting); FP32 sums may move a nucleus
+    boundary by its one token only where the reference's mass before that token is within 1e-6 of top_p."""
+    want = ref_dist(x, t, k, p, mp) > 0
+    got = _key_ref(x / t) >= key
+    if not torch.equal(got, want):
+        q = torch.softmax(x.double() / t, -1)
+        (j,) = torch.nonzero(got ^ want)[:, 0].tolist()  # one token only, at the boundary
+        before = q[q > q[j]].sum() / q[got | want].sum()
+        assert abs(before - p) < 1e-6, (where, float(before))
+
+
 @pytest.mark.parametrize("search", ["candidates", "radix", "bisect"])
 def test_threshold_searches_keep_the_reference_set(search, device):
     """Each search's threshold key keeps exactly the reference's set (ref_dist > 0, FP64, by sorting): rows the
@@ -225,13 +237,7 @@ def test_threshold_searches_keep_the_reference_set(search, device):
     keys = keys.cpu()
     assert (need is None) == (search != "candidates")
     for i in range(b - 1):  # row 9 is greedy: no threshold
-        want = ref_dist(x[i], float(t[i]), int(k[i]), float(p[i]), float(mp[i])) > 0
-        got = _key_ref(x[i] / t[i]) >= keys[i]
-        if not torch.equal(got, want):
-            q = torch.softmax(x[i].double() / float(t[i]), -1)
-            (j,) = torch.nonzero(got ^ want)[:, 0].tolist()  # one token only, at the boundary
-            before = q[q > q[j]].sum() / q[got | want].sum()
-            assert abs(before - float(p[i])) < 1e-6, (search, i, float(before))
+        _keeps_reference_set(x[i], float(t[i]), int(k[i]), float(p[i]), float(mp[i]), keys[i], (search, i))
     if search == "candidates":
         need = need.cpu().tolist()
         assert need[0] == need[2] == need[3] == need[7] == 0, need  # peaked rows settle on their candidates
@@ -272,13 +278,7 @@ def test_descent_without_top_k_levels_keeps_the_reference_set(block, device, mon
     keys, _ = thresholds(dev(x), dev(t), dev(k), dev(p), dev(mp), 1, "radix", top_k_any=False)
     keys = keys.cpu()
     for i in range(b - 1):  # row 5 is greedy
-        want = ref_dist(x[i], float(t[i]), 0, float(p[i]), float(mp[i])) > 0
-        got = _key_ref(x[i] / t[i]) >= keys[i]
-        if not torch.equal(got, want):
-            q = torch.softmax(x[i].double() / float(t[i]), -1)
-            (j,) = torch.nonzero(got ^ want)[:, 0].tolist()  # one token only, at the boundary
-            before = q[q > q[j]].sum() / q[got | want].sum()
-            assert abs(before - float(p[i])) < 1e-6, (block, i, float(before))
+        _keeps_reference_set(x[i], float(t[i]), 0, float(p[i]), float(mp[i]), keys[i], (block, i))
     seeds, pos = torch.arange(b) * 31, torch.full((b,), 9)
     for search in ("radix", "candidates"):
         got = sample(dev(x), dev(t), dev(k), dev(p), dev(seeds), dev(pos), dev(mp), search=search, top_k_any=False)

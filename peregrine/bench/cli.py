@@ -14,14 +14,20 @@ from ..config import DECODE_BACKENDS, KV_CACHE_DTYPES, ConfigError
 EXIT_USAGE = 2  # argparse's own code for bad usage
 
 
-def int_list(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2,4,8, got {text!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, got {text!r}")
-    return vals
+def positive_list(typ, what: str):
+    """argparse type: comma-separated values of typ, each >= 1 (what: the error's name for them)."""
+    def parse(text: str) -> list:
+        try:
+            vals = [typ(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+        if not vals or any(v < 1 for v in vals):
+            raise argparse.ArgumentTypeError(f"expected {what} >= 1, got {text!r}")
+        return vals
+    return parse
+
+
+int_list = positive_list(int, "integers like 1,2,4,8")
 
 
 def _backends(text: str) -> list[str]:

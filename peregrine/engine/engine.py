@@ -116,6 +116,7 @@ class LLMEngine:
         # too); not yet under tensor parallel, whose other ranks would need the rows' settings sent along
         self.device_sampling = bool(getattr(runner, "device_sampler", False)) and getattr(engine_cfg, "tensor_parallel_size", 1) == 1
         self._sampling_key, self._sampling = None, None  # the last batch's sampling tensors, reused while it lasts
+        self._sampling_top_k = False  # whether a sampled row of that batch uses top-k
         self._penalties: penalties.DevicePenalties | None = None  # made at the first penalised row served on the device
         self._ahead: Ahead | None = None  # the forward the last step launched for the next one
         pl = getattr(engine_cfg, "prefill_piece_layers", None)
@@ -406,8 +407,7 @@ class LLMEngine:
                 self._penalties = penalties.DevicePenalties(self.cache.num_slots, self.model_cfg.vocab_size, self.device)
             step.penalties = self._penalties.prepare(step, seqs, self.eos_ids)
         step.sampling = None if all(p.greedy for p in ps) and not penalised else self._sampling_for(seqs)
-        V = self.model_cfg.vocab_size
-        step.sample_top_k = step.sampling is not None and any(0 < p.top_k < V and not p.greedy for p in ps)
+        step.sample_top_k = step.sampling is not None and self._sampling_top_k
         step.logprobs = any(p.logprobs is not None for p in ps)
         return True
 
@@ -421,6 +421,8 @@ class LLMEngine:
             self._sampling = (col([p.temperature for p in ps], torch.float32), col([p.top_k for p in ps], torch.int32),
                               col([p.top_p for p in ps], torch.float32), col([p.min_p for p in ps], torch.float32),
                               col([s.seed for s in seqs], torch.int64))
+            V = self.model_cfg.vocab_size  # does a sampled row use top-k (the sampler's top-k levels)?
+            self._sampling_top_k = any(0 < p.top_k < V and not p.greedy for p in ps)
             self._sampling_key = key
         return self._sampling
 

@@ -27,6 +27,7 @@ import traceback
 import torch
 
 from ..config import ConfigError, EngineConfig, resolve_model
+from ..bench.cli import int_list, positive_list
 from ..bench.decode import run_batch
 from .config import SpeculativeConfig, acceptance_rates_for
 
@@ -304,21 +305,8 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _list_of(typ, what: str):
-    """argparse type: comma-separated values of typ, each >= 1 (what: the error's name for them)."""
-    def parse(text: str) -> list:
-        try:
-            v = [typ(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
-        if not v or any(x < 1 for x in v):
-            raise argparse.ArgumentTypeError(f"expected {what} >= 1, got {text!r}")
-        return v
-    return parse
-
-
-_int_list = _list_of(int, "integers")
-_float_list = _list_of(float, "acceptance lengths (the bonus token counts)")
+_int_list = int_list
+_float_list = positive_list(float, "acceptance lengths (the bonus token counts)")
 
 
 def add_bench_spec_parser(subparsers) -> argparse.ArgumentParser:
