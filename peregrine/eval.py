@@ -49,15 +49,27 @@ def _engine_cfg(cfg: EngineConfig | None, problems) -> EngineConfig:
     return ecfg
 
 
+def chat_renderer(model: str):
+    """The model's chat template as `render(messages) -> str`, the one `peregrine serve` applies."""
+    from .server.chat import ChatTemplate
+    return ChatTemplate(resolve_model(model)[1]).render
+
+
 def answers(model: str, problems: list[tasks.Problem], engine_cfg: EngineConfig | None, dummy_weights: bool,
-            log=lambda m: None) -> list[list[int]]:
-    """Greedy output token ids for each problem (answer length + EOS at most)."""
+            log=lambda m: None, chat: bool = False) -> list[list[int]]:
+    """Greedy output token ids for each problem (answer length + EOS at most); with chat, each prompt is
+    sent as one user message through the model's chat template."""
     from .engine import SamplingParams
     from .engine.build import build_engine
 
-    engine, _ = build_engine(model, _engine_cfg(engine_cfg, problems), dummy_weights=dummy_weights, log=log)
+    engine, tok = build_engine(model, _engine_cfg(engine_cfg, problems), dummy_weights=dummy_weights, log=log)
     params = [SamplingParams(temperature=0.0, max_tokens=tasks.max_new_tokens(p)) for p in problems]
-    return engine.generate([p.prompt_ids() for p in problems], params)
+    if chat:
+        render = chat_renderer(model)
+        prompts = [tok.encode(render([{"role": "user", "content": p.prompt}])) for p in problems]
+    else:
+        prompts = [p.prompt_ids() for p in problems]
+    return engine.generate(prompts, params)
 
 
 def _text(ids: list[int]) -> str:
@@ -83,19 +95,19 @@ def _write(model: str, what: str, payload: dict, results_dir) -> str | None:
 
 def run_eval(model: str, task: str, n: int = DEFAULT_N, context: int = tasks.DEFAULT_CONTEXT,
              engine_cfg: EngineConfig | None = None, dummy_weights: bool = False,
-             results_dir="results", log=lambda m: None) -> dict:
-    """Exact-match accuracy of greedy answers; writes results/<date>-<gpu|cpu>-<model>-eval-<task>.json."""
+             results_dir="results", log=lambda m: None, chat: bool = False) -> dict:
+    """Exact-match accuracy of greedy answers; writes results/<date>-<gpu|cpu>-<model>-eval-<task>[-chat].json."""
     probs = _problems(task, n, context)
     t0 = time.time()
-    outs = answers(model, probs, engine_cfg, dummy_weights, log)
+    outs = answers(model, probs, engine_cfg, dummy_weights, log, chat)
     ok = [tasks.check(p, o) for p, o in zip(probs, outs)]
     res = {"model": _model_name(model), "task": task, "n": n, "context": context if task == "recall" else None,
-           "seed": EVAL_SEED, "dummy_weights": dummy_weights, "engine": _ecfg_dict(engine_cfg),
+           "seed": EVAL_SEED, "dummy_weights": dummy_weights, "engine": _ecfg_dict(engine_cfg), "chat": chat,
            "correct": sum(ok), "accuracy": sum(ok) / n, "time_s": round(time.time() - t0, 2),
            "wrong": [{"prompt": p.prompt[-40:], "want": p.answer, "got": _text(o)}
                      for p, o, k in zip(probs, outs, ok) if not k][:SHOW_DIFFS],
            "outputs": outs}
-    res["path"] = _write(model, f"eval-{task}", res, results_dir)
+    res["path"] = _write(model, f"eval-{task}" + ("-chat" if chat else ""), res, results_dir)
     return res
 
 
@@ -154,6 +166,8 @@ def cmd_eval(args) -> int:
     log = (lambda m: None) if args.quiet else (lambda m: print(f"[peregrine] {m}", file=sys.stderr, flush=True))
     base = engine_config(args)
     rd = args.results_dir or None
+    if args.compare and args.chat:
+        raise ConfigError("--chat measures one configuration; run it without --compare")
     if args.compare:
         other = apply_compare(base, args.compare)
         r = compare(args.model, args.task, args.n, base, other, args.context, args.dummy_weights, rd, log=log)
@@ -172,8 +186,8 @@ def cmd_eval(args) -> int:
                 print(f"  #{d['index']} ...{d['prompt']!r} want {d['want']!r}: A {d['a']!r} B {d['b']!r}", file=sys.stderr)
             return 1
         return 0
-    r = run_eval(args.model, args.task, args.n, args.context, base, args.dummy_weights, rd, log=log)
-    print(f"{r['model']} {args.task} n={args.n}" + (f" context={args.context}" if args.task == "recall" else "") +
+    r = run_eval(args.model, args.task, args.n, args.context, base, args.dummy_weights, rd, log=log, chat=args.chat)
+    print(f"{r['model']} {args.task}{' (chat)' if args.chat else ''} n={args.n}" + (f" context={args.context}" if args.task == "recall" else "") +
           f": accuracy {r['accuracy']:.3f} ({r['correct']}/{args.n})" + (f" -> {r['path']}" if r["path"] else ""))
     for w in r["wrong"][:3]:
         print(f"  wrong: ...{w['prompt']!r} want {w['want']!r} got {w['got']!r}")
@@ -199,6 +213,8 @@ def add_eval_parser(subparsers) -> None:
     p.add_argument("--tolerance-points", type=float, default=None, metavar="P",
                    help="with --compare: pass when the accuracies differ by at most P points even if answers differ "
                         "(for lossy options such as the FP8 cache); default: any differing answer fails")
+    p.add_argument("--chat", action="store_true",
+                   help="send each problem as one user message through the model's chat template, as a chat client would")
     p.add_argument("--results-dir", default="results", help="where the JSON goes ('' = do not write)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=cmd_eval)

@@ -278,3 +278,44 @@ def test_generation_config_sampling_defaults():
     assert (p.temperature, p.top_p, p.top_k) == (0.0, 1.0, 0)
     p = parse({}, None)
     assert (p.temperature, p.top_p, p.top_k) == (DEFAULT_TEMPERATURE, 1.0, 0)
+
+
+# ---------------------------------------------------------------- chat on the embedded model
+@pytest.fixture(scope="module")
+def chat_srv():
+    """The server as `peregrine serve --model peregrine-tiny` builds it: the preset folder's chat template."""
+    from peregrine.config import resolve_model
+    from peregrine.server.chat import ChatTemplate
+    eng, tok = make_engine()
+    with BackgroundServer(create_app(eng, tok, NAME, chat_template=ChatTemplate(resolve_model(MODEL)[1]))) as s:
+        s.client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=T)
+        yield s
+
+
+def chat(srv, messages, **kw):
+    r = srv.client.chat.completions.create(model=NAME, messages=messages, temperature=0, max_tokens=32, **kw)
+    return r.choices[0].message.content
+
+
+def test_readme_chat_example(chat_srv):
+    assert chat(chat_srv, [{"role": "user", "content": "rev:peregrine|"}]) == "enirgerep"
+
+
+def test_chat_answers_equal_raw_completions(chat_srv):
+    """Each task as a chat message, after a system prompt and an earlier turn, gets the raw prompt's answer,
+    and that answer is the task's (independent: tasks.py computes it)."""
+    from peregrine.train import tasks
+    for t in ("add", "copy", "reverse"):
+        for p in tasks.generate(t, 6, 7):
+            msgs = [{"role": "system", "content": "You are a helpful assistant."},
+                    {"role": "user", "content": "copy:zz|"}, {"role": "assistant", "content": "zz"},
+                    {"role": "user", "content": p.prompt}]
+            raw = chat_srv.client.completions.create(model=NAME, prompt=p.prompt, temperature=0, max_tokens=32)
+            assert chat(chat_srv, msgs) == raw.choices[0].text
+            if t != "add":  # additions: the model's own accuracy is 97.6 %, copy and reverse are exact here
+                assert raw.choices[0].text == p.answer
+
+
+def test_chat_without_a_user_message_is_a_clear_400(chat_srv):
+    with pytest.raises(openai.BadRequestError, match="needs a user message"):
+        chat(chat_srv, [{"role": "system", "content": "hello"}])
