@@ -105,11 +105,6 @@ def generate(task: str, n: int, seed: int, context: int = DEFAULT_CONTEXT) -> li
     return [make(r) for _ in range(n)]
 
 
-def chat_prompt_ids(problem: Problem, render) -> list[int]:
-    """The problem as one user message rendered by a chat template (`render(messages) -> str`)."""
-    return list(render([{"role": "user", "content": problem.prompt}]).encode())
-
-
 def check(problem: Problem, output_ids: list[int]) -> bool:
     """Exact match: the output is the answer bytes followed by EOS (nothing else before EOS)."""
     want = problem.answer_ids()
