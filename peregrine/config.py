@@ -13,6 +13,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 PRESET_DIR = Path(__file__).parent / "presets"
+# eps of the MLA latent norms (kv_a_layernorm, q_a_layernorm) when config.json has no "mla_norm_eps":
+# transformers' and Moonshot's modeling code use 1e-6 there whatever rms_norm_eps says
+MLA_NORM_EPS = 1e-6
 
 
 class ConfigError(ValueError):
@@ -206,7 +209,7 @@ class ModelConfig:
             qk_rope_head_dim=_req(d, "qk_rope_head_dim", int, where, positive=True),
             v_head_dim=_req(d, "v_head_dim", int, where, positive=True),
             mla_output_gate=bool(d.get("mla_use_output_gate", False)),
-            mla_norm_eps=float(_req(d, "mla_norm_eps", float, where, default=_req(d, "rms_norm_eps", float, where))),
+            mla_norm_eps=float(_req(d, "mla_norm_eps", float, where, default=MLA_NORM_EPS)),
             hidden_act=act,
             intermediate_size=_req(d, "intermediate_size", int, where, positive=True),
             first_k_dense_replace=_req(d, "first_k_dense_replace", int, where, default=0),

@@ -7,12 +7,12 @@ of 16 greedy decode steps agree within 1e-4 (relative RMSE), and the 16 greedy t
 on the standard path and on the specialized path (Triton kernels, through the interpreter on CPU).
 This is how vLLM tests its models against HF.
 
-One difference was found, in the eps of the MLA latent norms: transformers (like Moonshot's
-modeling_kimi.py) uses 1e-6 for kv_a_layernorm / q_a_layernorm whatever rms_norm_eps says, while
-peregrine follows MODELS.md ("1e-5 everywhere", i.e. rms_norm_eps) unless config.json sets
-mla_norm_eps. Both configs here set mla_norm_eps = 1e-6 to compare like with like; config B has
-rms_norm_eps 1e-5 (the published value) and a latent whose mean square is ~1e-5, where the eps shows:
-test_mla_norm_eps_is_the_difference checks that without the field config B misses transformers.
+The MLA latent norms (kv_a_layernorm / q_a_layernorm) use eps 1e-6 in transformers (and Moonshot's
+modeling_kimi.py) whatever rms_norm_eps says; peregrine follows that by default (config.MLA_NORM_EPS),
+and config.json's "mla_norm_eps" overrides it. The configs here do not set the field, so the default is
+what is compared. Config B has rms_norm_eps 1e-5 (the published value) and a latent whose mean square
+is ~1e-5, where the eps shows: test_mla_norm_eps_is_the_difference checks that the override set to
+rms_norm_eps makes config B miss transformers.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import json
 import pytest
 import torch
 
-from peregrine.config import EngineConfig
+from peregrine.config import MLA_NORM_EPS, EngineConfig
 from peregrine.engine import SamplingParams
 from peregrine.engine.build import build_engine
 from peregrine.testing import rel_rmse
@@ -56,7 +56,6 @@ BASE = {
     "mla_use_nope": True, "moe_layer_freq": 1, "moe_router_activation_func": "sigmoid", "hidden_act": "silu",
     "num_expert_group": 1, "topk_group": 1, "use_grouped_topk": True, "model_max_length": 4096,
     "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 299, "tie_word_embeddings": False,
-    "mla_norm_eps": HF_MLA_NORM_EPS,
 }
 CONFIGS = {
     # Kimi-Linear's shape: dense layer 0, KDA then MLA, q_proj (no q-LoRA), one shared expert
@@ -177,15 +176,17 @@ def test_specialized_path_matches_transformers(hf_case):
 
 
 def test_mla_norm_eps_is_the_difference(hf_case, tmp_path):
-    """Config B as published configs are (no mla_norm_eps): peregrine's MLA norms then use
-    rms_norm_eps = 1e-5, transformers' 1e-6, and on B's small latent the logits part."""
+    """The override set to rms_norm_eps (1e-5, what peregrine used by default before): transformers'
+    MLA norms use 1e-6, and on B's small latent the logits part."""
     name, folder, prompt, prefill, *_ = hf_case
     if name != "B":
         pytest.skip("config B carries the small latent")
     import shutil
     shutil.copytree(folder, tmp_path / "m")
     raw = json.loads((tmp_path / "m" / "config.json").read_text())
-    assert raw.pop("mla_norm_eps") == HF_MLA_NORM_EPS  # transformers kept our field in the config it wrote
+    assert "mla_norm_eps" not in raw and raw["rms_norm_eps"] == 1e-5
+    assert MLA_NORM_EPS == HF_MLA_NORM_EPS  # the default the other tests compared
+    raw["mla_norm_eps"] = raw["rms_norm_eps"]
     (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
     p_prefill, *_ = _peregrine(tmp_path / "m", "standard", prompt)
     assert rel_rmse(p_prefill, prefill) > 10 * TOL
