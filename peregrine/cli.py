@@ -61,7 +61,7 @@ def engine_config(args) -> EngineConfig:
                         kv_cache_dtype=args.kv_cache_dtype, device=args.device, dtype=args.dtype, seed=args.seed,
                         tensor_parallel_size=args.tensor_parallel_size)
     ecfg.apply_additional_config(args.additional_config)
-    from .spec.config import SpeculativeConfig
+    from .speculative.config import SpeculativeConfig
     ecfg.speculative_config = SpeculativeConfig.parse(getattr(args, "speculative_config", "") or None)
     ecfg.validate()
     return ecfg
@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         bsub = b.add_subparsers(dest="bench_cmd", metavar="BENCH")
         bsub.required = True
         bench_cli.add_bench_decode_parser(bsub)
-        from .spec.bench import add_bench_spec_parser
+        from .speculative.bench import add_bench_spec_parser
         add_bench_spec_parser(bsub)
         bench_cli.add_bench_report_parser(bsub)
         from .bench.kernels import add_bench_kernels_parser

@@ -332,7 +332,7 @@ class EngineConfig:
     # TP: router logits and MLA latent/q-down projections as a slice per rank + all-gather (true), or
     # computed whole on every rank (false: no extra collective, the default until measured on the GPU)
     tp_slice_replicated: bool = False
-    speculative_config: object = None         # --speculative-config (peregrine.spec.config.SpeculativeConfig, dict or JSON)
+    speculative_config: object = None         # --speculative-config (peregrine.speculative.config.SpeculativeConfig, dict or JSON)
     extra: dict = field(default_factory=dict)
 
     ADDITIONAL_KEYS = {

@@ -1,4 +1,4 @@
-"""DFlash / DSpark drafters (spec/dflash.py) against references nobody here wrote, FP32 on the CPU: z-lab's
+"""DFlash / DSpark drafters (speculative/dflash.py) against references nobody here wrote, FP32 on the CPU: z-lab's
 `dflash` package (test-only) for the DFlash layers and block convention."""
 import json
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from peregrine.config import ConfigError
-from peregrine.spec.dflash import DFlashConfig, DFlashModel, check_fits, load_folder
+from peregrine.speculative.dflash import DFlashConfig, DFlashModel, check_fits, load_folder
 
 V, H, TARGET_LAYERS = 128, 64, 6
 SMALL = dict(hidden_size=H, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -172,7 +172,7 @@ def test_drafter_in_the_engine_keeps_greedy_exact_and_reads_the_targets_taps(tmp
     from peregrine.decode.batch import StepInput
     from peregrine.engine import SamplingParams
     from peregrine.engine.build import build_engine
-    from peregrine.spec import dflash
+    from peregrine.speculative import dflash
 
     from conftest import write_dummy_model
     from peregrine.config import PRESET_DIR
@@ -239,7 +239,7 @@ def test_speculative_config_for_drafter_folders(tmp_path):
     the block and a K3 target are clear errors."""
     from peregrine.config import EngineConfig, resolve_model
     from peregrine.engine.build import build_engine
-    from peregrine.spec.config import SpeculativeConfig
+    from peregrine.speculative.config import SpeculativeConfig
     tcfg, _ = resolve_model("tiny-kimi-linear")
     zlab, _ = _drafter_folder(tmp_path / "z", tcfg, block=6)
     deep, _ = _drafter_folder(tmp_path / "s", tcfg, dspark=True, block=6)

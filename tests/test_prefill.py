@@ -501,7 +501,7 @@ def test_prompt_logprobs_compute_the_whole_prompt_even_when_cached():
 def test_prefix_hit_equals_miss_k3_fp8_and_speculative(preset, kw):
     """K3 layers (bounded gate, q-LoRA MLA, AttnRes), an FP8 latent cache (the shared blocks hold FP8
     entries) and speculative decoding on top of prefix hits: the same greedy tokens as without reuse."""
-    from peregrine.spec.config import SpeculativeConfig
+    from peregrine.speculative.config import SpeculativeConfig
     if "speculative_config" in kw:
         kw = {**kw, "speculative_config": SpeculativeConfig.parse(kw["speculative_config"])}
     g = torch.Generator().manual_seed(13)

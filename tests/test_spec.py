@@ -7,8 +7,8 @@ from peregrine.cli import main
 from peregrine.config import ConfigError, EngineConfig
 from peregrine.engine import SamplingParams
 from peregrine.engine.build import build_engine
-from peregrine.spec.config import SpeculativeConfig
-from peregrine.spec.drafters import NgramDrafter
+from peregrine.speculative.config import SpeculativeConfig
+from peregrine.speculative.drafters import NgramDrafter
 from spec_helpers import ScriptedDrafter
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
@@ -169,7 +169,7 @@ def test_metrics_and_cli():
 
 
 def test_bench_spec_records_plain_ngram_and_oracle(tmp_path):
-    from peregrine.spec.bench import bench_spec
+    from peregrine.speculative.bench import bench_spec
     r = bench_spec("tiny-kimi-linear", batch_sizes=(2,), ks=(2,), input_len=24, output_len=8, pattern_len=4, runs=1,
                    backend="standard", dummy_weights=True, results_dir=str(tmp_path), log=lambda m: None)
     assert [b["batch"] for b in r["batches"]] == [2]
@@ -197,7 +197,7 @@ SYNTH = {"method": "ngram", "num_speculative_tokens": 7, "rejection_sample_metho
 def test_synthetic_length_becomes_vllms_schedule():
     """The length counts the bonus token and is spent on the earliest positions (vLLM's and SGLang's schedule;
     3.78 at 7 drafts is [1, 1, 0.78, 0, 0, 0, 0] in their docs)."""
-    from peregrine.spec.config import acceptance_rates_for
+    from peregrine.speculative.config import acceptance_rates_for
     assert acceptance_rates_for(3.78, 7) == [1, 1, 0.78, 0, 0, 0, 0]
     assert acceptance_rates_for(6.0, 7) == [1, 1, 1, 1, 1, 0, 0]
     assert acceptance_rates_for(2.33, 3) == [1, 0.33, 0]
@@ -223,7 +223,7 @@ def test_synthetic_draws_follow_the_rates(rates):
     """10 000 draws (keyed by request seed and length, as the engine makes them): the mean accepted length within
     1 % of the configured one, each position accepted at its rate (within 4 binomial sigmas), a prefix always."""
     from types import SimpleNamespace
-    from peregrine.spec.decoder import SpecDecoder
+    from peregrine.speculative.decoder import SpecDecoder
     d = SpecDecoder.__new__(SpecDecoder)
     d.rates = [float(r) for r in rates]
     n, k = 10_000, len(rates)
@@ -258,7 +258,7 @@ def test_choose_width_on_given_costs():
     """Expected tokens per ms, worked by hand: one request with survival [1, 1, 0.78] (3.78's schedule) and
     cheap verifies takes every draft; a weak drafter against costly verifies takes a plain step; a batch whose
     step cost climbs with T (a MoE's union of experts) stops where the next draft no longer pays."""
-    from peregrine.spec.width import choose_width
+    from peregrine.speculative.width import choose_width
     # w: tokens / ms = 1/2.0 = 0.50, 2/2.2 = 0.91, 3/2.4 = 1.25, 3.78/2.6 = 1.45
     assert choose_width([[1.0, 1.0, 0.78]], {1: 2.0, 2: 2.2, 3: 2.4, 4: 2.6}) == 3
     # 1/2.0 = 0.50 against 1.3/4.5 = 0.29 and 1.4/5.0 = 0.28: the plain step wins
@@ -271,7 +271,7 @@ def test_choose_width_on_given_costs():
 
 
 def test_acceptance_tracker_counts_conditional_rates():
-    from peregrine.spec.width import PRIOR_RATE, PRIOR_WEIGHT, AcceptanceTracker
+    from peregrine.speculative.width import PRIOR_RATE, PRIOR_WEIGHT, AcceptanceTracker
     t = AcceptanceTracker(3)
     for drafted, accepted in ((3, 3), (3, 1), (2, 0), (3, 2)):
         t.record(drafted, accepted)
@@ -305,7 +305,7 @@ def test_width_chooser_in_the_engine_keeps_greedy_exact():
 def test_bench_spec_synthetic_lengths(tmp_path):
     """bench spec's synthetic rows: per acceptance length and width mode, tokens a step per user near the length
     (every greedy row drafts its room and accepts the drawn count), rows verified per request 1 + k."""
-    from peregrine.spec.bench import bench_spec
+    from peregrine.speculative.bench import bench_spec
     r = bench_spec("tiny-kimi-linear", batch_sizes=(2,), ks=(3,), input_len=16, output_len=24, pattern_len=4, runs=1,
                    backend="standard", dummy_weights=True, oracle=False, results_dir=str(tmp_path), log=lambda m: None,
                    acceptance_lengths=(2.0, 3.5), widths=("full",))
@@ -361,8 +361,8 @@ def test_speculative_sampling_rule_matches_its_definition():
 def test_width_chooser_learns_the_host_side_excess():
     """The table times graph replays only; observed steps that take longer (drafting, read-back, rollback) raise
     what the chooser counts for their kind, so a width that paid on the table stops being chosen."""
-    from peregrine.spec.decoder import SpecDecoder
-    from peregrine.spec.width import choose_width
+    from peregrine.speculative.decoder import SpecDecoder
+    from peregrine.speculative.width import choose_width
     d = SpecDecoder.__new__(SpecDecoder)
     d.costs, d.excess = {2: {1: 3.0, 2: 3.3, 3: 3.6}}, {"plain": 0.0, "verify": 0.0}
     surv = [[0.5, 0.25]] * 2

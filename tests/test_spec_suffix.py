@@ -1,4 +1,4 @@
-"""Suffix decoding (peregrine/spec/suffix.py): the tries against counts taken by brute force here, the drafts'
+"""Suffix decoding (peregrine/speculative/suffix.py): the tries against counts taken by brute force here, the drafts'
 rules (depth, match-scaled length, probability floor, the global trie and its cap), and the engine exact."""
 import random
 from types import SimpleNamespace
@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 
 from peregrine.config import ConfigError
-from peregrine.spec.config import SpeculativeConfig
-from peregrine.spec.suffix import SuffixDrafter, SuffixTrie, follow
+from peregrine.speculative.config import SpeculativeConfig
+from peregrine.speculative.suffix import SuffixDrafter, SuffixTrie, follow
 from test_spec import greedy, tiny
 
 
@@ -151,7 +151,7 @@ def test_forced_replies_are_emitted_and_verified_against():
 def test_replay_sessions_measure_drafters_on_copied_text():
     """Agent-shaped sessions from this package's source: the reply quotes the context, so suffix decoding
     and n-gram lookup are accepted on it with the model's noise replaced by the recording."""
-    from peregrine.spec.replay import agent_sessions, replay
+    from peregrine.speculative.replay import agent_sessions, replay
     two = agent_sessions(1, 2, seed=1, max_chars=3000)
     assert len(two[0]) == 2 and two[0][1][0].startswith(two[0][0][0])  # the context grows turn by turn
     for ctx, reply in two[0]:
@@ -167,7 +167,7 @@ def test_replay_sessions_measure_drafters_on_copied_text():
 
 
 def test_the_global_trie_is_held_to_its_token_budget(monkeypatch):
-    import peregrine.spec.suffix as sx
+    import peregrine.speculative.suffix as sx
     monkeypatch.setattr(sx, "GLOBAL_MAX_TOKENS", 10)
     d = SuffixDrafter(max_tree_depth=4, max_cached_requests=100, max_spec_factor=1.0, min_token_prob=0.1)
     for n in range(4):  # 4 outputs of 4 tokens: only the last two fit in 10
@@ -181,7 +181,7 @@ def test_the_global_trie_is_held_to_its_token_budget(monkeypatch):
 
 def test_request_match_reads_its_active_nodes_as_a_walk_would():
     """_Request.match (the nodes its updates hold) equals SuffixTrie.match's walk from the root, on random text."""
-    from peregrine.spec.suffix import _Request
+    from peregrine.speculative.suffix import _Request
     rng = random.Random(5)
     for depth in (1, 4, 24):
         r = _Request(depth)

@@ -132,7 +132,7 @@ class LLMEngine:
     def enable_speculation(self, spec_cfg, drafter=None, log=None) -> None:
         """Turn speculative decoding on (a SpeculativeConfig, its JSON or dict) or off (None).
         Call between steps: with requests running, drafts start at the next step."""
-        from ..spec.config import SpeculativeConfig
+        from ..speculative.config import SpeculativeConfig
         cfg = SpeculativeConfig.parse(spec_cfg)
         if self.spec is not None:
             for seq in list(self._live.values()):
@@ -141,7 +141,7 @@ class LLMEngine:
             self.spec = None
             self.stats.pop("spec", None)
             return
-        from ..spec.decoder import SpecDecoder
+        from ..speculative.decoder import SpecDecoder
         self.spec = SpecDecoder(self, cfg, drafter=drafter, log=log or logging.getLogger(__name__).info)
         self.stats["spec"] = dict(self.spec.stats, mean_acceptance_length=0.0)
 

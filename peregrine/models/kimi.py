@@ -108,7 +108,7 @@ class KimiModel(nn.Module):
         self.lm_head = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.output_res = AttnRes(cfg.hidden_size, cfg.rms_norm_eps, dtype) if cfg.attn_res_block_size else None
         self._blocks: list[torch.Tensor] = []  # AttnRes block list of the last hidden_states call
-        self.taps = None  # a DFlash drafter's TapWriter (spec/dflash.py): fed the tapped layers' outputs
+        self.taps = None  # a DFlash drafter's TapWriter (speculative/dflash.py): fed the tapped layers' outputs
 
     def hf_params(self) -> list[HFParam]:
         V, D = self.embed_tokens.shape

@@ -1,4 +1,4 @@
-"""Train a DSpark-style drafter (spec/dflash.py) for a target on the target's own greedy outputs, DeepSpec's recipe.
+"""Train a DSpark-style drafter (speculative/dflash.py) for a target on the target's own greedy outputs, DeepSpec's recipe.
 
     python -m peregrine.train.drafter --target peregrine-tiny --out DIR [--minutes 30] [--problems copy=300,...]
     python -m peregrine.train.drafter --eval DIR --out results/X.json [--n 500] [--tasks copy,reverse,add,recall]
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..spec.dflash import DFlashConfig, DFlashModel
+from ..speculative.dflash import DFlashConfig, DFlashModel
 from . import tasks
 from .forward import hidden_states
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from ..config import ConfigError
 
 METHODS = ("ngram", "draft_model", "suffix", "dflash", "dspark")
-DRAFTER_FOLDERS = ("dflash", "dspark")  # methods whose "model" is a drafter folder (spec/dflash.py)
+DRAFTER_FOLDERS = ("dflash", "dspark")  # methods whose "model" is a drafter folder (speculative/dflash.py)
 REJECTION = ("standard", "synthetic")
 SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
