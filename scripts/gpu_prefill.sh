@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Prefill / prefix caching / chunked mixing on one H200 (issue: time to first token at agent-size contexts).
-#   STEPS: any of tests hf kernels kdarows profile pmoe glue moegrouped ttft serve (default: tests kernels ttft serve, in that order); TESTS (test
+#   STEPS: any of tests hf kernels kdarows profile glue moegrouped ttft serve (default: tests kernels ttft serve, in that order); TESTS (test
 #   files) and K (a pytest -k filter) for tests; hf: the transformers conformance test; MODEL (kimi-linear-48b-a3b);
-#   LENGTHS (1024,8192,32768,131072); CHUNKS/CONTEXT/AB (interleaved eager vs prefill-graph runs)/BUDGET (tokens per step)/SHAPES=1/STACKS=1 (Python stacks in the idle-gap listing)/SYNC=1 (host phases and every host sync of a cold first token) for profile; pmoe: #20's persistent MoE tests and bench; RUNS (3); CONC (1,4,8); T_<step> seconds per step (a killed step
+#   LENGTHS (1024,8192,32768,131072); CHUNKS/CONTEXT/AB (interleaved eager vs prefill-graph runs)/BUDGET (tokens per step)/SHAPES=1/STACKS=1 (Python stacks in the idle-gap listing)/SYNC=1 (host phases and every host sync of a cold first token) for profile; RUNS (3); CONC (1,4,8); T_<step> seconds per step (a killed step
 #   still leaves its log and the bundle); BACKEND, PG (true: prefill graphs; e.g. "false true"), BREAKDOWN (32768; 0: none), MNBT (tokens per step, e.g. "8192 32768") for ttft
 # Results go to results/, logs to $OUT/logs; both come back as $OUT/bundle.tgz, with only the results files this run
 #   wrote (the device returns 8 files a call: give each run its own OUT and keep the count down).
@@ -30,9 +30,6 @@ for step in $STEPS; do
     profile)
       timeout -k 5 "$lim" python3 -m peregrine.bench.profile_prefill --model "$MODEL" --dummy-weights \
         --chunks "${CHUNKS:-1024,8192}" --context "${CONTEXT:-32768}" --ab-runs "${AB:-0}" --budget "${BUDGET:-0}" ${SHAPES:+--shapes} ${STACKS:+--stacks} ${SYNC:+--sync-debug} 2>&1 | tee "$OUT/profile-prefill.log" || rc=1 ;;
-    pmoe)
-      timeout -k 5 "$lim" python3 -m pytest -v tests/test_kernels_persistent_moe.py 2>&1 | tee "$OUT/pytest-pmoe.log" || rc=1
-      timeout -k 5 "$lim" python3 -m peregrine.bench.persistent_moe --model "$MODEL" 2>&1 | tee "$OUT/persistent-moe.log" || rc=1 ;;
     glue)  # the MoE prefill glue kernels: GPU tests, then their microbenchmark against the torch forms
       timeout -k 5 "$lim" python3 -m pytest -v tests/test_kernels_moe_prefill.py 2>&1 | tee "$OUT/pytest-glue.log" || rc=1
       timeout -k 5 "$lim" python3 -m peregrine.bench.kernels_moe_prefill 2>&1 | tee "$OUT/kernels-moe-prefill.log" || rc=1 ;;
