@@ -325,9 +325,6 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90
     tensor_parallel_size: int = 1             # ranks, one process (one GPU) each
     pdl: bool = True                          # specialized path: Programmatic Dependent Launch on Hopper (H200: B=1 step 3.06 -> 2.74 ms)
-    # specialized path: each attention in-projection takes its residual add + RMSNorm in its GEMM's prologue
-    # (kernels/norm_gemm.py; one launch instead of two a layer). Off: slower than the chain on the H200 (session 12)
-    decode_fused_norm: bool = False
     tp_allreduce: str = "auto"                # specialized path: "auto" (one-shot symmetric memory, else NCCL) or "nccl"
     # TP: router logits and MLA latent/q-down projections as a slice per rank + all-gather (true), or
     # computed whole on every rank (false: no extra collective, the default until measured on the GPU)
@@ -343,7 +340,6 @@ class EngineConfig:
         "decode_lookahead": "bool",
         "tp_allreduce": TP_ALLREDUCE,
         "pdl": "bool",
-        "decode_fused_norm": "bool",
         "tp_slice_replicated": "bool",
         "prefix_cache_snapshots": "int >= 0",
         "prefill_piece_layers": "int >= 0 (0: off)",
@@ -369,8 +365,7 @@ class EngineConfig:
                 raise ConfigError(f"--additional-config: tp_allreduce must be one of {', '.join(TP_ALLREDUCE)}, got {v!r}")
             if k in ("prefix_cache_snapshots", "prefill_piece_layers") and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ConfigError(f"--additional-config: {k} must be an int >= 0, got {v!r}")
-            if k in ("cuda_graphs", "prefill_graphs", "pdl", "decode_lookahead", "tp_slice_replicated",
-                     "decode_fused_norm") and not isinstance(v, bool):
+            if k in ("cuda_graphs", "prefill_graphs", "pdl", "decode_lookahead", "tp_slice_replicated") and not isinstance(v, bool):
                 raise ConfigError(f"--additional-config: {k} must be true or false, got {v!r}")
             setattr(self, k, v)
 

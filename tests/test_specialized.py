@@ -137,21 +137,6 @@ def test_logits_close_and_tokens_identical(model_dir, seed):
                 assert b[r][i] in x[r].topk(5).indices.tolist() and a[r][i] in y[r].topk(5).indices.tolist()
 
 
-def test_fused_norm_in_projections_equal_the_two_kernel_chain(model_dir):
-    """decode_fused_norm (each attention in-projection with its residual add + RMSNorm in the GEMM's prologue)
-    against the specialized path without it: every decode step on the specialized path, its logits within
-    tolerance up to the first differing token (none in FP32), the same greedy tokens in FP32."""
-    ps = prompts(2, 5)
-    eager = dict(cuda_graphs=False) if DEVICE == "cuda" else {}
-    chain, lc = engine(model_dir, "latency_specialized", **eager)
-    fused, lf = engine(model_dir, "latency_specialized", decode_fused_norm=True, **eager)
-    assert fused.runner.fused_norm and not chain.runner.fused_norm
-    n = STEPS if FULL_SHAPES else 8  # an off-by-default path (slower on the H200): a few steps cover its layers in CI
-    a, b = chain.generate(ps, greedy(n)), fused.generate(ps, greedy(n))
-    assert [p for p, _ in lf][1:] == ["latency_specialized"] * (len(lf) - 1)
-    assert_same_greedy_and_close_steps(a, b, lc, lf)
-
-
 def test_shared_expert_in_the_expert_launches_equals_the_dense_shared_expert(model_dir, monkeypatch):
     """The shared expert as one more slot of the routed-expert launches (the default) against it as a
     dense MLP added in the combine (PEREGRINE_SHARED_SLOT=0): the fused form is the one taken, every

@@ -30,7 +30,6 @@ from ..kernels.mla_prologue import why_not as prologue_why_not
 from ..kernels.moe import moe_combine, moe_expert_partials, moe_experts, moe_route, router_partials, router_topk
 from ..kernels.moe_mxfp4 import moe_mxfp4_experts
 from ..kernels.norm import add_rms_norm, rms_norm
-from ..kernels.norm_gemm import norm_gemm
 from ..kernels.pdl import pdl as kernels_pdl
 from ..kernels.sampling import argmax, token_logprobs
 from ..models.layers import swiglu
@@ -73,13 +72,12 @@ class SpecializedRunner:
     device_sampler = True  # honours StepInput.sampling / .logprobs / .penalties in its step (_head)
 
     def __init__(self, model, cache, standard, *, max_batch: int = 8, cuda_graphs: bool = True, log=print,
-                 max_blocks: int | None = None, allreduce: str = "auto", pdl: bool = False, fused_norm: bool = False):
+                 max_blocks: int | None = None, allreduce: str = "auto", pdl: bool = False):
         if not 1 <= max_batch <= MAX_DECODE_BATCH:
             raise ValueError(f"max_decode_batch must be in 1..{MAX_DECODE_BATCH}, got {max_batch}")
         self.model, self.cache, self.standard, self.max_batch, self.log = model, cache, standard, max_batch, log
         self.cfg = model.cfg
         self.pdl = pdl  # Programmatic Dependent Launch for this runner's kernels (captured into its graphs)
-        self.fused_norm = fused_norm  # attention in-projections with their residual add + RMSNorm fused in (_norm_in_proj)
         # the shared expert served by the routed-expert launches as one more slot (_moe); 0: on the side stream
         self.shared_in_experts = os.environ.get(SHARED_SLOT_ENV, "1") != "0"
         self.fused_glue = os.environ.get(FUSED_GLUE_ENV, "1") != "0"  # _mla_attend's prologue in one launch
@@ -223,17 +221,10 @@ class SpecializedRunner:
         return self._head(_mm(h, m.lm_head).float(), step)
 
     def _norm_in_proj(self, attn, x, residual, w):
-        """(RMSNorm(residual [+ x])·w @ in_proj.T, the residual after the add). The two-kernel chain (the add
-        in place), or with fused_norm one launch (kernels/norm_gemm.py) writing the sum to a new residual;
-        rows past the skinny GEMM's (verify steps) always take the chain."""
+        """(RMSNorm(residual [+ x])·w @ in_proj.T, the residual after the add, in place)."""
         eps = self.cfg.rms_norm_eps
-        if not self.fused_norm or residual.shape[0] > MAX_DECODE_BATCH:
-            h = rms_norm(residual, w, eps) if x is None else add_rms_norm(x, residual, w, eps)[0]
-            return _mm(h, attn.in_proj), residual
-        if x is None:
-            return norm_gemm(residual, w, attn.in_proj, eps), residual
-        new = torch.empty_like(residual)  # not in place: other programs still read the old residual
-        return norm_gemm(x, w, attn.in_proj, eps, residual=residual, residual_out=new), new
+        h = rms_norm(residual, w, eps) if x is None else add_rms_norm(x, residual, w, eps)[0]
+        return _mm(h, attn.in_proj), residual
 
     def _head(self, logits, step):
         """The step's tokens from [B, V] FP32 logits: the argmax, or with step.sampling each row's draw

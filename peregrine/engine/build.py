@@ -238,5 +238,4 @@ def make_runner(model, cache, ecfg: EngineConfig, log):
     from ..decode.specialized import SpecializedRunner
     return SpecializedRunner(model, cache, standard, max_batch=ecfg.max_decode_batch, cuda_graphs=ecfg.cuda_graphs, log=log,
                              max_blocks=min(math.ceil(ecfg.max_model_len / ecfg.block_size), cache.num_blocks),
-                             allreduce=ecfg.tp_allreduce, pdl=ecfg.pdl,
-                             fused_norm=ecfg.decode_fused_norm)
+                             allreduce=ecfg.tp_allreduce, pdl=ecfg.pdl)
