@@ -24,8 +24,6 @@ VARIANTS = {
                        reduce="inline"),
     "inline_fma": dict(kernel="splitk", BLOCK_N=8, BLOCK_K=64, SPLIT_K=3, num_warps=2, num_stages=2, dot=False,
                        reduce="inline"),
-    # the whole K in four tiles (1000 = 3 x 256 + a partial tile; 257: two of them unused past K)
-    "resident": dict(kernel="resident", BLOCK_N=4, BLOCK_K=256, SPLIT_K=1, num_warps=2, num_stages=1, dot=False),
 }
 
 
@@ -63,7 +61,7 @@ def test_variants(variant, mnk, dtype, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "resident"])  # resident: no prefetch flag
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("mnk", [(1, 100, 257), (3, 33, 1024), (2, 40, 64)])
 def test_prefetch_keeps_the_bits(variant, mnk, dtype, device, monkeypatch):
     """The weight prefetch only moves loads earlier: the same products in the same order, so the
@@ -166,26 +164,6 @@ def test_the_wide_decode_sweep_yields_valid_configs_that_compute_the_product(dev
                      TOL[torch.bfloat16], str(c))
 
 
-@pytest.mark.parametrize("m", [1, 2, 5])
-def test_resident_tiles_cover_k_and_leave_the_rest_of_out(m, device):
-    """The resident kernel (all weight tiles loaded before the PDL wait) on an even K in exactly four tiles,
-    K = one tile, N not a multiple of the tile, into a column slice of a wider buffer: every row matches the
-    reference, the neighbouring columns keep their sentinel; a K needing five tiles is refused."""
-    cfg = VARIANTS["resident"]
-    for n, k in [(37, 1024), (33, 100)] + ([(2304, 4096)] if FULL_SHAPES else []):  # GPU: the o_proj too
-        c = cfg | {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4} if k == 4096 else cfg
-        x, w = _inputs(m, n, k, torch.bfloat16, device, seed=m)
-        buf = torch.full((m, n + 16), SENTINEL, device=device, dtype=torch.bfloat16)
-        y = buf[:, 8:8 + n]
-        y.copy_(poisoned((m, n), torch.bfloat16, device))
-        skinny_gemm(x, w, out=y, config=c)
-        assert_close(y, ref(x, w), TOL[torch.bfloat16], f"resident m={m} n={n} k={k}")
-        assert (buf[:, :8] == SENTINEL).all() and (buf[:, 8 + n:] == SENTINEL).all()
-    x, w = _inputs(m, 8, 1025, torch.bfloat16, device)
-    with pytest.raises(AssertionError, match="resident"):
-        skinny_gemm(x, w, config=cfg)
-
-
 def test_the_deep_sweep_pipelines_tensor_core_tiles_that_compute_the_product(device):
     from peregrine.bench import kernels_gemm as kg
     for m in (1, 2, 4, 8):
@@ -257,7 +235,7 @@ def test_grouped_bench_parses_and_runs_on_cpu(monkeypatch, device):
     assert row["bytes"] == (2 * 48 * 40 + 3 * 80 + 3 * 96) * 4 and row["pct_of_copy"] == row["bytes"] / 2.0 / 1e6 / 1000.0
 
 
-@pytest.mark.parametrize("variant", ["plain_fma", "splitk_dot", "inline_fma", "resident"])
+@pytest.mark.parametrize("variant", ["plain_fma", "splitk_dot", "inline_fma"])
 def test_stream_tiles_reads_every_weight_once_with_the_configs_tiling(variant, device):
     """kernels_gemm --stream's read-only kernel: with each config's grid and tiles the programs' maxima cover
     the whole weight exactly (the overall max, and per N tile the max of its rows), ragged N and K included."""

@@ -104,7 +104,6 @@ GEMM_CFGS = {
                          prefetch=True),
     "prefetch_splitk_dot": dict(kernel="splitk", BLOCK_N=32, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=2,
                                 dot=True, prefetch=True),
-    "resident": dict(kernel="resident", BLOCK_N=8, BLOCK_K=256, SPLIT_K=1, num_warps=2, num_stages=1, dot=False),
 }
 
 
@@ -285,9 +284,6 @@ jobs = {
                                          "count_ptr": "*i32", "group_n": "i32"},
                      dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=128, USE_DOT=False, IEEE=False, EVEN_K=True, INLINE_REDUCE=False,
                           PREFETCH=False)),
-    # the o_proj's resident tile at M = 2 (four 1024-wide weight tiles loaded before the wait)
-    "gemm_resident": (gemm._gemm_resident_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16"},
-                      dict(BLOCK_M=2, BLOCK_N=4, BLOCK_K=1024, TILES=4, EVEN_K=True, EVEN_N=True)),
     "norm": (norm._rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
                                      "eps": "fp32"}, dict(HAS_RES=True, BLOCK=4096, SINGLE=True, EARLY_TRIGGER=False)),
     "norm_early": (norm._rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",

@@ -88,11 +88,9 @@ def _stream_kernel(w_ptr, out_ptr, N, K, stride_wn, k_per_split, BLOCK_N: tl.con
 
 
 def stream_tiles(w: torch.Tensor, cfg: dict, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Max of w read with cfg's grid and tiles (a "plain"/"splitk" config; "resident" reads its whole K as
-    one split): [split, N tiles] per-program maxima. The time of this is the ceiling of the tiling."""
+    """Max of w read with cfg's grid and tiles (a "plain"/"splitk" config): [split, N tiles] per-program
+    maxima. The time of this is the ceiling of the tiling."""
     N, K = w.shape
-    if cfg["kernel"] == "resident":
-        cfg = cfg | {"kernel": "plain", "SPLIT_K": 1}
     grid, k_per, tile = gemm.tiling(1, N, K, cfg)
     out = out if out is not None else torch.empty(grid[1] * grid[0], dtype=torch.float32, device=w.device)
     _stream_kernel[grid[:2]](w, out, N, K, w.stride(0), k_per, BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"],

@@ -11,13 +11,6 @@ load. Two variants share one kernel body:
           for the next launch) sums them in the same order: one launch less.
 With "prefetch" each program keeps two weight tiles in flight (the next step's load is issued
 before this step's math), not one: Triton does not pipeline these loads itself.
-  resident  grid (N tiles,): a program loads ALL its weight rows (up to MAX_RESIDENT_TILES K tiles)
-          before the PDL wait and reduces each tile into a [BLOCK_N] row sum at once (no FMA
-          accumulator as large as the tile), so after the wait only x is read. Under a long,
-          weight-light predecessor (KDA decode -> o_proj) the whole weight streams in under it.
-          Plan-selectable, in no plan: on the H200 (session 18 call 3) the o_proj itself took 31 us
-          less a step at B = 1 but the KDA decode under it 32 us more (its dependent loads queue
-          behind the stream), and the rows' reductions lost at B >= 2 (bench decode +35..368 us).
 grouped_gemm runs G independent products side by side (block-diagonal w) in
 the same launch: each N tile reads its group's K columns of x.
 Inner product either on tensor cores (tl.dot, rows padded to 16; 17..64 rows in one tile of 32 or 64,
@@ -47,7 +40,6 @@ WIDE_MAX_ROWS = 64  # verify steps (B x T rows): up to 64 rows in one M tile, so
 FMA_MAX_ROWS = 4  # above this the FMA path does too much ALU work per weight byte
 FMA_ACC_REGS = 64  # FP32 accumulator registers per thread for the FMA path (no spills at 64)
 MAX_SPLIT_K = 16  # more partials cost more workspace traffic than they save
-MAX_RESIDENT_TILES = 4  # resident kernel: weight tiles held in registers per program (unrolled by hand)
 SUPPORTED = (torch.bfloat16, torch.float32)
 
 
@@ -147,48 +139,6 @@ def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, 
             o_ptrs = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
             tl.store(o_ptrs, tot.to(out_ptr.dtype.element_ty), mask=ok)
             tl.atomic_xchg(c_ptr, 0)  # ready for the next launch (graph replays included)
-
-
-@triton.jit
-def _tile_rows(acc, w, x_ptrs, m_ok, kk, K, EVEN_K: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] += every row's sum over one resident weight tile (x zero past K / past M).
-    The [rows, N, K] product is reduced at once: registers hold the bf16 tiles, not an FP32 accumulator."""
-    x = tl.load(x_ptrs, mask=m_ok[:, None] & (EVEN_K | (kk < K))[None, :], other=0.0).to(tl.float32)
-    return acc + tl.sum(w.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
-
-
-@triton.jit
-def _gemm_resident_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, group_n,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr,
-                          EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_PDL: tl.constexpr = False):
-    pid_n = tl.program_id(0)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    rm = tl.arange(0, BLOCK_M)
-    n_ok = (rn < N) | EVEN_N  # no row mask where the tiles divide N: the masks' predicates cost registers
-    m_ok = rm < M
-    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-    # every weight tile of the program before the wait (TILES covers K: nothing is loaded past it)
-    w0 = _tile(w_ptrs, n_ok, rk, K, EVEN_K)
-    if TILES > 1:
-        w1 = _tile(w_ptrs + BLOCK_K, n_ok, BLOCK_K + rk, K, EVEN_K)
-    if TILES > 2:
-        w2 = _tile(w_ptrs + 2 * BLOCK_K, n_ok, 2 * BLOCK_K + rk, K, EVEN_K)
-    if TILES > 3:
-        w3 = _tile(w_ptrs + 3 * BLOCK_K, n_ok, 3 * BLOCK_K + rk, K, EVEN_K)
-    pdl_wait(USE_PDL)
-    x_col = tl.where(group_n > 0, (pid_n * BLOCK_N) // tl.maximum(group_n, 1) * K, 0)  # grouped_gemm, as above
-    xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (x_col + rk)[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # tile sums added in K order
-    acc = _tile_rows(acc, w0, xp, m_ok, rk, K, EVEN_K)
-    if TILES > 1:
-        acc = _tile_rows(acc, w1, xp + BLOCK_K, m_ok, BLOCK_K + rk, K, EVEN_K)
-    if TILES > 2:
-        acc = _tile_rows(acc, w2, xp + 2 * BLOCK_K, m_ok, 2 * BLOCK_K + rk, K, EVEN_K)
-    if TILES > 3:
-        acc = _tile_rows(acc, w3, xp + 3 * BLOCK_K, m_ok, 3 * BLOCK_K + rk, K, EVEN_K)
-    y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -348,7 +298,7 @@ def _use_ieee(x, w) -> bool:
 
 
 def tiling(M: int, N: int, K: int, cfg: dict) -> tuple[tuple[int, int, int], int, dict]:
-    """(grid, K per split, the kernel's tile meta) of a Triton config (not "torch" or "resident")."""
+    """(grid, K per split, the kernel's tile meta) of a Triton config (not "torch")."""
     assert cfg["kernel"] in ("plain", "splitk"), f"no split-K tiling for kernel {cfg['kernel']!r}"
     bn, bk, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"] if cfg["kernel"] == "splitk" else 1
     dot = cfg.get("dot", M > FMA_MAX_ROWS)
@@ -371,16 +321,6 @@ def launch(x, w, y, cfg: dict, group_n: int = 0) -> None:
             torch.matmul(x, w.t(), out=y)
         else:
             y.copy_(torch.matmul(x, w.t()))
-        return
-    if cfg["kernel"] == "resident":
-        bk = cfg["BLOCK_K"]
-        tiles = triton.cdiv(K, bk)
-        assert tiles <= MAX_RESIDENT_TILES and M <= DOT_MIN_ROWS, f"resident: K {K} in {tiles} tiles of {bk}, M {M}"
-        _gemm_resident_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
-            x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), group_n, BLOCK_M=triton.next_power_of_2(M),
-            BLOCK_N=cfg["BLOCK_N"],
-            BLOCK_K=bk, TILES=tiles, EVEN_K=K % bk == 0, EVEN_N=N % cfg["BLOCK_N"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            **launch_kwargs(x.device))
         return
     grid, k_per, tile = tiling(M, N, K, cfg)
     split = grid[1]
