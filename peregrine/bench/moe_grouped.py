@@ -1,6 +1,5 @@
 """The prefill MoE's expert GEMMs against their floors (BENCHMARKS.md §2): models/moe.py grouped_experts
-(sort, the two grouped GEMMs, the SwiGLU-weight and combine glue), its two grouped GEMMs alone, and the up
-GEMM with its row gather and SwiGLU pass against kernels/moe_gate_up.py's fused kernel, at a
+(sort, the two grouped GEMMs, the SwiGLU-weight and combine glue) and its two grouped GEMMs alone, at a
 step's token counts from a turn-2 step (64) to a whole 32K prompt, Kimi-Linear widths (256 experts,
 top-8, I = 1024, D = 2304), uniform random routing (dummy weights route about so). Reported against the
 weight-read floor (the experts the step uses, at the copy bandwidth measured in the same run) and the
@@ -13,8 +12,6 @@ import torch
 
 from peregrine.bench.gpu import graph_time
 from peregrine.bench.ttft import PEAK_TFLOPS
-from peregrine.kernels.moe_gate_up import GateUpConfig, gate_up_swiglu
-from peregrine.kernels.moe_prefill import swiglu_weighted
 from peregrine.models.layers import swiglu
 from peregrine.models.moe import grouped_experts
 
@@ -22,9 +19,6 @@ TOKENS = (64, 256, 1024, 2048, 8192, 32768)
 QUICK_TOKENS = (64, 1024, 8192)
 E, TOP_K, I, D = 256, 8, 1024, 2304
 DTYPE = torch.bfloat16
-GATE_UP_CANDIDATES = (GateUpConfig(128, 64, 64, 8, 3), GateUpConfig(128, 64, 32, 8, 4), GateUpConfig(64, 64, 64, 4, 3),
-                      GateUpConfig(64, 128, 64, 8, 3), GateUpConfig(128, 128, 32, 8, 3))
-CANDIDATES_MIN_TOKENS = 1024  # steps this large time every candidate (smaller ones are weight-streaming)
 DEVICE = "cuda"
 
 
@@ -54,22 +48,8 @@ def run(copy_gbps: float, full: bool = True, iters: int = 10) -> list[dict]:
         def gemms():
             torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
             torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
-        ws = w.flatten()[order].float()
-
-        def up_unfused():  # the gather, the up GEMM and the SwiGLU-weight pass the fused kernel replaces
-            gu = torch._grouped_mm(x[order // TOP_K], w13.transpose(1, 2), offs=offs)
-            swiglu_weighted(gu, ws, out=h)
         t_all, s_all = graph_time([lambda: grouped_experts(x, w13, w2, ids, w, swiglu)], iters)
         t_mm, s_mm = graph_time([gemms], iters)
-        t_up, s_up = graph_time([up_unfused], iters)
-        t_fu, s_fu = graph_time([lambda: gate_up_swiglu(x, w13, flat, order, ws, TOP_K, out=h)], iters)
-        cands = {}
-        for c in GATE_UP_CANDIDATES if full and N >= CANDIDATES_MIN_TOKENS else ():
-            try:
-                cands[f"{c.block_m}x{c.block_n}x{c.block_k}/{c.num_warps}w{c.num_stages}s"] = graph_time(
-                    [lambda c=c: gate_up_swiglu(x, w13, flat, order, ws, TOP_K, config=c, out=h)], iters)[0]
-            except Exception as e:  # a tile that does not fit in shared memory: say so, time the rest
-                cands[f"{c.block_m}x{c.block_n}x{c.block_k}/{c.num_warps}w{c.num_stages}s"] = repr(e)[:80]
         wbytes = used * per_expert
         act = N * TOP_K * (D + 2 * I + I + D) * DTYPE.itemsize  # xs read, gu written, h read, ys written (the GEMMs' own traffic)
         flop = 2 * N * TOP_K * (2 * I * D + I * D)
@@ -80,9 +60,7 @@ def run(copy_gbps: float, full: bool = True, iters: int = 10) -> list[dict]:
                      "gemms_pct_of_floor": max(floor_read, floor_comp) / t_mm,
                      "gemms_gbps": (wbytes + act) / t_mm / 1e6, "gemms_tflops": flop / t_mm / 1e9,
                      "pct_of_copy": (wbytes + act) / t_mm / 1e6 / copy_gbps,
-                     "up_unfused_ms": t_up, "up_fused_ms": t_fu, "up_fused_candidates_ms": cands, "up_fused_tflops": flop * 2 / 3 / t_fu / 1e9,
-                     "layer_samples_ms": s_all, "gemms_samples_ms": s_mm, "up_unfused_samples_ms": s_up,
-                     "up_fused_samples_ms": s_fu})
+                     "layer_samples_ms": s_all, "gemms_samples_ms": s_mm})
         del x, xs, h
         torch.cuda.empty_cache()
     return rows
@@ -94,32 +72,9 @@ def main():
         f"{r['tokens']:>6} tokens ({r['experts_used']:>3} experts): grouped_experts {r['layer_ms']:8.3f} ms, its GEMMs "
         f"{r['gemms_ms']:8.3f} ms = {r['gemms_gbps']:6.0f} GB/s ({100 * r['pct_of_copy']:5.1f}% of copy), "
         f"{r['gemms_tflops']:6.1f} TFLOP/s; floors read {r['read_floor_ms']:.3f} / compute {r['compute_floor_ms']:.3f} ms "
-        f"-> {100 * r['gemms_pct_of_floor']:5.1f}% of floor; up with gather + SwiGLU {r['up_unfused_ms']:.3f} ms, "
-        f"fused (kernels/moe_gate_up.py) {r['up_fused_ms']:.3f} ms ({r['up_fused_tflops']:.0f} TFLOP/s)"), doc=__doc__)
+        f"-> {100 * r['gemms_pct_of_floor']:5.1f}% of floor"), doc=__doc__)
 
 
 if __name__ == "__main__":
     main()
 
-
-def compile_check() -> list[dict]:
-    """The fused up kernel compiled ahead of time for sm_90a in BF16 at 48B widths for every candidate tile (no
-    GPU needed): ptxas's registers and spills."""
-    import triton.language as tl
-
-    from peregrine.bench.kernels_moe import compile_sm90
-    from peregrine.kernels import moe_gate_up as K
-    n, c = (lambda v: ("i32", v)), (lambda v: ("constexpr", v))
-    rows = []
-    for cfg in (K.DEFAULT, *GATE_UP_CANDIDATES):
-        args = dict(x_ptr=("*bf16", 0), w_ptr=("*bf16", 0), order_ptr=("*i64", 0), wr_ptr=("*fp32", 0),
-                    rowmap_ptr=("*i32", 0), expert_ptr=("*i32", 0), used_ptr=("*i32", 0), h_ptr=("*bf16", 0),
-                    D=n(D), I=n(I), stride_x=n(D), stride_we=n(2 * I * D), stride_wn=n(D), stride_h=n(I),
-                    TOP_K=c(TOP_K), BLOCK_M=c(cfg.block_m), BLOCK_N=c(cfg.block_n), BLOCK_K=c(cfg.block_k),
-                    CDT=c(tl.bfloat16), PREC=c("ieee"))
-        try:
-            r = compile_sm90(K._gate_up_kernel, args, cfg.num_warps, cfg.num_stages)
-        except Exception as e:  # e.g. a tile over the shared memory
-            r = {"error": repr(e)[:200]}
-        rows.append({"config": f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/{cfg.num_warps}w{cfg.num_stages}s"} | r)
-    return rows

@@ -25,6 +25,7 @@ import random
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Callable
 
 import torch.profiler
@@ -75,6 +76,20 @@ class Inflight:
     def __init__(self, batch, last, snaps, advance):
         self.batch, self.last, self.snaps, self.advance = batch, last, snaps, advance
         self.seqs = {id(s) for s, _ in batch}
+
+
+@dataclass
+class StepPlan:
+    """What one step runs, decided by the schedule phase; the launch phase fills in its speculation."""
+    batch: list                # (sequence, tokens) rows of this step's forward (prefill pieces aside)
+    ahead: Ahead | None        # the launch the previous step made for this batch (decode lookahead)
+    num_live: int              # rows not finished since scheduling
+    n_prefill: int             # prompt tokens this step computes (pieces included)
+    n_decode: int              # decoding rows
+    piece: bool                # a prefill chunk is in flight beside the batch
+    verify_width: int = 1      # rows per sequence in the forward (k + 1 on a speculative step)
+    drafted: int = 0           # speculative: drafted tokens verified this step
+    accepted: int = 0          # of those, accepted
 
 
 class LLMEngine:
@@ -266,72 +281,100 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
+        """One engine step in five phases: schedule (what runs), build and launch (a speculative verify,
+        a plain step, or the next prefill piece), complete (tokens back from the device), accept (stops,
+        text, outputs), account (statistics). A new step mode is one more branch of _launch."""
         with self._step_lock:
             outputs, self._unreturned = self._unreturned, []
             outputs += self._drain()
             t0 = time.perf_counter()
-            ahead, self._ahead = self._ahead, None
-            if ahead is not None and all(s.finished for s, _ in ahead.batch):  # all stopped or aborted since
-                self.stats["lookahead_discarded_tokens"] += len(ahead.batch)
-                ahead = None
-            batch = ahead.batch if ahead is not None else self._schedule()
-            self._cache_ops([("load", snap, slot) for snap, slot in self.scheduler.take_loads()])
-            n_prefill = 0
-            if ahead is None and self._pieces_wanted(batch):
-                pre = [(s, n) for s, n in batch if s.in_prefill]
-                batch = [(s, n) for s, n in batch if not s.in_prefill]
-                self._inflight = self._start_pieces(pre)
-                n_prefill = sum(n for _, n in pre)
-            if not batch and self._inflight is None:
+            plan = self._plan()
+            if plan is None:
                 return outputs
-            live = [(s, n) for s, n in batch if not s.finished]
-            n_prefill += sum(n for s, n in live if s.in_prefill)
-            n_decode = sum(1 for s, _ in live if not s.in_prefill)
-            spec = (self.spec.step(batch) if self.spec is not None and ahead is None and batch
-                    and not logprobs.wants_prompt_rows(batch) else None)  # prompt logprobs: every row's logits
-            d0 = (self.spec.stats["num_draft_tokens"], self.spec.stats["num_accepted_tokens"]) if spec else (0, 0)
-            path, new = "standard", []
-            if spec is not None:
-                step, drafts, T = spec
-                logits = self._forward(step, len(step.logits_idx))
-                path = getattr(self.runner, "last_path", "standard")
-                new = self.spec.finish(batch, step, drafts, T, logits)
-                self._after_forward(batch, {})
-            piece = self._inflight is not None
-            if batch and spec is None:
-                # with a chunk in flight its next piece is launched while the decode runs, before the
-                # decode's tokens are read back (greedy decodes: the runner's argmax, copied out first)
-                new, path = self._plain_step(batch, ahead, during=self._advance_pieces if piece else None)
-            elif piece:
-                new += self._advance_pieces()
-            n_new = 0
-            for seq, toks in new:
-                if seq.finished:  # stopped or aborted after this forward was launched ahead
-                    self.stats["lookahead_discarded_tokens"] += len(toks)
-                    continue
-                out = self._accept(seq, toks)
-                n_new += len(out.new_token_ids)
-                outputs.append(out)
-            self.stats["steps_by_path"][path] += 1
-            self.stats["fallback_reasons"] = dict(getattr(self.runner, "fallback_reasons", {}))
-            self.stats["prompt_tokens"] += n_prefill
-            self.stats["generation_tokens"] += n_new
-            if self.spec is not None:
-                self.stats["spec"] = dict(self.spec.stats, mean_acceptance_length=self.spec.mean_acceptance_length)
-            self.last_step = StepInfo(len(live), n_prefill, n_decode, path, time.perf_counter() - t0, n_new,
-                                      self.spec.stats["num_draft_tokens"] - d0[0] if spec else 0,
-                                      self.spec.stats["num_accepted_tokens"] - d0[1] if spec else 0,
-                                      lookahead=ahead is not None)
-            kind = "decode" if not n_prefill else ("prefill" if not n_decode else "mixed")
-            if piece:
-                kind = "decode + prefill piece" if n_decode else "prefill pieces"
-            if self.spec is not None and kind == "decode" and n_decode == len(batch):  # the width chooser learns
-                self.spec.observe(len(batch), spec[2] if spec else 1, 1e3 * self.last_step.duration_s)
-            k = self.stats["step_kinds"].setdefault(kind, {"steps": 0, "seconds": 0.0, "prefill_tokens": 0})
-            k["steps"] += 1
-            k["seconds"] += self.last_step.duration_s
-            k["prefill_tokens"] += n_prefill
+            new, path = self._launch(plan)
+            n_new = self._accept_all(new, outputs)
+            self._account(plan, path, n_new, time.perf_counter() - t0)
             return outputs
+
+    def _plan(self) -> StepPlan | None:
+        """Schedule: the batch a lookahead launch already runs, else the scheduler's; prefill rows beside
+        running decodes split off into pieces. None when there is nothing to run."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and all(s.finished for s, _ in ahead.batch):  # all stopped or aborted since
+            self.stats["lookahead_discarded_tokens"] += len(ahead.batch)
+            ahead = None
+        batch = ahead.batch if ahead is not None else self._schedule()
+        self._cache_ops([("load", snap, slot) for snap, slot in self.scheduler.take_loads()])
+        n_prefill = 0
+        if ahead is None and self._pieces_wanted(batch):
+            pre = [(s, n) for s, n in batch if s.in_prefill]
+            batch = [(s, n) for s, n in batch if not s.in_prefill]
+            self._inflight = self._start_pieces(pre)
+            n_prefill = sum(n for _, n in pre)
+        if not batch and self._inflight is None:
+            return None
+        live = [(s, n) for s, n in batch if not s.finished]
+        n_prefill += sum(n for s, n in live if s.in_prefill)
+        n_decode = sum(1 for s, _ in live if not s.in_prefill)
+        return StepPlan(batch, ahead, len(live), n_prefill, n_decode, piece=self._inflight is not None)
+
+    def _launch(self, plan: StepPlan) -> tuple[list[tuple[Sequence, list[int]]], str]:
+        """Build, launch and complete the step: -> (tokens per sequence, the path that ran)."""
+        batch, ahead = plan.batch, plan.ahead
+        spec = (self.spec.step(batch) if self.spec is not None and ahead is None and batch
+                and not logprobs.wants_prompt_rows(batch) else None)  # prompt logprobs: every row's logits
+        if spec is not None:
+            new, path = self._verify(plan, *spec)
+            return new + (self._advance_pieces() if plan.piece else []), path
+        if batch:
+            # with a chunk in flight its next piece is launched while the decode runs, before the
+            # decode's tokens are read back (greedy decodes: the runner's argmax, copied out first)
+            return self._plain_step(batch, ahead, during=self._advance_pieces if plan.piece else None)
+        return self._advance_pieces(), "standard"
+
+    def _verify(self, plan: StepPlan, step: StepInput, drafts, T: int) -> tuple[list[tuple[Sequence, list[int]]], str]:
+        """A speculative step: every row's drafts verified in one forward, the accepted tokens back."""
+        d0 = (self.spec.stats["num_draft_tokens"], self.spec.stats["num_accepted_tokens"])
+        logits = self._forward(step, len(step.logits_idx))
+        path = getattr(self.runner, "last_path", "standard")
+        new = self.spec.finish(plan.batch, step, drafts, T, logits)
+        self._after_forward(plan.batch, {})
+        plan.verify_width = T
+        plan.drafted = self.spec.stats["num_draft_tokens"] - d0[0]
+        plan.accepted = self.spec.stats["num_accepted_tokens"] - d0[1]
+        return new, path
+
+    def _accept_all(self, new: list[tuple[Sequence, list[int]]], outputs: list[RequestOutput]) -> int:
+        """Accept: each sequence's new tokens through its stops and text; -> tokens appended."""
+        n_new = 0
+        for seq, toks in new:
+            if seq.finished:  # stopped or aborted after this forward was launched ahead
+                self.stats["lookahead_discarded_tokens"] += len(toks)
+                continue
+            out = self._accept(seq, toks)
+            n_new += len(out.new_token_ids)
+            outputs.append(out)
+        return n_new
+
+    def _account(self, plan: StepPlan, path: str, n_new: int, duration_s: float) -> None:
+        """Statistics: steps by path and kind, tokens, the fallback reasons, the width chooser's timings."""
+        self.stats["steps_by_path"][path] += 1
+        self.stats["fallback_reasons"] = dict(getattr(self.runner, "fallback_reasons", {}))
+        self.stats["prompt_tokens"] += plan.n_prefill
+        self.stats["generation_tokens"] += n_new
+        if self.spec is not None:
+            self.stats["spec"] = dict(self.spec.stats, mean_acceptance_length=self.spec.mean_acceptance_length)
+        self.last_step = StepInfo(plan.num_live, plan.n_prefill, plan.n_decode, path, duration_s, n_new,
+                                  plan.drafted, plan.accepted, lookahead=plan.ahead is not None)
+        kind = "decode" if not plan.n_prefill else ("prefill" if not plan.n_decode else "mixed")
+        if plan.piece:
+            kind = "decode + prefill piece" if plan.n_decode else "prefill pieces"
+        if self.spec is not None and kind == "decode" and plan.n_decode == len(plan.batch):  # the width chooser learns
+            self.spec.observe(len(plan.batch), plan.verify_width, 1e3 * duration_s)
+        k = self.stats["step_kinds"].setdefault(kind, {"steps": 0, "seconds": 0.0, "prefill_tokens": 0})
+        k["steps"] += 1
+        k["seconds"] += duration_s
+        k["prefill_tokens"] += plan.n_prefill
 
     # ---- prefill pieces: a chunk beside running decodes, a few layers per step ----
     def _pieces_wanted(self, batch) -> bool:

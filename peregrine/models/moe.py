@@ -45,8 +45,6 @@ FUSED_GLUE: bool | None = None  # the SwiGLU-weight and combine kernels (kernels
 #   decode steps keep the exact torch form the specialized path is checked against); True: for any step,
 #   also under the interpreter (tests); False: never
 GLUE_MIN_TOKENS = layers.FUSED_MIN_ROWS  # fewer tokens: the passes are launch-bound
-FUSED_GATE_UP = False  # with the glue kernels: the up GEMM with its row gather and SwiGLU in one kernel
-#   (kernels/moe_gate_up.py) instead of the gather, the grouped GEMM and swiglu_weighted; off until timed on a GPU
 
 
 def fused_glue(x: torch.Tensor, act) -> bool:
@@ -108,24 +106,18 @@ def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None, add: t
         weighted = swiglu_weighted
     else:
         weighted = lambda gu, wp: (act(gu) * wp.unsqueeze(-1)).to(x.dtype)  # noqa: E731
-    h = None
-    if fused and FUSED_GATE_UP:  # h in sorted order straight from x: no xs
-        from ..kernels.moe_gate_up import gate_up_swiglu
-        h = gate_up_swiglu(x, w13, flat, order, w_flat, k)
-    else:
-        xs = gather_pairs(x, order, k) if fused else x[order // k]
+    xs = gather_pairs(x, order, k) if fused else x[order // k]
     if grouped:
         counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         offs = torch.cumsum(counts, 0).to(torch.int32)  # bincount would sync on its size
-        if h is None:
-            h = weighted(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs), w_flat)
+        h = weighted(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs), w_flat)
         ys = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
     else:  # older torch / other dtypes: loop over the experts actually used
         ys = torch.empty(N * k, w2.shape[1], dtype=x.dtype, device=x.device)
         sf = flat[order]
         for e in torch.unique(sf).tolist():
             m = sf == e
-            ys[m] = (h[m] if h is not None else weighted(xs[m] @ w13[e].T, w_flat[m])) @ w2[e].T
+            ys[m] = weighted(xs[m] @ w13[e].T, w_flat[m]) @ w2[e].T
     if fused:  # each pair's row among the sorted ones, then the sum over k straight from them
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)
