@@ -470,3 +470,20 @@ def test_bench_decode_sampling_flags_are_checked(argv, msg, capsys):
     from peregrine.cli import main
     assert main(["bench", "decode", "--model", "tiny-kimi-linear", "--dummy-weights", *argv]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_moe_grouped_bench_smoke_on_cpu(monkeypatch):
+    """bench moe_grouped at tiny widths (fake clock, torch's CPU grouped GEMM): every form runs, the floors
+    count what the step moves."""
+    from peregrine import kernels
+    from peregrine.bench import moe_grouped as bench
+    if torch.cuda.is_available() or not kernels.available("cpu"):
+        pytest.skip("the GPU pass runs the real benchmark")
+    for name, val in dict(DEVICE="cpu", TOKENS=(5, 9), E=12, I=16, D=24, DTYPE=torch.float32).items():
+        monkeypatch.setattr(bench, name, val)
+    monkeypatch.setattr(bench, "graph_time", lambda calls, iters: ([c() for c in calls], (2.0, [2.0]))[-1])
+    rows = bench.run(1000.0)
+    assert [r["tokens"] for r in rows] == [5, 9]
+    r = rows[1]
+    assert r["act_bytes"] == 9 * 8 * (24 + 2 * 16 + 16 + 24) * 4 and r["flop"] == 2 * 9 * 8 * (2 * 16 * 24 + 16 * 24)
+    assert r["weight_bytes"] == r["experts_used"] * (2 * 16 * 24 + 24 * 16) * 4
