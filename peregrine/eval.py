@@ -18,6 +18,7 @@ import sys
 import time
 
 from .config import ConfigError, EngineConfig, resolve_model
+from .engine_args import add_engine_args, engine_config
 from .train import tasks
 
 EVAL_SEED = tasks.EVAL_SEED  # the held-out problem set (train.py evaluates on the same one)
@@ -161,8 +162,6 @@ def apply_compare(base: EngineConfig, text: str) -> EngineConfig:
 
 
 def cmd_eval(args) -> int:
-    from .cli import engine_config
-
     log = (lambda m: None) if args.quiet else (lambda m: print(f"[peregrine] {m}", file=sys.stderr, flush=True))
     base = engine_config(args)
     rd = args.results_dir or None
@@ -195,8 +194,6 @@ def cmd_eval(args) -> int:
 
 
 def add_eval_parser(subparsers) -> None:
-    from .cli import add_engine_args
-
     p = subparsers.add_parser("eval", help="exact-match accuracy on checkable tasks; side-by-side answer comparison",
                               description=__doc__.split("\n\n")[0])
     add_engine_args(p)

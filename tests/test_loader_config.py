@@ -155,7 +155,8 @@ def test_cli_generates_from_saved_checkpoint(tmp_path, capsys):
 def test_cli_prefill_budget_reaches_the_scheduler():
     """--max-num-batched-tokens bounds the prompt tokens of one step: a 10-token prompt with a
     budget of 4 takes 3 prefill steps (4 + 4 + 2)."""
-    from peregrine.cli import build_parser, engine_config
+    from peregrine.cli import build_parser
+    from peregrine.engine_args import engine_config
     from peregrine.engine import SamplingParams
     from peregrine.engine.build import build_engine
     a = build_parser().parse_args(["generate", "--model", "tiny-kimi-linear", "--dummy-weights",

@@ -25,13 +25,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..engine.request import RequestError
 from .async_engine import AsyncEngine, EngineStepError
 from .chat import ChatTemplate
+from .limits import DEFAULT_MAX_QUEUE
 from .metrics import CONTENT_TYPE, Metrics
 from .logprob_format import LogprobFormatter, prompt_entries
 from .protocol import (DEFAULT_COMPLETION_TOKENS, APIError, completion_prompt_ids, error_body, new_id, now,
                        parse_common, usage)
 
 log = logging.getLogger(__name__)
-from .cli import DEFAULT_MAX_QUEUE  # noqa: E402  (one definition, in the import-light cli module)
 REPLACEMENT = "\ufffd"   # what a cut multi-byte character decodes to: held back until complete
 
 

@@ -10,15 +10,12 @@ import logging
 import signal
 import sys
 
-DEFAULT_MAX_QUEUE = 256  # waiting requests before 429: ~a minute of backlog at small batch
-
-from ..bench.cli import int_list  # noqa: E402  (one parser for comma lists)
-
-DEFAULT_DRAIN_S = 60.0  # SIGTERM waits this long for in-flight requests before cutting them
+from ..bench.cli import int_list  # one parser for comma lists
+from ..engine_args import add_engine_args, engine_config
+from .limits import DEFAULT_DRAIN_S, DEFAULT_MAX_QUEUE
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    from ..cli import add_engine_args
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
                               description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.")
     add_engine_args(p)
@@ -38,7 +35,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from ..cli import engine_config
     from ..config import ConfigError, resolve_model
     from ..engine.build import build_engine, warm_up
     from ..generation_config import GenerationConfig
