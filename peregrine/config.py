@@ -12,14 +12,13 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from .errors import ConfigError
+from .generation_config import GenerationConfig
+
 PRESET_DIR = Path(__file__).parent / "presets"
 # eps of the MLA latent norms (kv_a_layernorm, q_a_layernorm) when config.json has no "mla_norm_eps":
 # transformers' and Moonshot's modeling code use 1e-6 there whatever rms_norm_eps says
 MLA_NORM_EPS = 1e-6
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration problem (bad file, field, preset or option)."""
 
 
 def _req(d: dict, key: str, typ, where: str, *, positive: bool = False, default=...):
@@ -252,7 +251,6 @@ class ModelConfig:
 def with_generation_config(cfg: ModelConfig, folder: Path) -> ModelConfig:
     """The config with generation_config.json's end ids added to its own (config.json's first)."""
     import dataclasses
-    from .generation_config import GenerationConfig
     extra = GenerationConfig.from_folder(folder).eos_token_ids
     if not extra:
         return cfg

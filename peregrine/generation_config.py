@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError
+from .errors import ConfigError
 
 GENERATION_CONFIG = "generation_config.json"
 
