@@ -21,7 +21,7 @@ import torch
 
 from ..models.kda import SHORT_ROW_MAX_TOKENS
 from .batch import StepInput
-from .standard import capture
+from .capture import capture
 
 # padded token counts a graph is captured for: powers of two to 2K (the MoE reads every expert from ~1K
 # tokens on, so padding there costs little), then steps of 1.5x (padding a long step costs compute)

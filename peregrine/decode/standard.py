@@ -10,27 +10,14 @@ import time
 import torch
 
 from .batch import StepInput
+from .capture import capture
 from .head import draw
+from .prefill_graphs import PrefillGraphs, unsupported
 
 
 def context_bucket(blocks: int) -> int:
     """Round a block count up to a power of two: few graphs, at most 2x attention reads."""
     return 1 << max(0, blocks - 1).bit_length()
-
-
-def capture(fn, pool, warmups: int = 2):
-    """fn() run `warmups` times on a side stream (allocator, cuBLAS workspaces, Triton compiles), then
-    captured into a CUDA graph on `pool` -> (graph, what fn returned while captured)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warmups):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool):
-        out = fn()
-    return g, out
 
 
 class GraphCache:
@@ -224,7 +211,6 @@ class StandardRunner:
         self.graphs = GraphCache(self._forward, cache, max_graph_batch, log, samples=on_gpu) if on_gpu else None
         self.prefill = None
         if on_gpu and prefill_graph_tokens:
-            from .prefill_graphs import PrefillGraphs, unsupported
             why = unsupported(model)
             if why is None:
                 self.prefill = PrefillGraphs(model, cache, prefill_graph_tokens, log=log)
