@@ -18,7 +18,8 @@ from peregrine.models.kimi import KimiModel
 from peregrine.models.loader import init_dummy_weights
 from peregrine.parallel import launch
 from peregrine.parallel.group import TPGroup
-from peregrine.parallel.shard import describe, holdings, shard_config, slice_of, slicing, take
+from peregrine.parallel.shard import describe, holdings
+from peregrine.parallel.slicing import shard_config, slice_of, slicing, take
 from peregrine.testing import rel_rmse
 
 TOL = 1e-5  # FP32 on CPU: only the order of the partial sums differs

@@ -55,7 +55,7 @@ def build_engine(model: str, engine_cfg: EngineConfig | None = None, dummy_weigh
     tp = SINGLE
     if ecfg.tensor_parallel_size > 1:
         from ..parallel.launch import ensure_group
-        from ..parallel.shard import shard_config
+        from ..parallel.slicing import shard_config
         cfg, _ = resolve_model(model)
         shard_config(cfg, TPGroup(0, ecfg.tensor_parallel_size))  # a size that does not divide fails before any launch
         tp = ensure_group(ecfg.tensor_parallel_size, pick_device(ecfg).type)

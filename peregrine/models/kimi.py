@@ -14,6 +14,7 @@ from .layers import DenseMLP, HFParam, RMSNorm, add_rms_norm, param
 from .mla import MLA
 from .moe import MoE, activation
 from ..parallel.group import SINGLE
+from ..parallel.slicing import shard_config
 
 K3_PREFIX = "language_model."  # K3 (a multimodal checkpoint) keeps its text model under this
 
@@ -94,11 +95,10 @@ class KimiModel(nn.Module):
     """Create under `with torch.device(dev):` so parameters are allocated where they will live.
 
     tp: this rank's place in a tensor-parallel group; the model then holds the rank's shard
-    (parallel/shard.py): `cfg` is the shard's config, `full_cfg` the model's."""
+    (parallel/slicing.py): `cfg` is the shard's config, `full_cfg` the model's."""
 
     def __init__(self, cfg: ModelConfig, dtype=torch.float32, tp=SINGLE):
         super().__init__()
-        from ..parallel.shard import shard_config
         self.tp, self.full_cfg = tp, cfg
         cfg = shard_config(cfg, tp)
         self.cfg, self.dtype = cfg, dtype

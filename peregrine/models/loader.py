@@ -12,6 +12,8 @@ import torch
 
 from ..config import ConfigError
 from . import mxfp4
+from ..parallel.shard import full_table
+from ..parallel.slicing import slice_of, take
 from .kimi import K3_PREFIX  # K3 text tensors live under it; checkpoints without it are accepted too
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -54,7 +56,6 @@ def _tp_table(model) -> dict | None:
     tp = getattr(model, "tp", None)
     if tp is None or tp.world == 1:
         return None
-    from ..parallel.shard import full_table, slice_of
     local = {name: view for name, view, _ in model.hf_params()}
     return {name: (local[name], shape, tuple(fv.shape), slice_of(name, tuple(fv.shape), tuple(local[name].shape), tp))
             for name, fv, shape in full_table(model.full_cfg)}
@@ -118,7 +119,6 @@ def load_weights(model, folder: str | Path, log=None) -> None:
 
 
 def _load_slice(fh, ckpt_key: str, key: str, view, entry, fname: str) -> None:
-    from ..parallel.shard import take
     _, shape, fshape, sl = entry
     got = tuple(fh.get_slice(ckpt_key).get_shape())
     if not _shape_ok(key, got, tuple(shape)):
@@ -248,7 +248,6 @@ def init_dummy_weights(model, seed: int = 0, log=None) -> None:
 def _init_dummy_shard(tpt: dict, dev, depth: int, gen, latent: bool, log) -> None:
     """A rank's shard: every full tensor is generated in the one-rank order (same generator
     stream), then the rank keeps its slice, so TP = N holds exactly TP = 1's weights."""
-    from ..parallel.shard import take
     t0, stash = time.time(), {}
     for n, (name, (view, shape, fshape, sl)) in enumerate(tpt.items()):
         if name.endswith(".weight_scale"):

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..parallel.group import SINGLE
-from ..parallel.shard import slicing
+from ..parallel.slicing import slicing
 from .layers import HFParam, param, rms_norm, split_rows
 
 PREFILL_KERNEL: bool | None = None  # None: the Triton flash kernel wherever it is available on a GPU; tests force it
@@ -32,7 +32,7 @@ def use_prefill_kernel(q: torch.Tensor) -> bool:
 
 class MLA(nn.Module):
     """With tensor parallel the q (or q_b) and g rows are the rank's heads; kv_a and q_a are
-    replicated, or with slicing (parallel/shard.py) a row slice per rank whose outputs one
+    replicated, or with slicing (parallel/slicing.py) a row slice per rank whose outputs one
     all-gather completes (gather_sliced)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype, tp=SINGLE):

@@ -15,7 +15,7 @@ from ..config import ConfigError, ModelConfig
 from . import layers, mxfp4
 from .layers import DenseMLP, HFParam, param, rms_norm, situ, swiglu
 from ..parallel.group import SINGLE
-from ..parallel.shard import slicing
+from ..parallel.slicing import slicing
 
 
 def activation(cfg: ModelConfig):
@@ -174,7 +174,7 @@ class MoE(nn.Module):
     """With tensor parallelism (cfg is a rank's shard) the experts hold a slice of the
     intermediate rows and the output is a partial sum; K3's latent y is summed over ranks
     before its norm, and up_proj holds a column slice of the latent width. With slicing
-    (parallel/shard.py) gate_w holds the rank's E/N experts' rows: the logits are gathered."""
+    (parallel/slicing.py) gate_w holds the rank's E/N experts' rows: the logits are gathered."""
 
     def __init__(self, cfg: ModelConfig, dtype, tp=SINGLE):
         super().__init__()
