@@ -200,7 +200,7 @@ def test_default_prefill_step_is_the_largest_whose_activations_fit_beside_the_ca
     takes the smallest (every rank the same, whatever each has free)."""
     import torch
     from peregrine.config import PREFILL_STEP_TOKENS, EngineConfig, resolve_model
-    from peregrine.engine.build import pick_step_tokens, step_bytes
+    from peregrine.engine.parts import pick_step_tokens, step_bytes
     cfg, _ = resolve_model("kimi-linear-48b-a3b")
     bf = torch.bfloat16
     L = 40000  # max_model_len

@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from ..engine.parts import build_parts, report_holdings
 from ..host_memory import Trimmer
 from . import control
 
@@ -64,7 +65,6 @@ def _serve(tp) -> None:
 
 
 def build_shard(tp, model: str, ecfg, dummy_weights: bool, verbose: bool):
-    from ..engine.build import build_parts, report_holdings
     log = _log(tp) if verbose else (lambda m: None)
     try:
         parts = build_parts(model, ecfg, dummy_weights, log, tp)
