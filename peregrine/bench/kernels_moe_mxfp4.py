@@ -6,12 +6,11 @@ from HBM: 192 MXFP4 experts are 3.4 GB, far past the 60 MB L2). GB/s counts the
 packed bytes (codes + E8M0 scales) of the distinct experts each call routes, plus
 activations. Side by side in the same run: the BF16 expert kernel (kernels/moe.py,
 SiTU, 3.6x the bytes) and the standard path's dequantize-then-GEMM
-(models/moe.mxfp4_experts, eager). Both MXFP4 variants (v1: MMA, per-element scales;
-v2: word decode, FMA, per-group scales; v3: weights as the MMA's register operand, its GPU
-decodes) get a small tile sweep; a config whose output disagrees with the FP32 reference is
-skipped and reported, never timed. mxfp4_* fields are v1 (as before), v2_* v2, v3_* v3;
-time_ms/gbps/pct_of_copy are the fastest variant's.
-    python -m peregrine.bench.kernels_moe_mxfp4 [--quick]
+(models/moe.mxfp4_experts, eager). The MXFP4 kernels (kernels/moe_mxfp4_v3.py, through
+moe_mxfp4_experts) get a tile and decode sweep; a config whose output disagrees with the FP32
+reference is skipped and reported, never timed. v3_* fields are the fastest config's, as are
+time_ms/gbps/pct_of_copy.
+    python -m peregrine.bench.kernels_moe_mxfp4 [--quick] [--probe]
 """
 from __future__ import annotations
 
@@ -22,26 +21,14 @@ import statistics
 import torch
 
 from peregrine.kernels import moe_mxfp4 as mx
-from peregrine.kernels import moe_mxfp4_v2 as mx2
 from peregrine.kernels import moe_mxfp4_v3 as mx3
+from peregrine.kernels import mxfp4_format as mxfp4
 from peregrine.kernels.moe import moe_experts
-from peregrine.models import mxfp4
 
 DZ, I, E, TOP_K = 3584, 3072, 192, 16  # k3-slice routed experts (latent width, inter, experts, top-k)
 BS = (1, 2, 4, 8)
 REPS = 16      # routings per graph replay: rotates experts, amortises the replay launch
 TOL = 2e-2     # BF16 operands: relative RMS error against the FP32 reference
-SWEEP = [      # (UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS, DOWN_BLOCK_D, DOWN_BLOCK_KB, DOWN_WARPS); the first is the default
-    (mx.UP_BLOCK_I, mx.UP_BLOCK_KB, mx.UP_WARPS, mx.DOWN_BLOCK_D, mx.DOWN_BLOCK_KB, mx.DOWN_WARPS),
-    (16, 256, 4, 16, 256, 4),
-    (32, 128, 8, 32, 128, 4),  # the default before the first H200 sweep
-    (64, 64, 8, 64, 64, 8),
-]
-V2_SWEEP = [   # (UP_BLOCK_I, UP_BLOCK_G, UP_WARPS, DOWN_BLOCK_D, DOWN_BLOCK_G, DOWN_WARPS); the first is the default
-    tuple(mx2.DEFAULTS[k] for k in mx2.KEYS),
-    (32, 4, 4, 64, 4, 8),
-    (16, 8, 4, 32, 4, 4),  # the default before the first H200 sweep
-]
 V3_SWEEP = [   # mx3.KEYS order: DECODE, UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS, UP_STAGES, DOWN_BLOCK_D, DOWN_BLOCK_KB,
     #            DOWN_WARPS, DOWN_STAGES; the first is the default
     tuple(mx3.DEFAULTS[k] for k in mx3.KEYS),
@@ -66,7 +53,6 @@ PROBE = [      # --probe: v3's measurement stand-ins (wrong values, timed unchec
     ("probe_bf16", 128, 32, 8, 4, 128, 32, 8, 4), ("probe_bf16", 64, 32, 4, 4, 64, 32, 4, 4),
     ("probe_bf16", 64, 128, 4, 4, 64, 128, 4, 4), ("probe_bf16", 32, 256, 4, 4, 32, 256, 4, 4),
 ]
-KEYS = ("UP_BLOCK_I", "UP_BLOCK_KB", "UP_WARPS", "DOWN_BLOCK_D", "DOWN_BLOCK_KB", "DOWN_WARPS")
 
 
 def mx_expert_bytes() -> float:
@@ -121,7 +107,7 @@ def time_graph(fn, calls, iters: int) -> list[float]:
     return samples
 
 
-def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print, v3_only: bool = False) -> list[dict]:
+def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print) -> list[dict]:
     """One row per B (bench/kernels.py's family interface: time_ms, gbps, pct_of_copy are the MXFP4 kernel's)."""
     W = Weights(bf16=True)
     ebytes_mx, ebytes_bf = mx_expert_bytes(), 3 * I * DZ * 2
@@ -137,35 +123,30 @@ def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print, v3_only
         row = {"kernel": "moe_mxfp4_experts", "shape": f"B={B} E={E} k={TOP_K} Dz={DZ} I={I}",
                "B": B, "E": E, "top_k": TOP_K, "Dz": DZ, "I": I, "distinct_experts": distinct,
                "mxfp4_bytes": mx_bytes, "bf16_bytes": bf_bytes}
-        for variant, grid, keys, pre in (("v1", SWEEP, KEYS, "mxfp4"), ("v2", V2_SWEEP, mx2.KEYS, "v2"),
-                                         ("v3", V3_SWEEP, mx3.KEYS, "v3")):
-            best = None
-            for cfg in (grid[:1] if quick or (v3_only and variant != "v3") else grid):
-                c = dict(zip(keys, cfg))
-                try:
-                    err = (mx.moe_mxfp4_experts(x, *W.mx(), ids, w, activation="situ", config=c, variant=variant).float()
-                           - ref).norm() / ref.norm()
-                    if not err < TOL:
-                        raise ValueError(f"relative error {err:.2e} >= {TOL}")
-                    t = statistics.median(time_graph(lambda x, i, w: mx.moe_mxfp4_experts(
-                        x, *W.mx(), i, w, activation="situ", config=c, variant=variant), calls, iters))
-                except Exception as e:  # noqa: BLE001 - a failing variant is reported, not fatal
-                    log(f"B={B} {variant} config {c}: skipped ({type(e).__name__}: {str(e)[:120]})")
-                    sweep.append({"B": B, "variant": variant, "config": c, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-                    continue
-                sweep.append({"B": B, "variant": variant, "config": c, "time_ms": t, "gbps": mx_bytes / t / 1e6,
-                              "rel_err": float(err)})
-                if best is None or t < best[0]:
-                    best = (t, c)
-            if best is not None:
-                t, c = best
-                row.update({f"{pre}_ms": t, f"{pre}_config": c, f"{pre}_gbps": mx_bytes / t / 1e6,
-                            f"{pre}_pct_of_copy": mx_bytes / t / 1e6 / copy_gbps,
-                            f"{pre}_default_ms": next((s["time_ms"] for s in sweep if s["B"] == B and s["variant"] == variant
-                                                       and s["config"] == dict(zip(keys, grid[0])) and "time_ms" in s), None)})
-                if row.get("time_ms") is None or t < row["time_ms"]:
-                    row.update(best_variant=variant, time_ms=t, gbps=mx_bytes / t / 1e6,
-                               pct_of_copy=mx_bytes / t / 1e6 / copy_gbps)
+        best = None
+        for cfg in (V3_SWEEP[:1] if quick else V3_SWEEP):
+            c = dict(zip(mx3.KEYS, cfg))
+            try:
+                err = (mx.moe_mxfp4_experts(x, *W.mx(), ids, w, activation="situ", config=c).float()
+                       - ref).norm() / ref.norm()
+                if not err < TOL:
+                    raise ValueError(f"relative error {err:.2e} >= {TOL}")
+                t = statistics.median(time_graph(lambda x, i, w: mx.moe_mxfp4_experts(
+                    x, *W.mx(), i, w, activation="situ", config=c), calls, iters))
+            except Exception as e:  # noqa: BLE001 - a failing config is reported, not fatal
+                log(f"B={B} config {c}: skipped ({type(e).__name__}: {str(e)[:120]})")
+                sweep.append({"B": B, "config": c, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                continue
+            sweep.append({"B": B, "config": c, "time_ms": t, "gbps": mx_bytes / t / 1e6, "rel_err": float(err)})
+            if best is None or t < best[0]:
+                best = (t, c)
+        if best is not None:
+            t, c = best
+            row.update({"v3_ms": t, "v3_config": c, "v3_gbps": mx_bytes / t / 1e6,
+                        "v3_pct_of_copy": mx_bytes / t / 1e6 / copy_gbps,
+                        "v3_default_ms": next((s["time_ms"] for s in sweep if s["B"] == B and "time_ms" in s
+                                               and s["config"] == dict(zip(mx3.KEYS, V3_SWEEP[0]))), None),
+                        "time_ms": t, "gbps": mx_bytes / t / 1e6, "pct_of_copy": mx_bytes / t / 1e6 / copy_gbps})
         try:
             t = statistics.median(time_graph(lambda x, i, w: moe_experts(x, W.w13, W.w2, i, w, activation="situ",
                                                                           ), calls, iters))
@@ -185,14 +166,8 @@ def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print, v3_only
             row["standard_ms"] = statistics.median(time_fn(std, iters=max(3, iters // 4), warmup=2))
         except Exception as e:  # noqa: BLE001
             row["standard_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        if "mxfp4_ms" in row and "bf16_ms" in row:
-            row["speedup_vs_bf16"] = row["bf16_ms"] / row["mxfp4_ms"]
-        if "v2_ms" in row and "bf16_ms" in row:
-            row["v2_speedup_vs_bf16"] = row["bf16_ms"] / row["v2_ms"]
-        if "v2_ms" in row and "mxfp4_ms" in row:
-            row["v2_speedup_vs_v1"] = row["mxfp4_ms"] / row["v2_ms"]
-        if "v3_ms" in row and "v2_ms" in row:
-            row["v3_speedup_vs_v2"] = row["v2_ms"] / row["v3_ms"]
+        if "v3_ms" in row and "bf16_ms" in row:
+            row["speedup_vs_bf16"] = row["bf16_ms"] / row["v3_ms"]
         row["sweep"] = [x for x in sweep if x["B"] == B]
         log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "sweep"}))
         rows.append(row)
@@ -209,7 +184,7 @@ def probe(copy_gbps: float, iters: int = 20, log=print, only: tuple = ()) -> lis
         for cfg in (c for c in PROBE if not only or c[0] in only):
             c = dict(zip(mx3.KEYS, cfg))
             t = statistics.median(time_graph(lambda x, i, w: mx.moe_mxfp4_experts(
-                x, *W.mx(), i, w, activation="situ", config=c, variant="v3"), calls, iters))
+                x, *W.mx(), i, w, activation="situ", config=c), calls, iters))
             rows.append({"B": B, "config": c, "time_ms": t, "gbps": nbytes / t / 1e6,
                          "pct_of_copy": nbytes / t / 1e6 / copy_gbps, "checked": False})
             log(f"B={B} {cfg}: {t:.4f} ms, {100 * nbytes / t / 1e6 / copy_gbps:.1f} % of copy")
@@ -220,7 +195,6 @@ def main() -> None:
     from peregrine.bench.gpu import copy_bandwidth, result_path, run_metadata, write_result
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="B = 1 and 8, default tiles only")
-    ap.add_argument("--v3-sweep", action="store_true", help="sweep v3's tiles only (v1, v2: their defaults)")
     ap.add_argument("--results-dir", default="results")
     ap.add_argument("--probe", action="store_true", help="only v3's probes (PROBE, unchecked: a 4-move decode, the bytes as BF16 from shared memory, "
                     "beside the real decode)")
@@ -234,16 +208,13 @@ def main() -> None:
                              "rows": probe(copy["gbps"], only=tuple(args.probe_decodes.split(",")) if args.probe_decodes else ())})
         print("wrote", path)
         return
-    rows = run(copy["gbps"], full=not args.quick, v3_only=args.v3_sweep)
-    print(f"{'B':>2} {'experts':>7} {'v1 ms':>9} {'GB/s':>6} {'%copy':>6} {'v2 ms':>8} {'GB/s':>6} {'%copy':>6} "
-          f"{'v3 ms':>8} {'GB/s':>6} {'%copy':>6} {'BF16 ms':>8} {'%copy':>6} {'std ms':>7}")
+    rows = run(copy["gbps"], full=not args.quick)
+    print(f"{'B':>2} {'experts':>7} {'v3 ms':>8} {'GB/s':>6} {'%copy':>6} {'BF16 ms':>8} {'%copy':>6} {'std ms':>7}")
     for r in rows:
         f = lambda k, fmt: format(r[k], fmt) if r.get(k) is not None else "-"  # noqa: E731
         pct = lambda k: format(100 * r[k], ".1f") if r.get(k) is not None else "-"  # noqa: E731
-        print(f"{r['B']:>2} {r['distinct_experts']:>7.1f} {f('mxfp4_ms', '9.4f')} {f('mxfp4_gbps', '6.0f')} "
-              f"{pct('mxfp4_pct_of_copy'):>6} {f('v2_ms', '8.4f')} {f('v2_gbps', '6.0f')} {pct('v2_pct_of_copy'):>6} "
-              f"{f('v3_ms', '8.4f')} {f('v3_gbps', '6.0f')} {pct('v3_pct_of_copy'):>6} "
-              f"{f('bf16_ms', '8.4f')} {pct('bf16_pct_of_copy'):>6} {f('standard_ms', '7.2f')}")
+        print(f"{r['B']:>2} {r['distinct_experts']:>7.1f} {f('v3_ms', '8.4f')} {f('v3_gbps', '6.0f')} "
+              f"{pct('v3_pct_of_copy'):>6} {f('bf16_ms', '8.4f')} {pct('bf16_pct_of_copy'):>6} {f('standard_ms', '7.2f')}")
     path = write_result(result_path("k3-slice", "kernels-moe-mxfp4", args.results_dir),
                         {"meta": run_metadata(), "copy": copy, "rows": rows})
     print("wrote", path)

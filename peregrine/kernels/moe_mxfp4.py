@@ -1,203 +1,45 @@
-"""MXFP4 routed experts for decode: the 4-bit weights are read as stored and
-dequantized in registers (weights E2M1 + E8M0, activations BF16, FP32 accumulate).
+"""MXFP4 routed experts for decode: the 4-bit weights are read as stored and dequantized in registers
+(weights E2M1 + E8M0, activations BF16, FP32 accumulate). The entry point is moe_mxfp4_experts; its
+kernels are kernels/moe_mxfp4_v3.py's ("v3": the weights as the MMA's register operand with a packed
+BF16x2 decode), kernels/moe.py's combine sums over k. Also here: its FP32 reference and mxfp4_gemv.
 
-Layout (models/mxfp4.py): a weight [R, C] is packed [R, C/2] uint8 (element 2j in
-the low nibble, 2j+1 in the high one) with one E8M0 scale byte per 32 values
-[R, C/32]. Stacked per expert: w13 [E, 2I, Dz/2] + [E, 2I, Dz/32] (gate rows then
-up rows), w2 [E, Dz, I/2] + [E, Dz, I/32].
+Layout (kernels/mxfp4_format.py): a weight [R, C] is packed [R, C/2] uint8 (element 2j in the low
+nibble, 2j+1 in the high one) with one E8M0 scale byte per 32 values [R, C/32]. Stacked per expert:
+w13 [E, 2I, Dz/2] + [E, 2I, Dz/32] (gate rows then up rows), w2 [E, Dz, I/2] + [E, Dz, I/32].
 
-Dequantization: an E2M1 code (sign s, exponent e, mantissa m) placed into FP16 bits
-as s<<15 | e<<10 | m<<9 is exactly its value times 2^-14 (e = 0 lands on the FP16
-subnormals, which is what E2M1's e = 0 means too), so a code costs a few integer
-ops and one conversion; the 2^14 is folded into the group's scale. Low nibbles
-multiply the even elements of the activation, high nibbles the odd ones, so the
-packed tile never needs to be interleaved.
+Same schedule as kernels/moe.py (no host sync, CUDA-graph capturable, no atomics): the first assignment
+of each chosen expert works and serves every token that chose it, so its weights are read once per step.
+s = 255 (E8M0 NaN) makes its group NaN, as in mxfp4_format.dequantize; s = 0 (2^-127) reads as 0.
 
-Same schedule as kernels/moe.py (no host sync, CUDA-graph capturable, no atomics):
- 1. up: grid (B·k assignments, I tiles); only the first assignment of each expert
-    works and serves every token that chose it, so W1/W3 of a chosen expert are
-    read once per step. Writes act(gate, up) FP32 to h [B, k, I].
- 2. down: grid (B·k, Dz tiles), same first-occurrence rule over W2, writes
-    FP32 partials [B, k, Dz]; kernels/moe.py's combine scales by topk_w and sums over k.
-s = 255 (E8M0 NaN) makes its group NaN, as in mxfp4.dequantize; s = 0 (2^-127) reads as 0.
-
-Cost (sm_90a PTX of the down kernel's loop, 32x64-byte tile): ~19 instructions per weight value
-(nibble ops, f16->f32, scale multiply, ->bf16, shared-memory staging for the MMA operand),
-against ~4 per value that the ALUs can afford at copy bandwidth: expect this to be ALU-bound
-(bench/kernels_moe_mxfp4.py measures it). The cheaper form: 32-bit words holding 8 codes paired
-16 bits apart (two codes per shift/and/lop3 -> FP16x2 without conversion), scales applied in FP16
-relative to the row tile's largest, FP16 MMA with per-token power-of-two scaled activations.
-Variant "v2" (kernels/moe_mxfp4_v2.py) takes the word decode with FP32 FMAs and one scale multiply
-per 32-value group instead (faster than v1 only at B = 1). Variant "v3" (kernels/moe_mxfp4_v3.py) puts
-the weights on the MMA's register side with a packed BF16x2 decode: the fastest at every B, the default.
+Two earlier forms lost to v3 at every B on the H200 and were removed (docs/experiments.md): v1, the tokens
+on the MMA's M side with the dequantized weights staged through shared memory (~19 instructions a value),
+and v2, a word decode into FP32 FMAs with one scale multiply per group.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ..models import mxfp4
-from .moe import (ACTIVATIONS, MIN_DOT_ROWS, SITU_BETA, SITU_LINEAR_BETA, _dot_meta, _first_use, _pow2,
-                  _token_slots, moe_combine, moe_experts_ref)
+from . import moe_mxfp4_v3 as v3
+from .moe import _pow2, moe_combine, moe_experts_ref
+from .moe_mxfp4_v3 import _tile
+from .mxfp4_format import GROUP, dequantize
 
-GROUP = mxfp4.GROUP                  # values per E8M0 scale
 BPG = GROUP // 2                     # packed bytes per scale group
-E8M0_NAN = tl.constexpr(mxfp4.E8M0_NAN)  # the scale code that means NaN
-FP16_CODE_SCALE = tl.constexpr(2.0 ** 14)  # an E2M1 code read as FP16 bits is its value times 2^-14
-# H200 sweep (results/2026-11-29-h200-k3-slice-kernels-moe-mxfp4.json): 64-byte steps at 4 warps were the
-# fastest tiles at every B = 1..8, 1.85x the earlier 128-byte / 8-warp default
-UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS = 32, 64, 4           # gate+up rows, packed bytes per step (2 x 2 KB in flight)
-DOWN_BLOCK_D, DOWN_BLOCK_KB, DOWN_WARPS = 32, 64, 4     # W2 rows, packed bytes per step (2 KB in flight)
 GEMV_BLOCK_R, GEMV_BLOCK_KB = 16, 128                   # one-matrix GEMV tiles (small M, no tl.dot)
-VARIANTS = ("v1", "v2", "v3")  # v1: this file's MMA kernels; v2: kernels/moe_mxfp4_v2.py (word decode, FMA, group
-#   scales); v3: kernels/moe_mxfp4_v3.py (weights as the MMA's register operand, packed BF16x2 decode)
-# H200, k3-slice, B = 1/2/4/8 (results/2026-12-04-session20, call 1): v3 0.316 / 0.544 / 0.919 / 1.433 ms against
-# v2 0.415 / 1.03 / 2.92 / 8.53 and v1 0.470 / 0.876 / 1.58 / 2.68: v3 at every B
-DEFAULT_VARIANT = "v3"
-VARIANT_ENV = "PEREGRINE_MXFP4_VARIANT"  # overrides the default (A/B runs of the decode step)
-
-
-def default_variant(B: int) -> str:
-    v = os.environ.get(VARIANT_ENV) or DEFAULT_VARIANT
-    if v not in VARIANTS:
-        raise ValueError(f"{VARIANT_ENV}={v!r}: expected one of {', '.join(VARIANTS)}")
-    return v
-
-
-@triton.jit
-def _group_scales(s_ptr, rows, row_ok, offs_g, g_ok, KG):
-    """E8M0 scale bytes of groups offs_g of `rows` -> FP32 [R, NG]: 2^(s-127) with the FP16 codes'
-    2^14 folded in, NaN for s = 255 (per group, so nearly free)."""
-    s = tl.load(s_ptr + rows[:, None] * KG + offs_g[None, :], mask=row_ok[:, None] & g_ok[None, :], other=127)
-    sc = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True) * FP16_CODE_SCALE
-    return tl.where(s == E8M0_NAN, float("nan"), sc)
-
-
-@triton.jit
-def _act(acc_g, acc_u, ACT: tl.constexpr, BETA: tl.constexpr, BETA_L: tl.constexpr):
-    """act(gate, up) in FP32: SwiGLU (ACT 0) or SiTU, tanh from e^{-2|z|} ∈ (0, 1]: no overflow,
-    exact ±1 saturation."""
-    if ACT == 0:
-        return acc_g * tl.sigmoid(acc_g) * acc_u
-    eg = tl.exp(-2.0 * tl.abs(acc_g) / BETA)
-    eu = tl.exp(-2.0 * tl.abs(acc_u) / BETA_L)
-    tg = tl.where(acc_g < 0, -1.0, 1.0) * (1.0 - eg) / (1.0 + eg)
-    tu = tl.where(acc_u < 0, -1.0, 1.0) * (1.0 - eu) / (1.0 + eu)
-    return BETA * tg * tl.sigmoid(acc_g) * (BETA_L * tu)
-
-
-@triton.jit
-def _dequant(byte, scale, HIGH: tl.constexpr, R: tl.constexpr, NG: tl.constexpr, BPG: tl.constexpr):
-    """Packed bytes [R, NG, BPG] (int32) and FP32 group scales [R, NG] (2^14 folded in) -> the low or
-    high nibbles' values [R, NG*BPG] FP32."""
-    if HIGH:
-        bits = ((byte & 0x70) << 5) | ((byte & 0x80) << 8)
-    else:
-        bits = ((byte & 0x7) << 9) | ((byte & 0x8) << 12)
-    v = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * scale[:, :, None]
-    return tl.reshape(v, [R, NG * BPG])
-
-
-@triton.jit
-def _tile(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG,
-          R: tl.constexpr, BLOCK_KB: tl.constexpr, BPG: tl.constexpr):
-    """Even- and odd-element weights [R, BLOCK_KB] FP32 of packed columns kb0.. of `rows` (int64 row indices)."""
-    NG: tl.constexpr = BLOCK_KB // BPG
-    offs_g = kb0 // BPG + tl.arange(0, NG)
-    offs_j = tl.arange(0, BPG)
-    g_ok = offs_g < KG
-    col = offs_g[None, :, None] * BPG + offs_j[None, None, :]
-    byte = tl.load(q_ptr + rows[:, None, None] * KB + col, mask=row_ok[:, None, None] & g_ok[None, :, None],
-                   other=0).to(tl.int32)
-    sc = _group_scales(s_ptr, rows, row_ok, offs_g, g_ok, KG)
-    return _dequant(byte, sc, False, R, NG, BPG), _dequant(byte, sc, True, R, NG, BPG)
-
-
-@triton.jit
-def _mx_up_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, h_ptr, B, KB, I, stride_xb,
-                  TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
-                  BLOCK_I: tl.constexpr, BLOCK_KB: tl.constexpr, BPG: tl.constexpr, ACT: tl.constexpr,
-                  DOT_T: tl.constexpr, PREC: tl.constexpr, BETA: tl.constexpr, BETA_L: tl.constexpr):
-    n = tl.program_id(0)
-    e = tl.load(ids_ptr + n)
-    if _first_use(ids_ptr, n, e, B * TOP_K, N_PAD):  # the first assignment of e serves every token that chose it
-        chose, slot = _token_slots(ids_ptr, e, B, TOP_K, B_PAD, K_PAD)
-        offs_b = tl.arange(0, B_PAD)
-        offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-        i_ok = offs_i < I
-        KG = KB // BPG
-        g_rows = e.to(tl.int64) * 2 * I + offs_i.to(tl.int64)
-        u_rows = g_rows + I
-        offs_k = tl.arange(0, BLOCK_KB)
-        acc_g = tl.zeros([B_PAD, BLOCK_I], tl.float32)
-        acc_u = tl.zeros([B_PAD, BLOCK_I], tl.float32)
-        for kb0 in range(0, KB, BLOCK_KB):
-            k = kb0 + offs_k
-            xm = chose[:, None] & (k < KB)[None, :]
-            xe = tl.load(x_ptr + offs_b[:, None] * stride_xb + 2 * k[None, :], mask=xm, other=0.0).to(DOT_T)
-            xo = tl.load(x_ptr + offs_b[:, None] * stride_xb + 2 * k[None, :] + 1, mask=xm, other=0.0).to(DOT_T)
-            glo, ghi = _tile(q_ptr, s_ptr, g_rows, i_ok, kb0, KB, KG, BLOCK_I, BLOCK_KB, BPG)
-            acc_g = tl.dot(xe, tl.trans(glo.to(DOT_T)), acc_g, input_precision=PREC)
-            acc_g = tl.dot(xo, tl.trans(ghi.to(DOT_T)), acc_g, input_precision=PREC)
-            ulo, uhi = _tile(q_ptr, s_ptr, u_rows, i_ok, kb0, KB, KG, BLOCK_I, BLOCK_KB, BPG)
-            acc_u = tl.dot(xe, tl.trans(ulo.to(DOT_T)), acc_u, input_precision=PREC)
-            acc_u = tl.dot(xo, tl.trans(uhi.to(DOT_T)), acc_u, input_precision=PREC)
-        h = _act(acc_g, acc_u, ACT, BETA, BETA_L)
-        tl.store(h_ptr + (offs_b[:, None] * TOP_K + slot[:, None]) * I + offs_i[None, :], h,
-                 mask=chose[:, None] & i_ok[None, :])
-
-
-@triton.jit
-def _mx_down_kernel(h_ptr, q_ptr, s_ptr, ids_ptr, part_ptr, B, D, KB,
-                    TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_KB: tl.constexpr, BPG: tl.constexpr,
-                    DOT_T: tl.constexpr, PREC: tl.constexpr, ACT_T: tl.constexpr):
-    n = tl.program_id(0)
-    e = tl.load(ids_ptr + n)
-    if _first_use(ids_ptr, n, e, B * TOP_K, N_PAD):  # the first assignment of e serves every token that chose it
-        chose, slot = _token_slots(ids_ptr, e, B, TOP_K, B_PAD, K_PAD)
-        offs_b = tl.arange(0, B_PAD)
-        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
-        I = 2 * KB
-        KG = KB // BPG
-        rows = e.to(tl.int64) * D + offs_d.to(tl.int64)
-        h_rows = h_ptr + (offs_b[:, None] * TOP_K + slot[:, None]) * I
-        offs_k = tl.arange(0, BLOCK_KB)
-        acc = tl.zeros([B_PAD, BLOCK_D], tl.float32)
-        for kb0 in range(0, KB, BLOCK_KB):
-            k = kb0 + offs_k
-            hm = chose[:, None] & (k < KB)[None, :]
-            # h rounds to BF16 (ACT_T) as the standard path's activations do
-            he = tl.load(h_rows + 2 * k[None, :], mask=hm, other=0.0).to(ACT_T).to(DOT_T)
-            ho = tl.load(h_rows + 2 * k[None, :] + 1, mask=hm, other=0.0).to(ACT_T).to(DOT_T)
-            wlo, whi = _tile(q_ptr, s_ptr, rows, d_ok, kb0, KB, KG, BLOCK_D, BLOCK_KB, BPG)
-            acc = tl.dot(he, tl.trans(wlo.to(DOT_T)), acc, input_precision=PREC)
-            acc = tl.dot(ho, tl.trans(whi.to(DOT_T)), acc, input_precision=PREC)
-        row = offs_b * TOP_K + slot
-        tl.store(part_ptr + row[:, None] * D + offs_d[None, :], acc, mask=chose[:, None] & d_ok[None, :])
-
-
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def moe_mxfp4_experts(x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, q2: torch.Tensor, s2: torch.Tensor,
                       topk_ids: torch.Tensor, topk_w: torch.Tensor, *, activation: str = "swiglu",
-                      out: torch.Tensor | None = None, config: dict | None = None,
-                      variant: str | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """out[b] = Σ_k topk_w[b,k] · W2_e act(W1_e x_b, W3_e x_b) over MXFP4 experts; out in x.dtype.
 
     x [B, Dz] (BF16 or FP32), q13 [E, 2I, Dz/2] uint8 + s13 [E, 2I, Dz/32] uint8, q2 [E, Dz, I/2] + s2 [E, Dz, I/32],
-    topk_ids [B, k] int32 (distinct per token), topk_w [B, k] FP32. config: tile overrides
-    (UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS, DOWN_BLOCK_D, DOWN_BLOCK_KB, DOWN_WARPS) for the benchmark sweep;
-    with variant "v2"/"v3" its keys are moe_mxfp4_v2.KEYS / moe_mxfp4_v3.KEYS. variant: "v1" | "v2" | "v3",
-    default default_variant(B).
+    topk_ids [B, k] int32 (distinct per token), topk_w [B, k] FP32. config: overrides of moe_mxfp4_v3.KEYS
+    (the decode and the tiles; the benchmark's sweep), else v3's per-B defaults.
     """
-    variant = variant or default_variant(x.shape[0])
-    assert variant in VARIANTS, variant
     B, Dz = x.shape
     E, two_i, kb_up = q13.shape
     I = two_i // 2
@@ -212,36 +54,18 @@ def moe_mxfp4_experts(x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, q2:
     assert out.shape == (B, Dz) and out.stride(1) == 1
     h = torch.empty(B, k, I, dtype=torch.float32, device=x.device)
     part = torch.empty(B, k, Dz, dtype=torch.float32, device=x.device)
-    if variant in ("v2", "v3"):
-        from . import moe_mxfp4_v2, moe_mxfp4_v3
-        mod = moe_mxfp4_v2 if variant == "v2" else moe_mxfp4_v3
-        mod.launch(x, q13, s13, q2, s2, topk_ids, h, part, activation, _TL[x.dtype], config)
-        return moe_combine(part.view(1, B * k, Dz), topk_w, out=out)
-    c = {"UP_BLOCK_I": UP_BLOCK_I, "UP_BLOCK_KB": UP_BLOCK_KB, "UP_WARPS": UP_WARPS,
-         "DOWN_BLOCK_D": DOWN_BLOCK_D, "DOWN_BLOCK_KB": DOWN_BLOCK_KB, "DOWN_WARPS": DOWN_WARPS, **(config or {})}
-    # blocks never wider than the packed row (tiny test shapes), and whole scale groups
-    up_kb = max(BPG, min(c["UP_BLOCK_KB"], _pow2(Dz // 2)))
-    down_kb = max(BPG, min(c["DOWN_BLOCK_KB"], _pow2(I // 2)))
-    meta = dict(TOP_K=k, B_PAD=max(MIN_DOT_ROWS, _pow2(B)), K_PAD=_pow2(k), N_PAD=_pow2(B * k), BPG=BPG,
-                **_dot_meta(torch.bfloat16 if x.dtype != torch.float32 else torch.float32))
-    _mx_up_kernel[(B * k, triton.cdiv(I, c["UP_BLOCK_I"]))](
-        x, q13, s13, topk_ids, h, B, Dz // 2, I, x.stride(0),
-        BLOCK_I=c["UP_BLOCK_I"], BLOCK_KB=up_kb, ACT=ACTIVATIONS[activation],
-        BETA=SITU_BETA, BETA_L=SITU_LINEAR_BETA, num_warps=c["UP_WARPS"], **meta)
-    _mx_down_kernel[(B * k, triton.cdiv(Dz, c["DOWN_BLOCK_D"]))](
-        h, q2, s2, topk_ids, part, B, Dz, I // 2, BLOCK_D=c["DOWN_BLOCK_D"], BLOCK_KB=down_kb,
-        ACT_T=_TL[x.dtype], num_warps=c["DOWN_WARPS"], **meta)
+    v3.launch(x, q13, s13, q2, s2, topk_ids, h, part, activation, _TL[x.dtype], config)
     return moe_combine(part.view(1, B * k, Dz), topk_w, out=out)  # kernels/moe.py's fixed-order k-sum
 
 
 def moe_mxfp4_experts_ref(x, q13, s13, q2, s2, topk_ids, topk_w, activation: str = "swiglu") -> torch.Tensor:
-    """FP32: each chosen expert dequantized (models/mxfp4.py table path), then the token loop of
+    """FP32: each chosen expert dequantized (mxfp4_format's table path), then the token loop of
     kernels/moe.py's reference. Returns FP32 [B, Dz]."""
     used = sorted(set(topk_ids.flatten().tolist()))
     remap = {e: j for j, e in enumerate(used)}
     u = torch.tensor(used, device=q13.device)
-    w13 = mxfp4.dequantize(q13[u], s13[u], torch.float32)
-    w2 = mxfp4.dequantize(q2[u], s2[u], torch.float32)
+    w13 = dequantize(q13[u], s13[u], torch.float32)
+    w2 = dequantize(q2[u], s2[u], torch.float32)
     ids = topk_ids.cpu().clone().apply_(lambda e: remap[e]).to(topk_ids.device)
     return moe_experts_ref(x, w13, w2, ids, topk_w, activation)
 

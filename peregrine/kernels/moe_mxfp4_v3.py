@@ -1,11 +1,12 @@
-"""MXFP4 routed experts, variant "v3": weights as the MMA's left operand (swap-AB) with a cheap decode.
+"""MXFP4 routed experts, "v3": weights as the MMA's left operand (swap-AB) with a cheap decode.
 
-Same contract, layout and schedule as kernels/moe_mxfp4.py (v1: the first assignment of an expert
-serves every token that chose it; up writes act(gate, up) FP32 to h [B, k, I], down FP32 partials,
-moe_combine sums over k). v1 puts the 16 padded tokens on the MMA's M side, so its dequantized
-weights are the right operand and go through shared memory, at ~19 instructions per value. v3 computes
-out^T [rows, tokens] = W [rows, K] · x^T [K, tokens]: the weights are the left operand, which Hopper's
-MMA reads from registers, and the tokens (padded to 16) are the small right operand.
+The kernels behind kernels/moe_mxfp4.py's moe_mxfp4_experts (the one MXFP4 expert form: v1 and v2 were
+removed, docs/experiments.md). Layout as kernels/mxfp4_format.py, schedule as kernels/moe.py: the first
+assignment of an expert serves every token that chose it; up writes act(gate, up) FP32 to h [B, k, I],
+down FP32 partials, moe_combine sums over k. v1 put the 16 padded tokens on the MMA's M side, so its
+dequantized weights were the right operand and went through shared memory, at ~19 instructions per
+value. v3 computes out^T [rows, tokens] = W [rows, K] · x^T [K, tokens]: the weights are the left
+operand, which Hopper's MMA reads from registers, and the tokens (padded to 16) are the small right operand.
 
 The decode (DECODE, a constexpr):
 - "asm" (GPU): per 32-bit word of 4 packed bytes, two byte permutes spread bytes (0, 1) and (2, 3)
@@ -15,7 +16,8 @@ The decode (DECODE, a constexpr):
   22 instructions per 8 values, no conversions (the form OpenAI's triton_kernels uses on Hopper,
   over the checkpoint's own nibble order instead of a re-packed layout).
 - "dot_scaled" (GPU): Triton's tl.dot_scaled, which on Hopper upcasts E2M1 to BF16 in the compiler.
-- "plain": v1's FP16-bits decode in portable Triton ops (the interpreter's form; the reference for both).
+- "plain": the FP16-bits decode (_tile below) in portable Triton ops (the interpreter's form; the reference
+  for both).
 - "probe", "probe_bf16": measurement stand-ins with wrong values (below, _PROBE_ASM).
 Measured on the H200 (results/2026-12-04-session21): the decode is not what limits v3. The probe, with the
 decode replaced by 4 moves, runs within 3-8 % of asm at every B and tile (25-29 % of copy). The same bytes
@@ -26,7 +28,7 @@ into the MMA's register order (19-23 %). asm_t put the tokens on M and the decod
 shared-memory side, but stored it with 2-byte writes (10-14 %).
 Low nibbles multiply the even activations and high nibbles the odd ones (two MMAs per step) so the
 decoded tile is never interleaved; dot_scaled takes the packed bytes and the activations in order.
-E8M0 255 makes its group NaN, 0 reads as 0, as in v1.
+E8M0 255 makes its group NaN, 0 reads as 0.
 """
 from __future__ import annotations
 
@@ -36,12 +38,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..models import mxfp4
+from . import mxfp4_format
 from .moe import ACTIVATIONS, MIN_DOT_ROWS, SITU_BETA, SITU_LINEAR_BETA, _dot_meta, _first_use, _pow2, _token_slots
-from .moe_mxfp4 import _act, _tile
 
-BPG = mxfp4.GROUP // 2          # packed bytes per scale group
-E8M0_NAN = tl.constexpr(mxfp4.E8M0_NAN)
+GROUP = mxfp4_format.GROUP      # values per E8M0 scale
+BPG = GROUP // 2                # packed bytes per scale group
+E8M0_NAN = tl.constexpr(mxfp4_format.E8M0_NAN)  # the scale code that means NaN
 REAL_DECODES = ("asm", "dot_scaled", "plain")
 DECODES = REAL_DECODES + ("probe", "probe_bf16")  # the probes: bench --probe only, by config
 DECODE_ENV = "PEREGRINE_MXFP4_V3_DECODE"  # overrides the GPU default decode (A/B runs of the decode step)
@@ -79,6 +81,63 @@ WPG = tl.constexpr(BPG // 4)     # 32-bit words per scale group
 # BF16 pairs straight to the MMA from shared memory (half the K). They tell the decode's cost (small) from
 # the register-operand path's (what holds v3 back: results/2026-12-04-session21)
 _PROBE_ASM = tl.constexpr("mov.b32 $0, $4;\nmov.b32 $1, $5;\nmov.b32 $2, $4;\nmov.b32 $3, $5;")
+
+
+# ---- the FP16-bits decode ("plain", and mxfp4_gemv's): an E2M1 code (sign s, exponent e, mantissa m) placed
+# into FP16 bits as s<<15 | e<<10 | m<<9 is exactly its value times 2^-14 (e = 0 lands on the FP16 subnormals,
+# which is what E2M1's e = 0 means too), so a code costs a few integer ops and one conversion; the 2^14 is folded
+# into the group's scale. Low nibbles multiply the even elements of the activation, high nibbles the odd ones,
+# so the packed tile never needs to be interleaved.
+FP16_CODE_SCALE = tl.constexpr(2.0 ** 14)  # an E2M1 code read as FP16 bits is its value times 2^-14
+
+
+@triton.jit
+def _group_scales(s_ptr, rows, row_ok, offs_g, g_ok, KG):
+    """E8M0 scale bytes of groups offs_g of `rows` -> FP32 [R, NG]: 2^(s-127) with the FP16 codes'
+    2^14 folded in, NaN for s = 255 (per group, so nearly free)."""
+    s = tl.load(s_ptr + rows[:, None] * KG + offs_g[None, :], mask=row_ok[:, None] & g_ok[None, :], other=127)
+    sc = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True) * FP16_CODE_SCALE
+    return tl.where(s == E8M0_NAN, float("nan"), sc)
+
+
+@triton.jit
+def _act(acc_g, acc_u, ACT: tl.constexpr, BETA: tl.constexpr, BETA_L: tl.constexpr):
+    """act(gate, up) in FP32: SwiGLU (ACT 0) or SiTU, tanh from e^{-2|z|} ∈ (0, 1]: no overflow,
+    exact ±1 saturation."""
+    if ACT == 0:
+        return acc_g * tl.sigmoid(acc_g) * acc_u
+    eg = tl.exp(-2.0 * tl.abs(acc_g) / BETA)
+    eu = tl.exp(-2.0 * tl.abs(acc_u) / BETA_L)
+    tg = tl.where(acc_g < 0, -1.0, 1.0) * (1.0 - eg) / (1.0 + eg)
+    tu = tl.where(acc_u < 0, -1.0, 1.0) * (1.0 - eu) / (1.0 + eu)
+    return BETA * tg * tl.sigmoid(acc_g) * (BETA_L * tu)
+
+
+@triton.jit
+def _dequant(byte, scale, HIGH: tl.constexpr, R: tl.constexpr, NG: tl.constexpr, BPG: tl.constexpr):
+    """Packed bytes [R, NG, BPG] (int32) and FP32 group scales [R, NG] (2^14 folded in) -> the low or
+    high nibbles' values [R, NG*BPG] FP32."""
+    if HIGH:
+        bits = ((byte & 0x70) << 5) | ((byte & 0x80) << 8)
+    else:
+        bits = ((byte & 0x7) << 9) | ((byte & 0x8) << 12)
+    v = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * scale[:, :, None]
+    return tl.reshape(v, [R, NG * BPG])
+
+
+@triton.jit
+def _tile(q_ptr, s_ptr, rows, row_ok, kb0, KB, KG,
+          R: tl.constexpr, BLOCK_KB: tl.constexpr, BPG: tl.constexpr):
+    """Even- and odd-element weights [R, BLOCK_KB] FP32 of packed columns kb0.. of `rows` (int64 row indices)."""
+    NG: tl.constexpr = BLOCK_KB // BPG
+    offs_g = kb0 // BPG + tl.arange(0, NG)
+    offs_j = tl.arange(0, BPG)
+    g_ok = offs_g < KG
+    col = offs_g[None, :, None] * BPG + offs_j[None, None, :]
+    byte = tl.load(q_ptr + rows[:, None, None] * KB + col, mask=row_ok[:, None, None] & g_ok[None, :, None],
+                   other=0).to(tl.int32)
+    sc = _group_scales(s_ptr, rows, row_ok, offs_g, g_ok, KG)
+    return _dequant(byte, sc, False, R, NG, BPG), _dequant(byte, sc, True, R, NG, BPG)
 
 
 @triton.jit
