@@ -19,15 +19,41 @@ def parse_ids(text: str) -> list[int]:
         raise ConfigError(f"--prompt-ids must be integers separated by commas or spaces, got {text!r}") from None
 
 
-def cmd_generate(args) -> int:
+def generation_request(args, vocab_size: int) -> tuple[list[int] | None, "SamplingParams"]:
+    """generate's prompt ids (None: text, encoded once the tokenizer is loaded) and sampling settings,
+    checked against the model's config before anything is built; a mistake names its option."""
     from .engine import SamplingParams
+
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < -1:
+        raise ConfigError(f"--top-k must be >= 1, or 0 or -1 for off, got {args.top_k}")
+    ids = None
+    if args.prompt_ids is not None:
+        ids = parse_ids(args.prompt_ids)
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if not ids or bad:
+            raise ConfigError(f"--prompt-ids must be 1 or more ids in [0, {vocab_size}), got {bad or 'none'}")
+    elif not args.prompt:
+        raise ConfigError("--prompt is empty: give some text (or --prompt-ids)")
+    return ids, SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed,
+                               max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+
+
+def cmd_generate(args) -> int:
+    from .config import resolve_model
     from .engine.build import build_engine
 
+    ecfg = engine_config(args)
+    ids, params = generation_request(args, resolve_model(args.model)[0].vocab_size)
     log = (lambda *a, **k: None) if args.quiet else (lambda m: print(f"[peregrine] {m}", file=sys.stderr, flush=True))
-    engine, tok = build_engine(args.model, engine_config(args), dummy_weights=args.dummy_weights, log=log)
-    ids = parse_ids(args.prompt_ids) if args.prompt_ids is not None else tok.encode(args.prompt)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed,
-                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    engine, tok = build_engine(args.model, ecfg, dummy_weights=args.dummy_weights, log=log)
+    if ids is None:
+        ids = tok.encode(args.prompt)
     stamps: list[float] = []
     out_ids: list[int] = []
 
@@ -74,7 +100,12 @@ def cmd_generate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="peregrine", description="Low-latency decode for Kimi-family hybrid MoE models.")
+    from .config import preset_names
+    p = argparse.ArgumentParser(prog="peregrine", description="Low-latency decode for Kimi-family hybrid MoE models.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="--model takes a model folder (config.json + safetensors + tokenizer) or a preset:\n  "
+                                       + "\n  ".join(preset_names())
+                                       + "\n\n`peregrine COMMAND --help` explains each command's options.")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
     sub.required = True
 
@@ -85,8 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", default=None, help="prompt as token ids, e.g. '1,2,3'")
     g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens up to this "
+                                                            "probability mass (default 1: all)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens only (default 0: off)")
     g.add_argument("--sample-seed", type=int, default=None, help="sampling seed (reproducible sampling)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     g.add_argument("--stream", action="store_true", help="print tokens as they come")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import EngineConfig
+from .config import EngineConfig, preset_names, resolve_model
 from .speculative.config import SpeculativeConfig
 
 DEFAULT_MODEL = "peregrine-tiny"  # the trained checkable model that ships with its weights
@@ -12,7 +12,9 @@ DEFAULT_MODEL = "peregrine-tiny"  # the trained checkable model that ships with 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=DEFAULT_MODEL, help=f"preset name or model folder (config.json + safetensors); default {DEFAULT_MODEL}")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"model folder (config.json + safetensors + tokenizer) or a preset: {', '.join(preset_names())} "
+                        f"(default {DEFAULT_MODEL})")
     g.add_argument("--dummy-weights", action="store_true", help="seeded random weights instead of loading a checkpoint")
     g.add_argument("--max-num-seqs", type=int, default=8, help="most sequences running at once (default 8)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
@@ -49,6 +51,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args) -> EngineConfig:
+    """The engine options checked (ConfigError naming the option) before anything is built."""
+    resolve_model(args.model)  # an unknown preset or a folder without config.json fails here, not after a load
     ecfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,

@@ -1,6 +1,6 @@
 """`peregrine eval`: exact-match accuracy on freshly generated, held-out problems,
 and a side-by-side mode that fails loudly when two configurations give any
-different greedy answer (VERIFY.md §3).
+different greedy answer (docs/correctness.md §3).
 
     peregrine eval --model peregrine-tiny --task add|copy|reverse|recall [--n 500] [--context 2048]
                    [--additional-config JSON] [--kv-cache-dtype fp8]
@@ -201,7 +201,7 @@ def add_eval_parser(subparsers) -> None:
     for a in p._actions:  # the shared engine options name generate's default model
         if a.dest == "model":
             a.help = f"preset name or model folder (default {DEFAULT_MODEL}, the trained tiny model)"
-    p.add_argument("--task", required=True, choices=tasks.TASKS)
+    p.add_argument("--task", required=True, choices=tasks.TASKS, help="which checkable task: " + ", ".join(tasks.TASKS))
     p.add_argument("--n", type=int, default=DEFAULT_N, help=f"problems (default {DEFAULT_N})")
     p.add_argument("--context", type=int, default=tasks.DEFAULT_CONTEXT, help="recall prompt length in tokens (default 2048)")
     p.add_argument("--compare", default=None, metavar="JSON",

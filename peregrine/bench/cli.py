@@ -57,17 +57,17 @@ def _fail(e: Exception) -> int:
 
 # ---- bench decode ----
 def add_bench_decode_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("decode", help="decode step time per batch size (BENCHMARKS.md §1)")
+    p = subparsers.add_parser("decode", help="decode step time per batch size (docs/benchmarks.md §1)")
     p.add_argument("--model", required=True, help="preset name or model folder")
     p.add_argument("--dummy-weights", action="store_true", help="random weights (no checkpoint needed)")
-    p.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8])
-    p.add_argument("--input-len", type=_positive(int), default=1)
-    p.add_argument("--output-len", type=_positive(int), default=1024)
-    p.add_argument("--backends", type=_backends, default=list(DECODE_BACKENDS))
-    p.add_argument("--prompt-sets", type=_positive(int), default=4)
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8], help="B values, e.g. 1,2,4,8 (default)")
+    p.add_argument("--input-len", type=_positive(int), default=1, help="prompt tokens per request (default 1)")
+    p.add_argument("--output-len", type=_positive(int), default=1024, help="tokens decoded per request, EOS ignored (default 1024)")
+    p.add_argument("--backends", type=_backends, default=list(DECODE_BACKENDS), help="decode paths to time, comma-separated (default both)")
+    p.add_argument("--prompt-sets", type=_positive(int), default=4, help="different random prompt sets per B (default 4)")
     p.add_argument("--runs", type=_positive(int), default=3, help="runs per prompt set")
-    p.add_argument("--results-dir", default="results")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    p.add_argument("--results-dir", default="results", help="where the JSON and Markdown go (default results)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="MLA latent cache dtype (auto = model dtype)")
     p.add_argument("--additional-config", default=None, help="JSON object, as for serve")
     p.add_argument("--tensor-parallel-size", "-tp", type=_positive(int), default=1, help="GPUs (ranks) per engine")
     add_sampling_args(p, "sampled requests (each B is then measured greedy and sampled, same engine)")
@@ -79,9 +79,9 @@ def add_sampling_args(p, title: str) -> None:
     """--temperature, --top-p, --top-k, --min-p, --logprobs: the sampled requests of a benchmark (sampling_settings)."""
     g = p.add_argument_group(title)
     g.add_argument("--temperature", type=float, default=None, help="> 0: requests sampled at this temperature")
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--top-p", type=float, default=None, help="nucleus mass of the sampled requests (default off)")
+    g.add_argument("--top-k", type=int, default=None, help="top-k of the sampled requests (default off)")
+    g.add_argument("--min-p", type=float, default=None, help="min-p of the sampled requests (default off)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N", help="each token's logprob and the top N")
 
 
@@ -125,8 +125,8 @@ def add_bench_report_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("report", help="plot and tabulate decode result files")
     p.add_argument("files", nargs="*", help="result JSON files (default: results/*-decode.json)")
     p.add_argument("--out", default="results/decode.png", help="PNG path (the .md table goes next to it)")
-    p.add_argument("--readme", default=None, help="replace the perf-table section of this README")
-    p.add_argument("--results-dir", default="results")
+    p.add_argument("--readme", default=None, help="replace the perf-table section of this Markdown file (docs/performance.md)")
+    p.add_argument("--results-dir", default="results", help="where the result files are read (default results)")
     p.set_defaults(func=run_bench_report)
     return p
 
@@ -145,7 +145,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="memory and decode roofline per rank (no GPU, no weights)")
     p.add_argument("--model", required=True, help="preset name or model folder")
     p.add_argument("--tp", type=_positive(int), default=1, help="tensor-parallel ranks")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="MLA latent cache dtype (auto = model dtype)")
     p.add_argument("--context", type=_positive(int), default=8192, help="tokens per sequence for cache sizes")
     p.add_argument("--measured-gbps", type=_positive(float), default=None, help="measured copy bandwidth, GB/s")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -1,5 +1,5 @@
 """`peregrine bench kernels`: every kernel family's GPU microbenchmark in one run,
-against the copy bandwidth measured in that same run (BENCHMARKS.md §2)."""
+against the copy bandwidth measured in that same run (docs/benchmarks.md §2)."""
 from __future__ import annotations
 
 import argparse
@@ -62,7 +62,7 @@ def add_bench_kernels_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("kernels", help="kernel microbenchmarks: time, GB/s, %% of same-run copy bandwidth")
     p.add_argument("--families", default=",".join(FAMILIES), help=f"comma list from {','.join(FAMILIES)}")
     p.add_argument("--quick", action="store_true", help="fewer shapes")
-    p.add_argument("--results-dir", default="results")
+    p.add_argument("--results-dir", default="results", help="where the JSON goes (default results)")
 
     def run(args) -> int:
         fams = [f for f in args.families.split(",") if f]

@@ -1,4 +1,4 @@
-"""`peregrine bench ttft`: time to first token, cold and on turn 2 (BENCHMARKS.md §3b).
+"""`peregrine bench ttft`: time to first token, cold and on turn 2 (docs/benchmarks.md §3b).
 
 B = 1. Per prompt length: `runs` fresh random prompts, each timed from add_request to its first
 token (max_tokens 1, the engine's own clock), then "turn 2": the same prompt + 64 new tokens sent
@@ -21,8 +21,8 @@ import time
 
 import torch
 
-PEAK_TFLOPS = 790.0   # H200 dense BF16 matmul measured on random data (GPU.md)
-TURN2_NEW_TOKENS = 64  # BENCHMARKS.md §3b
+PEAK_TFLOPS = 790.0   # H200 dense BF16 matmul measured on random data (docs/development.md)
+TURN2_NEW_TOKENS = 64  # docs/benchmarks.md §3b
 KDA_CHUNK = 64         # chunk of the chunked KDA form (fla's default) for its FLOP count
 TYPES = ("kda", "mla", "moe", "dense", "other")
 
@@ -356,7 +356,7 @@ def add_bench_ttft_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="prefill chunk (default: the engine's)")
     p.add_argument("--no-enable-prefix-caching", action="store_true", help="turn 2 without reuse")
     p.add_argument("--additional-config", default=None, help="JSON object, as for serve")
-    p.add_argument("--results-dir", default="results")
+    p.add_argument("--results-dir", default="results", help="where the JSON goes (default results)")
     p.set_defaults(func=run_cli)
     return p
 

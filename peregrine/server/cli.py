@@ -21,13 +21,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_engine_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port, 1..65535 (default 8000)")
     g.add_argument("--served-model-name", default=None, help="model name clients use (default: the --model value)")
     g.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help=f"waiting requests beyond which new ones get 429 (default {DEFAULT_MAX_QUEUE})")
     g.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_S,
                    help=f"seconds SIGTERM waits for in-flight requests (default {DEFAULT_DRAIN_S:g})")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="server and access log detail (default info)")
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -43,11 +44,16 @@ def cmd_serve(args) -> int:
 
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not 1 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in 1..65535, got {args.port}")
+    if args.drain_timeout < 0:
+        raise ConfigError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    ecfg = engine_config(args)  # every engine option checked before the model loads
     logging.basicConfig(level=args.log_level.upper(), format="[peregrine] %(levelname)s %(name)s: %(message)s")
     log = lambda m: print(f"[peregrine] {m}", file=sys.stderr, flush=True)  # noqa: E731
     from .. import compile_log
     compile_log.install(log)  # PEREGRINE_LOG_COMPILES=1: kernels the warm-up misses are named when they compile
-    engine, tok = build_engine(args.model, engine_config(args), dummy_weights=args.dummy_weights, log=log)
+    engine, tok = build_engine(args.model, ecfg, dummy_weights=args.dummy_weights, log=log)
     warm_up(engine, log)  # graphs captured and plans built now, not at a request's first prompt of each size
     compile_log.serving()
     _, folder = resolve_model(args.model)
@@ -68,7 +74,7 @@ def cmd_serve(args) -> int:
 
 
 def add_bench_serve_parser(bench_subparsers) -> argparse.ArgumentParser:
-    p = bench_subparsers.add_parser("serve", help="serving load: TTFT, TPOT, ITL, tok/s/user, throughput (BENCHMARKS.md §3)")
+    p = bench_subparsers.add_parser("serve", help="serving load: TTFT, TPOT, ITL, tok/s/user, throughput (docs/benchmarks.md §3)")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to drive (default http://127.0.0.1:8000)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first /v1/models entry)")
     p.add_argument("--max-concurrency", type=int_list, default=[1, 2, 4, 8], help="levels, e.g. 1,2,4,8")
@@ -84,9 +90,9 @@ def add_bench_serve_parser(bench_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-gpus", type=int, default=1, help="GPUs the server uses, for throughput per GPU")
     p.add_argument("--warmup", type=int, default=2, help="untimed requests before the levels (default 2)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and lengths (default 0)")
     p.add_argument("--label", default=None, help="configuration name in the JSON and the plot")
-    p.add_argument("--results-dir", default="results")
+    p.add_argument("--results-dir", default="results", help="where the JSON and PNG go (default results)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     from ..bench.cli import add_sampling_args
     add_sampling_args(p, "sampled requests (default: greedy, temperature 0)")

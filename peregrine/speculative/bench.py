@@ -312,17 +312,17 @@ _float_list = positive_list(float, "acceptance lengths (the bonus token counts)"
 def add_bench_spec_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("spec", help="speculative vs plain decoding: step time, accepted tokens, tok/s/user")
     p.add_argument("--model", required=True, help="preset name or model folder")
-    p.add_argument("--dummy-weights", action="store_true")
-    p.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 4])
+    p.add_argument("--dummy-weights", action="store_true", help="random weights (no checkpoint needed)")
+    p.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 4], help="B values, e.g. 1,2,4 (default)")
     p.add_argument("--k", type=_int_list, default=[3], help="num_speculative_tokens values to sweep, e.g. 2,4")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='drafter settings (default {"method": "ngram"}); its num_speculative_tokens is replaced by --k')
-    p.add_argument("--backend", choices=["standard", "latency_specialized"], default="latency_specialized")
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--backend", choices=["standard", "latency_specialized"], default="latency_specialized", help="decode path (default latency_specialized)")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request (default 256)")
+    p.add_argument("--output-len", type=int, default=128, help="tokens generated per request (default 128)")
     p.add_argument("--pattern-len", type=int, default=16, help="the prompt repeats a random pattern of this many tokens")
-    p.add_argument("--prompt-sets", type=int, default=1)
-    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--prompt-sets", type=int, default=1, help="different prompt sets per B (default 1)")
+    p.add_argument("--runs", type=int, default=2, help="runs per prompt set (default 2)")
     p.add_argument("--no-oracle", action="store_true", help="skip the oracle drafter (acceptance ceiling)")
     p.add_argument("--acceptance-lengths", type=_float_list, default=[], metavar="L,...",
                    help="synthetic acceptance at these mean lengths (the bonus token counted), e.g. 2.33,3,3.78,4.73,6; "
@@ -335,7 +335,7 @@ def add_bench_spec_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--replay-turns", type=int, default=3, help="turns per replayed session (default 3)")
     p.add_argument("--replay-context", type=int, default=120_000, help="characters of files a session adds in all")
     p.add_argument("--replay-methods", default="ngram,suffix", help="drafter methods to replay (default ngram,suffix)")
-    p.add_argument("--results-dir", default="results")
+    p.add_argument("--results-dir", default="results", help="where the JSON goes (default results)")
     p.set_defaults(func=run_bench_spec)
     return p
 
