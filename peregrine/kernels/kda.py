@@ -21,7 +21,6 @@ channel), as in peregrine/cache.py. Configs per (H, d, B) come from kda_plan.jso
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -44,10 +43,6 @@ CPU_SMS = 8             # pretend SM count off-GPU: keeps interpreter grids smal
 COUNTERS_MIN = 4096     # per-(b, h) arrival counters allocated at once (16 KB), grown by doubling
 FINISH_WARPS = 4        # the finisher kernel handles one [d] vector per position
 PLAN_PATH = Path(__file__).with_name("kda_plan.json")
-# "1": the new conv state is read beside the state, not after the stores (HOIST in the kernels; the same bits).
-# Off: the 48B A/B gave no gain (2.360 / 3.229 / 4.577 / 6.931 ms against base 2.359 / 3.234 / 4.582 / 6.938,
-# results/2026-12-04-session21 call 2)
-HOIST_ENV = "PEREGRINE_KDA_HOIST"
 
 
 @dataclass(frozen=True)
@@ -95,19 +90,13 @@ def _store_conv(dst_ptr, stride_dj, x, ch, m, W: tl.constexpr, BLOCK_W: tl.const
 @triton.jit
 def _finish_head(x_b, cs, r, onw, osc, out, cck, pb, h, T, H, D,
                  s_qkv_t, s_cs_j, s_r_b, s_r_t, s_os_b, s_os_t, s_o_b, s_o_t, s_cck_b, s_cck_t, s_cck_j, eps_o,
-                 W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, CKPT: tl.constexpr,
-                 HOIST: tl.constexpr = False):
+                 W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, CKPT: tl.constexpr):
     """Per head, after every V slice is done: RMSNorm + σ(r) gate of o (from the FP32 scratch)
-    for all T positions, the q/k conv checkpoints, and the in-place q/k conv state update.
-    HOIST: the new q/k conv state is read first, beside the o loads, not after out's stores (whose
-    loads the compiler may not move above them): one memory round trip less at the kernel's end."""
+    for all T positions, the q/k conv checkpoints, and the in-place q/k conv state update."""
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
     ch_q = h * D + offs
     ch_k = H * D + ch_q
-    if HOIST:  # nothing writes these q/k entries before this finisher does, below
-        nq = _conv_after(x_b, cs, ch_q, m, T, s_qkv_t, s_cs_j, W, BLOCK_W)
-        nk = _conv_after(x_b, cs, ch_k, m, T, s_qkv_t, s_cs_j, W, BLOCK_W)
     nw = tl.load(onw + offs, mask=m, other=0.0).to(tl.float32)
     for t in range(T):
         o = tl.load(osc + pb * s_os_b + t * s_os_t + ch_q, mask=m, other=0.0, cache_modifier=".cg")
@@ -120,9 +109,8 @@ def _finish_head(x_b, cs, r, onw, osc, out, cck, pb, h, T, H, D,
                 chg = ch_q + g2 * H * D
                 cw = _conv_after(x_b, cs, chg, m, t + 1, s_qkv_t, s_cs_j, W, BLOCK_W)
                 _store_conv(ck, s_cck_j, cw, chg, m, W, BLOCK_W)
-    if not HOIST:
-        nq = _conv_after(x_b, cs, ch_q, m, T, s_qkv_t, s_cs_j, W, BLOCK_W)
-        nk = _conv_after(x_b, cs, ch_k, m, T, s_qkv_t, s_cs_j, W, BLOCK_W)
+    nq = _conv_after(x_b, cs, ch_q, m, T, s_qkv_t, s_cs_j, W, BLOCK_W)
+    nk = _conv_after(x_b, cs, ch_k, m, T, s_qkv_t, s_cs_j, W, BLOCK_W)
     tl.debug_barrier()  # in place: read every old entry before any thread overwrites one
     _store_conv(cs, s_cs_j, nq, ch_q, m, W, BLOCK_W)
     _store_conv(cs, s_cs_j, nk, ch_k, m, W, BLOCK_W)
@@ -138,8 +126,7 @@ def _kda_decode_kernel(
     s_sck_b, s_sck_t, s_sck_h, s_sck_k, s_cck_b, s_cck_t, s_cck_j, s_os_b, s_os_t,
     lower_bound, eps_qk, eps_o, q_scale,
     W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, SPLIT: tl.constexpr,
-    FINISH: tl.constexpr, SOFTPLUS: tl.constexpr, CKPT: tl.constexpr, HOIST: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    FINISH: tl.constexpr, SOFTPLUS: tl.constexpr, CKPT: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     pb = tl.program_id(0)
     h = tl.program_id(1)
@@ -166,11 +153,6 @@ def _kda_decode_kernel(
     sp = st + offs[:, None] * s_st_k + ov[None, :]
     m2 = m[:, None] & mv[None, :]
     S = tl.load(sp, mask=m2, other=0.0)
-    if HOIST:  # the new conv state's reads beside the state's, not after its store (see _finish_head)
-        nv = _conv_after(x_b, cs, ch_v, mv, T, s_qkv_t, s_cs_j, W, BLOCK_W)
-        if FINISH == 0:
-            nq = _conv_after(x_b, cs, ch_q, m, T, s_qkv_t, s_cs_j, W, BLOCK_W)
-            nk = _conv_after(x_b, cs, ch_k, m, T, s_qkv_t, s_cs_j, W, BLOCK_W)
 
     for t in range(T):
         q = _conv_silu(x_b, cs, conv_w, s_cw, ch_q, m, t, s_qkv_t, s_cs_j, W)
@@ -215,11 +197,10 @@ def _kda_decode_kernel(
     tl.store(sp, S, mask=m2)
     # In place: read every old entry before any thread overwrites one. Only this program
     # reads its v channels; the q/k ones belong to the finisher unless it is this program.
-    if not HOIST:
-        nv = _conv_after(x_b, cs, ch_v, mv, T, s_qkv_t, s_cs_j, W, BLOCK_W)
-        if FINISH == 0:
-            nq = _conv_after(x_b, cs, ch_q, m, T, s_qkv_t, s_cs_j, W, BLOCK_W)
-            nk = _conv_after(x_b, cs, ch_k, m, T, s_qkv_t, s_cs_j, W, BLOCK_W)
+    nv = _conv_after(x_b, cs, ch_v, mv, T, s_qkv_t, s_cs_j, W, BLOCK_W)
+    if FINISH == 0:
+        nq = _conv_after(x_b, cs, ch_q, m, T, s_qkv_t, s_cs_j, W, BLOCK_W)
+        nk = _conv_after(x_b, cs, ch_k, m, T, s_qkv_t, s_cs_j, W, BLOCK_W)
     tl.debug_barrier()
     _store_conv(cs, s_cs_j, nv, ch_v, mv, W, BLOCK_W)
     if FINISH == 0:
@@ -233,7 +214,7 @@ def _kda_decode_kernel(
         if cnt == SPLIT - 1:
             _finish_head(x_b, cs, r, onw, osc, out, cck, pb, h, T, H, D,
                          s_qkv_t, s_cs_j, s_r_b, s_r_t, s_os_b, s_os_t, s_o_b, s_o_t, s_cck_b, s_cck_t, s_cck_j,
-                         eps_o, W, BLOCK_W, BLOCK_D, CKPT, HOIST)
+                         eps_o, W, BLOCK_W, BLOCK_D, CKPT)
             tl.atomic_xchg(counters + pb * H + h, 0)  # ready for the next launch (graph replay)
 
 
@@ -242,14 +223,14 @@ def _kda_finish_kernel(qkv, r, onw, conv_state, slots, out, cck, osc, T, H, D,
                        s_qkv_b, s_qkv_t, s_cs_s, s_cs_j, s_r_b, s_r_t, s_os_b, s_os_t, s_o_b, s_o_t,
                        s_cck_b, s_cck_t, s_cck_j, eps_o,
                        W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, CKPT: tl.constexpr,
-                       HOIST: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                       USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)  # o slices in the scratch come from the decode kernel just before
     pb = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots + pb).to(tl.int64)
     _finish_head(qkv + pb.to(tl.int64) * s_qkv_b, conv_state + slot * s_cs_s, r, onw, osc, out, cck, pb, h, T, H, D,
                  s_qkv_t, s_cs_j, s_r_b, s_r_t, s_os_b, s_os_t, s_o_b, s_o_t, s_cck_b, s_cck_t, s_cck_j, eps_o,
-                 W, BLOCK_W, BLOCK_D, CKPT, HOIST)
+                 W, BLOCK_W, BLOCK_D, CKPT)
 
 
 def _check(qkv, f, b, r, conv_w, state, conv_state, slots, state_ckpt, conv_ckpt):
@@ -372,7 +353,6 @@ def kda_decode(qkv, f, b, r, conv_w, A_log, dt_bias, o_norm_w, state, conv_state
         finish = LAUNCH
     osc = out if finish == INLINE else torch.empty(B, T, H * d, dtype=torch.float32, device=qkv.device)
     BLOCK_W = triton.next_power_of_2(W - 1)
-    hoist = os.environ.get(HOIST_ENV) == "1"
     _kda_decode_kernel[(B, H, split)](
         qkv, f, b, r, conv_w, A_log, dt_bias, o_norm_w, state, conv_state, slots, out, sck, cck, osc,
         counters if counters is not None else slots,
@@ -384,7 +364,7 @@ def kda_decode(qkv, f, b, r, conv_w, A_log, dt_bias, o_norm_w, state, conv_state
         cck.stride(0), cck.stride(1), cck.stride(2) if ckpt else 0, osc.stride(0), osc.stride(1),
         float(lower_bound), float(eps_qk), float(eps_o), d ** -0.5,
         W=W, BLOCK_W=BLOCK_W, BLOCK_D=BLOCK_D, BLOCK_V=BLOCK_D // split, SPLIT=split, FINISH=finish,
-        SOFTPLUS=gate == "softplus", CKPT=ckpt, HOIST=hoist, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SOFTPLUS=gate == "softplus", CKPT=ckpt, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_kwargs(qkv.device),
     )
     if finish == LAUNCH:
@@ -393,7 +373,7 @@ def kda_decode(qkv, f, b, r, conv_w, A_log, dt_bias, o_norm_w, state, conv_state
             qkv.stride(0), qkv.stride(1), conv_state.stride(0), conv_state.stride(1), r.stride(0), r.stride(1),
             osc.stride(0), osc.stride(1), out.stride(0), out.stride(1),
             cck.stride(0), cck.stride(1), cck.stride(2) if ckpt else 0, float(eps_o),
-            W=W, BLOCK_W=BLOCK_W, BLOCK_D=BLOCK_D, CKPT=ckpt, HOIST=hoist, num_warps=FINISH_WARPS,
+            W=W, BLOCK_W=BLOCK_W, BLOCK_D=BLOCK_D, CKPT=ckpt, num_warps=FINISH_WARPS,
             **launch_kwargs(qkv.device),
         )
     return out
