@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # #20's decode-step A/B as one device call (one H200; ~1 min per variant on a warm machine):
-#   run (carry .commit):  TUNE_SHARED=1 TESTS="tests/test_kernels_moe.py" AB="base PEREGRINE_ROUTER_FUSED=0" \
+#   run (carry .commit):  GEMM_TUNE=1 TESTS="tests/test_kernels_moe.py" AB="base PEREGRINE_GEMM_PLAN=$OUT/gemm_plan_pdl.json" \
 #                         bash scripts/gpu_decode_ab.sh
 # TESTS  pytest -m gpu arguments run first, e.g. "tests/test_kernels_moe.py -k router" (log: $OUT/pytest.log)
 # TUNE_SHARED=1  re-tune moe_plan.json's '+shared' experts entry first (the device's plan file, copied to $OUT)

@@ -27,11 +27,7 @@
 #   until now every row carried one token, so
 #   its B > 1 routing is not a real batch's) before choosing the next MoE work at B = 2..8; the o_proj (2304 x 4096)
 #   at ~50 % of copy for M >= 2 whatever the tile (wide, deep and resident sweeps all ~8.9 us): first its tiling's
-#   read ceiling, MICRO="kernels_gemm --shapes oproj --ms 1,2,4,8 --pdl --stream"; the KDA decode's
-#   conv-state reads hoisted (off, same bits, CPU-tested) and the RMSNorms / router top-k triggering their successor
-#   before their wait (off; the GEMM after a norm and the experts' shared slot then start one kernel earlier):
-#   AB="base PEREGRINE_KDA_HOIST=1 PEREGRINE_EARLY_TRIGGER=norm PEREGRINE_EARLY_TRIGGER=topk PEREGRINE_EARLY_TRIGGER=norm+topk"
-#   bash scripts/gpu_decode_ab.sh (an AB variant's commas separate envs, hence "+")
+#   read ceiling, MICRO="kernels_gemm --shapes oproj --ms 1,2,4,8 --pdl --stream"
 # - K3's bounded gate in the shared varlen fla call (VARLEN_BOUNDED_GATE, off; cut three times by fla's autotune
 #   of K3's shapes on a fresh machine, so give it ~300 s): python3 -m pytest -v -m gpu tests/test_prefill.py -k "k3-shared or k3-per-row"
 # - #20's MXFP4 experts against OpenAI's triton_kernels MXFP4 MoE on k3-slice shapes: not started

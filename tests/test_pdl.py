@@ -128,11 +128,8 @@ def test_grouped_gemm(monkeypatch, variant):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("early", ["", "norm"])  # PEREGRINE_EARLY_TRIGGER=norm: trigger, then wait
 @pytest.mark.parametrize("D", [100, 8200])  # one pass in registers; two passes (D > norm.MAX_BLOCK)
-def test_norms(monkeypatch, D, early):
-    monkeypatch.setenv(P.EARLY_TRIGGER_ENV, early)
-    assert P.early_trigger("norm") == (early == "norm") and not P.early_trigger("topk")
+def test_norms(monkeypatch, D):
     x, r, w = rnd(3, D, dtype=BF16, seed=1), rnd(3, D, dtype=BF16, seed=2), rnd(D, dtype=BF16, seed=3)
     y = poisoned((3, D), BF16, DEVICE)
     run_deferred(monkeypatch, lambda: rms_norm(x, w, 1e-5, out=y), [x], [y])
@@ -156,13 +153,9 @@ ROUTER_CFGS = {
 
 
 @needs_interpreter
-@pytest.mark.parametrize("fused", ["1", "0", "0+early"], ids=["one_launch", "two_launches", "two_early_topk"])
+@pytest.mark.parametrize("fused", ["1", "0"], ids=["one_launch", "two_launches"])
 @pytest.mark.parametrize("variant", list(ROUTER_CFGS))
 def test_router(monkeypatch, variant, fused):
-    monkeypatch.setenv(P.EARLY_TRIGGER_ENV, "norm+topk" if fused.endswith("early") else "")  # the top-k triggers first
-    assert P.early_trigger("topk") == fused.endswith("early")
-    fused = fused[0]
-    monkeypatch.setenv(moe_kernels.FUSED_ROUTER_ENV, fused)
     B, E, D, k = 3, 20, 100, 4
     x, gw, bias = rnd(B, D, seed=1), rnd(E, D, seed=2, scale=0.1), rnd(E, seed=3, scale=0.01)
     res = {}
@@ -285,19 +278,15 @@ jobs = {
                      dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=128, USE_DOT=False, IEEE=False, EVEN_K=True, INLINE_REDUCE=False,
                           PREFETCH=False)),
     "norm": (norm._rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
-                                     "eps": "fp32"}, dict(HAS_RES=True, BLOCK=4096, SINGLE=True, EARLY_TRIGGER=False)),
-    "norm_early": (norm._rms_norm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16",
-                                           "eps": "fp32"}, dict(HAS_RES=True, BLOCK=4096, SINGLE=True, EARLY_TRIGGER=True)),
+                                     "eps": "fp32"}, dict(HAS_RES=True, BLOCK=4096, SINGLE=True)),
     "router_fused": (moe._router_logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32",
                                                  "bias_ptr": "*fp32", "ids_ptr": "*i32", "tw_ptr": "*fp32",
                                                  "logits_ptr": "*fp32", "count_ptr": "*i32", "scaling": "fp32"},
                      dict(B_PAD=16, BLOCK_E=16, BLOCK_K=128, DOT=True, TOPK=True, TOPK_ROWS=1, TOP_K=8, K_PAD=8,
                           E_PAD=256, RENORM=True, HAS_BIAS=True, STORE_LOGITS=False, SHARED=True)),
-    **{f"topk{'_early' if e else ''}": (moe._router_topk_kernel, {"part_ptr": "*fp32", "bias_ptr": "*fp32",
-                                                                 "ids_ptr": "*i32", "w_ptr": "*fp32",
-                                                                 "logits_ptr": "*fp32", "scaling": "fp32"},
-                                        dict(SPLIT=9, TOP_K=8, K_PAD=8, E_PAD=256, RENORM=True, HAS_BIAS=True,
-                                             STORE_LOGITS=False, SHARED=True, EARLY_TRIGGER=e)) for e in (False, True)},
+    "topk": (moe._router_topk_kernel, {"part_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i32", "w_ptr": "*fp32",
+                                       "logits_ptr": "*fp32", "scaling": "fp32"},
+             dict(SPLIT=9, TOP_K=8, K_PAD=8, E_PAD=256, RENORM=True, HAS_BIAS=True, STORE_LOGITS=False, SHARED=True)),
     "combine": (moe._combine_kernel, {"part_ptr": "*fp32", "tw_ptr": "*fp32", "add_ptr": "*bf16", "out_ptr": "*bf16"},
                 dict(TOP_K=8, K_PAD=8, BLOCK_D=256, HAS_ADD=True)),
     **{f"mla_prologue_{c}": (mp._mla_prologue_kernel,
@@ -333,5 +322,5 @@ def test_pdl_variants_compile_for_sm90_with_griddepcontrol():
     for key, (wait, trig, _, trigger_first) in run_aot(AOT_SCRIPT).items():
         on = key.endswith("True")
         assert (wait >= 1 and trig >= 1) if on else (wait == 0 and trig == 0), f"{key}: wait {wait}, trigger {trig}"
-        if on:  # pdl_wait waits, then triggers; the norm's and top-k's early variants trigger first
-            assert trigger_first == key.split(",")[0].endswith("_early"), f"{key}: trigger before wait is {trigger_first}"
+        if on:  # pdl_wait waits, then triggers
+            assert not trigger_first, f"{key}: trigger before wait"

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import statistics
 import time
 
@@ -116,15 +115,13 @@ class Case:
         self.router_bytes = E * D * wts.gate_w.element_size() + B * D * wts.esz
 
     def time_router(self, cfg, iters, fused: bool = True):
-        """fused: the one-launch router (moe_route's default); False: logits and top-k launches
-        (read at capture time, so the graphs hold the chosen form)."""
-        prev = os.environ.get(moe.FUSED_ROUTER_ENV)
-        os.environ[moe.FUSED_ROUTER_ENV] = "1" if fused else "0"
-        try:
+        """fused: moe_route (one launch where fuses_topk, a one-warp config); False: the logits and top-k
+        launches (router_partials, router_topk: moe_route's form for the other configs)."""
+        if fused:
             return graph_time([lambda x=x: moe.moe_route(x, self.w.gate_w, self.w.bias, TOP_K, True, SCALING,
                                                          config=cfg) for x in self.xs], iters)
-        finally:
-            os.environ.pop(moe.FUSED_ROUTER_ENV) if prev is None else os.environ.update({moe.FUSED_ROUTER_ENV: prev})
+        return graph_time([lambda x=x: moe.router_topk(moe.router_partials(x, self.w.gate_w, config=cfg).unsqueeze(0),
+                                                       self.w.bias, TOP_K, True, SCALING) for x in self.xs], iters)
 
     def time_experts(self, cfg, iters):
         return graph_time([lambda x=x, r=r: experts(self.w, x, r[0], r[1], cfg, self.out)
@@ -429,7 +426,7 @@ def compile_check(router_cfgs, expert_cfgs, B: int = 3) -> list[dict]:
         jobs.append((f"topk split={-(-D // r['CHUNK'])}", moe._router_topk_kernel, dict(
             part_ptr=(f32, 0), bias_ptr=(f32, 0), ids_ptr=(i32, 0), w_ptr=(f32, 0), logits_ptr=(f32, 0), B=n(B),
             E=n(E), E_SLAB=n(E), scaling=("fp32", 0), SPLIT=c(-(-D // r["CHUNK"])), TOP_K=c(TOP_K), K_PAD=c(TOP_K), E_PAD=c(E),
-            RENORM=c(True), HAS_BIAS=c(True), STORE_LOGITS=c(False), SHARED=c(True), EARLY_TRIGGER=c(False)),
+            RENORM=c(True), HAS_BIAS=c(True), STORE_LOGITS=c(False), SHARED=c(True)),
             moe.TOPK_WARPS, 2))
     for e in expert_cfgs:
         if e["variant"] == "split":
@@ -440,7 +437,7 @@ def compile_check(router_cfgs, expert_cfgs, B: int = 3) -> list[dict]:
             jobs.append((f"down {e}", moe._expert_down_kernel, dict(
                 h_ptr=(bf, 0), w2_ptr=(bf, 0), s2_off=("i64", 0), ids_ptr=(i32, 0), part_ptr=(f32, 0), **dims,
                 BLOCK_D=c(e["DOWN_BLOCK_D"]),
-                BLOCK_I=c(e["DOWN_BLOCK_I"]), SWAP=c(bool(e["SWAP"])), EARLY=c(True), **meta),
+                BLOCK_I=c(e["DOWN_BLOCK_I"]), SWAP=c(bool(e["SWAP"])), **meta),
                 e["down_warps"], e["down_stages"]))
         else:
             jobs.append((f"fused {e}", moe._expert_fused_kernel, dict(

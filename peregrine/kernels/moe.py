@@ -9,7 +9,7 @@ many programs with one big load each); exact FP32 products, either an IEEE dot
 (2) one program per token sums the chunks in a fixed order and picks top-k of
 σ(logit) + bias (ties -> lowest expert index, like a stable descending sort).
 Unsliced with a one-warp config, (2) is done by the last program of (1) to arrive (an
-arrival counter, reset by it): one launch, the same bits (PEREGRINE_ROUTER_FUSED=0: two).
+arrival counter, reset by it): one launch, the same bits.
 Tensor parallel with slicing: (1) runs on the rank's E/N experts, the partials are
 all-gathered (stacked in rank order) and (2) reads the N slabs as one row of E logits.
 
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import warnings
 from pathlib import Path
 
@@ -44,16 +43,12 @@ import triton.language as tl
 
 from . import interpreting, read_plan_entries
 from .gemm import arrival_counters
-from .pdl import early_trigger, launch_kwargs, pdl_trigger_then_wait, pdl_wait
+from .pdl import launch_kwargs, pdl_wait
 
 PLAN_PATH = Path(__file__).with_name("moe_plan.json")
 B_MAX = 16             # decode batches up to 16 share one padded token tile: one compile, batch-invariant bits
 MIN_DOT_ROWS = 16      # tl.dot needs M, N, K >= 16
 COMBINE_BLOCK_D = 256  # columns per combine program; fixed (never tuned) so its sum order never changes
-# "0": the down kernel waits before reading the ids (A/B runs). Its token slots found before the wait instead of
-# after it measured the same (session 18 call 2, within 5 us a step), so the simpler form stays
-DOWN_EARLY_ENV = "PEREGRINE_MOE_DOWN_EARLY"
-FUSED_ROUTER_ENV = "PEREGRINE_ROUTER_FUSED"  # "0": the top-k in its own launch always (A/B runs)
 TOPK_WARPS = 1         # top-k is 3k tiny reductions over E: one warp does each with shuffles, no smem barriers
 SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0  # SiTU bounds (MODELS.md)
 ACTIVATIONS = {"swiglu": 0, "situ": 1}
@@ -269,12 +264,8 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, B, E, D, stride_xb, chunk,
 def _router_topk_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, logits_ptr, B, E, E_SLAB, scaling,
                         SPLIT: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                         RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_LOGITS: tl.constexpr,
-                        SHARED: tl.constexpr = False, EARLY_TRIGGER: tl.constexpr = False,
-                        USE_PDL: tl.constexpr = False):
-    if EARLY_TRIGGER:  # pdl.early_trigger("topk"): the experts' shared-slot programs start during the logits too
-        pdl_trigger_then_wait(USE_PDL)
-    else:
-        pdl_wait(USE_PDL)  # the partial logits come from the previous kernel
+                        SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # the partial logits come from the previous kernel
     b = tl.program_id(0)
     offs = tl.arange(0, E_PAD)
     ok = offs < E
@@ -294,7 +285,7 @@ def fuses_topk(cfg: dict, B: int) -> bool:
     """Whether moe_route does the top-k inside the logits launch. Only for one-warp configs: with more
     warps each of its 3k reductions crosses warps through shared memory, and the tail costs more
     than the launch it saves (H200, 4 warps: +4.4 us a layer)."""
-    return os.environ.get(FUSED_ROUTER_ENV, "1") != "0" and B <= B_MAX and cfg["num_warps"] == TOPK_WARPS
+    return B <= B_MAX and cfg["num_warps"] == TOPK_WARPS
 
 
 def moe_route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, top_k: int,
@@ -367,7 +358,7 @@ def router_topk(parts: torch.Tensor, bias: torch.Tensor | None, top_k: int, reno
     _router_topk_kernel[(B,)](parts, b, ids, w, logits_out if logits_out is not None else parts, B, E, E_slab,
                               float(scaling), SPLIT=split, TOP_K=top_k, K_PAD=_pow2(top_k), E_PAD=_pow2(E),
                               RENORM=bool(renormalize), HAS_BIAS=bias is not None, STORE_LOGITS=logits_out is not None,
-                              SHARED=bool(shared_slot), EARLY_TRIGGER=early_trigger("topk"), num_warps=TOPK_WARPS,
+                              SHARED=bool(shared_slot), num_warps=TOPK_WARPS,
                               **launch_kwargs(parts.device))
     return ids, w
 
@@ -477,11 +468,9 @@ def _expert_down_kernel(h_ptr, w2_ptr, s2_off, ids_ptr, part_ptr, B, E, D, I,
                         TOP_K: tl.constexpr, B_PAD: tl.constexpr, K_PAD: tl.constexpr, N_PAD: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, SWAP: tl.constexpr,
                         DOT_T: tl.constexpr, PREC: tl.constexpr,
-                        ALIGN: tl.constexpr = 1, EARLY: tl.constexpr = True, USE_PDL: tl.constexpr = False):
+                        ALIGN: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
     # The expert ids are two launches back (the router's top-k, then the up kernel): complete when this
     # kernel starts (pdl.py), so the first W2 tile streams in before the wait, while the up kernel ends.
-    if not EARLY:  # the A/B baseline: wait first
-        pdl_wait(USE_PDL)
     n = tl.program_id(0)
     e = tl.load(ids_ptr + n)
     first = _first_use(ids_ptr, n, e, B * TOP_K, N_PAD)
@@ -491,8 +480,7 @@ def _expert_down_kernel(h_ptr, w2_ptr, s2_off, ids_ptr, part_ptr, B, E, D, I,
     w_rows = _expert_base(w2_ptr, s2_off, e, E, D * I, ALIGN) + offs_d.to(tl.int64)[:, None] * I
     i_ok = offs_i < I
     w = tl.load(w_rows + offs_i[None, :], mask=first & d_ok[:, None] & i_ok[None, :], other=0.0).to(DOT_T)
-    if EARLY:
-        pdl_wait(USE_PDL)  # h comes from the up kernel just before
+    pdl_wait(USE_PDL)  # h comes from the up kernel just before
     if first:
         chose, slot = _token_slots(ids_ptr, e, B, TOP_K, B_PAD, K_PAD)
         row = tl.arange(0, B_PAD) * TOP_K + slot
@@ -635,7 +623,7 @@ def moe_expert_partials(x, w13, w2, topk_ids, *, activation: str = "swiglu", wor
             num_warps=cfg["up_warps"], num_stages=cfg["up_stages"], **act, **meta)
         _expert_down_kernel[(B * k, triton.cdiv(D, cfg["DOWN_BLOCK_D"]))](
             h, w2, s2_off, topk_ids, part, B, E, D, I, BLOCK_D=cfg["DOWN_BLOCK_D"], BLOCK_I=cfg["DOWN_BLOCK_I"],
-            SWAP=bool(cfg.get("SWAP", False)), EARLY=os.environ.get(DOWN_EARLY_ENV, "1") != "0",
+            SWAP=bool(cfg.get("SWAP", False)),
             num_warps=cfg["down_warps"], num_stages=cfg["down_stages"], **meta)
     else:
         _expert_fused_kernel[(B * k, pshape[0])](

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import early_trigger, launch_kwargs, pdl_trigger_then_wait, pdl_wait
+from .pdl import launch_kwargs, pdl_wait
 
 MAX_BLOCK = 8192  # widest row kept in registers (K3 hidden 7168 fits); wider rows loop
 GATED_ROWS = 32  # tokens per gated-norm program: [32, 128] FP32 tiles, 32 values per thread at 4 warps
@@ -23,9 +23,7 @@ GATED_ROWS = 32  # tokens per gated-norm program: [32, 128] FP32 tiles, 32 value
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, D, stride_x, stride_r, stride_y, eps,
                      HAS_RES: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr,
-                     EARLY_TRIGGER: tl.constexpr = False, USE_PDL: tl.constexpr = False):
-    # EARLY_TRIGGER (pdl.early_trigger("norm")): the GEMM after the norm (an in-projection, the router, lm_head)
-    # launches at once and streams its weights during the kernel before the norm too
+                     USE_PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_x
@@ -34,10 +32,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, D, stride_x, stride_r, stride_y
     if SINGLE:
         ok = cols < D
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)  # a weight: safe before the PDL wait
-        if EARLY_TRIGGER:
-            pdl_trigger_then_wait(USE_PDL)
-        else:
-            pdl_wait(USE_PDL)
+        pdl_wait(USE_PDL)
         v = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
         if HAS_RES:
             v = v + tl.load(r_row + cols, mask=ok, other=0.0).to(tl.float32)
@@ -47,10 +42,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, D, stride_x, stride_r, stride_y
         rstd = tl.rsqrt(tl.sum(v * v, axis=0) / D + eps)
         tl.store(y_row + cols, (v * rstd * w).to(y_ptr.dtype.element_ty), mask=ok)
     else:
-        if EARLY_TRIGGER:
-            pdl_trigger_then_wait(USE_PDL)
-        else:
-            pdl_wait(USE_PDL)
+        pdl_wait(USE_PDL)
         sq = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, D, BLOCK):
             c = start + cols
@@ -93,7 +85,7 @@ def _launch(x, r, w, y, eps: float) -> None:
     res = r if r is not None else x
     _rms_norm_kernel[(M,)](x, res, w, y, D, x.stride(0), res.stride(0), y.stride(0), eps,
                            HAS_RES=r is not None, BLOCK=block, SINGLE=D <= block, num_warps=warps,
-                           EARLY_TRIGGER=early_trigger("norm"), **launch_kwargs(x.device))
+                           **launch_kwargs(x.device))
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 import triton
@@ -63,31 +62,6 @@ def pdl_wait(USE_PDL: tl.constexpr):
     if USE_PDL:
         _gdc_wait()
         _gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_trigger_then_wait(USE_PDL: tl.constexpr):
-    """pdl_wait's two steps the other way round: the next kernel may launch at once, before this one's
-    predecessor completes, so it prefetches its weights during that predecessor too. That next kernel
-    then breaks "two launches back" for itself: before its wait it may read only what no still-running
-    kernel writes (weights), never an output of this kernel's predecessor. The kernel after it is
-    unaffected (when it starts, the next kernel has passed its wait, so this one and its predecessor
-    have completed). For short kernels followed by a weight-streaming GEMM (the RMSNorms)."""
-    if USE_PDL:
-        _gdc_launch_dependents()
-        _gdc_wait()
-
-
-EARLY_TRIGGER_ENV = "PEREGRINE_EARLY_TRIGGER"  # kernels that use pdl_trigger_then_wait: "norm,topk" (or "norm+topk")
-EARLY_TRIGGER_KERNELS = ("norm", "topk")  # where it is safe: their successors read only weights (the up kernel:
-# also the router's input x, complete once the top-k launches) before their waits. Off: norm, topk and both moved
-# the 48B step by at most 8 us (results/2026-12-04-session21 call 2)
-
-
-def early_trigger(kernel: str) -> bool:
-    """Whether `kernel` (one of EARLY_TRIGGER_KERNELS) triggers its successor before its own wait."""
-    assert kernel in EARLY_TRIGGER_KERNELS, kernel
-    return kernel in os.environ.get(EARLY_TRIGGER_ENV, "").replace("+", ",").split(",")
 
 
 def set_pdl(on: bool) -> None:
