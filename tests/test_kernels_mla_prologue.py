@@ -147,8 +147,8 @@ def test_bench_parses_args_on_cpu():
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_specialized_fused_glue_equals_the_chain(model_dir, monkeypatch, kv):
-    """latency_specialized with the fused prologue (the default) against PEREGRINE_MLA_FUSED_GLUE=0 (the
-    five-op chain), with the model-dtype cache and an FP8 one: the prologue is what runs; in FP32 the same
+    """latency_specialized with the fused prologue (the default) against the five-op chain (the form of shapes
+    the prologue does not take), with the model-dtype cache and an FP8 one: the prologue is what runs; in FP32 the same
     greedy tokens and routed experts; every decode step's logits within tolerance up to the first differing
     token or routed-expert set (in BF16 the absorbed q̂ is summed in another order, so a near-tie may flip,
     as in test_specialized's shared-slot test)."""
@@ -162,15 +162,14 @@ def test_specialized_fused_glue_equals_the_chain(model_dir, monkeypatch, kv):
     ps = prompts(2, 13)
     rf, rc = [], []
     fused, lf = engine(d, "latency_specialized", routing=rf, kv_cache_dtype=kv, **eager)
-    monkeypatch.setenv(specialized.FUSED_GLUE_ENV, "0")
     chain, lc = engine(d, "latency_specialized", routing=rc, kv_cache_dtype=kv, **eager)
-    assert fused.runner.fused_glue and not chain.runner.fused_glue
     n = STEPS if FULL_SHAPES else 8
     a = fused.generate(ps, greedy(n))
     assert calls, "the fused prologue never ran"
     calls.clear()
+    monkeypatch.setattr(specialized, "prologue_why_not", lambda *a: "the chain, for this test")  # eager: read each step
     b = chain.generate(ps, greedy(n))
-    assert not calls, "PEREGRINE_MLA_FUSED_GLUE=0 still ran the prologue"
+    assert not calls, "the chain still ran the prologue"
     assert [p for p, _ in lf][1:] == ["latency_specialized"] * (len(lf) - 1)
     div = [first_divergence(x, y) for x, y in zip(a, b)]
     flips = [None] * len(ps)  # first decode step whose routed experts differ, per request

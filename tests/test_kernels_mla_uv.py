@@ -162,8 +162,8 @@ def test_bench_parses_args_on_cpu():
 
 
 def test_specialized_fused_uv_equals_the_bmm(model_dir, monkeypatch):
-    """latency_specialized with W_UV in the combine at every B (PEREGRINE_MLA_FUSED_UV=1) against it never
-    (=0: combine, bmm, copy): the fused path is what runs; FP32: the same greedy tokens and routing; every
+    """latency_specialized with W_UV in the combine at every B against it never (combine, bmm, copy: the form
+    batches over FUSED_UV_MAX_B take): the fused path is what runs; FP32: the same greedy tokens and routing; every
     decode step's logits within tolerance up to the first differing token, or (BF16: o is rounded at the
     same point but the sums differ in order, so a router near-tie may flip) the first step whose routed
     experts differ."""
@@ -175,24 +175,22 @@ def test_specialized_fused_uv_equals_the_bmm(model_dir, monkeypatch):
     eager = dict(cuda_graphs=False) if DEVICE == "cuda" else {}
     ps = prompts(2, 17)
     rf, rb = [], []
-    monkeypatch.setenv(specialized.FUSED_UV_ENV, "1")
     fused, lf = engine(model_dir, "latency_specialized", routing=rf, **eager)
-    monkeypatch.setenv(specialized.FUSED_UV_ENV, "0")
     bmm, lb = engine(model_dir, "latency_specialized", routing=rb, **eager)
-    assert fused.runner.fused_uv_max_b >= specialized.MAX_DECODE_BATCH and bmm.runner.fused_uv_max_b == 0
+    fused.runner.fused_uv_max_b, bmm.runner.fused_uv_max_b = specialized.MAX_DECODE_BATCH, 0  # eager: read each step
     n = STEPS if FULL_SHAPES else 6
     a = fused.generate(ps, greedy(n))
     assert calls and all(calls), "the fused W_UV path never ran"
     calls.clear()
     b = bmm.generate(ps, greedy(n))
-    assert calls and not any(calls), "PEREGRINE_MLA_FUSED_UV=0 still ran the fused path"
+    assert calls and not any(calls), "fused_uv_max_b = 0 still ran the fused path"
     assert [p for p, _ in lf][1:] == ["latency_specialized"] * (len(lf) - 1)
     assert_same_greedy_and_close_steps(a, b, lf, lb, rf, rb)
 
 
 @pytest.mark.parametrize("n_prompts", [2, 3])
 def test_specialized_fused_uv_by_default_only_up_to_its_batch(model_dir, monkeypatch, n_prompts):
-    """Unset, the fused combine + W_UV serves decode batches of up to FUSED_UV_MAX_B rows (where it won on the
+    """The fused combine + W_UV serves decode batches of up to FUSED_UV_MAX_B rows (where it won on the
     H200) and the combine, bmm chain the larger ones."""
     from test_specialized import engine, greedy, prompts
     from peregrine.decode import specialized
@@ -200,7 +198,6 @@ def test_specialized_fused_uv_by_default_only_up_to_its_batch(model_dir, monkeyp
     real = specialized.mla_decode
     monkeypatch.setattr(specialized, "mla_decode",
                         lambda *a, **k: calls.append((a[0].shape[0], k.get("w_uv") is not None)) or real(*a, **k))
-    monkeypatch.delenv(specialized.FUSED_UV_ENV, raising=False)
     e, _ = engine(model_dir, "latency_specialized", **(dict(cuda_graphs=False) if DEVICE == "cuda" else {}))
     assert e.runner.fused_uv_max_b == specialized.FUSED_UV_MAX_B == 2
     e.generate(prompts(n_prompts, 3), greedy(3))

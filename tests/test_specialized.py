@@ -139,7 +139,7 @@ def test_logits_close_and_tokens_identical(model_dir, seed):
 
 def test_shared_expert_in_the_expert_launches_equals_the_dense_shared_expert(model_dir, monkeypatch):
     """The shared expert as one more slot of the routed-expert launches (the default) against it as a
-    dense MLP added in the combine (PEREGRINE_SHARED_SLOT=0): the fused form is the one taken, every
+    dense MLP added in the combine (the form a shared expert of another shape takes): the fused form is the one taken, every
     decode step's logits within tolerance up to the first differing token or routed-expert set (none
     in FP32; in BF16 the two forms round h differently, so a near-tie in a router may flip: that step
     may differ by more, and nothing after it is compared, as in test_logits_close_and_tokens_identical)."""
@@ -151,9 +151,8 @@ def test_shared_expert_in_the_expert_launches_equals_the_dense_shared_expert(mod
     monkeypatch.setattr(specialized, "moe_expert_partials", lambda *a, **k: calls.append(k.get("shared")) or real(*a, **k))
     rs, rd = [], []
     slot, ls = engine(model_dir, "latency_specialized", routing=rs, **eager)
-    monkeypatch.setenv(specialized.SHARED_SLOT_ENV, "0")
     dense, ld = engine(model_dir, "latency_specialized", routing=rd, **eager)
-    assert slot.runner.shared_in_experts and not dense.runner.shared_in_experts
+    dense.runner._shared_weights = lambda moe: None  # eager: read each step
     n = STEPS if FULL_SHAPES else 8
     a = slot.generate(ps, greedy(n))
     assert calls and all(c is not None for c in calls), "the shared expert did not ride in the expert launches"
@@ -165,15 +164,15 @@ def test_shared_expert_in_the_expert_launches_equals_the_dense_shared_expert(mod
 
 
 def test_kda_grouped_gates_equal_the_two_launches_bit_for_bit(model_dir, monkeypatch):
-    """Both KDA gate up-projections in one grouped launch (the default) against two skinny GEMMs
-    (PEREGRINE_KDA_GROUPED_GATES=0): the same tiles and configs, so every step's logits are identical."""
+    """Both KDA gate up-projections in one grouped launch (the default) against two skinny GEMMs (the form
+    of layers whose gates cannot be stacked): the same tiles and configs, so every step's logits are identical."""
     from peregrine.decode import specialized
     ps = prompts(2, 9)
     calls = []
     real = specialized.grouped_gemm
     monkeypatch.setattr(specialized, "grouped_gemm", lambda *a, **k: calls.append(1) or real(*a, **k))
     grouped, lg = engine(model_dir, "latency_specialized")
-    monkeypatch.setenv(specialized.GROUPED_GATES_ENV, "0")
+    monkeypatch.setattr(specialized.SpecializedRunner, "_stack_gates", lambda self, model: {})  # before any capture
     chain, lc = engine(model_dir, "latency_specialized")
     kda = [l.attn.layer for l in grouped.runner.model.layers if l.is_kda]
     assert sorted(grouped.runner.gate_w) == kda and chain.runner.gate_w == {}

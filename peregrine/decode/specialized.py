@@ -38,11 +38,8 @@ from .head import draw
 from .standard import GraphCache
 
 MAX_DECODE_BATCH = 16  # the skinny GEMMs are written for M ≤ 16 rows
-SHARED_SLOT_ENV = "PEREGRINE_SHARED_SLOT"  # "0": the shared expert as a dense MLP on the side stream (A/B runs)
-GROUPED_GATES_ENV = "PEREGRINE_KDA_GROUPED_GATES"  # "0": KDA's f_b and g_b up-projections as two launches
-FUSED_GLUE_ENV = "PEREGRINE_MLA_FUSED_GLUE"  # "0": MLA's kv norm, cache write and W_UK absorption as the 5-op chain
-FUSED_UV_ENV = "PEREGRINE_MLA_FUSED_UV"  # MLA's combine with W_UV in one launch: "1" at every B, "0" never
-# ... else up to this B: it won 7-16 us a step at B = 1, 2 and lost 33-117 us at B = 4, 8 (sessions 17, 18)
+# MLA's combine with W_UV in one launch up to this B: it won 7-16 us a step at B = 1, 2 and lost 33-117 us at
+# B = 4, 8 (sessions 17, 18); larger batches take the combine, then the bmm
 FUSED_UV_MAX_B = 2
 
 
@@ -78,13 +75,9 @@ class SpecializedRunner:
         self.model, self.cache, self.standard, self.max_batch, self.log = model, cache, standard, max_batch, log
         self.cfg = model.cfg
         self.pdl = pdl  # Programmatic Dependent Launch for this runner's kernels (captured into its graphs)
-        # the shared expert served by the routed-expert launches as one more slot (_moe); 0: on the side stream
-        self.shared_in_experts = os.environ.get(SHARED_SLOT_ENV, "1") != "0"
-        self.fused_glue = os.environ.get(FUSED_GLUE_ENV, "1") != "0"  # _mla_attend's prologue in one launch
         # verify steps' MLA: a sequence's query rows a program takes (0: each row its own sequence, expanded)
         self.verify_query_rows = int(os.environ.get(VERIFY_MLA_ENV, "1"))
-        # _mla_attend's combine and W_UV in one launch for batches up to this many rows
-        self.fused_uv_max_b = {"1": MAX_DECODE_BATCH, "0": 0}.get(os.environ.get(FUSED_UV_ENV), FUSED_UV_MAX_B)
+        self.fused_uv_max_b = FUSED_UV_MAX_B  # _mla_attend's combine and W_UV in one launch up to this many rows
         self.last_path = self.name
         self.fallback_reasons: Counter = Counter()
         self.greedy_tokens = None  # argmax of the last specialized step (the engine skips its own)
@@ -95,7 +88,7 @@ class SpecializedRunner:
         self.unavailable = kernels.why_unavailable(dev)
         self._k3 = self.cfg.is_k3 or self.cfg.expert_quant is not None  # served by _step_k3
         # per KDA layer: [f_b; g_b] stacked, both gate up-projections in one grouped launch (_gates)
-        self.gate_w = self._stack_gates(model) if os.environ.get(GROUPED_GATES_ENV, "1") != "0" else {}
+        self.gate_w = self._stack_gates(model)
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         # tensor parallel: row-parallel outputs are written straight into the one-shot all-reduce's
         # symmetric buffer when there is one (NCCL all-reduce otherwise)
@@ -309,7 +302,7 @@ class SpecializedRunner:
         q = q.view(B, attn.H, -1)
         w_uk, w_uv = attn.w_uk_uv
         mi = c.mla_index[attn.layer]
-        if self.fused_glue and prologue_why_not(q, kva, w_uk, c.latent[mi]) is None:
+        if prologue_why_not(q, kva, w_uk, c.latent[mi]) is None:  # norm, cache write and W_UK in one launch
             qh = mla_prologue(q, kva, w_uk, attn.kv_norm, self.cfg.mla_norm_eps, c.latent[mi],
                               c.scale[mi] if c.fp8 else None, step.slot_mapping)
         else:  # the chain: norm, cat, cache write, bmm, cat
@@ -361,7 +354,7 @@ class SpecializedRunner:
         """(gate_up, down) of a shared expert the routed-expert launches can serve as one more expert
         (the routed experts' shape and dtype, contiguous), else None: it then runs as a dense MLP."""
         sh = moe.shared
-        if not self.shared_in_experts or sh is None:
+        if sh is None:
             return None
         gu, dn = sh.gate_up, sh.down
         fits = (gu.shape == moe.w13.shape[1:] and dn.shape == moe.w2.shape[1:] and gu.dtype == dn.dtype == moe.w13.dtype
