@@ -12,9 +12,6 @@
 # - an idea, not in the code: the engine's step input built without blocking (c50f5ab, reverted in 386df6c because
 #   it changed every step, decode included, with no GPU run behind it); it needs `bench decode`, a c = 8 serving
 #   run and the 32K --sync-debug profile (1 host sync expected) against the blocking build on one machine
-# - the residual-add fusions (886bddd) A/B on one machine, still not run (and PEREGRINE_KDA_GATED_NORM=0 likewise):
-#   for v in 1 0 1; do PEREGRINE_FUSED_RESIDUAL=$v OUT=$OUT/r$v STEPS=ttft LENGTHS=32768 RUNS=5 T_ttft=300 bash scripts/gpu_prefill.sh; done
-#   (the first run pays fla's autotune on a fresh machine: compare the 2nd and 3rd)
 # - serving c = 8, 40 requests at once, at the head (last at 886bddd): STEPS=serve CONC=8 BACKENDS="latency_specialized@6"
 # - #20 after session 16 (bench decode at 8605bf6: 2.341 / 3.212 / 4.524 / 6.860 ms): the MLA prologue's FP8-scale test
 #   relaxed to an ulp (7384258), not re-run on the GPU: python3 -m pytest -q -m gpu tests/test_kernels_mla_prologue.py;

@@ -6,9 +6,9 @@
 #   NP (requests per level; default 5 x concurrency), RATE (Poisson arrivals/s), PORT, READY_TIMEOUT (s),
 #   SAMPLING (bench serve's sampling flags, e.g. "--temperature 0.6 --top-p 0.95"; its runs are labelled -sampled).
 #   A BACKENDS entry "backend@N" also sets prefill_piece_layers N (label backend-piecesN): same-run A/B;
-#   a ":nographs" suffix turns prefill graphs off (label ...-nographs), ":novarlen" one fla call per KDA row
-#   (PEREGRINE_KDA_VARLEN=0, label ...-novarlen); "backend@N+T" prefills at most T tokens per step beside
-#   running decodes (--max-prefill-tokens-while-decoding, label ...-whiledecodingT), e.g. latency_specialized@6+4096:novarlen
+#   a ":nographs" suffix turns prefill graphs off (label ...-nographs); "backend@N+T" prefills at most T tokens
+#   per step beside running decodes (--max-prefill-tokens-while-decoding, label ...-whiledecodingT),
+#   e.g. latency_specialized@6+4096:nographs
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ -f .commit ] && export PEREGRINE_COMMIT=${PEREGRINE_COMMIT:-$(cat .commit)}  # the device copy's git HEAD can be stale
@@ -22,14 +22,13 @@ URL=http://127.0.0.1:$PORT
 get() { $PY -c "import sys, urllib.request as u; sys.stdout.write(u.urlopen(sys.argv[1], timeout=5).read().decode())" "$1" 2>/dev/null; }
 runs=(); rc=0
 for spec in $BACKENDS; do
-  extra=""; label=""; varlen=1
-  if [[ $spec == *:novarlen ]]; then spec=${spec%:novarlen}; varlen=0; label="-novarlen"; fi
+  extra=""; label=""
   if [[ $spec == *:nographs ]]; then spec=${spec%:nographs}; extra=", \"prefill_graphs\": false"; label="-nographs$label"; fi
   flags=""
   if [[ $spec == *+* ]]; then flags="--max-prefill-tokens-while-decoding ${spec#*+}"; label="-whiledecoding${spec#*+}$label"; spec=${spec%+*}; fi
   be=${spec%@*}
   if [[ $spec == *@* ]]; then extra="$extra, \"prefill_piece_layers\": ${spec#*@}"; label="$be-pieces${spec#*@}$label"; else label=$be$label; fi
-  PEREGRINE_LOG_COMPILES=1 PEREGRINE_KDA_VARLEN=$varlen $PY -m peregrine serve --model "$MODEL" --dummy-weights --port "$PORT" --max-num-seqs 8 $flags \
+  PEREGRINE_LOG_COMPILES=1 $PY -m peregrine serve --model "$MODEL" --dummy-weights --port "$PORT" --max-num-seqs 8 $flags \
       --additional-config "{\"decode_backend\": \"$be\"$extra}" > "$OUT/serve-$label.log" 2>&1 &
   pid=$!
   for _ in $(seq 1 "${READY_TIMEOUT:-300}"); do

@@ -279,16 +279,13 @@ def test_kda_rows_sharing_one_fla_call_keep_each_rows_state_window_and_snapshot(
         assert rel_rmse(c.snap_state[kl, snap], S) < 1e-5 and torch.equal(c.snap_conv[kl, snap], w)
 
 
-@pytest.mark.parametrize("norm_kernel", [True, False], ids=["norm-kernel", "fla-norm"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
 @pytest.mark.parametrize("conv_kernel", [True, False], ids=["conv-kernel", "fla-conv"])
-def test_one_kda_row_through_fla_with_cuts_keeps_its_state_window_and_snapshots(conv_kernel, lower_bound, norm_kernel,
-                                                                                 monkeypatch):
+def test_one_kda_row_through_fla_with_cuts_keeps_its_state_window_and_snapshots(conv_kernel, lower_bound, monkeypatch):
     """KDA.prefill_fla (one row, an fla call per segment between snapshot cuts) through torch_fla_ops:
     its W_o input (written piece by piece into its rows of the step's), final state, conv window and each
-    cut's snapshot equal the recurrent form's (both short convs; the gated-norm kernel or fla's norm)."""
+    cut's snapshot equal the recurrent form's (both short convs; the output norm through the gated-norm kernel)."""
     K, cfg, layer, c = fla_path_layer(monkeypatch, conv_kernel, lower_bound, slots=2)
-    monkeypatch.setattr(K, "GATED_NORM_KERNEL", norm_kernel)
     kl, W1 = c.kda_index[layer.layer], cfg.kda_conv_size - 1
     g = torch.Generator().manual_seed(10)
     S0, w0 = torch.randn(c.state.shape[2:], generator=g) * 0.1, torch.randn(c.conv.shape[2:], generator=g)

@@ -8,8 +8,6 @@ through the one-kernel recurrence of kernels/kda.py (the decode kernel, which ta
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,13 +30,8 @@ SHORT_ROWS_KERNEL: bool | None = None  # None: on the GPU outside FP32 runs (as 
 #                                         under the interpreter (tests); False: never
 CONV_KERNEL = True  # fla rows' short conv, L2 norms and q/k/v split in one pass (kernels/kda_conv.py) wherever the
 #   kernels run (the GPU; the CPU under the interpreter); False: fla's conv and copies (A/B)
-GATED_NORM_KERNEL = os.environ.get("PEREGRINE_KDA_GATED_NORM", "1") != "0"  # fla rows' output norm through
-#   kernels/norm.py's gated_rms_norm, written in place (where the kernels run); 0: fla's norm, then a copy (A/B)
 VARLEN_BOUNDED_GATE = False  # K3's bounded gate in that shared call too: off until its GPU case
 #   (test_gpu_kda_rows_of_one_step_share_a_varlen_fla_call[k3-shared]) has passed
-FLA_VARLEN = os.environ.get("PEREGRINE_KDA_VARLEN", "1") != "0"  # long rows of one step whose
-#   fla part ends at one cut share one varlen chunk_kda call (fla's ~1 ms of host work per call: once per
-#   layer, not per row); the environment variable (0) turns it off for A/B runs
 
 
 def fla_ops():
@@ -242,7 +235,7 @@ class KDA(nn.Module):
         The gated-norm kernel reads o and r's strided rows and writes out's rows in place: no cat of a row's
         pieces at its snapshot cut (H200: ~2.5 ms of a cold 32K prompt); fla's norm and a copy where the
         kernels do not run."""
-        if GATED_NORM_KERNEL and kernels.available(o.device):
+        if kernels.available(o.device):
             from ..kernels.norm import gated_rms_norm
             gated_rms_norm(o, r, self.o_norm, self.cfg.rms_norm_eps, out=out)
             return
@@ -386,7 +379,9 @@ class KDA(nn.Module):
             if 0 < h < q and ops is not None and q >= FLA_TAIL_MIN_TOKENS:
                 h = q
             rows.append((i, q, cuts, h, [(c, sn) for c, sn in cuts if c <= h]))  # head: cuts up to h
-        varlen = ops is not None and FLA_VARLEN and (self.cfg.kda_gate_lower_bound is None or VARLEN_BOUNDED_GATE)
+        # long rows of one step whose fla part ends at one cut share one varlen chunk_kda call (fla's ~1 ms of
+        # host work per call: once per layer, not per row)
+        varlen = ops is not None and (self.cfg.kda_gate_lower_bound is None or VARLEN_BOUNDED_GATE)
         together = [row for row in rows if row[3] and len(row[4]) == 1] if varlen else []
         if len(together) > 1:  # heads ending at their one cut: one varlen fla call for all of them
             self.prefill_fla_rows(ops, [(offs[i], offs[i] + h, step.kda_slots[i:i + 1], head[0][1])

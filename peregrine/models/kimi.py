@@ -9,7 +9,6 @@ from torch import nn
 
 from ..config import ModelConfig
 from .kda import KDA
-from . import layers
 from .layers import DenseMLP, HFParam, RMSNorm, add_rms_norm, param
 from .mla import MLA
 from .moe import MoE, activation
@@ -75,7 +74,7 @@ class DecoderLayer(nn.Module):
         rank the first residual add runs in the norm's pass and the second in the MoE's combine (the same
         roundings: bitwise the same result, two fewer passes over the [N, D] stream)."""
         a = self.tp.all_reduce(self.attn.post(o, pre))
-        if self.tp.world > 1 or not layers.FUSED_RESIDUAL:  # TP: the all-reduce's output may be its own buffer
+        if self.tp.world > 1:  # TP: the all-reduce's output may be its own buffer
             h = x + a
             return h + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(h)))
         y, h = add_rms_norm(x, a, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)

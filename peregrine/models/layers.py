@@ -8,8 +8,6 @@ shape) and is the single source for loading, saving and dummy init.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,9 +23,6 @@ FUSED: bool | None = None  # kernels for prefill-sized steps: the one-pass RMSNo
 #   shared expert's SwiGLU (kernels/moe_prefill.py). None: on the GPU outside FP32 runs (the oracle keeps
 #   the torch forms); True: any rows, also under the interpreter (tests); False: never
 FUSED_MIN_ROWS = 64  # fewer rows: decode steps keep the torch form the specialized path is checked against
-FUSED_RESIDUAL = os.environ.get("PEREGRINE_FUSED_RESIDUAL", "1") != "0"  # one rank: a layer's residual adds inside
-#   the post-attention norm's pass and the MoE's combine, with the shared expert's add (kimi.DecoderLayer.finish;
-#   bitwise the same result); the variable (0) turns them off for A/B runs
 
 
 def fused(x: torch.Tensor, switch: bool | None = None) -> bool:

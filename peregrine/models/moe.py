@@ -240,7 +240,7 @@ class MoE(nn.Module):
         self.last_ids = ids
         z = x @ self.down.T if self.latent else x
         after = tuple(t for t in (self.shared(x) if self.shared is not None else None, residual) if t is not None)
-        fold = not (self.mx or self.latent) and layers.FUSED_RESIDUAL  # the experts' combine adds `after` itself
+        fold = not (self.mx or self.latent)  # the experts' combine adds `after` itself
         if self.mx:
             y = mxfp4_experts(z, self.w13_q, self.w13_s, self.w2_q, self.w2_s, ids, w, self.act)
         else:
