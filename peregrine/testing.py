@@ -1,4 +1,4 @@
-"""Helpers shared by the kernel and model tests (VERIFY.md §1)."""
+"""Helpers shared by the kernel and model tests (docs/correctness.md §1)."""
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# VERIFY.md §3 on the trained peregrine-tiny: accuracy per task, then side-by-side greedy answers
+# docs/correctness.md §3 on the trained peregrine-tiny: accuracy per task, then side-by-side greedy answers
 # standard vs latency_specialized (must be identical) and BF16 vs FP8 cache (within 1 point).
 # N problems per task (default 500); NCMP for the specialized comparison (the CPU runs it through
 # the Triton interpreter, so use fewer there). Extra args go to every `peregrine eval` (e.g. --device).

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #5's decode-step benchmark on one H200: kimi-linear-48b-a3b (dummy weights), both backends,
 # B = 1, 2, 4, 8 at input length 1 (the engine's lookahead on, and one run per B with it off), then
-# the 8K-context case (BENCHMARKS.md §1; results/ctx8k/), then the per-kernel profile at B = 1 and 8.
+# the 8K-context case (docs/benchmarks.md §1; results/ctx8k/), then the per-kernel profile at B = 1 and 8.
 #   PARTS="decode ctx8k profile"  DECODE_ARGS="--prompt-sets 2 --runs 1 --output-len 256"
 #   CTX_ARGS="--batch-sizes 1,8 --output-len 64 --prompt-sets 1 --runs 1"
 source "$(dirname "$0")/device_env.sh"

@@ -39,7 +39,7 @@
 #   SAMPLING="--temperature 0.6 --top-p 0.95" CONC=8 NP=40 BACKENDS=standard bash scripts/gpu_serve.sh
 # - #47 after session 23 (its 600 s soak at 4ce4980: RSS +114 MB in the first 30 s of load, then +11 MB over 570 s;
 #   2 164 of 3 301 answers unlike the idle server's, by BF16 per-B rounding): the soak again with a 60 s warm-up
-#   under load and VERIFY.md's top-5 rule (~13 min, so start it detached and collect it in a second call):
+#   under load and docs/correctness.md's top-5 rule (~13 min, so start it detached and collect it in a second call):
 #   (OUT=/tmp/soak DURATION=600 CONC=8 setsid nohup bash scripts/gpu_soak.sh > /tmp/soak.log 2>&1 < /dev/null &)
 # - #42 (session 23: items 1 and 3 built and CPU-tested, nothing of it on a GPU): the synthetic-acceptance protocol
 #   with the width chooser against full width, one H200 (~10 min; the 48B's verify graphs for k = 7 are B 1..8 x T 2..8):

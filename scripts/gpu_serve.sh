@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Serving benchmark (BENCHMARKS.md §3) for each decode backend on this machine: start
+# Serving benchmark (docs/benchmarks.md §3) for each decode backend on this machine: start
 # `peregrine serve`, wait for /health, drive it with `peregrine bench serve`, save /metrics,
 # SIGTERM (drains), next backend; then one plot of both. Server logs and metrics go to $OUT.
 #   MODEL (kimi-linear-48b-a3b, dummy weights), BACKENDS, CONC (1,2,4,8), ISL (1024), OSL (128),

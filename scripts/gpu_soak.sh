@@ -3,7 +3,7 @@
 # (mixed traffic: completions and chat, stream or not, n 1..3, logprobs, stop strings, greedy and seeded
 # temperature 0.8, shared prefixes, 10 % of streams dropped) for DURATION s at CONC clients, /metrics sampled
 # every 30 s (host RSS, GPU memory used and reserved), after WARMUP_LOAD (60) s of the same load (the first
-# batched steps' one-time host memory: +114 MB in the first 30 s at 4ce4980, flat after); answers by VERIFY.md's
+# batched steps' one-time host memory: +114 MB in the first 30 s at 4ce4980, flat after); answers by docs/correctness.md's
 # BF16 rule (--answers top5: per-B kernels round differently, so a near-tie may go either way). Once with
 # the engine's malloc_trim (default) and, with AB=1, once without (PEREGRINE_MALLOC_TRIM_S=0) before it. Writes results/*-soak-trim{1,0}.json, logs to $OUT.
 #   run (carry .commit and .whl):  DURATION=600 CONC=8 bash scripts/gpu_soak.sh

@@ -1,5 +1,5 @@
 """An independent, naive FP64 forward of a Kimi-Linear or K3 model for one sequence,
-written straight from MODELS.md against the checkpoint's tensor names
+written straight from docs/models.md against the checkpoint's tensor names
 (a dict name -> tensor), token by token with explicit per-head loops.
 
 It shares no code with peregrine.models: it is what the model tests compare to.

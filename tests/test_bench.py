@@ -1,6 +1,6 @@
 """Benchmark harness logic: step selection, percentiles, roofline bytes, plan, report, CLI.
 
-Expected byte counts are written out by hand from the preset numbers (MODELS.md
+Expected byte counts are written out by hand from the preset numbers (docs/models.md
 shapes), never by calling roofline internals.
 """
 import argparse
@@ -106,10 +106,10 @@ def test_roofline_tiny_step_bytes_by_hand(kv, tok_bytes):
 
 def test_expected_distinct():
     assert roofline.expected_distinct(256, 8, 1) == pytest.approx(8)
-    assert [round(roofline.expected_distinct(256, 8, b), 1) for b in (2, 4, 8)] == [15.8, 30.5, 57.4]  # MODELS.md
+    assert [round(roofline.expected_distinct(256, 8, b), 1) for b in (2, 4, 8)] == [15.8, 30.5, 57.4]  # docs/models.md
 
 
-# ---------------------------------------------------------------- plan vs MODELS.md
+# ---------------------------------------------------------------- plan vs docs/models.md
 def test_plan_kimi_linear_matches_models_md():
     cfg = resolve_model("kimi-linear-48b-a3b")[0]
     p = plan.plan(cfg, context=1, measured_gbps=4260)

@@ -248,7 +248,7 @@ def test_loader_errors_name_the_tensor(tmp_path, model, name, bad, msg):
 
 
 def test_real_k3_preset_builds_on_meta():
-    """The K3 module tree and checkpoint table have MODELS.md's shapes (meta: no memory)."""
+    """The K3 module tree and checkpoint table have docs/models.md's shapes (meta: no memory)."""
     cfg, _ = resolve_model("kimi-k3")
     with torch.device("meta"):
         m = KimiModel(cfg, torch.bfloat16)

@@ -32,7 +32,7 @@ STEPS = 256 if FULL_SHAPES else 16
 TOL = 1e-4 if DEVICE == "cpu" else 3e-2  # FP32 on CPU; BF16 on the GPU
 # GPU, a step over TOL before any flip: the BF16 paths drift apart over the steps (KDA state, caches)
 # with random weights. It still passes where the specialized logits are no further than this factor
-# times the standard path's from an FP32 standard run of the same history (VERIFY.md §1's reference).
+# times the standard path's from an FP32 standard run of the same history (docs/correctness.md §1's reference).
 DRIFT_SLACK = 2.0
 
 
@@ -161,7 +161,7 @@ def test_speculative_verify_on_k3_falls_back_and_keeps_tokens(model_dir):
     """The K3 step has no verify form: speculative verify steps go to the standard path (counted),
     and greedy output still equals plain greedy output (FP32). In BF16 a verify step scores several
     positions in one forward, which rounds differently from one position a step: the first differing
-    token must then be a near-tie of the plain run (test_spec_specialized's rule, VERIFY.md §2)."""
+    token must then be a near-tie of the plain run (test_spec_specialized's rule, docs/correctness.md §2)."""
     p = [4, 4, 5, 4, 4, 5, 4, 4, 5, 4, 4]
     plain, logs = engine(model_dir, "standard")
     want = plain.generate([p], greedy(12))[0]

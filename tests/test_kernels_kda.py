@@ -1,4 +1,4 @@
-"""KDA one-kernel decode vs its FP32 reference (VERIFY.md §1), and the reference
+"""KDA one-kernel decode vs its FP32 reference (docs/correctness.md §1), and the reference
 itself vs an independent whole-sequence formulation (F.conv1d + [V,K] state)."""
 import json
 
@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(DEVICE), reason=
 
 W = 4            # conv width of both family members
 NUM_SLOTS = 8    # slots in the cache; the batch uses a scattered subset
-FP32_TOL = 1e-5  # VERIFY.md: FP32 paths
-BF16_TOL = 1e-2  # VERIFY.md: BF16 operands
+FP32_TOL = 1e-5  # docs/correctness.md: FP32 paths
+BF16_TOL = 1e-2  # docs/correctness.md: BF16 operands
 STATE_BF16_TOL = 1e-4  # FP32 state fed by BF16 inputs, vs the reference on the same inputs
 
 # (H, d, slots): odd head counts, a non-power-of-2 d (masked tile), B = 1 and 3

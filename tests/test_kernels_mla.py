@@ -1,4 +1,4 @@
-"""MLA absorbed decode over the paged latent cache vs an independent FP32 reference (VERIFY.md §1)."""
+"""MLA absorbed decode over the paged latent cache vs an independent FP32 reference (docs/correctness.md §1)."""
 import json
 import math
 
@@ -25,7 +25,7 @@ FP8_NAN_BITS = 0x7F             # e4m3fn NaN (torch can't masked_fill FP8 direct
 
 
 def reference(q, latent, scale, block_tables, lens, kv_lora):
-    """Written from MODELS.md, independent of the kernel: gather, dequantise, softmax, weight c (FP64, CPU)."""
+    """Written from docs/models.md, independent of the kernel: gather, dequantise, softmax, weight c (FP64, CPU)."""
     q, latent, block_tables = q.cpu().double(), latent.cpu(), block_tables.cpu()
     B, H, L = q.shape
     page = latent.shape[1]

@@ -1,4 +1,4 @@
-"""MLA prefill attention (non-absorbed, causal) vs an independent FP64 reference (VERIFY.md §1)."""
+"""MLA prefill attention (non-absorbed, causal) vs an independent FP64 reference (docs/correctness.md §1)."""
 import pytest
 import torch
 

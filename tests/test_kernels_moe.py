@@ -1,4 +1,4 @@
-"""Fused MoE decode kernels vs independent FP32 references (VERIFY.md §1).
+"""Fused MoE decode kernels vs independent FP32 references (docs/correctness.md §1).
 
 CPU (interpreter): tiny and odd shapes, every variant. GPU pass: also the real
 Kimi-Linear shapes. The "each expert read once" design is proven indirectly:
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not available(DEVICE), reason=
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 LOGIT_TOL = 1e-6  # router logits: FP32 products and sums vs FP64
-SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0  # MODELS.md, restated here so the reference is independent
+SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0  # docs/models.md, restated here so the reference is independent
 REAL = dict(D=2304, I=1024, E=256, k=8)  # kimi-linear-48b-a3b
 TINY = dict(D=256, I=128, E=16, k=4)     # tiny-kimi-linear
 ODD = dict(D=100, I=48, E=5, k=2)        # nothing a multiple of a tile
@@ -45,7 +45,7 @@ EXPERT_VARIANTS = {
 }
 
 
-# --------------------------------------------------------------------------- references (FP32/FP64, MODELS.md)
+# --------------------------------------------------------------------------- references (FP32/FP64, docs/models.md)
 def route_ref(x, gate_w, bias, k, renormalize, scaling):
     logits = x.double() @ gate_w.double().t()
     s = torch.sigmoid(logits).float()

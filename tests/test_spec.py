@@ -1,4 +1,4 @@
-"""Speculative decoding on the standard path (VERIFY.md §2 "speculative vs plain"): greedy output
+"""Speculative decoding on the standard path (docs/correctness.md §2 "speculative vs plain"): greedy output
 with speculation equals greedy output without it; rollback leaves the caches as a plain run does."""
 import pytest
 import torch

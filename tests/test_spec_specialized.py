@@ -1,4 +1,4 @@
-"""Speculative verify on the latency_specialized path (VERIFY.md §2 "speculative vs plain").
+"""Speculative verify on the latency_specialized path (docs/correctness.md §2 "speculative vs plain").
 
 CPU: the fused kernels run under the Triton interpreter on the micro config (no graphs), FP32, so
 greedy tokens must be identical. GPU (`pytest -m gpu`): the tiny preset in BF16 with CUDA graphs per

@@ -1,4 +1,4 @@
-"""latency_specialized vs standard (VERIFY.md §2): same weights, same prompts.
+"""latency_specialized vs standard (docs/correctness.md §2): same weights, same prompts.
 
 On CPU the specialized runner goes through the Triton interpreter (no graphs)
 on a micro config so CI stays fast; the GPU pass (`pytest -m gpu`) runs the

@@ -56,7 +56,7 @@ def test_recall_context_lengths_and_odd_sizes():
 
 # ---- chunked KDA == recurrence -------------------------------------------------
 def recurrent_kda(q, k, v, g, beta, S0):
-    """Independent FP32 reference: the MODELS.md recurrence, token by token."""
+    """Independent FP32 reference: the docs/models.md recurrence, token by token."""
     S, outs = S0.clone(), []
     for t in range(q.shape[1]):
         S = S * torch.exp(g[:, t]).unsqueeze(-1)

@@ -1,4 +1,4 @@
-"""`peregrine bench decode`: decode step time exactly as BENCHMARKS.md §1.
+"""`peregrine bench decode`: decode step time exactly as docs/benchmarks.md §1.
 
 Per backend and batch size B: 4 prompt sets × 3 runs of B requests added
 together (greedy, ignore EOS); a sample is the host time from one engine.step()
@@ -26,7 +26,7 @@ from . import gpu, roofline, stats
 
 PROMPT_SEED = 1234         # prompt set i uses seed PROMPT_SEED + i: same prompts for every backend
 GRAPH_REPLAY_ITERS = 200   # replays timed for the cross-check
-AGREE_PCT = 5.0            # BENCHMARKS.md §1: host median and graph replay must agree within this
+AGREE_PCT = 5.0            # docs/benchmarks.md §1: host median and graph replay must agree within this
 ROUTING_TOKENS = 128      # the untimed routing-count run is capped here: routing does not depend on position
 STEP_SLACK = 16            # extra steps allowed beyond input+output before a run is declared stuck
 

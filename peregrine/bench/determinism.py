@@ -1,4 +1,4 @@
-"""Run-to-run determinism of whole generations (VERIFY.md §4: a moving result on fixed inputs is a
+"""Run-to-run determinism of whole generations (docs/correctness.md §4: a moving result on fixed inputs is a
 race until proven otherwise), on the GPU:
 
     python -m peregrine.bench.determinism [--model kimi-linear-48b-a3b] [--layers 4] [--steps 48]

@@ -1,4 +1,4 @@
-"""Skinny GEMM microbenchmark and plan tuner (BENCHMARKS.md §2).
+"""Skinny GEMM microbenchmark and plan tuner (docs/benchmarks.md §2).
 
 Each case is timed as a CUDA graph of REPS calls that rotate over enough weight
 copies to exceed the 60 MB L2, so every call streams its weight from HBM and

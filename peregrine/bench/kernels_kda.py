@@ -1,4 +1,4 @@
-"""KDA one-kernel decode microbenchmark (BENCHMARKS.md §2): Kimi-Linear shapes, T = 1.
+"""KDA one-kernel decode microbenchmark (docs/benchmarks.md §2): Kimi-Linear shapes, T = 1.
 
 Each case is a CUDA graph of REPS calls rotating over disjoint state/conv copies (laid out
 like the real cache, [copy, slot, ...]), so the FP32 state streams from HBM, not L2.
@@ -38,7 +38,7 @@ ROTATE_BYTES = 3 * L2_BYTES     # rotation working set that cannot stay in L2
 MAX_COPIES = 64
 REPS = 20                       # calls per graph replay: amortises the replay launch
 DTYPE = torch.bfloat16
-OUT_TOL = 1e-2                  # VERIFY.md: BF16 output vs the FP32 reference
+OUT_TOL = 1e-2                  # docs/correctness.md: BF16 output vs the FP32 reference
 STATE_TOL = 1e-4                # FP32 state fed by BF16 inputs
 TUNE_SPLITS = (2, 4, 8, 16)
 TUNE_WARPS = (1, 2, 4, 8)

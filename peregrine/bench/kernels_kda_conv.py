@@ -1,4 +1,4 @@
-"""KDA prefill's fused short conv microbenchmark (BENCHMARKS.md §2): kernels/kda_conv.py against the path it
+"""KDA prefill's fused short conv microbenchmark (docs/benchmarks.md §2): kernels/kda_conv.py against the path it
 replaces (fla's causal_conv1d after a contiguous copy of the strided q|k|v projections, the q/k/v split
 copies and fla's two L2-norm passes) where fla is installed, else the torch form of models/kda.py, at a
 1K / 8K / 32K prompt's row of 48B widths (32 heads × 128), timed as CUDA graphs.

@@ -1,4 +1,4 @@
-"""MLA absorbed-decode microbenchmark (BENCHMARKS.md §2): Kimi-Linear shapes over the paged cache.
+"""MLA absorbed-decode microbenchmark (docs/benchmarks.md §2): Kimi-Linear shapes over the paged cache.
 
 Each case is a CUDA graph of REPS calls rotating over disjoint copies of the cache (block
 tables into one pool, blocks shuffled), so every call streams its entries from HBM, not L2.
@@ -36,7 +36,7 @@ ROTATE_BYTES = 3 * L2_BYTES             # rotation working set that cannot stay 
 MAX_COPIES = 64
 REPS = 20                               # calls per graph replay: amortises the replay launch
 DTYPE = torch.bfloat16
-TOL = 1e-2                              # VERIFY.md: BF16 output vs the FP32 reference
+TOL = 1e-2                              # docs/correctness.md: BF16 output vs the FP32 reference
 TOP_K = 2                               # tilings carried into the split sweep
 WAVE_FACTORS = (0.5, 1, 2, 4)           # split candidates: these many waves of programs
 TUNE_TILINGS = {

@@ -1,4 +1,4 @@
-"""MLA prefill attention microbenchmark (BENCHMARKS.md §2): Kimi-Linear dims, BF16, causal.
+"""MLA prefill attention microbenchmark (docs/benchmarks.md §2): Kimi-Linear dims, BF16, causal.
 
 Shapes are (T, start): T new queries after a cached prefix of `start` tokens (L = start + T).
 The kernel is compute-bound, so rows carry TFLOP/s against PEAK_TFLOPS beside the usual GB/s:
@@ -26,7 +26,7 @@ LAT = 576                    # latent row (kv_lora 512 + rope 64): k_rope is a v
 SM_SCALE = (DIMS[1] + DIMS[2]) ** -0.5
 DTYPE = torch.bfloat16
 PEAK_TFLOPS = 790.0          # H200 measured ~790 TFLOP/s dense BF16 matmul (device KINDS notes)
-TOL = 1e-2                   # VERIFY.md: BF16 operands vs the FP32 reference
+TOL = 1e-2                   # docs/correctness.md: BF16 operands vs the FP32 reference
 CHECK_ROWS = 128             # validation: the reference on the first, a middle and the last rows only
 SHAPES = ((1024, 0), (8192, 0), (16384, 0), (32768, 0),  # first chunk, T = L
           (8192, 8192), (8192, 24576), (2048, 30720),  # later chunks of a chunked prefill

@@ -1,4 +1,4 @@
-"""Fused MoE decode microbenchmark and plan tuner (BENCHMARKS.md §2), Kimi-Linear real shapes.
+"""Fused MoE decode microbenchmark and plan tuner (docs/benchmarks.md §2), Kimi-Linear real shapes.
 
 Router and experts are timed separately, each as a CUDA graph of REPS calls on
 REPS different inputs, hence different random routings: the 3.6 GB of expert

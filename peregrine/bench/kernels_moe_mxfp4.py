@@ -1,4 +1,4 @@
-"""MXFP4 routed-expert microbenchmark (BENCHMARKS.md §2) at K3 expert widths: latent 3584,
+"""MXFP4 routed-expert microbenchmark (docs/benchmarks.md §2) at K3 expert widths: latent 3584,
 expert inter 3072, top-16 of 192 experts (k3-slice), B = 1..8.
 
 Timed as a CUDA graph of REPS calls, each with a different routing (so weights stream

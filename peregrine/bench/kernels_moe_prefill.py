@@ -1,4 +1,4 @@
-"""MoE prefill glue microbenchmark (BENCHMARKS.md §2): kernels/moe_prefill.py's gather_pairs,
+"""MoE prefill glue microbenchmark (docs/benchmarks.md §2): kernels/moe_prefill.py's gather_pairs,
 swiglu_weighted and combine against the torch forms they replace in models/moe.py grouped_experts, at a
 1K, an 8K and a 32K prompt's token-expert pairs (Kimi-Linear: top-8, I = 1024, D = 2304), timed as CUDA graphs rotating
 over enough input copies to leave the 60 MB L2.

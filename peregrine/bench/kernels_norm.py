@@ -1,4 +1,4 @@
-"""RMSNorm / fused add + RMSNorm microbenchmark (BENCHMARKS.md §2), and KDA's gated output norm at
+"""RMSNorm / fused add + RMSNorm microbenchmark (docs/benchmarks.md §2), and KDA's gated output norm at
 prefill sizes against the fla path it replaced (the cat of a row's two pieces at its snapshot cut, then
 fla's rms_norm_gated).
 

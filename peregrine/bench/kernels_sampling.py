@@ -1,4 +1,4 @@
-"""The sampler's microbenchmark (issue #41, BENCHMARKS.md §2): kernels/sampling.py's argmax and sort-free
+"""The sampler's microbenchmark (issue #41, docs/benchmarks.md §2): kernels/sampling.py's argmax and sort-free
 sample at the Kimi vocabulary (163 840 FP32 logits a row), B = 1..16, per setting (greedy rows through
 sample, temperature only, top-p 0.95 as chat clients send it, top-k 50 + top-p, min-p; where a search runs,
 the default (the candidates, then the descent for rows they cannot settle) against the descent alone at 64,

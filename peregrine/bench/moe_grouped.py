@@ -1,4 +1,4 @@
-"""The prefill MoE's expert GEMMs against their floors (BENCHMARKS.md §2): models/moe.py grouped_experts
+"""The prefill MoE's expert GEMMs against their floors (docs/benchmarks.md §2): models/moe.py grouped_experts
 (sort, the two grouped GEMMs, the SwiGLU-weight and combine glue) and its two grouped GEMMs alone, at a
 step's token counts from a turn-2 step (64) to a whole 32K prompt, Kimi-Linear widths (256 experts,
 top-8, I = 1024, D = 2304), uniform random routing (dummy weights route about so). Reported against the

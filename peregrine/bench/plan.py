@@ -12,7 +12,7 @@ from . import roofline as rl
 H200_MEMORY_BYTES = 141e9   # H200 HBM3e capacity (datasheet, decimal GB)
 MEMORY_UTILIZATION = 0.90   # share the engine may use (EngineConfig.gpu_memory_utilization default)
 PLAN_BATCHES = range(1, 17)  # the specialized path's batch sizes
-SHORT_CONTEXT = 1           # "empty cache" step: weights + state only (MODELS.md figures)
+SHORT_CONTEXT = 1           # "empty cache" step: weights + state only (docs/models.md figures)
 GB = 1e9
 
 

@@ -21,7 +21,7 @@ FP32 = 4                 # KDA state, logits, FP8 per-token scale
 MXFP4_GROUP = 32         # values sharing one E8M0 scale byte
 MXFP4_BYTES = 0.5        # two E2M1 values per byte
 H200_SPEC_GBPS = 4800.0  # H200 HBM3e datasheet bandwidth
-H200_COPY_GBPS = 4260.0  # measured device-to-device copy on the lent H200s (GPU.md)
+H200_COPY_GBPS = 4260.0  # measured device-to-device copy on the lent H200s (docs/development.md)
 REPLICATED = ("router", "norms", "attn_res")  # categories every TP rank keeps whole
 
 

@@ -1,4 +1,4 @@
-"""`peregrine bench serve`: drive an OpenAI-compatible server like users do (BENCHMARKS.md §3).
+"""`peregrine bench serve`: drive an OpenAI-compatible server like users do (docs/benchmarks.md §3).
 
 Per --max-concurrency level: --num-prompts streaming /v1/completions requests
 (random token-id prompts, ignore_eos so every request makes its --output-len

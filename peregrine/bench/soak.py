@@ -17,7 +17,7 @@ an operator sees between two quiet moments. The samples taken under load are in 
 
 --answers exact (default) wants every greedy or seeded answer equal to the idle server's: what FP32 on
 the CPU guarantees. In BF16 on a GPU each batch size runs its own kernels, so a near-tie may go either
-way (VERIFY.md §2): --answers top5 then checks greedy answers by vLLM's rule, equal up to a first
+way (docs/correctness.md §2): --answers top5 then checks greedy answers by vLLM's rule, equal up to a first
 divergence whose token is in the idle server's top 5 there, and seeded answers only for their shape
 (choices, finish reasons); how many differ, and where, is reported either way.
 """

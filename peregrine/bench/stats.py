@@ -1,4 +1,4 @@
-"""Step selection and summary statistics for the decode benchmark (BENCHMARKS.md §1)."""
+"""Step selection and summary statistics for the decode benchmark (docs/benchmarks.md §1)."""
 from __future__ import annotations
 
 import math

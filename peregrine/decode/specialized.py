@@ -377,7 +377,7 @@ class SpecializedRunner:
         # the shared expert is added before the one rounding; out may be the all-reduce buffer
         return moe_combine(part, w, add=shared, dtype=h.dtype, out=self._rbuf(h))
 
-    # ---- K3 layers and MXFP4 experts (MODELS.md K3 column): q-LoRA MLA with output gate, latent MoE
+    # ---- K3 layers and MXFP4 experts (docs/models.md K3 column): q-LoRA MLA with output gate, latent MoE
     # with SiTU, AttnRes block mixing. KDA's bounded gate and full-rank output gate are _kda's.
     # Under tensor parallel every attention and MLP output is a row-parallel partial sum, reduced
     # here as the standard DecoderLayer does (the latent MoE also reduces y before its norm).

@@ -1,4 +1,4 @@
-"""KDA decode for one layer step (MODELS.md "KDA layer", steps 2-6 up to W_o).
+"""KDA decode for one layer step (docs/models.md "KDA layer", steps 2-6 up to W_o).
 
 Grid (B, H, split): a program owns sequence b, head h and a BLOCK_V-wide slice of the
 value channels, i.e. a [d, BLOCK_V] column block of the head's FP32 state S[K, V], for
@@ -382,7 +382,7 @@ def kda_decode(qkv, f, b, r, conv_w, A_log, dt_bias, o_norm_w, state, conv_state
 def kda_decode_ref(qkv, f, b, r, conv_w, A_log, dt_bias, o_norm_w, state, conv_state, slots, *,
                    gate="softplus", lower_bound=-5.0, eps_qk=1e-6, eps_o=1e-5, out=None,
                    state_ckpt=None, conv_ckpt=None, num_warps=None, config=None):
-    """Plain FP32 PyTorch, straight from MODELS.md; same in-place effects as kda_decode
+    """Plain FP32 PyTorch, straight from docs/models.md; same in-place effects as kda_decode
     (num_warps and config are accepted and ignored, so both take the same arguments)."""
     conv_w = conv_w.reshape(conv_w.shape[0], -1).float()
     B, T, H, d, W = _check(qkv, f, b, r, conv_w, state, conv_state, slots, state_ckpt, conv_ckpt)

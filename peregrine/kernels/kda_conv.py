@@ -1,4 +1,4 @@
-"""KDA prefill's short conv, fused (MODELS.md "KDA layer"): one pass from a row's raw q|k|v projections to
+"""KDA prefill's short conv, fused (docs/models.md "KDA layer"): one pass from a row's raw q|k|v projections to
 chunk_kda's inputs.
 
 x [T, 3·H·d] (a column slice of the fused in_proj output: any row stride) follows its conv window

@@ -1,4 +1,4 @@
-"""MLA absorbed decode over the paged latent cache (MODELS.md "MLA layer, absorbed decode").
+"""MLA absorbed decode over the paged latent cache (docs/models.md "MLA layer, absorbed decode").
 
 Given the absorbed query q̂ [B, H, L] (L = kv_lora + rope) and one layer's latent cache,
     s[h,t] = <q̂[h], entry[t]> · sm_scale,  p = softmax_{t < len},  o[h] = Σ_t p[h,t] · entry[t][:kv_lora].

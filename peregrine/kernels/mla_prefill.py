@@ -1,4 +1,4 @@
-"""MLA prefill attention, non-absorbed (MODELS.md "MLA layer"; NoPE, causal).
+"""MLA prefill attention, non-absorbed (docs/models.md "MLA layer"; NoPE, causal).
 
 T new queries at absolute positions start … start+T-1 attend over L keys at 0 … L-1 (the
 cached prefix plus the new tokens; start = L - T unless given):

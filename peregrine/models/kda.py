@@ -1,7 +1,7 @@
 """KDA (Kimi Delta Attention): gated delta-rule linear attention, FP32 state.
 
 The recurrent form here is the reference for both prefill and decode
-(MODELS.md "KDA layer"); decode sequences of a step are processed together,
+(docs/models.md "KDA layer"); decode sequences of a step are processed together,
 prefill sequences one at a time over their tokens: long ones in the chunked form, on the GPU
 through flash-linear-attention's chunk_kda (fla-core) when it is installed, and short ones on the GPU
 through the one-kernel recurrence of kernels/kda.py (the decode kernel, which takes any T).
@@ -16,7 +16,7 @@ from .. import kernels
 from ..config import ModelConfig
 from .layers import HFParam, param, rms_norm, split_rows
 
-QK_NORM_EPS = 1e-6  # eps of the q/k L2 norms (MODELS.md)
+QK_NORM_EPS = 1e-6  # eps of the q/k L2 norms (docs/models.md)
 CHUNK = 32  # KDA chunk: the intra-chunk [C, C, K] decay tensor grows with C, the chunk count shrinks
 CHUNKED_MIN_TOKENS = 64  # prefill chunks at least this long use the chunked form (no per-token loop)
 CONV1D_MIN_TOKENS = 64  # rows this long run the short conv as conv1d: unfold would materialise [T, C, W]

@@ -1,6 +1,6 @@
 """The Kimi hybrid family model, driven by ModelConfig: KDA / MLA attention,
 dense layer 0 then MoE, pre-norm residuals, final norm, untied lm_head.
-K3 adds AttnRes block residual mixing (MODELS.md "K3 AttnRes") and names its
+K3 adds AttnRes block residual mixing (docs/models.md "K3 AttnRes") and names its
 tensors under ``language_model.``."""
 from __future__ import annotations
 

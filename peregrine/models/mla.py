@@ -7,7 +7,7 @@ Prefill expands the latents through kv_b (in the model's dtype) and attends caus
 through the flash-attention Triton kernel (kernels/mla_prefill.py; no T x L scores) or, for a cold
 row, cuDNN's fused attention (kernels/mla_prefill_sdpa.py), elsewhere in
 plain PyTorch a block of queries at a time. Decode uses the absorbed form over the cached latents
-(MODELS.md). Both read the entries back from the cache, so an FP8 cache affects both paths alike.
+(docs/models.md). Both read the entries back from the cache, so an FP8 cache affects both paths alike.
 """
 from __future__ import annotations
 

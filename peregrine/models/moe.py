@@ -1,4 +1,4 @@
-"""Sigmoid-routed MoE with a shared expert (MODELS.md "MoE layer").
+"""Sigmoid-routed MoE with a shared expert (docs/models.md "MoE layer").
 
 Experts are stored stacked — w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I] —
 so one tensor serves the standard path (grouped GEMM) and the fused kernels.

@@ -1,5 +1,5 @@
 """The tensor-parallel group: this process's rank, the world size, and the
-collectives the model calls (ARCHITECTURE.md "Tensor parallel").
+collectives the model calls (docs/architecture.md "Tensor parallel").
 
 The world-1 group (SINGLE) does nothing: every collective returns its input,
 so the single-GPU code path is the TP code path with no-ops. Collectives on

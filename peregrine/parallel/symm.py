@@ -1,4 +1,4 @@
-"""One-shot all-reduce over torch symmetric memory (ARCHITECTURE.md "Tensor parallel").
+"""One-shot all-reduce over torch symmetric memory (docs/architecture.md "Tensor parallel").
 
 Each rank's row-parallel GEMM writes its [B, D] partial sum straight into a buffer
 every peer can read over NVLink; one kernel then waits for the peers (signal pads),
