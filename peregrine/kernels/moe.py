@@ -1,4 +1,4 @@
-"""Fused MoE decode (MODELS.md "MoE layer"): FP32 sigmoid router with top-k,
+"""Fused MoE decode (docs/models.md "MoE layer"): FP32 sigmoid router with top-k,
 then the routed experts, each chosen expert's weights read once per step.
 No host sync (CUDA-graph capturable).
 
@@ -50,7 +50,8 @@ B_MAX = 16             # decode batches up to 16 share one padded token tile: on
 MIN_DOT_ROWS = 16      # tl.dot needs M, N, K >= 16
 COMBINE_BLOCK_D = 256  # columns per combine program; fixed (never tuned) so its sum order never changes
 TOPK_WARPS = 1         # top-k is 3k tiny reductions over E: one warp does each with shuffles, no smem barriers
-SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0  # SiTU bounds (MODELS.md)
+SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0  # SiTU bounds (docs/models.md)
+TANH_EXP_MAX = tl.constexpr(40.0)  # 2/(e^40 + 1) ~ 8e-18: tanh is exactly 1.0 in FP32 well before e^z overflows
 ACTIVATIONS = {"swiglu": 0, "situ": 1}
 MAX_ALIGN = 16  # elements: the most the expert kernels are told their weight blocks' offsets are multiples of
 
@@ -414,9 +415,10 @@ def _gate_up(x_ptr, w13_ptr, chose, offs_i, i_ok, D, I, stride_xb,
         acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=PREC)
     if ACT == 0:  # SwiGLU
         h = acc_g * tl.sigmoid(acc_g) * acc_u
-    else:  # SiTU in FP32; tanh(z) = 1 - 2/(e^{2z}+1) saturates cleanly to ±1 (no tl.tanh in core)
-        tg = 1.0 - 2.0 / (tl.exp(2.0 * acc_g / BETA) + 1.0)
-        tu = 1.0 - 2.0 / (tl.exp(2.0 * acc_u / BETA_L) + 1.0)
+    else:  # SiTU in FP32; tanh(z) = 1 - 2/(e^{2z}+1) saturates cleanly to ±1 (no tl.tanh in core); the
+        # exponent is capped where tanh is already 1.0 in FP32, so e^{2z} never overflows to inf
+        tg = 1.0 - 2.0 / (tl.exp(tl.minimum(2.0 * acc_g / BETA, TANH_EXP_MAX)) + 1.0)
+        tu = 1.0 - 2.0 / (tl.exp(tl.minimum(2.0 * acc_u / BETA_L, TANH_EXP_MAX)) + 1.0)
         h = BETA * tg * tl.sigmoid(acc_g) * (BETA_L * tu)
     return h
 
@@ -676,7 +678,7 @@ def moe_forward(x, gate_w, bias, w13, w2, top_k: int, renormalize: bool = True, 
 
 # ----------------------------------------------------------------------------- references (FP32)
 def moe_route_ref(x, gate_w, bias, top_k: int, renormalize: bool = True, scaling: float = 1.0):
-    """MODELS.md router in FP32; ties broken toward the lowest expert index (stable sort)."""
+    """docs/models.md router in FP32; ties broken toward the lowest expert index (stable sort)."""
     s = torch.sigmoid(x.float() @ gate_w.float().t())
     choice = s + (bias.float() if bias is not None else 0.0)
     ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
