@@ -33,6 +33,8 @@ from . import read_plan_entries
 from .pdl import launch_kwargs, pdl_wait
 
 SOFTPLUS_LINEAR = tl.constexpr(20.0)  # softplus(x) == x in FP32 beyond this; avoids exp overflow
+SIGMOID_MIN_ARG = tl.constexpr(-80.0)  # σ(-80) ~ 2e-35: the bounded gate's decay is exp(-5·2e-35) = 1.0 either way,
+#                                        and σ's exp(-x) stays finite (the interpreter warns on inf)
 INLINE, LAST, LAUNCH = 0, 1, 2  # finisher modes (see the module docstring)
 FINISH_MODES = {"last": LAST, "launch": LAUNCH}
 MIN_BLOCK_V = 4         # narrowest V slice a config may ask for (smaller ones are clamped)
@@ -166,7 +168,7 @@ def _kda_decode_kernel(
             sp_g = tl.where(g > SOFTPLUS_LINEAR, g, tl.log(1.0 + tl.exp(tl.minimum(g, SOFTPLUS_LINEAR))))
             gam = -a * sp_g
         else:
-            gam = lower_bound * tl.sigmoid(a * g)
+            gam = lower_bound * tl.sigmoid(tl.maximum(a * g, SIGMOID_MIN_ARG))
         beta = tl.sigmoid(tl.load(bl + pb * s_b_b + t * s_b_t + h).to(tl.float32))
 
         S = S * tl.exp(gam)[:, None]                  # decay rows (key channels)
