@@ -12,7 +12,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# one thread per xdist worker (the test command runs -n 2 on 2 cores: more threads oversubscribe them)
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 # CI (CPU, interpreter) runs a representative subset of shapes; the GPU pass runs them all.
