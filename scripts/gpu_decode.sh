@@ -18,7 +18,7 @@ for p in ${PARTS:-decode ctx8k profile}; do
     profile)
       timeout ${PROFILE_TIMEOUT:-100} python3 -m peregrine.bench.profile_step --model kimi-linear-48b-a3b --dummy-weights --batch-sizes 1,8 \
         --backends latency_specialized --results-dir results 2>&1 | tee "$OUT/profile.log" | grep -v captur | tail -40 ;;
-    mxfp4)  # MXFP4 experts v1 vs v2 vs BF16 (k3-slice shapes)
+    mxfp4)  # MXFP4 experts (v3) vs BF16 (k3-slice shapes)
       timeout ${MXFP4_TIMEOUT:-150} python3 -m peregrine.bench.kernels_moe_mxfp4 --results-dir results 2>&1 | tee "$OUT/mxfp4.log" | tail -16 ;;
     *) echo "unknown part $p (decode ctx8k profile mxfp4)" ;;
   esac
