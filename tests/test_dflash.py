@@ -338,3 +338,23 @@ def test_shipped_tiny_drafter_accepts_and_keeps_answers():
         out[spec is None] = e.generate(prompts, params)
     assert out[False] == out[True]
     assert e.spec.mean_acceptance_length >= 3.0, e.spec.mean_acceptance_length
+
+
+def test_training_continues_from_a_drafter_folder(tmp_path):
+    """--init: a saved drafter's tensors become the run's starting weights (trainable FP32, the saved values);
+    a folder of another shape is refused, naming the option."""
+    from safetensors.torch import save_file
+
+    from peregrine.speculative.dflash import drafter_dir
+    from peregrine.train import drafter as D
+    folder = drafter_dir("peregrine-tiny-dspark")
+    cfg, saved = load_folder(folder)
+    fresh = D.init_weights(DFlashModel(cfg, {}, torch.zeros(cfg.vocab_size, cfg.hidden_size),
+                                       torch.zeros(cfg.vocab_size, cfg.hidden_size)), 0)
+    got = D.load_init(folder, fresh)
+    assert set(got) == set(saved) and all(torch.equal(got[k], saved[k].float()) for k in got)
+    assert all(t.requires_grad and t.dtype == torch.float32 for t in got.values())
+    k = next(iter(fresh))
+    save_file({**{n: t.detach() for n, t in fresh.items()}, k: torch.zeros(3)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(SystemExit, match="--init"):
+        D.load_init(tmp_path, fresh)

@@ -61,6 +61,15 @@ def drafter_config(target_cfg, layers: int, block: int, markov_rank: int, taps: 
                 layer_types=["full_attention"] * layers, attention_bias=False)
 
 
+def load_init(folder: Path, fresh: dict) -> dict:
+    """A saved drafter's tensors as trainable FP32, checked against the shapes this run builds."""
+    from safetensors.torch import load_file
+    saved = load_file(str(folder / "model.safetensors"))
+    if set(saved) != set(fresh) or any(saved[k].shape != fresh[k].shape for k in fresh):
+        raise SystemExit(f"--init {folder}: its tensors do not match --layers/--block/--markov-rank of this run")
+    return {k: saved[k].float().clone().requires_grad_(True) for k in fresh}
+
+
 def init_weights(model: DFlashModel, seed: int) -> dict:
     """Trainable FP32 tensors under the checkpoint's names: norms at 1, matrices N(0, 1/fan_in), biases 0."""
     g = torch.Generator().manual_seed(seed)
@@ -134,7 +143,7 @@ def sequence_loss(m: DFlashModel, taps, tlogits, seq: list[int], prompt_len: int
 
 
 def train(target: str, out: Path, minutes: float, problems: dict, layers: int, block: int, markov_rank: int,
-          anchors: int, seed: int, lr: float = LR) -> dict:
+          anchors: int, seed: int, lr: float = LR, init: Path | None = None) -> dict:
     from ..config import resolve_model
     from ..models.kimi import KimiModel
     from ..models.loader import load_weights
@@ -149,6 +158,8 @@ def train(target: str, out: Path, minutes: float, problems: dict, layers: int, b
     cfg = DFlashConfig.from_dict(d, "drafter")
     shapes = DFlashModel(cfg, {}, tmodel.embed_tokens, tmodel.lm_head)
     w = init_weights(shapes, seed)
+    if init is not None:  # continue from a drafter of the same shape (e.g. more data for one task)
+        w = load_init(Path(init), w)
     m = DFlashModel(cfg, w, tmodel.embed_tokens, tmodel.lm_head)
     data = collect(target, problems)
     log(f"target features of {len(data)} sequences")
@@ -257,7 +268,8 @@ def main(argv=None) -> None:
     ap.add_argument("--block", type=int, default=8, help="block size = drafts per block (default 8)")
     ap.add_argument("--markov-rank", type=int, default=32, help="rank of the Markov head (default 32)")
     ap.add_argument("--anchors", type=int, default=32, help="anchors per sequence and step (default 32)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="weights' and sampling seed (default 0)")
+    ap.add_argument("--init", metavar="DIR", default=None, help="start from this drafter folder's weights (same shape)")
     ap.add_argument("--lr", type=float, default=LR, help=f"peak learning rate (default {LR})")
     ap.add_argument("--eval", metavar="DIR", help="evaluate the drafter in DIR instead of training: acceptance per "
                     "task against suffix and n-gram, answers against plain greedy (--out: the results JSON)")
@@ -284,7 +296,11 @@ def main(argv=None) -> None:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if a.lr <= 0:
         ap.error("--lr must be positive")
-    train(a.target, Path(a.out), a.minutes, mix, a.layers, a.block, a.markov_rank, a.anchors, a.seed, a.lr)
+    init = None
+    if a.init:
+        from ..speculative.dflash import drafter_dir
+        init = drafter_dir(a.init)
+    train(a.target, Path(a.out), a.minutes, mix, a.layers, a.block, a.markov_rank, a.anchors, a.seed, a.lr, init)
 
 
 if __name__ == "__main__":
