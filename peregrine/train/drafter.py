@@ -199,6 +199,7 @@ def train(target: str, out: Path, minutes: float, problems: dict, layers: int, b
     summary = {"target": target, "steps": step, "seconds": round(time.time() - t0, 1), "sequences": len(data),
                "problems_per_task": problems, "layers": layers, "block_size": block, "markov_rank": markov_rank,
                "anchors_per_sequence": anchors, "target_layer_ids": taps, "seed": seed, "lr": lr,
+               "init": str(init) if init is not None else None,
                "final_loss": sum(x[0] for x in k) / len(k), "final_ce": sum(x[1] for x in k) / len(k),
                "final_l1": sum(x[2] for x in k) / len(k),
                "final_teacher_forced_accepted": sum(x[3] for x in k) / len(k),
@@ -262,8 +263,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True, help="folder to write the drafter into")
     ap.add_argument("--minutes", type=float, default=30.0, help="training wall time (default 30)")
     ap.add_argument("--problems", default="copy=300,reverse=300,add=300,recall=300",
-                    help="problems per task answered by the target, task=N,... (default 300 each: what trained "
-                         "peregrine-tiny-dspark; an add-heavy mix, add=5000, learnt slower on every task in 30 min)")
+                    help="problems per task answered by the target, task=N,... (default 300 each). peregrine-tiny-dspark: "
+                         "30 min at the default, then 30 min more with --init and copy=600,reverse=600,add=3000,recall=100 "
+                         "--lr 5e-4 (300 additions alone were memorised, not learnt)")
     ap.add_argument("--layers", type=int, default=2, help="drafter layers (default 2)")
     ap.add_argument("--block", type=int, default=8, help="block size = drafts per block (default 8)")
     ap.add_argument("--markov-rank", type=int, default=32, help="rank of the Markov head (default 32)")
