@@ -24,14 +24,9 @@ def generation_request(args, vocab_size: int) -> tuple[list[int] | None, "Sampli
     checked against the model's config before anything is built; a mistake names its option."""
     from .engine import SamplingParams
 
-    if args.max_tokens < 1:
-        raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if args.temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.top_k < -1:
-        raise ConfigError(f"--top-k must be >= 1, or 0 or -1 for off, got {args.top_k}")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed,
+                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    params.validate(vocab_size)  # a request's own checks (RequestError names the field), before the model loads
     ids = None
     if args.prompt_ids is not None:
         ids = parse_ids(args.prompt_ids)
@@ -40,8 +35,7 @@ def generation_request(args, vocab_size: int) -> tuple[list[int] | None, "Sampli
             raise ConfigError(f"--prompt-ids must be 1 or more ids in [0, {vocab_size}), got {bad or 'none'}")
     elif not args.prompt:
         raise ConfigError("--prompt is empty: give some text (or --prompt-ids)")
-    return ids, SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed,
-                               max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    return ids, params
 
 
 def cmd_generate(args) -> int:
