@@ -72,6 +72,15 @@
 #   (the GPU has its cost table) and the answers against plain greedy, ~5 min:
 #   python3 -m peregrine.train.drafter --eval peregrine-tiny-dspark --n 500 --out results/tiny-dspark-gpu.json
 #   then the drafter's block inside the verify graph (not written: it needs the GPU to show it pays)
+# - #44 (session 25, CPU): the removed A/B switches and experiments kept the default paths by construction, and the
+#   SiTU tanh cap / bounded-gate sigmoid floor give the same FP32 bits; GPU-only code (the MoE down kernel's PDL wait,
+#   MXFP4 v3 asm/dot_scaled, the router fusion) was only compile-checked. On one H200, ~8 min, one call:
+#   timeout 250 python3 -m pytest -q -m gpu tests/test_kernels_moe.py tests/test_kernels_kda.py tests/test_kernels_gemm.py \
+#     tests/test_pdl.py tests/test_kernels_moe_mxfp4.py tests/test_k3_specialized.py tests/test_specialized.py
+#   python3 -m peregrine bench decode --model kimi-linear-48b-a3b --dummy-weights --backends latency_specialized \
+#     --batch-sizes 1,2,4,8 --input-len 1 --prompt-sets 1 --runs 2 --output-len 256 --temperature 0.6 --top-p 0.95
+#   (greedy and sampled in one run, against 2.344-2.357 / 6.855-6.942 ms greedy at c55ca27), then the TTFT and
+#   c = 8 serving runs of gpu_prefill.sh to show a whole turn unchanged
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \
