@@ -7,10 +7,10 @@ packed bytes (codes + E8M0 scales) of the distinct experts each call routes, plu
 activations. Side by side in the same run: the BF16 expert kernel (kernels/moe.py,
 SiTU, 3.6x the bytes) and the standard path's dequantize-then-GEMM
 (models/moe.mxfp4_experts, eager). The MXFP4 kernels (kernels/moe_mxfp4_v3.py, through
-moe_mxfp4_experts) get a tile and decode sweep; a config whose output disagrees with the FP32
-reference is skipped and reported, never timed. v3_* fields are the fastest config's, as are
-time_ms/gbps/pct_of_copy.
-    python -m peregrine.bench.kernels_moe_mxfp4 [--quick] [--probe]
+moe_mxfp4_experts) and v4 (kernels/moe_mxfp4_v4.py over the load-time repack) get a tile sweep each;
+a config whose output disagrees with the FP32 reference is skipped and reported, never timed. v3_* / v4_*
+fields are each form's fastest config; time_ms/gbps/pct_of_copy the fastest of both (mx_kernel).
+    python -m peregrine.bench.kernels_moe_mxfp4 [--quick] [--v4] [--verify] [--probe]
 """
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ import torch
 
 from peregrine.kernels import moe_mxfp4 as mx
 from peregrine.kernels import moe_mxfp4_v3 as mx3
+from peregrine.kernels import moe_mxfp4_v4 as mx4
+from peregrine.kernels import mxfp4_repack
 from peregrine.kernels import mxfp4_format as mxfp4
 from peregrine.kernels.moe import moe_experts
 
@@ -39,6 +41,12 @@ V3_SWEEP = [   # mx3.KEYS order: DECODE, UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS, UP_S
     ("dot_scaled", 64, 64, 4, 3, 64, 64, 4, 3),
     ("plain", 64, 64, 4, 3, 64, 64, 4, 3),
 ]
+V4_SWEEP = [   # mx4.KEYS order: BLOCK_I, BLOCK_D, BK, STAGES, WARPS; the first is the default
+    tuple(mx4.DEFAULTS[k] for k in mx4.KEYS),
+    (64, 128, 64, 4, 4), (64, 128, 64, 8, 4), (32, 64, 64, 6, 4), (64, 64, 64, 6, 4),
+    (64, 128, 128, 4, 4), (128, 256, 64, 4, 8), (64, 128, 64, 6, 8),
+]
+VERIFY_BS = (16, 32, 64)  # verify steps' rows (--verify): v4 and BF16 only (v3 takes at most 16 tokens a tile)
 PROBE = [      # --probe: v3's measurement stand-ins (wrong values, timed unchecked) beside asm at the same tiles:
     #            "probe" (a 4-move decode) is what the load pipeline and MMAs cost, "probe_bf16" (the tile's bytes
     #            as BF16 to the MMA from shared memory) the ceiling without the register operand
@@ -78,6 +86,12 @@ class Weights:
     def mx(self):
         return self.q13, self.s13, self.q2, self.s2
 
+    def v4(self):
+        """The same weights in kernels/mxfp4_repack.py's layout (made once)."""
+        if not hasattr(self, "_v4"):
+            self._v4 = (*mxfp4_repack.repack(self.q13, self.s13), *mxfp4_repack.repack(self.q2, self.s2))
+        return self._v4
+
 
 def routings(B: int):
     g = torch.Generator(device="cuda").manual_seed(B)
@@ -107,13 +121,17 @@ def time_graph(fn, calls, iters: int) -> list[float]:
     return samples
 
 
-def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print) -> list[dict]:
-    """One row per B (bench/kernels.py's family interface: time_ms, gbps, pct_of_copy are the MXFP4 kernel's)."""
+def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print, bs: tuple = BS, v3_sweep: bool | None = None,
+        v4_sweep: bool | None = None) -> list[dict]:
+    """One row per B (bench/kernels.py's family interface: time_ms, gbps, pct_of_copy are the fastest MXFP4
+    kernel's, mx_kernel names it). v3_sweep / v4_sweep: every config of V3_SWEEP / V4_SWEEP, else the default."""
     W = Weights(bf16=True)
     ebytes_mx, ebytes_bf = mx_expert_bytes(), 3 * I * DZ * 2
     rows, sweep = [], []
     quick = not full
-    for B in ((1, 8) if quick else BS):
+    v3_all = full if v3_sweep is None else v3_sweep
+    v4_all = full if v4_sweep is None else v4_sweep
+    for B in ((1, 8) if quick else bs):
         calls = routings(B)
         distinct = statistics.mean(torch.unique(ids).numel() for _, ids, _ in calls)
         act_bytes = B * DZ * 2 * 2
@@ -124,7 +142,7 @@ def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print) -> list
                "B": B, "E": E, "top_k": TOP_K, "Dz": DZ, "I": I, "distinct_experts": distinct,
                "mxfp4_bytes": mx_bytes, "bf16_bytes": bf_bytes}
         best = None
-        for cfg in (V3_SWEEP[:1] if quick else V3_SWEEP):
+        for cfg in (V3_SWEEP if v3_all else V3_SWEEP[:1]):
             c = dict(zip(mx3.KEYS, cfg))
             try:
                 err = (mx.moe_mxfp4_experts(x, *W.mx(), ids, w, activation="situ", config=c).float()
@@ -147,6 +165,32 @@ def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print) -> list
                         "v3_default_ms": next((s["time_ms"] for s in sweep if s["B"] == B and "time_ms" in s
                                                and s["config"] == dict(zip(mx3.KEYS, V3_SWEEP[0]))), None),
                         "time_ms": t, "gbps": mx_bytes / t / 1e6, "pct_of_copy": mx_bytes / t / 1e6 / copy_gbps})
+        best4 = None
+        for cfg in (V4_SWEEP if v4_all else V4_SWEEP[:1]):
+            c = dict(zip(mx4.KEYS, cfg))
+            try:
+                if not mx4.supports(x, DZ, I, B, c):
+                    raise ValueError("outside the v4 kernels' gate")
+                err = (mx4.moe_mxfp4_experts_v4(x, *W.v4(), ids, w, activation="situ", config=c).float()
+                       - ref).norm() / ref.norm()
+                if not err < TOL:
+                    raise ValueError(f"relative error {err:.2e} >= {TOL}")
+                t = statistics.median(time_graph(lambda x, i, w: mx4.moe_mxfp4_experts_v4(
+                    x, *W.v4(), i, w, activation="situ", config=c), calls, iters))
+            except Exception as e:  # noqa: BLE001 - a failing config is reported, not fatal
+                log(f"B={B} v4 config {c}: skipped ({type(e).__name__}: {str(e)[:160]})")
+                sweep.append({"B": B, "v4_config": c, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                continue
+            sweep.append({"B": B, "v4_config": c, "time_ms": t, "gbps": mx_bytes / t / 1e6, "rel_err": float(err)})
+            if best4 is None or t < best4[0]:
+                best4 = (t, c)
+        if best4 is not None:
+            t, c = best4
+            row.update({"v4_ms": t, "v4_config": c, "v4_gbps": mx_bytes / t / 1e6,
+                        "v4_pct_of_copy": mx_bytes / t / 1e6 / copy_gbps})
+            if row.get("time_ms") is None or t < row["time_ms"]:
+                row.update(time_ms=t, gbps=mx_bytes / t / 1e6, pct_of_copy=mx_bytes / t / 1e6 / copy_gbps)
+        row["mx_kernel"] = "v4" if best4 is not None and row["time_ms"] == best4[0] else "v3"
         try:
             t = statistics.median(time_graph(lambda x, i, w: moe_experts(x, W.w13, W.w2, i, w, activation="situ",
                                                                           ), calls, iters))
@@ -168,6 +212,8 @@ def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print) -> list
             row["standard_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         if "v3_ms" in row and "bf16_ms" in row:
             row["speedup_vs_bf16"] = row["bf16_ms"] / row["v3_ms"]
+        if "v4_ms" in row and "bf16_ms" in row:
+            row["v4_speedup_vs_bf16"] = row["bf16_ms"] / row["v4_ms"]
         row["sweep"] = [x for x in sweep if x["B"] == B]
         log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "sweep"}))
         rows.append(row)
@@ -199,6 +245,8 @@ def main() -> None:
     ap.add_argument("--probe", action="store_true", help="only v3's probes (PROBE, unchecked: a 4-move decode, the bytes as BF16 from shared memory, "
                     "beside the real decode)")
     ap.add_argument("--probe-decodes", default="", help="with --probe: only these decodes (comma-separated)")
+    ap.add_argument("--v4", action="store_true", help="v4's sweep beside v3's default tiles (not v3's sweep)")
+    ap.add_argument("--verify", action="store_true", help=f"also B = {', '.join(map(str, VERIFY_BS))} (verify steps' rows)")
     args = ap.parse_args()
     copy = copy_bandwidth()
     print(f"copy bandwidth {copy['gbps']:.0f} GB/s")
@@ -208,13 +256,16 @@ def main() -> None:
                              "rows": probe(copy["gbps"], only=tuple(args.probe_decodes.split(",")) if args.probe_decodes else ())})
         print("wrote", path)
         return
-    rows = run(copy["gbps"], full=not args.quick)
-    print(f"{'B':>2} {'experts':>7} {'v3 ms':>8} {'GB/s':>6} {'%copy':>6} {'BF16 ms':>8} {'%copy':>6} {'std ms':>7}")
+    rows = run(copy["gbps"], full=not args.quick, bs=BS + (VERIFY_BS if args.verify else ()),
+               v3_sweep=False if args.v4 else None)
+    print(f"{'B':>2} {'experts':>7} {'v3 ms':>8} {'GB/s':>6} {'%copy':>6} {'v4 ms':>8} {'%copy':>6} {'BF16 ms':>8} "
+          f"{'%copy':>6} {'std ms':>7}")
     for r in rows:
         f = lambda k, fmt: format(r[k], fmt) if r.get(k) is not None else "-"  # noqa: E731
         pct = lambda k: format(100 * r[k], ".1f") if r.get(k) is not None else "-"  # noqa: E731
         print(f"{r['B']:>2} {r['distinct_experts']:>7.1f} {f('v3_ms', '8.4f')} {f('v3_gbps', '6.0f')} "
-              f"{pct('v3_pct_of_copy'):>6} {f('bf16_ms', '8.4f')} {pct('bf16_pct_of_copy'):>6} {f('standard_ms', '7.2f')}")
+              f"{pct('v3_pct_of_copy'):>6} {f('v4_ms', '8.4f')} {pct('v4_pct_of_copy'):>6} {f('bf16_ms', '8.4f')} "
+              f"{pct('bf16_pct_of_copy'):>6} {f('standard_ms', '7.2f')}")
     path = write_result(result_path("k3-slice", "kernels-moe-mxfp4", args.results_dir),
                         {"meta": run_metadata(), "copy": copy, "rows": rows})
     print("wrote", path)
