@@ -2,7 +2,7 @@
 fused Triton kernels, the whole step (all layers, final norm, lm_head, greedy
 argmax) replayed from one CUDA graph per (B, context bucket).
 
-Speculative verify steps (peregrine/spec) are pure decode steps of T = 1 + k tokens per
+Speculative verify steps (peregrine/speculative) are pure decode steps of T = 1 + k tokens per
 sequence: the GEMMs take B·T rows, the KDA decode runs the T positions in one program and
 writes the state after each into the step's checkpoint buffers, and MLA gives each query
 position the sequence's block table and the length up to itself (causal within the draft),
@@ -117,8 +117,6 @@ class SpecializedRunner:
             return "prefill in batch"
         if step.num_seqs > self.max_batch:
             return "batch too large"
-        if self._k3 and step.spec_tokens:
-            return "unsupported feature: speculative verify on K3 layers"
         if getattr(self.model, "taps", None) is not None and (self.cfg.is_k3 or self.cfg.expert_quant is not None):
             return "a DFlash drafter's hidden-state taps (not taken in the K3 / MXFP4 step)"
         return None
@@ -169,7 +167,7 @@ class SpecializedRunner:
         (B, T) now, with block tables of max_blocks (room for k tokens past max_model_len)."""
         on, fixed = self._graph_args
         self.verify_graphs = {}
-        if not on or self.unavailable or self._k3:  # K3 verify steps fall back
+        if not on or self.unavailable:
             return
         for T in range(2, k + 2):
             g = GraphCache(self._pdl_step, self.cache, self.max_batch, self.log, fixed_blocks=max_blocks,
@@ -380,9 +378,11 @@ class SpecializedRunner:
     # ---- K3 layers and MXFP4 experts (docs/models.md K3 column): q-LoRA MLA with output gate, latent MoE
     # with SiTU, AttnRes block mixing. KDA's bounded gate and full-rank output gate are _kda's.
     # Under tensor parallel every attention and MLP output is a row-parallel partial sum, reduced
-    # here as the standard DecoderLayer does (the latent MoE also reduces y before its norm).
+    # here as the standard DecoderLayer does (the latent MoE also reduces y before its norm). Verify steps
+    # (T = 1 + k query rows a sequence) take the same layers over B·T rows, as _step's do.
     def _step_k3(self, step):
         m, eps = self.model, self.cfg.rms_norm_eps
+        T = step.spec_tokens or 1  # query tokens per sequence: 1 + k in a verify step
         if self.oneshot is not None:
             self.oneshot.reset()  # the same buffer order in every step and every graph
         p = m.embed(step.input_ids)
@@ -394,7 +394,7 @@ class SpecializedRunner:
                 if layer.block_start:
                     blocks.append(p)
             h = rms_norm(x, layer.input_layernorm.weight, eps)
-            a = self._reduce(self._kda(layer.attn, h, step) if layer.is_kda else self._mla_k3(layer.attn, h, step))
+            a = self._reduce(self._kda(layer.attn, h, step, T) if layer.is_kda else self._mla_k3(layer.attn, h, step, T))
             if layer.res:
                 p = a if layer.block_start else p + a
                 h = rms_norm(layer.mlp_res(p, blocks), layer.post_attention_layernorm.weight, eps)
@@ -403,27 +403,27 @@ class SpecializedRunner:
             p = p + self._reduce(self._moe_k3(layer.mlp, h) if layer.is_moe else self._mlp_k3(layer.mlp, h, self._rbuf(h)))
         if m.output_res is not None:
             p = m.output_res(p, blocks)
-        return self._head(skinny_gemm(rms_norm(p, m.norm.weight, eps), m.lm_head).float(), step)
+        return self._head(_mm(rms_norm(p, m.norm.weight, eps), m.lm_head).float(), step)
 
-    def _mla_k3(self, attn, h, step):
-        q, kva, g = skinny_gemm(h, attn.in_proj).split(attn.splits, dim=-1)
+    def _mla_k3(self, attn, h, step, T=1):
+        q, kva, g = _mm(h, attn.in_proj).split(attn.splits, dim=-1)
         q, kva = attn.gather_sliced(q, kva)
         if attn.q_b is not None:  # q-LoRA: q = W_qb RMSNorm(W_qa x)
-            q = skinny_gemm(rms_norm(q, attn.q_a_norm, self.cfg.mla_norm_eps), attn.q_b)
-        o = self._mla_attend(attn, q, kva, step)  # [B, H·v]
+            q = _mm(rms_norm(q, attn.q_a_norm, self.cfg.mla_norm_eps), attn.q_b)
+        o = self._mla_attend(attn, q, kva, step, T)  # [B·T, H·v]
         if attn.gate_dim:  # K3: o ⊙ σ(W_g x), in FP32
             o = (o.float() * torch.sigmoid(g.float())).to(h.dtype)
-        return skinny_gemm(o, attn.o_proj, out=self._rbuf(h))
+        return _mm(o, attn.o_proj, out=self._rbuf(h))
 
     def _mlp_k3(self, mlp, h, out=None):  # dense / shared expert with the model's activation (SiTU for K3)
-        return skinny_gemm(mlp.act(skinny_gemm(h, mlp.gate_up)), mlp.down, out=out)
+        return _mm(mlp.act(_mm(h, mlp.gate_up)), mlp.down, out=out)
 
     def _moe_k3(self, moe, h):
         cfg = self.cfg
         shared = self._shared(moe, h, self._mlp_k3)  # on the un-projected input
         ids, w = self._route(moe, h)  # the router also reads x, not z
         moe.last_ids = ids
-        z = skinny_gemm(h, moe.down) if moe.latent else h
+        z = _mm(h, moe.down) if moe.latent else h
         act = "situ" if cfg.hidden_act == "situ" else "swiglu"
         if moe.mx:
             y = moe_mxfp4_experts(z, moe.w13_q, moe.w13_s, moe.w2_q, moe.w2_s, ids, w, activation=act)
@@ -431,7 +431,7 @@ class SpecializedRunner:
             y = moe_experts(z, moe.w13, moe.w2, ids, w, activation=act)
         if moe.latent:  # TP: y is summed over the ranks before its norm; up_proj holds a column slice
             lo, hi = self.tp.span(moe.norm.shape[0])  # a row-strided view: the skinny GEMM reads it in place
-            y = skinny_gemm(rms_norm(self.tp.all_reduce(y), moe.norm, cfg.rms_norm_eps)[:, lo:hi], moe.up)
+            y = _mm(rms_norm(self.tp.all_reduce(y), moe.norm, cfg.rms_norm_eps)[:, lo:hi], moe.up)
         if shared is None:
             return y
         if self.side is not None:
