@@ -211,6 +211,29 @@ def test_k3_verify_step_matches_standard(model_dir):
         assert rel_rmse(b.float(), a.float()) < TOL, what
 
 
+def test_mxfp4_v4_repacked_experts_keep_tokens(model_dir, monkeypatch):
+    """PEREGRINE_MXFP4=v4: the runner repacks the MXFP4 experts in place (kernels/mxfp4_repack.py) and decodes
+    through kernels/moe_mxfp4_v4.py (its portable form on the CPU) while the standard path (prefill) dequantizes
+    the repacked tensors: logits close to and tokens equal to an engine that kept the checkpoint layout."""
+    if "mxfp4" not in model_dir:
+        pytest.skip("BF16 experts: nothing to repack")
+    from peregrine.decode.specialized import MXFP4_ENV
+    ps = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    ref, lref = engine(model_dir, "latency_specialized")
+    want = ref.generate(ps, greedy(6))
+    monkeypatch.setenv(MXFP4_ENV, "v4")
+    e, log = engine(model_dir, "latency_specialized")
+    moes = [l.mlp for l in e.runner.model.layers if l.is_moe]
+    assert e.runner.mxfp4 == "v4" and all(m.mx_layout == "v4" for m in moes)
+    assert e.generate(ps, greedy(6)) == want
+    assert [p for p, _ in log] == [p for p, _ in lref]
+    for (_, a), (_, b) in zip(lref, log):
+        assert rel_rmse(b, a) < TOL
+    monkeypatch.setenv(MXFP4_ENV, "v5")
+    with pytest.raises(ValueError, match="PEREGRINE_MXFP4='v5'"):
+        engine(model_dir, "latency_specialized")
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="k3-slice needs an H200")
 @pytest.mark.parametrize("quant", ["mxfp4", "bf16"])
 def test_k3_slice_steps_match_standard(quant, tmp_path):

@@ -29,6 +29,7 @@ from ..kernels.mla_prologue import mla_prologue
 from ..kernels.mla_prologue import why_not as prologue_why_not
 from ..kernels.moe import moe_combine, moe_expert_partials, moe_experts, moe_route, router_partials, router_topk
 from ..kernels.moe_mxfp4 import moe_mxfp4_experts
+from ..kernels.moe_mxfp4_v4 import moe_mxfp4_experts_v4
 from ..kernels.norm import add_rms_norm, rms_norm
 from ..kernels.pdl import pdl as kernels_pdl
 from ..kernels.sampling import argmax, token_logprobs
@@ -47,6 +48,11 @@ VERIFY_GEMM_ENV = "PEREGRINE_VERIFY_GEMM"  # "triton": verify steps' 17..64-row 
 # verify steps' MLA, rows of a sequence per program: 1 (default: the rows share the sequence's table and length in
 # the kernel, no expand), 2 (M = 64, the latent read T / 2 times; ptxas spills: opt-in until measured), 0 (before)
 VERIFY_MLA_ENV = "PEREGRINE_MLA_VERIFY_ROWS"
+# MXFP4 experts: "v3" (default; the checkpoint layout) or "v4" (kernels/moe_mxfp4_v4.py: the experts repacked in
+# place at start, the standard path dequantizing the same tensors); v4 becomes the default only on an H200 run
+# that shows it faster at the same B (scripts/gpu_mxfp4_v4.sh, then bench decode on k3-slice per variant)
+MXFP4_ENV = "PEREGRINE_MXFP4"
+MXFP4_FORMS = ("v3", "v4")
 
 
 def _verify_rows() -> int:
@@ -87,6 +93,7 @@ class SpecializedRunner:
         self._graph_args = (cuda_graphs and dev.type == "cuda", max_blocks)
         self.unavailable = kernels.why_unavailable(dev)
         self._k3 = self.cfg.is_k3 or self.cfg.expert_quant is not None  # served by _step_k3
+        self.mxfp4 = self._mxfp4_form(model)
         # per KDA layer: [f_b; g_b] stacked, both gate up-projections in one grouped launch (_gates)
         self.gate_w = self._stack_gates(model)
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
@@ -108,6 +115,19 @@ class SpecializedRunner:
             + (f"; kernels unavailable here ({self.unavailable}): every step falls back" if self.unavailable else ""))
         if self.graphs is not None and max_blocks is not None and not self.unavailable:
             self.graphs.capture_all()
+
+    def _mxfp4_form(self, model) -> str | None:
+        """The MXFP4 expert kernels this runner uses (None: no MXFP4 experts); v4 repacks them in place here."""
+        moes = [l.mlp for l in model.layers if l.is_moe and l.mlp.mx]
+        if not moes:
+            return None
+        form = os.environ.get(MXFP4_ENV, "v3")
+        if form not in MXFP4_FORMS:
+            raise ValueError(f"{MXFP4_ENV}={form!r}: expected one of {', '.join(MXFP4_FORMS)}")
+        if form == "v4" and any(m.mx_layout != "v4" for m in moes):
+            n = sum(m.repack_experts() for m in moes if m.mx_layout != "v4")
+            self.log(f"latency_specialized: MXFP4 experts repacked for v4 in place ({n / 2**30:.2f} GiB, {len(moes)} layers)")
+        return form
 
     # ---- dispatch ----
     def why_not(self, step) -> str | None:
@@ -425,7 +445,9 @@ class SpecializedRunner:
         moe.last_ids = ids
         z = _mm(h, moe.down) if moe.latent else h
         act = "situ" if cfg.hidden_act == "situ" else "swiglu"
-        if moe.mx:
+        if moe.mx and moe.mx_layout == "v4":
+            y = moe_mxfp4_experts_v4(z, moe.w13_q, moe.w13_s, moe.w2_q, moe.w2_s, ids, w, activation=act)
+        elif moe.mx:
             y = moe_mxfp4_experts(z, moe.w13_q, moe.w13_s, moe.w2_q, moe.w2_s, ids, w, activation=act)
         else:
             y = moe_experts(z, moe.w13, moe.w2, ids, w, activation=act)

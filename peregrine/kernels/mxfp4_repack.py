@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from . import mxfp4_format
 from .mxfp4_format import GROUP, pack_codes, unpack_codes
 
 VALUES_PER_WORD = 8  # E2M1 codes in one 32-bit word
@@ -55,3 +56,8 @@ def repack(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, tor
 def unpack(codes: torch.Tensor, scale_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The v4 layout -> (codes, scales) exactly as the checkpoint stored them."""
     return unpack_repacked_codes(codes), unpack_repacked_scales(scale_t)
+
+
+def dequantize(codes: torch.Tensor, scale_t: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """mxfp4_format.dequantize over the v4 layout: [..., R, C/2] codes + [..., C/32, R] scales -> [..., R, C]."""
+    return mxfp4_format.dequantize(unpack_repacked_codes(codes), scale_t.transpose(-1, -2), dtype)

@@ -134,8 +134,9 @@ def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None, add: t
 MX_CHUNK = 8  # experts (or token-expert pairs) dequantized at a time: ~1 GB of BF16 temporaries at K3 widths
 
 
-def mxfp4_experts(x, q13, s13, q2, s2, ids, w, act, chunk: int = MX_CHUNK) -> torch.Tensor:
-    """grouped_experts over MXFP4 weights, dequantizing only the chosen experts, `chunk` at a time.
+def mxfp4_experts(x, q13, s13, q2, s2, ids, w, act, chunk: int = MX_CHUNK, dequantize=mxfp4.dequantize) -> torch.Tensor:
+    """grouped_experts over MXFP4 weights, dequantizing only the chosen experts, `chunk` at a time
+    (`dequantize`: the layout's, MoE.dequantize).
 
     Eager: each distinct expert is dequantized once (one host sync for the expert list) and serves
     all of its tokens. Under CUDA-graph capture nothing may sync, so the token-expert pairs are
@@ -149,10 +150,10 @@ def mxfp4_experts(x, q13, s13, q2, s2, ids, w, act, chunk: int = MX_CHUNK) -> to
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         for a in range(0, N * k, chunk):
             e = flat[a:a + chunk]
-            w13 = mxfp4.dequantize(q13[e], s13[e], x.dtype)  # [c, 2I, Dz]
+            w13 = dequantize(q13[e], s13[e], x.dtype)  # [c, 2I, Dz]
             h = act(torch.bmm(w13, xs[a:a + chunk].unsqueeze(-1)).squeeze(-1))
             del w13
-            w2 = mxfp4.dequantize(q2[e], s2[e], x.dtype)     # [c, Dz, I]
+            w2 = dequantize(q2[e], s2[e], x.dtype)     # [c, Dz, I]
             ys[a:a + chunk] = torch.bmm(w2, h.unsqueeze(-1)).squeeze(-1)
     else:
         sf, order = torch.sort(flat, stable=True)
@@ -160,8 +161,8 @@ def mxfp4_experts(x, q13, s13, q2, s2, ids, w, act, chunk: int = MX_CHUNK) -> to
         xs, ys_sorted, row = xs[order], torch.empty_like(ys), 0
         for a in range(0, len(used), chunk):
             sel = torch.tensor(used[a:a + chunk], device=x.device)
-            w13 = mxfp4.dequantize(q13[sel], s13[sel], x.dtype)
-            w2 = mxfp4.dequantize(q2[sel], s2[sel], x.dtype)
+            w13 = dequantize(q13[sel], s13[sel], x.dtype)
+            w2 = dequantize(q2[sel], s2[sel], x.dtype)
             for j, n in enumerate(counts[a:a + chunk]):
                 ys_sorted[row:row + n] = act(xs[row:row + n] @ w13[j].T) @ w2[j].T
                 row += n
@@ -196,6 +197,7 @@ class MoE(nn.Module):
         else:
             self.w13 = param(E, 2 * I, Dz, dtype=dtype)
             self.w2 = param(E, Dz, I, dtype=dtype)
+        self.mx_layout = "checkpoint"  # or "v4" once repack_experts ran (kernels/mxfp4_repack.py)
         self.latent = cfg.routed_expert_hidden_size is not None
         if self.latent:
             self.down = param(Dz, D, dtype=dtype)
@@ -226,6 +228,28 @@ class MoE(nn.Module):
             out += self.shared.hf_params(prefix + "shared_experts.")
         return out
 
+    def repack_experts(self) -> int:
+        """MXFP4 experts to kernels/mxfp4_repack.py's layout in place, an expert at a time (temporaries of one
+        expert); the checkpoint names then no longer map onto these tensors (load first). Returns the bytes."""
+        from ..kernels import mxfp4_repack
+        assert self.mx and self.mx_layout == "checkpoint"
+        for name in ("w13", "w2"):
+            q, s = getattr(self, name + "_q"), getattr(self, name + "_s")
+            st = torch.empty(s.shape[0], s.shape[2], s.shape[1], dtype=s.dtype, device=s.device)
+            for e in range(q.shape[0]):
+                q.data[e] = mxfp4_repack.repack_codes(q.data[e])
+                st[e] = s.data[e].T
+            setattr(self, name + "_s", nn.Parameter(st, requires_grad=False))
+        self.mx_layout = "v4"
+        return sum(t.numel() for t in (self.w13_q, self.w13_s, self.w2_q, self.w2_s))
+
+    def dequantize(self, q: torch.Tensor, s: torch.Tensor, dtype) -> torch.Tensor:
+        """Selected experts' MXFP4 weights in this layer's layout -> dtype."""
+        if self.mx_layout == "v4":
+            from ..kernels import mxfp4_repack
+            return mxfp4_repack.dequantize(q, s, dtype)
+        return mxfp4.dequantize(q, s, dtype)
+
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """FP32 [N, E]: the rank's slice of the experts' logits gathered in rank order when sliced."""
         logits = router_gemm(x, self.gate_w)
@@ -242,7 +266,7 @@ class MoE(nn.Module):
         after = tuple(t for t in (self.shared(x) if self.shared is not None else None, residual) if t is not None)
         fold = not (self.mx or self.latent)  # the experts' combine adds `after` itself
         if self.mx:
-            y = mxfp4_experts(z, self.w13_q, self.w13_s, self.w2_q, self.w2_s, ids, w, self.act)
+            y = mxfp4_experts(z, self.w13_q, self.w13_s, self.w2_q, self.w2_s, ids, w, self.act, dequantize=self.dequantize)
         else:
             y = grouped_experts(z, self.w13, self.w2, ids, w, self.act, add=after if fold else ())
         if self.latent:
