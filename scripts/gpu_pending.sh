@@ -81,6 +81,13 @@
 #     --batch-sizes 1,2,4,8 --input-len 1 --prompt-sets 1 --runs 2 --output-len 256 --temperature 0.6 --top-p 0.95
 #   (greedy and sampled in one run, against 2.344-2.357 / 6.855-6.942 ms greedy at c55ca27), then the TTFT and
 #   c = 8 serving runs of gpu_prefill.sh to show a whole turn unchanged
+# - #45 (session 26, CPU): the v4 MXFP4 experts (Gluon: repacked layout, 16-byte shared stores of the decoded tile,
+#   wgmma from shared memory; kernels/moe_mxfp4_v4.py), compile-checked for sm_90a and run in their portable form
+#   only; K3 verify steps now on the specialized path (interpreter-tested). One H200 (or H100), ~8 min, one call:
+#   PARTS="tests micro decode" bash scripts/gpu_mxfp4_v4.sh      (VERIFY=1 adds the 16/32/64-row verify shapes)
+#   (targets: v4 >= 60 % of copy at B = 1, 2, 4, 8 in the microbenchmark; the k3-slice step with v4 <= 0.75x the
+#   BF16-expert step at B = 1 and 8; then make v4 the default where it wins - the standard path already reads either
+#   layout - retire v3 where it loses everywhere, and run test_k3_specialized's GPU tests with PEREGRINE_MXFP4=v4)
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \
