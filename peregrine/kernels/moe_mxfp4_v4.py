@@ -78,25 +78,38 @@ def _routing(ids_ptr, n, B, NK, TOP_K: gl.constexpr, T_PAD: gl.constexpr, K_PAD:
 
 
 @gluon.jit
-def _issue_half(q_ptr, s_ptr, rows, R, KG, k0, q_dst, s_dst, HM: gl.constexpr, BK: gl.constexpr,
-                LQ: gl.constexpr, LS: gl.constexpr):
-    """cp.async one row block's K step: codes of `rows` (local rows of the expert's matrix at q_ptr / s_ptr,
-    HM of them, row_ok masked) [HM, BK/32, 8] int16 and scales [BK/32, HM] uint8."""
-    NG: gl.constexpr = BK // G_C
-    r = rows + gl.arange(0, HM, layout=gl.SliceLayout(1, gl.SliceLayout(2, LQ)))
-    g = gl.arange(0, NG, layout=gl.SliceLayout(0, gl.SliceLayout(2, LQ)))
-    I16: gl.constexpr = G_C // 4  # int16 halves of a group's 4 words
-    h = gl.arange(0, I16, layout=gl.SliceLayout(0, gl.SliceLayout(1, LQ)))
-    qp = q_ptr.to(gl.pointer_type(gl.int16)) + r[:, None, None].to(gl.int64) * (KG * I16) \
-        + (k0 // G_C + g)[None, :, None] * I16 + h[None, None, :]
-    async_copy.async_copy_global_to_shared(q_dst, qp, mask=(r < R)[:, None, None])
-    gs = k0 // G_C + gl.arange(0, NG, layout=gl.SliceLayout(1, LS))
-    rs = rows + gl.arange(0, HM, layout=gl.SliceLayout(0, LS))
-    async_copy.async_copy_global_to_shared(s_dst, s_ptr + gs[:, None] * R + rs[None, :], mask=(rs < R)[None, :])
+def _rows(r0, m, R, HM: gl.constexpr, HALVES: gl.constexpr):
+    """Tile row m -> (the expert's local row, valid): m < HM is row r0 + m of the first block, up's second block
+    (HALVES = 2) the same row of the up half, R / 2 rows further."""
+    local = r0 + m % HM
+    return local + (m // HM) * (R // 2), local < R // HALVES
 
 
 @gluon.jit
-def _decode_half(q_src, s_src, a_dst, HM: gl.constexpr, BK: gl.constexpr, L3: gl.constexpr):
+def _issue(qe, se, r0, R, KG, k0, k_ok, q_slot, s_slot, x_slot, x_ptrs, HM: gl.constexpr, HALVES: gl.constexpr,
+           BK: gl.constexpr, LQ: gl.constexpr, LS: gl.constexpr):
+    """cp.async one ring slot, the K step at value k0, as one commit group: codes [M, BK/32, 8] int16 of the
+    tile's rows (both blocks of up's stacked tile), scales [BK/32, M] uint8, activations [T, BK]. A step past the
+    end (k_ok false) copies nothing (its zero fill lands in a free slot): masks, not branches, because a branch
+    around the copies makes ptxas serialize every wgmma (C7515, checked by the sm_90a compile test)."""
+    NG: gl.constexpr = BK // G_C
+    I16: gl.constexpr = G_C // 4  # int16 halves of a group's 4 words
+    M: gl.constexpr = HM * HALVES
+    r, ok = _rows(r0, gl.arange(0, M, layout=gl.SliceLayout(1, gl.SliceLayout(2, LQ))), R, HM, HALVES)
+    g = gl.arange(0, NG, layout=gl.SliceLayout(0, gl.SliceLayout(2, LQ)))
+    h = gl.arange(0, I16, layout=gl.SliceLayout(0, gl.SliceLayout(1, LQ)))
+    qp = qe.to(gl.pointer_type(gl.int16)) + r[:, None, None].to(gl.int64) * (KG * I16) \
+        + (k0 // G_C + g)[None, :, None] * I16 + h[None, None, :]
+    async_copy.async_copy_global_to_shared(q_slot, qp, mask=(ok & k_ok)[:, None, None])
+    rs, oks = _rows(r0, gl.arange(0, M, layout=gl.SliceLayout(0, LS)), R, HM, HALVES)
+    gs = k0 // G_C + gl.arange(0, NG, layout=gl.SliceLayout(1, LS))
+    async_copy.async_copy_global_to_shared(s_slot, se + gs[:, None] * R + rs[None, :], mask=(oks & k_ok)[None, :])
+    async_copy.async_copy_global_to_shared(x_slot, x_ptrs + k0, mask=k_ok)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _decode(q_src, s_src, a_dst, HM: gl.constexpr, BK: gl.constexpr, L3: gl.constexpr):
     """Codes [HM, BK/32, 8] int16 + scales [BK/32, HM] in shared memory -> BF16 [HM, BK] into a_dst (NVMMA)."""
     NG: gl.constexpr = BK // G_C
     half = q_src.load(L3)                                            # [HM, NG, 8]: 4 words a group, 2 halves each
@@ -161,40 +174,23 @@ def _mx4_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, out_ptr, B, R, KG, N_OUT, x_row_st
 
         n_k = KG // NG
         for s in gl.static_range(STAGES - 1):
-            if s < n_k:
-                _issue_half(qe, se, r0, R, KG, s * BK, q_ring.index(s).slice(0, HM), s_ring.index(s).slice(0, HM, 1),
-                            HM, BK, LQ, LS)
-                if HALVES == 2:
-                    _issue_half(qe, se, R // 2 + r0, R, KG, s * BK, q_ring.index(s).slice(HM, HM),
-                                s_ring.index(s).slice(HM, HM, 1), HM, BK, LQ, LS)
-                async_copy.async_copy_global_to_shared(x_ring.index(s), x_ptrs + s * BK)
-            async_copy.commit_group()
-
+            _issue(qe, se, r0, R, KG, s * BK, s < n_k, q_ring.index(s), s_ring.index(s), x_ring.index(s), x_ptrs,
+                   HM, HALVES, BK, LQ, LS)
         acc = gl.zeros([M, T_PAD], gl.float32, ACC_L)
         for it in range(n_k):
             slot_k = it % STAGES
             async_copy.wait_group(STAGES - 2)
             gl.thread_barrier()
             a = a_buf.index(it % 2)
-            _decode_half(q_ring.index(slot_k).slice(0, HM), s_ring.index(slot_k).slice(0, HM, 1), a.slice(0, HM),
-                         HM, BK, L3)
-            if HALVES == 2:
-                _decode_half(q_ring.index(slot_k).slice(HM, HM), s_ring.index(slot_k).slice(HM, HM, 1),
-                             a.slice(HM, HM), HM, BK, L3)
+            _decode(q_ring.index(slot_k), s_ring.index(slot_k), a, M, BK, L3)  # both row blocks at once
             fence_async_shared()
             gl.thread_barrier()
             acc = warpgroup_mma(a, x_ring.index(slot_k).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             nxt = it + STAGES - 1
-            if nxt < n_k:
-                ns = nxt % STAGES
-                _issue_half(qe, se, r0, R, KG, nxt * BK, q_ring.index(ns).slice(0, HM), s_ring.index(ns).slice(0, HM, 1),
-                            HM, BK, LQ, LS)
-                if HALVES == 2:
-                    _issue_half(qe, se, R // 2 + r0, R, KG, nxt * BK, q_ring.index(ns).slice(HM, HM),
-                                s_ring.index(ns).slice(HM, HM, 1), HM, BK, LQ, LS)
-                async_copy.async_copy_global_to_shared(x_ring.index(ns), x_ptrs + nxt * BK)
-            async_copy.commit_group()
+            ns = nxt % STAGES
+            _issue(qe, se, r0, R, KG, nxt * BK, nxt < n_k, q_ring.index(ns), s_ring.index(ns), x_ring.index(ns), x_ptrs,
+                   HM, HALVES, BK, LQ, LS)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
         # epilogue through registers in a row-fastest layout (coalesced along the weight rows)
