@@ -110,6 +110,33 @@ def test_decode_asm_every_code_every_slot_every_scale():
     assert torch.equal(gotf.nan_to_num(), want.nan_to_num())
 
 
+def test_folded_decode_asm_every_code_every_slot_and_foldable_scale():
+    """DECODE_ASM_FOLDED with the scale register 2^(s-1) (what _decode builds under FOLD): exact for every code in
+    every slot and every scale fold_scales admits (0..128, and the NaN code), as the unfolded decode."""
+    g = torch.Generator().manual_seed(6)
+    code = torch.arange(16).repeat_interleave(8)
+    slot = torch.arange(8).repeat(16)
+    rnd = torch.randint(0, 2 ** 31, (128,), generator=g, dtype=torch.int64)
+    word = (rnd & ~(0xF << (4 * slot))) | (code << (4 * slot))
+    scale = torch.cat([torch.arange(v4.FOLD_MAX_SCALE + 1), torch.tensor([255])])
+    sbits = torch.where(scale == 255, 0x7FC0, torch.where(scale == 0, 0, (scale + 126) << 7))
+    n = len(scale)
+    W, S = word[:, None].expand(128, n), (sbits | (sbits << 16))[None, :].expand(128, n)
+    outs = run_decode_asm(v4.DECODE_ASM_FOLDED, W.reshape(-1), S.reshape(-1))
+    lut = torch.tensor([e2m1(c) for c in range(16)], dtype=torch.float64)
+    want = lut[code][:, None] * torch.pow(2.0, scale.double() - 127)[None, :]
+    want = torch.where(scale[None, :] == 0, 0.0 * want, want)
+    want = torch.where(scale[None, :] == 255, float("nan"), want)
+    j, lane = slot % 4, slot // 4
+    got = torch.stack([((outs[int(jj)].view(128, n)[i] >> (16 * int(ll))) & 0xFFFF)
+                       for i, (jj, ll) in enumerate(zip(j, lane))])
+    gotf = _bf16_bits_to_float(got).double()
+    assert torch.equal(gotf.isnan(), want.isnan())
+    assert torch.equal(gotf.nan_to_num(), want.nan_to_num())
+    assert v4.fold_scales(torch.tensor([0, 128, 255], dtype=torch.uint8))
+    assert not v4.fold_scales(torch.tensor([0, 129], dtype=torch.uint8))
+
+
 # ---- the kernels against the FP32 reference
 CASES = [  # B, E, k, I, Dz, activation, x dtype, all tokens share experts
     (1, 4, 2, 64, 64, "situ", torch.float32, False),
@@ -126,7 +153,7 @@ GPU_CASES = [  # whole K steps (64 values), up to 64 tokens
 ]
 
 
-def _run(B, E, k, I, Dz, act, xdt, shared, config=None):
+def _run(B, E, k, I, Dz, act, xdt, shared, config=None, fold=False):
     g = torch.Generator().manual_seed(B * 131 + I + Dz)
     q13, s13, q2, s2 = experts(E, I, Dz, g)
     ids, w = routing(B, E, k, g, shared)
@@ -136,7 +163,9 @@ def _run(B, E, k, I, Dz, act, xdt, shared, config=None):
     packed = [dev(t) for t in (*rp.repack(q13, s13), *rp.repack(q2, s2))]
     buf = torch.full((B, Dz + PAD), SENTINEL, dtype=xdt, device=DEVICE)
     buf[:, :Dz] = float("nan")  # poisoned: every output element must be written
-    y = v4.moe_mxfp4_experts_v4(dev(x), *packed, dev(ids), dev(w), activation=act, out=buf[:, :Dz], config=config)
+    assert not fold or v4.fold_scales(s13, s2)
+    y = v4.moe_mxfp4_experts_v4(dev(x), *packed, dev(ids), dev(w), activation=act, out=buf[:, :Dz], config=config,
+                                fold=fold)
     assert (buf[:, Dz:].cpu() == SENTINEL).all(), "wrote past the output columns"
     return y, ref
 
@@ -171,15 +200,15 @@ def triton_cdiv(a, b):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernels need a Hopper GPU")
-@pytest.mark.parametrize("config", [None, {"BK": 128, "STAGES": 4}, {"BLOCK_I": 32, "BLOCK_D": 64},
+@pytest.mark.parametrize("fold", [False, True])
+@pytest.mark.parametrize("config", [None, {"BK": 128, "STAGES": 4}, {"BK": 64, "STAGES": 6}, {"BLOCK_I": 32, "BLOCK_D": 64},
                                     {"BLOCK_I": 128, "BLOCK_D": 256, "WARPS": 8, "STAGES": 4}])
 @pytest.mark.parametrize("B,E,k,I,Dz,act,xdt,shared", GPU_CASES)
-def test_gluon_matches_reference(B, E, k, I, Dz, act, xdt, shared, config):
-    if config and Dz % config.get("BK", 64) or config and I % config.get("BK", 64):
-        pytest.skip("widths not in whole K steps of this config")
+def test_gluon_matches_reference(B, E, k, I, Dz, act, xdt, shared, config, fold):
     x = torch.zeros(B, Dz, dtype=xdt, device=DEVICE)
-    assert v4.supports(x, Dz, I, B, config)
-    y, ref = _run(B, E, k, I, Dz, act, xdt, shared, config)
+    if not v4.supports(x, Dz, I, B, config):
+        pytest.skip("widths not in whole K steps of this config")
+    y, ref = _run(B, E, k, I, Dz, act, xdt, shared, config, fold)
     assert rel_rmse(y, ref) < 2e-2
 
 
@@ -219,31 +248,31 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from peregrine.kernels import moe_mxfp4_v4 as v4
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
 res = {}
-for up in (True, False):
-    for B in (1, 64):
-        c = v4.DEFAULTS
-        ce = dict(v4._common(c, B, 16), HM=c["BLOCK_I"] if up else c["BLOCK_D"], HALVES=2 if up else 1, UP=up,
-                  ACT=1 if up else 0)
-        ptr = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "out_ptr": "*bf16" if up else "*fp32"}
-        names = list(inspect.signature(v4._mx4_kernel.fn).parameters)
-        sig = {n: "constexpr" if n in ce else ptr.get(n, "i32") for n in names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")
-                 or n in ("R", "KG", "N_OUT", "x_row_stride")}
-        k = triton.compile(GluonASTSource(v4._mx4_kernel, sig, ce, attrs), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": c["WARPS"]})
-        ptx = k.asm["ptx"]
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-            f.write(ptx)
-            f.flush()
-            info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True).stderr
-        res[f"{'up' if up else 'down'}-B{B}"] = {
-            "wgmma_ss": len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+", ptx)),
-            "wgmma_rs": len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", ptx)),
-            "st_shared_v4": len(re.findall(r"st\.shared\.v4\.b32", ptx)),
-            "st_shared_16bit": len(re.findall(r"st\.shared(\.v\d)?\.b16", ptx)),
-            "cp_async_16": len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)),
-            "spills": int(re.search(r"(\d+) bytes spill stores", info).group(1)),
-            "wgmma_serialized": "C7515" in info}
+for up, B, fold in ((True, 1, False), (True, 64, False), (False, 1, False), (False, 64, False), (True, 1, True),
+                    (False, 8, True)):
+    c = v4._config(None, B)
+    ce = dict(v4._common(c, B, 16, fold), HM=c["BLOCK_I"] if up else c["BLOCK_D"], HALVES=2 if up else 1, UP=up,
+              ACT=1 if up else 0)
+    ptr = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i32", "out_ptr": "*bf16" if up else "*fp32"}
+    names = list(inspect.signature(v4._mx4_kernel.fn).parameters)
+    sig = {n: "constexpr" if n in ce else ptr.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")
+             or n in ("R", "KG", "N_OUT", "x_row_stride")}
+    k = triton.compile(GluonASTSource(v4._mx4_kernel, sig, ce, attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": c["WARPS"]})
+    ptx = k.asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True).stderr
+    res[f"{'up' if up else 'down'}-B{B}{'-fold' if fold else ''}"] = {
+        "wgmma_ss": len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+", ptx)),
+        "wgmma_rs": len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", ptx)),
+        "st_shared_v4": len(re.findall(r"st\.shared\.v4\.b32", ptx)),
+        "st_shared_16bit": len(re.findall(r"st\.shared(\.v\d)?\.b16", ptx)),
+        "cp_async_16": len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)),
+        "spills": int(re.search(r"(\d+) bytes spill stores", info).group(1)),
+        "wgmma_serialized": "C7515" in info}
 print(json.dumps(res))
 """
 
@@ -252,9 +281,9 @@ def test_gluon_kernels_compile_for_sm90_with_the_designed_instructions():
     """Ahead of time for sm_90a (no GPU): wgmma reads both operands from shared-memory descriptors (none from
     registers) and ptxas keeps them asynchronous (no C7515 serialization: a branch around the ring's copies caused
     it), the decoded tile goes out in 16-byte stores (no 2-byte ones), codes and activations arrive by 16-byte
-    cp.async, and nothing spills; for up and down, at 1 and 64 tokens."""
+    cp.async, and nothing spills; for up and down, at 1 and 64 tokens, and with the folded scale."""
     res = run_aot(AOT_SCRIPT)
-    assert set(res) == {"up-B1", "up-B64", "down-B1", "down-B64"}
+    assert set(res) == {"up-B1", "up-B64", "down-B1", "down-B64", "up-B1-fold", "down-B8-fold"}
     for name, r in res.items():
         assert r["wgmma_ss"] > 0 and r["wgmma_rs"] == 0, (name, r)
         assert r["st_shared_v4"] >= 4 and r["st_shared_16bit"] == 0, (name, r)

@@ -41,10 +41,9 @@ V3_SWEEP = [   # mx3.KEYS order: DECODE, UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS, UP_S
     ("dot_scaled", 64, 64, 4, 3, 64, 64, 4, 3),
     ("plain", 64, 64, 4, 3, 64, 64, 4, 3),
 ]
-V4_SWEEP = [   # mx4.KEYS order: BLOCK_I, BLOCK_D, BK, STAGES, WARPS; the first is the default
-    tuple(mx4.DEFAULTS[k] for k in mx4.KEYS),
-    (64, 128, 64, 4, 4), (64, 128, 64, 8, 4), (32, 64, 64, 6, 4), (64, 64, 64, 6, 4),
-    (64, 128, 128, 4, 4), (128, 256, 64, 4, 8), (64, 128, 64, 6, 8),
+V4_SWEEP = [   # mx4.KEYS order: BLOCK_I, BLOCK_D, BK, STAGES, WARPS; None: mx4's defaults for the B (first)
+    None, (64, 128, 64, 6, 4), (64, 128, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 64, 8, 4), (32, 64, 128, 4, 4),
+    (64, 64, 64, 6, 4), (128, 256, 64, 4, 8), (128, 256, 128, 3, 8), (64, 128, 128, 3, 4),
 ]
 VERIFY_BS = (16, 32, 64)  # verify steps' rows (--verify): v4 and BF16 only (v3 takes at most 16 tokens a tile)
 PROBE = [      # --probe: v3's measurement stand-ins (wrong values, timed unchecked) beside asm at the same tiles:
@@ -90,6 +89,7 @@ class Weights:
         """The same weights in kernels/mxfp4_repack.py's layout (made once)."""
         if not hasattr(self, "_v4"):
             self._v4 = (*mxfp4_repack.repack(self.q13, self.s13), *mxfp4_repack.repack(self.q2, self.s2))
+            self.v4_fold = mx4.fold_scales(self.s13, self.s2)  # the folded-scale decode (checked once)
         return self._v4
 
 
@@ -167,16 +167,16 @@ def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print, bs: tup
                         "time_ms": t, "gbps": mx_bytes / t / 1e6, "pct_of_copy": mx_bytes / t / 1e6 / copy_gbps})
         best4 = None
         for cfg in (V4_SWEEP if v4_all else V4_SWEEP[:1]):
-            c = dict(zip(mx4.KEYS, cfg))
+            c = mx4._config(None if cfg is None else dict(zip(mx4.KEYS, cfg)), B)
             try:
                 if not mx4.supports(x, DZ, I, B, c):
                     raise ValueError("outside the v4 kernels' gate")
-                err = (mx4.moe_mxfp4_experts_v4(x, *W.v4(), ids, w, activation="situ", config=c).float()
+                err = (mx4.moe_mxfp4_experts_v4(x, *W.v4(), ids, w, activation="situ", config=c, fold=W.v4_fold).float()
                        - ref).norm() / ref.norm()
                 if not err < TOL:
                     raise ValueError(f"relative error {err:.2e} >= {TOL}")
                 t = statistics.median(time_graph(lambda x, i, w: mx4.moe_mxfp4_experts_v4(
-                    x, *W.v4(), i, w, activation="situ", config=c), calls, iters))
+                    x, *W.v4(), i, w, activation="situ", config=c, fold=W.v4_fold), calls, iters))
             except Exception as e:  # noqa: BLE001 - a failing config is reported, not fatal
                 log(f"B={B} v4 config {c}: skipped ({type(e).__name__}: {str(e)[:160]})")
                 sweep.append({"B": B, "v4_config": c, "error": f"{type(e).__name__}: {str(e)[:300]}"})

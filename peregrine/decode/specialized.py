@@ -446,7 +446,7 @@ class SpecializedRunner:
         z = _mm(h, moe.down) if moe.latent else h
         act = "situ" if cfg.hidden_act == "situ" else "swiglu"
         if moe.mx and moe.mx_layout == "v4":
-            y = moe_mxfp4_experts_v4(z, moe.w13_q, moe.w13_s, moe.w2_q, moe.w2_s, ids, w, activation=act)
+            y = moe_mxfp4_experts_v4(z, moe.w13_q, moe.w13_s, moe.w2_q, moe.w2_s, ids, w, activation=act, fold=moe.mx_fold)
         elif moe.mx:
             y = moe_mxfp4_experts(z, moe.w13_q, moe.w13_s, moe.w2_q, moe.w2_s, ids, w, activation=act)
         else:

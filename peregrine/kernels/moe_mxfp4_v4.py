@@ -39,9 +39,14 @@ E8M0_NAN = mxfp4_format.E8M0_NAN  # the scale code that means NaN
 WORD_VALUES = 8                   # E2M1 codes per 32-bit word
 MIN_TOKENS = 8                    # wgmma's N is a multiple of 8
 MAX_TOKENS = 64                   # verify steps up to 64 rows an expert; more take v3
-# BK: values per K step (64 = 128 bytes of BF16 a row, the 128-byte swizzle); BLOCK_I / BLOCK_D weight rows a
-# program (up stacks gate and up: M = 2·BLOCK_I); STAGES: cp.async ring depth; WARPS: 4 (one warpgroup) or 8
+# BK: values per K step (>= 64: 128 bytes of BF16 a row, the 128-byte swizzle); BLOCK_I / BLOCK_D weight rows a
+# program (up stacks gate and up: M = 2·BLOCK_I); STAGES: cp.async ring depth; WARPS: 4 (one warpgroup) or 8.
+# Not yet measured: up to 8 tokens BK = 128 (SMALL_B) because its sm_90a loop issues fewer instructions a weight
+# byte (0.26 warp-instructions against 0.31 at BK = 64; the SM issues 4 a cycle and HBM brings it ~18 bytes, so
+# above ~0.22 the issue rate, not the bandwidth, is the limit); from 16 tokens BK = 64, where BK = 128 makes ptxas
+# serialize the wgmmas (C7515) at some shapes. bench kernels_moe_mxfp4 --v4 sweeps the rest
 DEFAULTS = {"BLOCK_I": 64, "BLOCK_D": 128, "BK": 64, "STAGES": 6, "WARPS": 4}
+SMALL_B = {"BK": 128, "STAGES": 4}  # at most 8 tokens (one wgmma N of 8)
 KEYS = tuple(DEFAULTS)
 
 # One repacked word (register $4) and its group's scale as BF16x2 ($5) -> four BF16x2 registers $0..$3, register
@@ -54,10 +59,17 @@ _PAIR = "{shift}and.b32 t, {src}, 0x000F000F;\nmul.lo.u32 t, t, 0x1040;\nand.b32
         "mul.rn.bf16x2 t, t, bias;\nmul.rn.bf16x2 ${j}, t, $5;\n"
 DECODE_ASM = "{\n.reg .b32 t, bias;\n" + f"mov.b32 bias, {BF16X2_2_126:#x};\n" + "".join(
     _PAIR.format(j=j, shift=f"shr.b32 t, $4, {4 * j};\n" if j else "", src="t" if j else "$4") for j in range(4)) + "}"
+# FOLD: $5 is 2^126 times the scale, 2^(s-1), one multiply a pair fewer. BF16 holds it for s <= 128 (a scale of at
+# most 2, |w| <= 12: every real checkpoint); fold_scales() checks a weight set once, at load.
+FOLD_MAX_SCALE = 128
+DECODE_ASM_FOLDED = "{\n.reg .b32 t;\n" + "".join(
+    _PAIR.replace("mul.rn.bf16x2 t, t, bias;\n", "").format(j=j, shift=f"shr.b32 t, $4, {4 * j};\n" if j else "",
+                                                            src="t" if j else "$4") for j in range(4)) + "}"
 
 
 # the constants above as the Gluon kernels read them
-G_C, WV_C, NAN_C, ASM_C = gl.constexpr(GROUP), gl.constexpr(WORD_VALUES), gl.constexpr(E8M0_NAN), gl.constexpr(DECODE_ASM)
+G_C, WV_C, NAN_C = gl.constexpr(GROUP), gl.constexpr(WORD_VALUES), gl.constexpr(E8M0_NAN)
+ASM_C, ASM_FOLDED_C = gl.constexpr(DECODE_ASM), gl.constexpr(DECODE_ASM_FOLDED)
 
 
 @gluon.jit
@@ -86,7 +98,7 @@ def _rows(r0, m, R, HM: gl.constexpr, HALVES: gl.constexpr):
 
 
 @gluon.jit
-def _issue(qe, se, r0, R, KG, k0, k_ok, q_slot, s_slot, x_slot, x_ptrs, HM: gl.constexpr, HALVES: gl.constexpr,
+def _issue(qe, se, r0, R, KG, k0, k_ok, q_slot, s_slot, x_slot, x_ptrs, x_ok, HM: gl.constexpr, HALVES: gl.constexpr,
            BK: gl.constexpr, LQ: gl.constexpr, LS: gl.constexpr):
     """cp.async one ring slot, the K step at value k0, as one commit group: codes [M, BK/32, 8] int16 of the
     tile's rows (both blocks of up's stacked tile), scales [BK/32, M] uint8, activations [T, BK]. A step past the
@@ -104,19 +116,23 @@ def _issue(qe, se, r0, R, KG, k0, k_ok, q_slot, s_slot, x_slot, x_ptrs, HM: gl.c
     rs, oks = _rows(r0, gl.arange(0, M, layout=gl.SliceLayout(0, LS)), R, HM, HALVES)
     gs = k0 // G_C + gl.arange(0, NG, layout=gl.SliceLayout(1, LS))
     async_copy.async_copy_global_to_shared(s_slot, se + gs[:, None] * R + rs[None, :], mask=(oks & k_ok)[None, :])
-    async_copy.async_copy_global_to_shared(x_slot, x_ptrs + k0, mask=k_ok)
+    async_copy.async_copy_global_to_shared(x_slot, x_ptrs + k0, mask=x_ok & k_ok)
     async_copy.commit_group()
 
 
 @gluon.jit
-def _decode(q_src, s_src, a_dst, HM: gl.constexpr, BK: gl.constexpr, L3: gl.constexpr):
+def _decode(q_src, s_src, a_dst, HM: gl.constexpr, BK: gl.constexpr, L3: gl.constexpr, FOLD: gl.constexpr):
     """Codes [HM, BK/32, 8] int16 + scales [BK/32, HM] in shared memory -> BF16 [HM, BK] into a_dst (NVMMA)."""
     NG: gl.constexpr = BK // G_C
     half = q_src.load(L3)                                            # [HM, NG, 8]: 4 words a group, 2 halves each
     s = s_src.permute((1, 0)).load(gl.SliceLayout(2, L3)).to(gl.int32)  # [HM, NG]
-    bits = gl.where(s == NAN_C, 0x7FC0, s << 7)                   # 2^(s-127) as BF16 bits; s = 0 reads as 0
+    if FOLD:  # 2^(s-1) = 2^126 · 2^(s-127) as BF16 bits (s <= 128); s = 0 reads as 0
+        bits = gl.where(s == NAN_C, 0x7FC0, gl.where(s == 0, 0, (s + 126) << 7))
+    else:     # 2^(s-127) as BF16 bits; s = 0 reads as 0
+        bits = gl.where(s == NAN_C, 0x7FC0, s << 7)
     sc = gl.broadcast(bits.to(gl.int16)[:, :, None], half)[0]         # both halves of the BF16x2 register
-    o0, o1, o2, o3 = gl.inline_asm_elementwise(ASM_C, "=r,=r,=r,=r,r,r", [half, sc.to(gl.bfloat16, bitcast=True)],
+    o0, o1, o2, o3 = gl.inline_asm_elementwise(ASM_FOLDED_C if FOLD else ASM_C, "=r,=r,=r,=r,r,r",
+                                               [half, sc.to(gl.bfloat16, bitcast=True)],
                                                dtype=(gl.bfloat16,) * 4, is_pure=True, pack=2)
     # o_j[r, g, 2u + l] = element 32g + 8u + 2j + l, j = 2hi + lo: order (g, u, hi, lo, l) along K
     v = gl.join(gl.join(o0, o1), gl.join(o2, o3))                    # [HM, NG, 8, 2(lo), 2(hi)]
@@ -129,6 +145,7 @@ def _decode(q_src, s_src, a_dst, HM: gl.constexpr, BK: gl.constexpr, L3: gl.cons
 def _mx4_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, out_ptr, B, R, KG, N_OUT, x_row_stride,
                 TOP_K: gl.constexpr, T_PAD: gl.constexpr, K_PAD: gl.constexpr, N_PAD: gl.constexpr,
                 HM: gl.constexpr, HALVES: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, UP: gl.constexpr,
+                FOLD: gl.constexpr,
                 ACT: gl.constexpr, BETA: gl.constexpr, BETA_L: gl.constexpr, num_warps: gl.constexpr):
     """One expert's weight tile times the tokens routed to it. UP: rows [i0, i0+HM) and [I+i0, ..) of w13 (I =
     R/2, HALVES = 2), x [B, Dz] -> h [B, k, I] BF16 = act(gate, up); else rows [d0, d0+HM) of w2, x = h [B, k, I]
@@ -147,7 +164,7 @@ def _mx4_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, out_ptr, B, R, KG, N_OUT, x_row_st
         LQ: gl.constexpr = gl.BlockedLayout([1, 1, 8], [32 // NG, NG, 1], [num_warps, 1, 1], [2, 1, 0])
         LS: gl.constexpr = gl.BlockedLayout([1, 16], [NG, 32 // NG], [1, num_warps], [1, 0])
         LX: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BK // 8), BK // 8], [num_warps, 1], [1, 0])
-        L3: gl.constexpr = gl.BlockedLayout([1, 1, 2], [32 // (4 * NG), NG, 4], [num_warps, 1, 1], [2, 1, 0])
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [32 // NG, NG, 1], [num_warps, 1, 1], [2, 1, 0])  # a group a thread
         RING: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
         RING_S: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         A_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BK if 2 * BK <= 128 else 128,
@@ -171,18 +188,19 @@ def _mx4_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, out_ptr, B, R, KG, N_OUT, x_row_st
         else:
             x_rows = x_ptr + (t_safe * TOP_K + gl.where(t_chose, t_slot, 0)).to(gl.int64) * x_row_stride
         x_ptrs = x_rows[:, None] + gl.arange(0, BK, layout=gl.SliceLayout(0, LX))[None, :]
+        x_ok = (t < B)[:, None]  # padding tokens: zero-filled, no traffic (their columns are never stored)
 
         n_k = KG // NG
         for s in gl.static_range(STAGES - 1):
             _issue(qe, se, r0, R, KG, s * BK, s < n_k, q_ring.index(s), s_ring.index(s), x_ring.index(s), x_ptrs,
-                   HM, HALVES, BK, LQ, LS)
+                   x_ok, HM, HALVES, BK, LQ, LS)
         acc = gl.zeros([M, T_PAD], gl.float32, ACC_L)
         for it in range(n_k):
             slot_k = it % STAGES
             async_copy.wait_group(STAGES - 2)
             gl.thread_barrier()
             a = a_buf.index(it % 2)
-            _decode(q_ring.index(slot_k), s_ring.index(slot_k), a, M, BK, L3)  # both row blocks at once
+            _decode(q_ring.index(slot_k), s_ring.index(slot_k), a, M, BK, L3, FOLD)  # both row blocks at once
             fence_async_shared()
             gl.thread_barrier()
             acc = warpgroup_mma(a, x_ring.index(slot_k).permute((1, 0)), acc, is_async=True)
@@ -190,7 +208,7 @@ def _mx4_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, out_ptr, B, R, KG, N_OUT, x_row_st
             nxt = it + STAGES - 1
             ns = nxt % STAGES
             _issue(qe, se, r0, R, KG, nxt * BK, nxt < n_k, q_ring.index(ns), s_ring.index(ns), x_ring.index(ns), x_ptrs,
-                   HM, HALVES, BK, LQ, LS)
+                   x_ok, HM, HALVES, BK, LQ, LS)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
         # epilogue through registers in a row-fastest layout (coalesced along the weight rows)
@@ -201,11 +219,17 @@ def _mx4_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, out_ptr, B, R, KG, N_OUT, x_row_st
         re = r0 + gl.arange(0, HM, layout=gl.SliceLayout(1, LE))
         dst = (te * TOP_K + e_slot).to(gl.int64)[None, :] * N_OUT + re[:, None]
         ok = e_chose[None, :] & (re < N_OUT)[:, None]
-        if UP:
-            gu = gl.permute(gl.reshape(acc, [2, HM, T_PAD]), (1, 2, 0))
-            g, u = gl.split(gu)
-            g = gl.convert_layout(g, LE)
-            u = gl.convert_layout(u, LE)
+        if UP:  # gate rows over up rows
+            if num_warps == 4:  # one warpgroup: the two row blocks are a register dimension, split in place
+                g, u = gl.split(gl.permute(gl.reshape(acc, [2, HM, T_PAD]), (1, 2, 0)))
+                g = gl.convert_layout(g, LE)
+                u = gl.convert_layout(u, LE)
+            else:  # two warpgroups hold one block each: through shared memory
+                c_smem = gl.allocate_shared_memory(gl.float32, [M, T_PAD], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+                c_smem.store(acc)
+                gl.thread_barrier()
+                g = c_smem.slice(0, HM).load(LE)
+                u = c_smem.slice(HM, HM).load(LE)
             if ACT == 0:
                 hv = g / (1.0 + gl.exp(-g)) * u
             else:
@@ -219,8 +243,8 @@ def _mx4_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, out_ptr, B, R, KG, N_OUT, x_row_st
             gl.store(out_ptr + dst, gl.convert_layout(acc, LE), mask=ok)
 
 
-def _config(config: dict | None) -> dict:
-    c = {**DEFAULTS, **(config or {})}
+def _config(config: dict | None, B: int) -> dict:
+    c = {**DEFAULTS, **(SMALL_B if B <= MIN_TOKENS else {}), **(config or {})}
     assert c["BK"] in (32, 64, 128) and c["WARPS"] in (4, 8), c
     return c
 
@@ -231,48 +255,55 @@ def _meta(B: int, k: int) -> dict:
 
 def supports(x: torch.Tensor, Dz: int, I: int, B: int, config: dict | None = None) -> bool:
     """The Gluon kernels' gate: a Hopper GPU, BF16 activations, widths in whole K steps, at most 64 tokens."""
-    c = _config(config)
+    c = _config(config, B)
     return (x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] == 9
             and Dz % c["BK"] == 0 and I % c["BK"] == 0 and I % 16 == 0 and Dz % 16 == 0 and B <= MAX_TOKENS)
 
 
-def launch_up(x, q13, s13t, topk_ids, h, activation: str, config: dict | None = None) -> None:
+def launch_up(x, q13, s13t, topk_ids, h, activation: str, config: dict | None = None, fold: bool = False) -> None:
     """h [B, k, I] BF16 = act(gate, up) of every (token, slot)'s expert; q13 [E, 2I, Dz/2] repacked codes,
     s13t [E, Dz/32, 2I] the repack's group-major scales."""
     B, Dz = x.shape
     two_i, k = q13.shape[1], topk_ids.shape[1]
-    c = _config(config)
+    c = _config(config, B)
     _mx4_kernel[(B * k, triton.cdiv(two_i // 2, c["BLOCK_I"]))](
         x, q13, s13t, topk_ids, h, B, two_i, Dz // GROUP, two_i // 2, x.stride(0), HM=c["BLOCK_I"], HALVES=2,
-        UP=True, ACT=ACTIVATIONS[activation], **_common(c, B, k))
+        UP=True, ACT=ACTIVATIONS[activation], **_common(c, B, k, fold))
 
 
-def launch_down(h, q2, s2t, topk_ids, part, config: dict | None = None) -> None:
+def launch_down(h, q2, s2t, topk_ids, part, config: dict | None = None, fold: bool = False) -> None:
     """part [B, k, Dz] FP32 = W2 of each (token, slot)'s expert times h [B, k, I] BF16."""
     B, k, I = h.shape
     Dz = q2.shape[1]
-    c = _config(config)
+    c = _config(config, B)
     _mx4_kernel[(B * k, triton.cdiv(Dz, c["BLOCK_D"]))](
         h, q2, s2t, topk_ids, part, B, Dz, I // GROUP, Dz, I, HM=c["BLOCK_D"], HALVES=1, UP=False, ACT=0,
-        **_common(c, B, k))
+        **_common(c, B, k, fold))
 
 
-def _common(c: dict, B: int, k: int) -> dict:
+def _common(c: dict, B: int, k: int, fold: bool = False) -> dict:
     return dict(BK=c["BK"], STAGES=c["STAGES"], BETA=SITU_BETA, BETA_L=SITU_LINEAR_BETA, num_warps=c["WARPS"],
-                **_meta(B, k))
+                FOLD=fold, **_meta(B, k))
+
+
+def fold_scales(*scales: torch.Tensor) -> bool:
+    """Whether the decode may fold 2^126 into the scales (DECODE_ASM_FOLDED): every finite E8M0 scale <= 128.
+    One host sync: call it once per weight set (at load), never in a step."""
+    return all(bool(((s <= FOLD_MAX_SCALE) | (s == E8M0_NAN)).all()) for s in scales)
 
 
 def moe_mxfp4_experts_v4(x, q13, s13t, q2, s2t, topk_ids, topk_w, *, activation: str = "swiglu",
-                         out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """kernels/moe_mxfp4.py's moe_mxfp4_experts over the repacked layout (Gluon on Hopper, else the portable form)."""
+                         out: torch.Tensor | None = None, config: dict | None = None, fold: bool = False) -> torch.Tensor:
+    """kernels/moe_mxfp4.py's moe_mxfp4_experts over the repacked layout (Gluon on Hopper, else the portable form).
+    fold: the weights passed fold_scales (the faster decode; the portable form ignores it)."""
     B, Dz = x.shape
     I, k = q13.shape[1] // 2, topk_ids.shape[1]
     out = torch.empty(B, Dz, dtype=x.dtype, device=x.device) if out is None else out
     part = torch.empty(B, k, Dz, dtype=torch.float32, device=x.device)
     if supports(x, Dz, I, B, config):
         h = torch.empty(B, k, I, dtype=torch.bfloat16, device=x.device)
-        launch_up(x, q13, s13t, topk_ids, h, activation, config)
-        launch_down(h, q2, s2t, topk_ids, part, config)
+        launch_up(x, q13, s13t, topk_ids, h, activation, config, fold)
+        launch_down(h, q2, s2t, topk_ids, part, config, fold)
     else:
         portable(x, q13, s13t, q2, s2t, topk_ids, part, activation)
     return moe_combine(part.view(1, B * k, Dz), topk_w.float().contiguous(), out=out)

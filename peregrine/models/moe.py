@@ -198,6 +198,7 @@ class MoE(nn.Module):
             self.w13 = param(E, 2 * I, Dz, dtype=dtype)
             self.w2 = param(E, Dz, I, dtype=dtype)
         self.mx_layout = "checkpoint"  # or "v4" once repack_experts ran (kernels/mxfp4_repack.py)
+        self.mx_fold = False
         self.latent = cfg.routed_expert_hidden_size is not None
         if self.latent:
             self.down = param(Dz, D, dtype=dtype)
@@ -241,6 +242,8 @@ class MoE(nn.Module):
                 st[e] = s.data[e].T
             setattr(self, name + "_s", nn.Parameter(st, requires_grad=False))
         self.mx_layout = "v4"
+        from ..kernels.moe_mxfp4_v4 import fold_scales
+        self.mx_fold = fold_scales(self.w13_s, self.w2_s)  # the v4 decode's folded scales (every scale <= 2)
         return sum(t.numel() for t in (self.w13_q, self.w13_s, self.w2_q, self.w2_s))
 
     def dequantize(self, q: torch.Tensor, s: torch.Tensor, dtype) -> torch.Tensor:
