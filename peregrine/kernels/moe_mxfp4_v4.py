@@ -42,29 +42,37 @@ MAX_TOKENS = 64                   # verify steps up to 64 rows an expert; more t
 # BK: values per K step (>= 64: 128 bytes of BF16 a row, the 128-byte swizzle); BLOCK_I / BLOCK_D weight rows a
 # program (up stacks gate and up: M = 2·BLOCK_I); STAGES: cp.async ring depth; WARPS: 4 (one warpgroup) or 8.
 # Not yet measured: up to 8 tokens BK = 128 (SMALL_B) because its sm_90a loop issues fewer instructions a weight
-# byte (0.26 warp-instructions against 0.31 at BK = 64; the SM issues 4 a cycle and HBM brings it ~18 bytes, so
-# above ~0.22 the issue rate, not the bandwidth, is the limit); from 16 tokens BK = 64, where BK = 128 makes ptxas
-# serialize the wgmmas (C7515) at some shapes. bench kernels_moe_mxfp4 --v4 sweeps the rest
+# byte (up, folded scales: 0.22 warp-instructions against 0.28 at BK = 64; the SM issues 4 a cycle and HBM brings
+# it ~18 bytes, so above ~0.22 the issue rate, not the bandwidth, is the limit); from 16 tokens BK = 64, where
+# BK = 128 makes ptxas serialize the wgmmas (C7515) at some shapes. bench kernels_moe_mxfp4 --v4 sweeps the rest.
 DEFAULTS = {"BLOCK_I": 64, "BLOCK_D": 128, "BK": 64, "STAGES": 6, "WARPS": 4}
 SMALL_B = {"BK": 128, "STAGES": 4}  # at most 8 tokens (one wgmma N of 8)
 KEYS = tuple(DEFAULTS)
 
 # One repacked word (register $4) and its group's scale as BF16x2 ($5) -> four BF16x2 registers $0..$3, register
-# j = elements (2j, 2j+1). (w >> 4j) & 0x000F000F puts both codes at bits 3..0 of their 16-bit half; a nibble n
-# (s e1 e0 m) times 0x1040 is n << 6 | n << 12 (disjoint), masked by 0x81C0 it keeps s at bit 15 and e1 e0 m at
-# bits 8..6: the BF16 bits of the code's value times 2^-126 (E2M1's e = 0 lands on BF16 subnormals, which is what
-# it means). A BF16x2 multiply by 2^126 makes the pair exact, one by the scale applies it (NaN for E8M0 255).
+# j = elements (2j, 2j+1), whose codes sit at bits 4j..4j+3 of each 16-bit half. A nibble n (s e1 e0 m) at bits
+# 3..0 times 0x1040 is n << 6 | n << 12 (disjoint), masked by 0x81C0 it keeps s at bit 15 and e1 e0 m at bits 8..6:
+# the BF16 bits of the code's value times 2^-126 (E2M1's e = 0 lands on BF16 subnormals, which is what it means);
+# a nibble at bits 7..4 takes 0x0104 (n << 2 | n << 8) to the same place, so pairs 0 and 1 are read in place and
+# pairs 2 and 3 after one shift of the word by 8. A BF16x2 multiply by 2^126 makes the pair exact, one by the scale
+# applies it (NaN for E8M0 255): 5 instructions a pair, 4 with FOLD, plus one shift a word.
 BF16X2_2_126 = 0x7E807E80
-_PAIR = "{shift}and.b32 t, {src}, 0x000F000F;\nmul.lo.u32 t, t, 0x1040;\nand.b32 t, t, 0x81C081C0;\n" \
-        "mul.rn.bf16x2 t, t, bias;\nmul.rn.bf16x2 ${j}, t, $5;\n"
-DECODE_ASM = "{\n.reg .b32 t, bias;\n" + f"mov.b32 bias, {BF16X2_2_126:#x};\n" + "".join(
-    _PAIR.format(j=j, shift=f"shr.b32 t, $4, {4 * j};\n" if j else "", src="t" if j else "$4") for j in range(4)) + "}"
+_PAIR = "and.b32 t, {src}, {mask};\nmul.lo.u32 t, t, {mul};\nand.b32 t, t, 0x81C081C0;\n{bias}mul.rn.bf16x2 ${j}, t, $5;\n"
+
+
+def _decode_asm(fold: bool) -> str:
+    bias = "" if fold else "mul.rn.bf16x2 t, t, bias;\n"
+    pairs = [_PAIR.format(j=j, src="$4" if j < 2 else "u", mask="0x00F000F0" if j % 2 else "0x000F000F",
+                          mul="0x0104" if j % 2 else "0x1040", bias=bias) for j in range(4)]
+    head = "{\n.reg .b32 t, u" + ("" if fold else ", bias") + ";\n" + ("" if fold else f"mov.b32 bias, {BF16X2_2_126:#x};\n")
+    return head + pairs[0] + pairs[1] + "shr.b32 u, $4, 8;\n" + pairs[2] + pairs[3] + "}"
+
+
+DECODE_ASM = _decode_asm(False)
 # FOLD: $5 is 2^126 times the scale, 2^(s-1), one multiply a pair fewer. BF16 holds it for s <= 128 (a scale of at
 # most 2, |w| <= 12: every real checkpoint); fold_scales() checks a weight set once, at load.
 FOLD_MAX_SCALE = 128
-DECODE_ASM_FOLDED = "{\n.reg .b32 t;\n" + "".join(
-    _PAIR.replace("mul.rn.bf16x2 t, t, bias;\n", "").format(j=j, shift=f"shr.b32 t, $4, {4 * j};\n" if j else "",
-                                                            src="t" if j else "$4") for j in range(4)) + "}"
+DECODE_ASM_FOLDED = _decode_asm(True)
 
 
 # the constants above as the Gluon kernels read them
