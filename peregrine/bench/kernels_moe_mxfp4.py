@@ -122,9 +122,10 @@ def time_graph(fn, calls, iters: int) -> list[float]:
 
 
 def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print, bs: tuple = BS, v3_sweep: bool | None = None,
-        v4_sweep: bool | None = None) -> list[dict]:
+        v4_sweep: bool | None = None, v4_probe: bool = False) -> list[dict]:
     """One row per B (bench/kernels.py's family interface: time_ms, gbps, pct_of_copy are the fastest MXFP4
-    kernel's, mx_kernel names it). v3_sweep / v4_sweep: every config of V3_SWEEP / V4_SWEEP, else the default."""
+    kernel's, mx_kernel names it). v3_sweep / v4_sweep: every config of V3_SWEEP / V4_SWEEP, else the default.
+    v4_probe: also v4's fastest config with its decode replaced by 4 moves (unchecked: what the decode costs)."""
     W = Weights(bf16=True)
     ebytes_mx, ebytes_bf = mx_expert_bytes(), 3 * I * DZ * 2
     rows, sweep = [], []
@@ -184,6 +185,15 @@ def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print, bs: tup
             sweep.append({"B": B, "v4_config": c, "time_ms": t, "gbps": mx_bytes / t / 1e6, "rel_err": float(err)})
             if best4 is None or t < best4[0]:
                 best4 = (t, c)
+        if v4_probe and best4 is not None:  # the best config with the decode replaced by 4 moves (wrong values)
+            c = {**best4[1], "PROBE": 1}
+            try:
+                t = statistics.median(time_graph(lambda x, i, w: mx4.moe_mxfp4_experts_v4(
+                    x, *W.v4(), i, w, activation="situ", config=c, fold=W.v4_fold), calls, iters))
+                sweep.append({"B": B, "v4_config": c, "time_ms": t, "gbps": mx_bytes / t / 1e6, "checked": False})
+                row.update(v4_probe_ms=t, v4_probe_pct_of_copy=mx_bytes / t / 1e6 / copy_gbps)
+            except Exception as e:  # noqa: BLE001
+                row["v4_probe_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         if best4 is not None:
             t, c = best4
             row.update({"v4_ms": t, "v4_config": c, "v4_gbps": mx_bytes / t / 1e6,
@@ -245,7 +255,8 @@ def main() -> None:
     ap.add_argument("--probe", action="store_true", help="only v3's probes (PROBE, unchecked: a 4-move decode, the bytes as BF16 from shared memory, "
                     "beside the real decode)")
     ap.add_argument("--probe-decodes", default="", help="with --probe: only these decodes (comma-separated)")
-    ap.add_argument("--v4", action="store_true", help="v4's sweep beside v3's default tiles (not v3's sweep)")
+    ap.add_argument("--v4", action="store_true", help="v4's sweep beside v3's default tiles (not v3's sweep), and v4's "
+                    "fastest tiles with the decode replaced by 4 moves (unchecked: the decode's cost)")
     ap.add_argument("--verify", action="store_true", help=f"also B = {', '.join(map(str, VERIFY_BS))} (verify steps' rows)")
     args = ap.parse_args()
     copy = copy_bandwidth()
@@ -257,7 +268,7 @@ def main() -> None:
         print("wrote", path)
         return
     rows = run(copy["gbps"], full=not args.quick, bs=BS + (VERIFY_BS if args.verify else ()),
-               v3_sweep=False if args.v4 else None)
+               v3_sweep=False if args.v4 else None, v4_probe=args.v4)
     print(f"{'B':>2} {'experts':>7} {'v3 ms':>8} {'GB/s':>6} {'%copy':>6} {'v4 ms':>8} {'%copy':>6} {'BF16 ms':>8} "
           f"{'%copy':>6} {'std ms':>7}")
     for r in rows:
