@@ -14,7 +14,7 @@ for p in ${PARTS:-tests micro decode}; do
   case $p in
     tests)
       timeout "${T_tests:-240}" python3 -m pytest -q -m gpu tests/test_kernels_moe_mxfp4_v4.py \
-        tests/test_k3_specialized.py -k "v4 or verify or Gluon or gluon or portable or repack or decode_asm" 2>&1 \
+        tests/test_k3_specialized.py -k "v4 or verify or gluon or portable or repack or decode_asm or k3_slice" 2>&1 \
         | tee "$OUT/pytest-v4.log" | tail -15 || rc=1 ;;
     micro)
       v=""; [ -n "${VERIFY:-}" ] && v="--verify"

@@ -235,11 +235,15 @@ def test_mxfp4_v4_repacked_experts_keep_tokens(model_dir, monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="k3-slice needs an H200")
-@pytest.mark.parametrize("quant", ["mxfp4", "bf16"])
-def test_k3_slice_steps_match_standard(quant, tmp_path):
+@pytest.mark.parametrize("quant", ["mxfp4", "bf16", "mxfp4-v4"])
+def test_k3_slice_steps_match_standard(quant, tmp_path, monkeypatch):
     """Real K3 widths (hidden 7168, 96 heads, latent 3584, 192 experts top-16): one specialized
-    decode step and one standard step from the same caches give close logits and states."""
+    decode step and one standard step from the same caches give close logits and states (mxfp4-v4: the experts
+    repacked in place for kernels/moe_mxfp4_v4.py, PEREGRINE_MXFP4=v4, which the standard step reads too)."""
     from peregrine.decode.batch import StepInput
+    from peregrine.decode.specialized import MXFP4_ENV
+    if quant == "mxfp4-v4":
+        monkeypatch.setenv(MXFP4_ENV, "v4")
     raw = json.loads((PRESET_DIR / "k3-slice.json").read_text())
     if quant == "bf16":
         raw["text_config"].pop("quantization_config")

@@ -200,9 +200,9 @@ def triton_cdiv(a, b):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernels need a Hopper GPU")
-@pytest.mark.parametrize("fold", [False, True])
-@pytest.mark.parametrize("config", [None, {"BK": 128, "STAGES": 4}, {"BK": 64, "STAGES": 6}, {"BLOCK_I": 32, "BLOCK_D": 64},
-                                    {"BLOCK_I": 128, "BLOCK_D": 256, "WARPS": 8, "STAGES": 4}])
+@pytest.mark.parametrize("config,fold", [(None, False), (None, True), ({"BK": 64, "STAGES": 6}, True),
+                                         ({"BK": 128, "STAGES": 4}, True), ({"BLOCK_I": 32, "BLOCK_D": 64}, True),
+                                         ({"BLOCK_I": 128, "BLOCK_D": 256, "WARPS": 8, "STAGES": 4}, True)])
 @pytest.mark.parametrize("B,E,k,I,Dz,act,xdt,shared", GPU_CASES)
 def test_gluon_matches_reference(B, E, k, I, Dz, act, xdt, shared, config, fold):
     x = torch.zeros(B, Dz, dtype=xdt, device=DEVICE)
