@@ -88,6 +88,12 @@
 #   (targets: v4 >= 60 % of copy at B = 1, 2, 4, 8 in the microbenchmark; the k3-slice step with v4 <= 0.75x the
 #   BF16-expert step at B = 1 and 8; then make v4 the default where it wins - the standard path already reads either
 #   layout - retire v3 where it loses everywhere, and run test_k3_specialized's GPU tests with PEREGRINE_MXFP4=v4)
+# - #46 (session 26, CPU): the first CuTe DSL kernel (kernels/cute/weight_stream.py: TMA ring, mbarrier pairs,
+#   warp-specialized), built here as a shared library because the GPU cannot install the DSL. Here first:
+#   bash scripts/build_cute_gpu.sh   (writes .cute/), then on one H100/H200, carry .commit, .whl and .cute, ~1 min:
+#   python3 -m peregrine.bench.kernels_cute 2>&1 | tee $OUT/log
+#   (its first GPU run: the library loads, y equals the FP32 reference; GB/s and % of copy beside torch.mv on the
+#   same bytes, at 4096 x 2304 and 32768 x 8192)
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \

@@ -62,3 +62,32 @@ def test_cubin_cut_from_a_host_object():
     host = b"\x7fELF" + b"\x00" * 60 + b"junk" + cuda_elf + b"tail bytes"
     got = aot.cubins(host)
     assert got == [cuda_elf]
+
+
+BUILD = r"""
+import json, subprocess, sys
+from peregrine.kernels.cute import aot, weight_stream as ws
+out = sys.argv[1]
+aot.build_shared(ws.build(), ws.fake_args(256, 256) + (4,), 3, out)
+dyn = subprocess.run(["nm", "-D", out], capture_output=True, text=True, check=True).stdout.splitlines()
+print(json.dumps({"defined": [l.split()[-1] for l in dyn if " T " in l],
+                  "undefined": [l.split()[-1] for l in dyn if " U " in l]}))
+"""
+
+
+def test_weight_stream_builds_a_loadable_library(tmp_path):
+    """aot.build_shared links the export with the DSL's launch runtime and the C entry point: the library defines
+    cute_load / cute_run and leaves only the CUDA runtime and libc to the loader (launch.py loads cudart first)."""
+    import shutil
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", BUILD, str(tmp_path / "libws.so")], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    syms = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {"cute_load", "cute_run"} <= set(syms["defined"])
+    foreign = [s for s in syms["undefined"] if not (s.startswith("cuda") or "@GLIBC" in s)]
+    assert not foreign, foreign

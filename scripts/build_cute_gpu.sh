@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Build the CuTe DSL kernels for the GPU machine, here (a CPU machine): the GPU cannot install the DSL (its CUDA 13
+# compiler wheel, 92 MB, is over what a call carries), so each kernel travels as a small shared library in .cute/
+# (git-ignored; name it in the device call's carry), linked against the DSL's CUDA 13 launch runtime and loaded
+# there by peregrine/kernels/cute/launch.py. A side venv holds the DSL's cu13 flavor; torch and peregrine's other
+# dependencies come from .venv (scripts/setup.sh first).
+#   bash scripts/build_cute_gpu.sh            then, on the device:  python3 -m peregrine.bench.kernels_cute
+set -euo pipefail
+cd "$(dirname "$0")/.."
+V=${CUTE_VENV:-/tmp/peregrine-cute13}
+[ -x "$V/bin/python" ] || python3 -m venv "$V"
+"$V/bin/python" -m pip install -q --disable-pip-version-check "nvidia-cutlass-dsl[cu13]==4.8.1"
+site=$("$V/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+echo "$PWD/.venv/lib/python3.11/site-packages" > "$site/zz_peregrine_venv.pth"  # after the DSL's own packages
+mkdir -p .cute
+CUTE_DSL_ARCH=sm_90a PYTHONPATH=$PWD "$V/bin/python" - <<'PY'
+from peregrine.kernels.cute import aot, weight_stream as ws
+assert aot.runtime_archive().split("/")[-3] == "cu13", aot.runtime_archive()
+for N, K in ((4096, 2304), (32768, 8192)):  # the 48B o_proj's shape (correctness), and 512 MB (bandwidth)
+    print(aot.build_shared(ws.build(), ws.fake_args(N, K) + (132,), 3, f".cute/libweight_stream-{N}x{K}.so"))
+PY
