@@ -245,6 +245,8 @@ def test_threshold_searches_keep_the_reference_set(search, device):
         assert 60 < CAND_CAP * 2  # (the peaked rows fit: 60 candidates in two chunks)
 
 
+# the interpreter also reduces masked-off lanes (-inf - -inf in a 5 000 row's last slice); their results are unused
+@pytest.mark.filterwarnings("ignore:invalid value encountered in reduce:RuntimeWarning")
 def test_searches_draw_the_same_tokens(device):
     """The draw after each search: the same tokens (no row here has a boundary within FP32 rounding)."""
     x = _logits(6, 5000, device, seed=3, scale=2.0)
