@@ -679,7 +679,12 @@ def moe_forward(x, gate_w, bias, w13, w2, top_k: int, renormalize: bool = True, 
 # ----------------------------------------------------------------------------- references (FP32)
 def moe_route_ref(x, gate_w, bias, top_k: int, renormalize: bool = True, scaling: float = 1.0):
     """docs/models.md router in FP32; ties broken toward the lowest expert index (stable sort)."""
-    s = torch.sigmoid(x.float() @ gate_w.float().t())
+    return moe_select_ref(x.float() @ gate_w.float().t(), bias, top_k, renormalize, scaling)
+
+
+def moe_select_ref(logits, bias, top_k: int, renormalize: bool = True, scaling: float = 1.0):
+    """moe_route_ref from the router's logits [N, E] (FP32)."""
+    s = torch.sigmoid(logits.float())
     choice = s + (bias.float() if bias is not None else 0.0)
     ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
     w = s.gather(1, ids)
@@ -696,12 +701,13 @@ def moe_experts_ref(x, w13, w2, topk_ids, topk_w, activation: str = "swiglu") ->
         xb = x[b].float()
         for j in range(topk_ids.shape[1]):
             e = int(topk_ids[b, j])
-            g = w13[e, :I].float() @ xb
-            u = w13[e, I:].float() @ xb
-            if activation == "swiglu":
-                h = torch.nn.functional.silu(g) * u
-            else:
-                h = (SITU_BETA * torch.tanh(g / SITU_BETA) * torch.sigmoid(g)
-                     * SITU_LINEAR_BETA * torch.tanh(u / SITU_LINEAR_BETA))
+            h = act_ref(w13[e, :I].float() @ xb, w13[e, I:].float() @ xb, activation)
             out[b] += float(topk_w[b, j]) * (w2[e].float() @ h)
     return out
+
+
+def act_ref(g: torch.Tensor, u: torch.Tensor, activation: str = "swiglu") -> torch.Tensor:
+    """act(gate, up) in FP32: SwiGLU or SiTU (docs/models.md)."""
+    if activation == "swiglu":
+        return torch.nn.functional.silu(g) * u
+    return SITU_BETA * torch.tanh(g / SITU_BETA) * torch.sigmoid(g) * SITU_LINEAR_BETA * torch.tanh(u / SITU_LINEAR_BETA)

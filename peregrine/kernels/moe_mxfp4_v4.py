@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                                warpgroup_mma_wait)
 
 from . import mxfp4_format
-from .moe import ACTIVATIONS, SITU_BETA, SITU_LINEAR_BETA, _pow2, moe_combine
+from .moe import ACTIVATIONS, SITU_BETA, SITU_LINEAR_BETA, _pow2, act_ref, moe_combine
 
 GROUP = mxfp4_format.GROUP        # values per E8M0 scale
 E8M0_NAN = mxfp4_format.E8M0_NAN  # the scale code that means NaN
@@ -373,13 +373,6 @@ def _portable_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, out_ptr, B, R, KG, N_OUT, row
                  mask=chose[None, :] & r_ok[:, None])
 
 
-def _act_torch(g: torch.Tensor, u: torch.Tensor, activation: str) -> torch.Tensor:
-    """kernels/moe.py's activations in torch (FP32)."""
-    if activation == "swiglu":
-        return torch.nn.functional.silu(g) * u
-    return SITU_BETA * torch.tanh(g / SITU_BETA) * torch.sigmoid(g) * SITU_LINEAR_BETA * torch.tanh(u / SITU_LINEAR_BETA)
-
-
 def portable(x, q13, s13t, q2, s2t, topk_ids, part, activation: str) -> None:
     """launch's portable form: gate and up (two launches), act rounded to x's dtype, down; part FP32 [B, k, Dz]."""
     B, Dz = x.shape
@@ -390,6 +383,6 @@ def portable(x, q13, s13t, q2, s2t, topk_ids, part, activation: str) -> None:
         _portable_kernel[(B * k, triton.cdiv(I, PORTABLE_BLOCK_R))](
             x, q13, s13t, topk_ids, gu[half], B, 2 * I, Dz // GROUP, I, half * I, x.stride(0), GATHER_SLOT=False,
             **meta)
-    h = _act_torch(gu[0], gu[1], activation).to(x.dtype).contiguous()
+    h = act_ref(gu[0], gu[1], activation).to(x.dtype).contiguous()
     _portable_kernel[(B * k, triton.cdiv(Dz, PORTABLE_BLOCK_R))](
         h, q2, s2t, topk_ids, part, B, Dz, I // GROUP, Dz, 0, I, GATHER_SLOT=True, **meta)

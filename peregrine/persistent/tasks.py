@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..kernels.kda import kda_decode_ref
-from ..kernels.moe import moe_experts_ref, moe_route_ref
+from ..kernels.moe import act_ref, moe_experts_ref, moe_route_ref, moe_select_ref
 
 EPS_QK = 1e-6  # kda_decode_ref's q/k norm epsilon
 
@@ -78,10 +78,6 @@ class Task:
 
 def _rms(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def _act(g, u):
-    return torch.nn.functional.silu(g) * u
 
 
 def scratch(w: LayerWeights, B: int) -> dict:
@@ -163,14 +159,14 @@ def build(w: LayerWeights, B: int, tile: int = 64) -> list[Task]:
         add(f"logits[{lo}]", logits, [R("h2", 0, D)], [R("logits", lo, hi)], nb(w.gate_w[lo:hi]))
 
     def router(s):
-        ids, tw = route(s["logits"], w.bias, k)
+        ids, tw = moe_select_ref(s["logits"], w.bias, k)
         s["ids"][:], s["tw"][:] = ids, tw
     add("router", router, [R("logits", 0, E)], [R("ids", 0, 1)])
     for lo in range(0, Is, tile):
         hi = min(Is, lo + tile)
 
         def shared_up(s, lo=lo, hi=hi):
-            s["sh"][:, lo:hi] = _act(s["h2"] @ w.shared13[lo:hi].T, s["h2"] @ w.shared13[Is + lo:Is + hi].T)
+            s["sh"][:, lo:hi] = act_ref(s["h2"] @ w.shared13[lo:hi].T, s["h2"] @ w.shared13[Is + lo:Is + hi].T)
         add(f"shared_up[{lo}]", shared_up, [R("h2", 0, D)], [R("sh", lo, hi)], 2 * nb(w.shared13[lo:hi]))
     for lo in range(0, D, tile):
         hi = min(D, lo + tile)
@@ -195,7 +191,7 @@ def build(w: LayerWeights, B: int, tile: int = 64) -> list[Task]:
                 if first:
                     for b, slot in chose(s, e):
                         x = s["h2"][b]
-                        s["hbuf"][b, slot, lo:hi] = _act(w.w13[e, lo:hi] @ x, w.w13[e, I + lo:I + hi] @ x)
+                        s["hbuf"][b, slot, lo:hi] = act_ref(w.w13[e, lo:hi] @ x, w.w13[e, I + lo:I + hi] @ x)
             add(f"up[{j},{lo}]", up, [R("h2", 0, D), R("ids", 0, 1)], [R(f"hbuf{j}", lo, hi)],
                 2 * nb(w.w13[0, lo:hi]))
         for lo in range(0, D, tile):
@@ -220,15 +216,6 @@ def build(w: LayerWeights, B: int, tile: int = 64) -> list[Task]:
     return tasks
 
 
-def route(logits: torch.Tensor, bias: torch.Tensor, k: int):
-    """kernels/moe.py's moe_route_ref from the logits: sigmoid scores, top-k of score + bias (stable: the lower
-    expert id wins a tie), weights the chosen scores renormalised."""
-    sc = torch.sigmoid(logits)
-    ids = torch.sort(sc + bias, dim=-1, descending=True, stable=True).indices[:, :k]
-    tw = sc.gather(1, ids)
-    return ids, tw / tw.sum(-1, keepdim=True)
-
-
 def derive_deps(tasks: list[Task]) -> None:
     """Each task depends on every earlier task that writes a region overlapping one it reads (the list is in a
     valid order: a region's writers come before its readers)."""
@@ -250,5 +237,5 @@ def chain(w: LayerWeights, resid, state, conv_state, slots) -> torch.Tensor:
     h2 = _rms(resid2, w.post_norm, w.eps)
     ids, tw = moe_route_ref(h2, w.gate_w, w.bias, w.top_k)
     Is = w.shared2.shape[1]
-    shared = _act(h2 @ w.shared13[:Is].T, h2 @ w.shared13[Is:].T) @ w.shared2.T
+    shared = act_ref(h2 @ w.shared13[:Is].T, h2 @ w.shared13[Is:].T) @ w.shared2.T
     return resid2 + moe_experts_ref(h2, w.w13, w.w2, ids, tw) + shared
