@@ -23,6 +23,8 @@ below: the same layout and decode arithmetic in plain Triton, FP32 tl.dot); BF16
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -265,10 +267,16 @@ def _meta(B: int, k: int) -> dict:
     return dict(TOP_K=k, T_PAD=max(MIN_TOKENS, _pow2(B)), K_PAD=_pow2(k), N_PAD=_pow2(B * k))
 
 
+@functools.lru_cache(maxsize=None)
+def _hopper(index: int) -> bool:
+    """Asked once per device: the gate runs in every decode step."""
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
 def supports(x: torch.Tensor, Dz: int, I: int, B: int, config: dict | None = None) -> bool:
     """The Gluon kernels' gate: a Hopper GPU, BF16 activations, widths in whole K steps, at most 64 tokens."""
     c = _config(config, B)
-    return (x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] == 9
+    return (x.is_cuda and x.dtype == torch.bfloat16 and _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device())
             and Dz % c["BK"] == 0 and I % c["BK"] == 0 and I % 16 == 0 and Dz % 16 == 0 and B <= MAX_TOKENS)
 
 
