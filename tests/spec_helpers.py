@@ -35,3 +35,25 @@ class ScriptedDrafter:
 
     def release(self, seq):
         self.released.append(seq.request_id)
+
+
+def verify_step_outputs(engines, rows, T: int):
+    """One verify step of T tokens a row (StepInput.build's rows) on each engine, from its current caches, with
+    NaN-poisoned KDA checkpoint buffers: per engine (FP32 logits on the CPU, (state, conv) checkpoints, the KDA
+    state and MLA cache after the step). Each engine must serve it on its own path (runner.last_path)."""
+    import torch
+    from peregrine.decode.batch import StepInput
+    outs = []
+    for e in engines:
+        c = e.cache
+        st = StepInput.build(rows, c.block_size, e.device)
+        st.logits_idx = torch.arange(len(rows) * T, device=e.device)
+        st.spec_tokens = T
+        n = len(rows)
+        ck = (torch.full((len(c.kda_index), n, T, *c.state.shape[2:]), float("nan"), device=e.device),
+              torch.full((len(c.kda_index), n, T, *c.conv.shape[2:]), float("nan"), dtype=c.conv.dtype, device=e.device))
+        st.kda_ckpt = ck
+        logits = e.runner.forward(st)
+        assert e.runner.last_path == e.runner.name
+        outs.append((logits.float().cpu(), ck, c.state.clone(), c.latent.clone()))
+    return outs

@@ -15,6 +15,7 @@ from peregrine.config import PRESET_DIR, EngineConfig, ModelConfig
 from peregrine.engine import SamplingParams
 from peregrine.engine.build import build_engine
 from peregrine.testing import rel_rmse
+from spec_helpers import verify_step_outputs
 from test_spec_specialized import NEAR_TIE
 from test_specialized import routing_flips
 
@@ -183,7 +184,6 @@ def test_speculative_verify_on_k3_runs_specialized_and_keeps_tokens(model_dir):
 def test_k3_verify_step_matches_standard(model_dir):
     """One verify step of T = 3 tokens for 2 sequences from the same cache contents: the specialized K3 step's
     logits, per-position KDA checkpoints, states and MLA cache equal the standard path's (verify as a chunk)."""
-    from peregrine.decode.batch import StepInput
     std, _ = engine(model_dir, "standard")
     spec, _ = engine(model_dir, "latency_specialized")
     ps = [[3, 1, 4, 1, 5, 9], [2, 6, 5, 3, 5, 8, 9, 7]]
@@ -193,17 +193,7 @@ def test_k3_verify_step_matches_standard(model_dir):
         getattr(spec.cache, name).copy_(getattr(std.cache, name))
     T, c = 3, std.cache
     rows = [([7, 8, 9], 8, 0, [0]), ([1, 2, 3], 10, 1, [c.block_size * 2])]
-    outs = []
-    for e in (std, spec):
-        st = StepInput.build(rows, c.block_size, e.device)
-        st.logits_idx = torch.arange(2 * T, device=e.device)
-        st.spec_tokens = T
-        ck = (torch.full((len(c.kda_index), 2, T, *c.state.shape[2:]), float("nan"), device=e.device),
-              torch.full((len(c.kda_index), 2, T, *c.conv.shape[2:]), float("nan"), dtype=c.conv.dtype, device=e.device))
-        st.kda_ckpt = ck
-        logits = e.runner.forward(st)
-        assert e.runner.last_path == e.runner.name
-        outs.append((logits.float().cpu(), ck, e.cache.state.clone(), e.cache.latent.clone()))
+    outs = verify_step_outputs((std, spec), rows, T)
     (l0, ck0, s0, lat0), (l1, ck1, s1, lat1) = outs
     assert torch.isfinite(ck1[0]).all() and torch.isfinite(ck1[1].float()).all(), "checkpoint not fully written"
     for a, b, what in ((l0, l1, "logits"), (ck0[0], ck1[0], "state checkpoints"), (ck0[1], ck1[1], "conv checkpoints"),

@@ -11,11 +11,10 @@ import torch
 
 from conftest import DEVICE, FULL_SHAPES, dummy_model_dir
 from peregrine.config import PRESET_DIR, EngineConfig
-from peregrine.decode.batch import StepInput
 from peregrine.engine import SamplingParams
 from peregrine.engine.build import build_engine
 from peregrine.testing import assert_close
-from spec_helpers import ScriptedDrafter
+from spec_helpers import ScriptedDrafter, verify_step_outputs
 from test_specialized import MICRO
 
 pytestmark = pytest.mark.gpu
@@ -65,17 +64,7 @@ def test_verify_step_matches_standard(model_dir, monkeypatch, query_rows):
     spec.cache.latent.copy_(std.cache.latent)
     T, c = 3, std.cache
     rows = [([7, 8, 9], 6, 0, [0]), ([1, 2, 3], 9, 1, [16])]
-    outs = []
-    for e in (std, spec):
-        st = StepInput.build(rows, c.block_size, e.device)
-        st.logits_idx = torch.arange(2 * T, device=e.device)
-        st.spec_tokens = T
-        ck = (torch.full((len(c.kda_index), 2, T, *c.state.shape[2:]), float("nan"), device=e.device),
-              torch.full((len(c.kda_index), 2, T, *c.conv.shape[2:]), float("nan"), dtype=c.conv.dtype, device=e.device))
-        st.kda_ckpt = ck
-        logits = e.runner.forward(st)
-        assert e.runner.last_path == e.runner.name
-        outs.append((logits.float().cpu(), ck, e.cache.state.clone(), e.cache.latent.clone()))
+    outs = verify_step_outputs((std, spec), rows, T)
     (l0, ck0, s0, lat0), (l1, ck1, s1, lat1) = outs
     tol = 1e-4 if DEVICE == "cpu" else 3e-2  # relative RMSE: FP32 on CPU, BF16 on the GPU
     assert torch.isfinite(ck1[0]).all() and torch.isfinite(ck1[1].float()).all(), "checkpoint not fully written"
