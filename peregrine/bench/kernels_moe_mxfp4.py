@@ -121,6 +121,28 @@ def time_graph(fn, calls, iters: int) -> list[float]:
     return samples
 
 
+def _sweep(B: int, key: str, configs: list[dict], fn, calls, ref, nbytes: float, iters: int, sweep: list, log):
+    """Each config checked against the FP32 reference on calls[0], then timed over all calls as a CUDA graph;
+    every outcome appended to `sweep` under `key`; a failing config is reported, not fatal. -> (ms, config) of the
+    fastest, or None."""
+    best = None
+    x, ids, w = calls[0]
+    for c in configs:
+        try:
+            err = (fn(x, ids, w, c).float() - ref).norm() / ref.norm()
+            if not err < TOL:
+                raise ValueError(f"relative error {err:.2e} >= {TOL}")
+            t = statistics.median(time_graph(lambda x, i, w: fn(x, i, w, c), calls, iters))
+        except Exception as e:  # noqa: BLE001 - a failing config is reported, not fatal
+            log(f"B={B} {key} {c}: skipped ({type(e).__name__}: {str(e)[:160]})")
+            sweep.append({"B": B, key: c, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            continue
+        sweep.append({"B": B, key: c, "time_ms": t, "gbps": nbytes / t / 1e6, "rel_err": float(err)})
+        if best is None or t < best[0]:
+            best = (t, c)
+    return best
+
+
 def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print, bs: tuple = BS, v3_sweep: bool | None = None,
         v4_sweep: bool | None = None, v4_probe: bool = False) -> list[dict]:
     """One row per B (bench/kernels.py's family interface: time_ms, gbps, pct_of_copy are the fastest MXFP4
@@ -142,23 +164,9 @@ def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print, bs: tup
         row = {"kernel": "moe_mxfp4_experts", "shape": f"B={B} E={E} k={TOP_K} Dz={DZ} I={I}",
                "B": B, "E": E, "top_k": TOP_K, "Dz": DZ, "I": I, "distinct_experts": distinct,
                "mxfp4_bytes": mx_bytes, "bf16_bytes": bf_bytes}
-        best = None
-        for cfg in (V3_SWEEP if v3_all else V3_SWEEP[:1]):
-            c = dict(zip(mx3.KEYS, cfg))
-            try:
-                err = (mx.moe_mxfp4_experts(x, *W.mx(), ids, w, activation="situ", config=c).float()
-                       - ref).norm() / ref.norm()
-                if not err < TOL:
-                    raise ValueError(f"relative error {err:.2e} >= {TOL}")
-                t = statistics.median(time_graph(lambda x, i, w: mx.moe_mxfp4_experts(
-                    x, *W.mx(), i, w, activation="situ", config=c), calls, iters))
-            except Exception as e:  # noqa: BLE001 - a failing config is reported, not fatal
-                log(f"B={B} config {c}: skipped ({type(e).__name__}: {str(e)[:120]})")
-                sweep.append({"B": B, "config": c, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-                continue
-            sweep.append({"B": B, "config": c, "time_ms": t, "gbps": mx_bytes / t / 1e6, "rel_err": float(err)})
-            if best is None or t < best[0]:
-                best = (t, c)
+        v3_cfgs = [dict(zip(mx3.KEYS, cfg)) for cfg in (V3_SWEEP if v3_all else V3_SWEEP[:1])]
+        best = _sweep(B, "config", v3_cfgs, lambda x, i, w, c: mx.moe_mxfp4_experts(
+            x, *W.mx(), i, w, activation="situ", config=c), calls, ref, mx_bytes, iters, sweep, log)
         if best is not None:
             t, c = best
             row.update({"v3_ms": t, "v3_config": c, "v3_gbps": mx_bytes / t / 1e6,
@@ -166,30 +174,18 @@ def run(copy_gbps: float, full: bool = True, iters: int = 20, log=print, bs: tup
                         "v3_default_ms": next((s["time_ms"] for s in sweep if s["B"] == B and "time_ms" in s
                                                and s["config"] == dict(zip(mx3.KEYS, V3_SWEEP[0]))), None),
                         "time_ms": t, "gbps": mx_bytes / t / 1e6, "pct_of_copy": mx_bytes / t / 1e6 / copy_gbps})
-        best4 = None
-        for cfg in (V4_SWEEP if v4_all else V4_SWEEP[:1]):
-            c = mx4._config(None if cfg is None else dict(zip(mx4.KEYS, cfg)), B)
-            try:
-                if not mx4.supports(x, DZ, I, B, c):
-                    raise ValueError("outside the v4 kernels' gate")
-                err = (mx4.moe_mxfp4_experts_v4(x, *W.v4(), ids, w, activation="situ", config=c, fold=W.v4_fold).float()
-                       - ref).norm() / ref.norm()
-                if not err < TOL:
-                    raise ValueError(f"relative error {err:.2e} >= {TOL}")
-                t = statistics.median(time_graph(lambda x, i, w: mx4.moe_mxfp4_experts_v4(
-                    x, *W.v4(), i, w, activation="situ", config=c, fold=W.v4_fold), calls, iters))
-            except Exception as e:  # noqa: BLE001 - a failing config is reported, not fatal
-                log(f"B={B} v4 config {c}: skipped ({type(e).__name__}: {str(e)[:160]})")
-                sweep.append({"B": B, "v4_config": c, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-                continue
-            sweep.append({"B": B, "v4_config": c, "time_ms": t, "gbps": mx_bytes / t / 1e6, "rel_err": float(err)})
-            if best4 is None or t < best4[0]:
-                best4 = (t, c)
+        v4_cfgs = [mx4._config(None if cfg is None else dict(zip(mx4.KEYS, cfg)), B)
+                   for cfg in (V4_SWEEP if v4_all else V4_SWEEP[:1])]
+
+        def v4(x, i, w, c):
+            if not mx4.supports(x, DZ, I, B, c):  # else the portable form would be timed under v4's name
+                raise ValueError("outside the v4 kernels' gate")
+            return mx4.moe_mxfp4_experts_v4(x, *W.v4(), i, w, activation="situ", config=c, fold=W.v4_fold)
+        best4 = _sweep(B, "v4_config", v4_cfgs, v4, calls, ref, mx_bytes, iters, sweep, log)
         if v4_probe and best4 is not None:  # the best config with the decode replaced by 4 moves (wrong values)
             c = {**best4[1], "PROBE": 1}
             try:
-                t = statistics.median(time_graph(lambda x, i, w: mx4.moe_mxfp4_experts_v4(
-                    x, *W.v4(), i, w, activation="situ", config=c, fold=W.v4_fold), calls, iters))
+                t = statistics.median(time_graph(lambda x, i, w: v4(x, i, w, c), calls, iters))
                 sweep.append({"B": B, "v4_config": c, "time_ms": t, "gbps": mx_bytes / t / 1e6, "checked": False})
                 row.update(v4_probe_ms=t, v4_probe_pct_of_copy=mx_bytes / t / 1e6 / copy_gbps)
             except Exception as e:  # noqa: BLE001
