@@ -13,7 +13,7 @@ import random
 
 import torch
 
-from .tasks import Task
+from .tasks import LayerWeights, Task, build
 
 TASK_OVERHEAD_BYTES = 2048  # a task's fixed cost in byte-equivalents (dependency wait, prologue): ~0.5 us of an SM
 
@@ -108,7 +108,6 @@ def run(tasks: list[Task], order: list[int], state: dict) -> dict:
 
 def meta_weights(D: int, H: int, d: int, E: int, I: int, k: int, shared_I: int, W: int = 4):
     """LayerWeights of a model's widths on the meta device: shapes and byte counts, no memory (the schedule's)."""
-    from .tasks import LayerWeights
     m = lambda *s: torch.empty(*s, device="meta")  # noqa: E731
     Hd = H * d
     return LayerWeights(in_norm=m(D), in_proj=m(3 * Hd + 2 * d + H, D), f_b=m(Hd, d), g_b=m(Hd, d), conv_w=m(3 * Hd, W),
@@ -119,7 +118,7 @@ def meta_weights(D: int, H: int, d: int, E: int, I: int, k: int, shared_I: int, 
 def report(w, B: int, num_sms: int, tile: int) -> dict:
     """The static schedule of one layer under its own cost model (byte-equivalents, TASK_OVERHEAD_BYTES a task):
     how long its critical path is against the bytes spread evenly over the SMs. A design figure, not a timing."""
-    ts = tasks_build(w, B, tile)
+    ts = build(w, B, tile)
     lists, start = schedule(ts, num_sms)
     check_schedule(ts, lists)
     total = sum(t.nbytes + TASK_OVERHEAD_BYTES for t in ts)
@@ -127,11 +126,6 @@ def report(w, B: int, num_sms: int, tile: int) -> dict:
     return {"B": B, "tasks": len(ts), "weight_bytes": sum(t.nbytes for t in ts),
             "deps": sum(len(t.deps) for t in ts), "critical_path": critical_path(ts)[0] if ts else 0.0,
             "even_spread": total / num_sms, "makespan": makespan, "makespan_over_even": makespan / (total / num_sms)}
-
-
-def tasks_build(w, B, tile):
-    from .tasks import build
-    return build(w, B, tile)
 
 
 def main() -> None:
