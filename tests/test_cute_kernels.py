@@ -91,3 +91,44 @@ def test_weight_stream_builds_a_loadable_library(tmp_path):
     assert {"cute_load", "cute_run"} <= set(syms["defined"])
     foreign = [s for s in syms["undefined"] if not (s.startswith("cuda") or "@GLIBC" in s)]
     assert not foreign, foreign
+
+
+TASKS = r"""
+import json, os, subprocess, tempfile, torch
+from peregrine.kernels.cute import aot, task_gemv as tg
+from peregrine.persistent import table as tb
+import triton
+nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
+ops, width = tb.dense_chain(2304, 4096, 1024, lambda n, k: torch.empty(n, k, device="meta"))
+t = tb.encode(ops, width, 132)
+res = {}
+for B in (1, 8):
+    _, cubins = aot.compile_sm90(tg.build(B), *tg.fake_args(**tg.shape_args(t, B)))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubins[0]); f.flush()
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
+    res[B] = {"cubins": len(cubins), "tma_loads": sass.count("UTMALDG"), "mbarrier_waits": sass.count("SYNCS.PHASECHK.TRANS"),
+              "acquire_loads": sass.count("LDG.E.STRONG.GPU"), "release_adds": sass.count("REDG.E.ADD.S32.STRONG.GPU"),
+              "gpu_fences": sass.count("MEMBAR.ALL.GPU"), "error_cas": sass.count("ATOMG.E.CAS.STRONG.GPU"),
+              "sleeps": sass.count("NANOSLEEP"), "consumer_barriers": sass.count("BAR.SYNC.DEFER_BLOCKING 0x1, 0x80"),
+              "local_memory": sass.count("STL") + sass.count("LDL")}
+print(json.dumps(res))
+"""
+
+
+def test_task_gemv_compiles_with_counters_bounded_waits_and_tma():
+    """The persistent task kernel (kernels/cute/task_gemv.py) at the 48B dense chain's table shape, B = 1 and 8:
+    TMA weight loads and mbarrier waits (the ring), acquire loads and a release add at GPU scope after a GPU fence
+    (the dependency counters), a compare-and-swap (the error word), nanosleep (the bounded poll), the consumers'
+    named barrier, and no spills."""
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_CACHE_DIR": os.path.join(os.environ.get("TMPDIR", "/tmp"),
+                                                                                         f"cute-cache-{os.getpid()}")}
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", TASKS], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for B, s in json.loads(r.stdout.strip().splitlines()[-1]).items():
+        assert s["cubins"] == 1 and s["tma_loads"] >= 1 and s["mbarrier_waits"] >= 1, (B, s)
+        assert s["acquire_loads"] >= 1 and s["release_adds"] == 1 and s["gpu_fences"] >= 1, (B, s)
+        assert s["error_cas"] >= 1 and s["sleeps"] >= 1 and s["consumer_barriers"] == 2, (B, s)
+        assert s["local_memory"] == 0, (B, s)

@@ -1,7 +1,8 @@
 """CuTe DSL kernels on the GPU (issue #46), from the shared libraries scripts/build_cute_gpu.sh builds on a CPU
 machine (the GPU machine cannot install the DSL) and a call carries in .cute/: each checked against its FP32
 reference, then timed per call with CUDA events against the same bytes through torch (cuBLAS) in the same run, with
-the copy bandwidth of that run (docs/benchmarks.md §2).
+the copy bandwidth of that run (docs/benchmarks.md §2); the persistent task kernel also against its chain of GEMVs
+and with a wait that is never met (its error word).
     python -m peregrine.bench.kernels_cute [--dir .cute] [--results-dir results]
 """
 from __future__ import annotations
@@ -46,6 +47,70 @@ def weight_stream_rows(lib_dir: str) -> list[dict]:
     return rows
 
 
+def task_gemv_case(path: str, timed: bool = True) -> dict:
+    """The persistent task kernel (kernels/cute/task_gemv.py) over the 48B layer's dense GEMV chain, from a library
+    scripts/build_cute_gpu.sh built: two steps (the counters not zeroed between them) against the chain in FP32,
+    a wait that can never be met (it must write the error word and return, not hang), then the step's time against
+    the same four GEMVs through torch (cuBLAS, one launch each) in the same run."""
+    import json
+    import time
+    import torch.nn.functional as F
+    from peregrine.bench.gpu import time_fn
+    from peregrine.kernels.cute import task_gemv as tg
+    from peregrine.persistent import table as tb
+    compiled = json.load(open(path[:-3] + ".json"))
+    B = compiled["B"]
+    row = {"kernel": "task_gemv", "chain": "48b dense", "B": B}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if sms < compiled["ctas"]:
+        row["error"] = f"{compiled['ctas']} CTAs need as many SMs resident; this GPU has {sms}"
+        return row
+    g = torch.Generator(device="cuda").manual_seed(B)
+    ops, width = tb.dense_chain(2304, 4096, 1024, lambda n, k: (torch.randn(n, k, device="cuda", generator=g)
+                                                                 * k ** -0.5).to(torch.bfloat16))
+    t = tb.encode(ops, width, compiled["ctas"])
+    row["bytes"] = t.pool.numel() * 2
+    try:
+        run = tg.Runner(path, t, B, compiled)
+        errs = []
+        for step in range(2):
+            act = torch.full((B, width), float("nan"), device="cuda")
+            act[:, :2304] = torch.randn(B, 2304, device="cuda", generator=g)
+            want = tb.reference(ops, act)
+            run.step(act)
+            torch.cuda.synchronize()
+            errs.append(max(float((act[:, o.dst:o.dst + o.w.shape[0]] - want[:, o.dst:o.dst + o.w.shape[0]]).norm()
+                                  / want[:, o.dst:o.dst + o.w.shape[0]].norm()) for o in ops))
+        row["rel_err"], row["error_word"] = max(errs), run.error()
+        if not (row["rel_err"] < TOL and row["error_word"] == 0):
+            raise ValueError(f"relative error {row['rel_err']:.2e} (tolerance {TOL}), error word {row['error_word']}")
+        bad = tb.encode(ops, width, compiled["ctas"])
+        victim = int((bad.tasks[:, tb.SIGNAL] == 2).nonzero()[0])
+        bad.tasks[victim, tb.COUNT0] += 1  # one tile more than o_proj has: never met
+        t0 = time.perf_counter()
+        stuck = tg.Runner(path, bad, B, compiled)
+        stuck.step(act)
+        torch.cuda.synchronize()
+        row["missing_dep"] = {"error_word": stuck.error(), "want": victim + 1, "s": time.perf_counter() - t0}
+        if stuck.error() != victim + 1:
+            raise ValueError(f"a wait never met gave error word {stuck.error()}, not {victim + 1}")
+        if timed:
+            x = act[:, :2304].to(torch.bfloat16)
+            w = [o.w for o in ops]
+
+            def chain():
+                y = F.linear(x, w[0])
+                y = F.linear(y[:, 2 * 4096:], w[1])
+                y = F.linear(y, w[2])
+                return F.linear(y[:, :1024], w[3])
+            row["ms"] = statistics.median(time_fn(lambda: run.step(act), iters=50))
+            row["torch_ms"] = statistics.median(time_fn(chain, iters=50))
+            row["error_word_after_timing"] = run.error()
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return row
+
+
 def main() -> None:
     from peregrine.bench.gpu import copy_bandwidth, result_path, run_metadata, write_result
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -54,6 +119,7 @@ def main() -> None:
     a = ap.parse_args()
     copy = copy_bandwidth()
     rows = weight_stream_rows(a.dir)
+    rows += [task_gemv_case(p) for p in sorted(glob.glob(os.path.join(a.dir, "libtask_gemv-*.so")))]
     for r in rows:
         for k in ("ms", "torch_ms"):
             if k in r:

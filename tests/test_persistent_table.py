@@ -1,0 +1,103 @@
+"""persistent/table.py: a GEMV chain encoded as the persistent kernel reads it (weight pool of [BN, BK] blocks,
+task table, per-CTA lists, epoch counters), run by its CPU interpreter in the lists' order and in random
+interleavings of the CTAs over two consecutive steps without zeroing the counters, equals the chain in FP32 over
+NaN-poisoned scratch; a wait left out shows up as NaN, and a wait that can never be met is reported (the kernel's
+error word), not a hang."""
+import random
+
+import pytest
+import torch
+
+from peregrine.persistent import table as tb
+
+BN, BK = tb.BN, tb.BK
+
+
+def chain(seed=0, D=2 * BK, Hd=BK, Is=BK):
+    g = torch.Generator().manual_seed(seed)
+    return tb.dense_chain(D, Hd, Is, lambda n, k: torch.randn(n, k, generator=g) * k ** -0.5)
+
+
+def inputs(B, width, D, seed=1):
+    act = torch.full((B, width), float("nan"))
+    act[:, :D] = torch.randn(B, D, generator=torch.Generator().manual_seed(seed))
+    return act
+
+
+@pytest.mark.parametrize("B,ctas", [(1, 3), (3, 5), (8, 16)])
+def test_interleavings_over_two_steps_equal_the_chain(B, ctas):
+    ops, width = chain(B)
+    D = ops[0].w.shape[1]
+    t = tb.encode(ops, width, ctas)
+    counters = torch.zeros(t.n_counters, dtype=torch.int64)
+    for epoch, rng in ((1, None), (2, random.Random(B)), (3, random.Random(100 + B))):
+        act = inputs(B, width, D, seed=epoch)
+        want = tb.reference(ops, act)
+        assert tb.interpret(t, act, counters, epoch, rng) == 0
+        assert torch.isfinite(act).all()
+        torch.testing.assert_close(act, want, rtol=1e-5, atol=1e-5)
+        assert counters.tolist() == [epoch * n for n in t.tiles]  # each op's tiles signalled once a step
+
+
+def test_pool_holds_each_tile_s_blocks_in_order():
+    ops, width = chain()
+    t = tb.encode(ops, width, 4)
+    for row in t.tasks.tolist():
+        op = ops[row[tb.SIGNAL]]
+        n0 = row[tb.DST] - op.dst
+        w = torch.cat([t.pool[(row[tb.BLK0] + k) * BN:(row[tb.BLK0] + k + 1) * BN] for k in range(row[tb.KBLK])], 1)
+        assert torch.equal(w, op.w[n0:n0 + BN].to(torch.bfloat16))
+    assert t.pool.shape == (sum(o.w.numel() for o in ops) // BK, BK)
+
+
+def test_lists_cover_every_task_once_in_a_global_order():
+    ops, width = chain()
+    t = tb.encode(ops, width, 6)
+    flat = [i for i in t.lists.flatten().tolist() if i >= 0]
+    assert sorted(flat) == list(range(t.tasks.shape[0]))
+    for row in t.lists.tolist():  # -1 only after a CTA's last task
+        live = [i for i in row if i >= 0]
+        assert row[:len(live)] == live
+
+
+def test_a_missing_wait_reads_poison():
+    ops, width = chain()
+    t = tb.encode(ops, width, 4)
+    o_proj = [i for i, r in enumerate(t.tasks.tolist()) if r[tb.SIGNAL] == 1]
+    t.tasks[o_proj[0], tb.WAIT0] = -1  # the first o_proj tile no longer waits for the in-projection
+    bad = 0
+    for seed in range(20):
+        act = inputs(1, width, ops[0].w.shape[1])
+        tb.interpret(t, act, torch.zeros(t.n_counters, dtype=torch.int64), 1, random.Random(seed))
+        bad += not torch.isfinite(act).all()
+    assert bad > 0
+
+
+def test_a_wait_never_met_is_reported_not_hung():
+    ops, width = chain()
+    t = tb.encode(ops, width, 4)
+    victim = [i for i, r in enumerate(t.tasks.tolist()) if r[tb.SIGNAL] == 2][0]
+    t.tasks[victim, tb.COUNT0] += 1  # waits for one tile more than o_proj has
+    err = tb.interpret(t, inputs(1, width, ops[0].w.shape[1]), torch.zeros(t.n_counters, dtype=torch.int64), 1)
+    assert err == victim + 1
+
+
+def test_encode_refuses_what_the_kernel_cannot_run():
+    w = torch.zeros(BN, BK)
+    with pytest.raises(ValueError, match="multiple"):
+        tb.encode([tb.Gemv("odd", torch.zeros(BN + 1, BK), 0, BK)], 4 * BK, 2)
+    with pytest.raises(ValueError, match="outside"):
+        tb.encode([tb.Gemv("far", w, 0, 4 * BK)], 4 * BK, 2)
+    with pytest.raises(ValueError, match="single-assignment"):
+        tb.encode([tb.Gemv("a", w, 0, BK), tb.Gemv("b", w, 0, BK)], 4 * BK, 2)
+    with pytest.raises(ValueError, match="later op"):
+        tb.encode([tb.Gemv("a", w, 2 * BK, BK), tb.Gemv("b", w, 0, 2 * BK)], 4 * BK, 2)
+    with pytest.raises(ValueError, match="reads the columns it writes"):
+        tb.encode([tb.Gemv("self", torch.zeros(BK, BK), 0, 0)], 4 * BK, 2)
+
+
+def test_encode_takes_meta_weights():
+    """The build machine encodes the 48B's shapes without their memory (the kernel is compiled per table shape)."""
+    ops, width = tb.dense_chain(2304, 4096, 1024, lambda n, k: torch.empty(n, k, device="meta"))
+    t = tb.encode(ops, width, 132)
+    assert t.pool.is_meta and t.tasks.shape == (sum(o.w.shape[0] for o in ops) // BN, tb.FIELDS)
