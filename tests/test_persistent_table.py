@@ -101,3 +101,63 @@ def test_encode_takes_meta_weights():
     ops, width = tb.dense_chain(2304, 4096, 1024, lambda n, k: torch.empty(n, k, device="meta"))
     t = tb.encode(ops, width, 132)
     assert t.pool.is_meta and t.tasks.shape == (sum(o.w.shape[0] for o in ops) // BN, tb.FIELDS)
+
+
+# a MoE block at odd but tileable sizes: E experts of I rows, k slots, a shared expert of Is rows
+D_M, E_M, I_M, IS_M, K_M, SCALE = 2 * BK, 2 * BN, BK, 2 * BN, 3, 2.5
+
+
+def moe_weights(seed=0):
+    """BF16-exact weights and power-of-two norm weights: folding the norm into BF16 columns loses nothing, so the
+    encoded block must equal the model's math (kernels/moe.py's FP32 references) to FP32 rounding."""
+    g = torch.Generator().manual_seed(seed)
+    bf = lambda *s, sc: (torch.randn(*s, generator=g) * sc).to(torch.bfloat16).float()  # noqa: E731
+    post_norm = 2.0 ** torch.randint(-1, 2, (D_M,), generator=g).float()
+    return dict(post_norm=post_norm, gate_w=bf(E_M, D_M, sc=D_M ** -0.5), bias=torch.randn(E_M, generator=g) * 0.05,
+                w13=bf(E_M, 2 * I_M, D_M, sc=D_M ** -0.5), w2=bf(E_M, D_M, I_M, sc=I_M ** -0.5),
+                shared13=bf(2 * IS_M, D_M, sc=D_M ** -0.5), shared2=bf(D_M, IS_M, sc=IS_M ** -0.5))
+
+
+def moe_model(w, resid):
+    """The block as the model computes it (docs/models.md), from kernels/moe.py's references."""
+    from peregrine.kernels.moe import act_ref, moe_experts_ref, moe_route_ref
+    h = resid * torch.rsqrt(resid.pow(2).mean(-1, keepdim=True) + tb.EPS) * w["post_norm"]
+    ids, tw = moe_route_ref(h, w["gate_w"], w["bias"], K_M, scaling=SCALE)
+    shared = act_ref(h @ w["shared13"][:IS_M].T, h @ w["shared13"][IS_M:].T) @ w["shared2"].T
+    return resid + moe_experts_ref(h, w["w13"], w["w2"], ids, tw) + shared, ids
+
+
+@pytest.mark.parametrize("B,ctas", [(1, 4), (3, 7), (8, 13)])
+def test_moe_block_equals_the_model_in_any_interleaving(B, ctas):
+    w = moe_weights(B)
+    ops, width, consts, out = tb.moe_block(w["post_norm"], w["gate_w"], w["bias"], w["w13"], w["w2"], w["shared13"],
+                                           w["shared2"], K_M, SCALE)
+    t = tb.encode(ops, width, ctas, B)
+    counters = torch.zeros(t.n_counters, dtype=torch.int64)
+    for epoch, rng in ((1, None), (2, random.Random(B)), (3, random.Random(7 * B))):
+        act = torch.full((B, width), float("nan"))
+        tb.load_consts(act, consts)
+        act[:, :D_M] = torch.randn(B, D_M, generator=torch.Generator().manual_seed(epoch))
+        want, ids = moe_model(w, act[:, :D_M].clone())
+        ops_ref = tb.reference(ops, act)
+        assert tb.interpret(t, act, counters, epoch, rng) == 0
+        assert torch.isfinite(act).all()
+        torch.testing.assert_close(act, ops_ref, rtol=1e-5, atol=1e-5)    # the table against its ops
+        sel = ops[1].dst  # the top-k's ids, then its weights
+        assert torch.equal(act[:, sel:sel + K_M].long(), ids.long())
+        torch.testing.assert_close(act[:, out:out + D_M], want, rtol=1e-5, atol=1e-5)  # the ops against the model
+        assert counters.tolist() == [epoch * n for n in t.tiles]
+
+
+def test_routed_expert_tasks_wait_for_the_router_in_their_producer():
+    w = moe_weights()
+    ops, width, _, _ = tb.moe_block(w["post_norm"], w["gate_w"], w["bias"], w["w13"], w["w2"], w["shared13"],
+                                    w["shared2"], K_M, SCALE)
+    t = tb.encode(ops, width, 5, 2)
+    kinds = t.tasks[:, tb.KIND]
+    experts = t.tasks[kinds == tb.EXPERT]
+    assert len(experts) == 2 * K_M * (I_M // BN + D_M // BN)  # (token, slot) x row tiles, up and down
+    assert (experts[:, tb.PWAIT] == 1).all() and (experts[:, tb.PCOUNT] == 1).all()  # op 1 is the top-k, one task
+    assert (t.tasks[kinds != tb.EXPERT][:, tb.PWAIT] == -1).all()  # nothing else waits before streaming
+    up = experts[experts[:, tb.SIGNAL] == 2]
+    assert (up[:, tb.ESTRIDE] == (I_M // BN) * 2 * (D_M // BK)).all()  # gate and up blocks of every row tile

@@ -1,14 +1,18 @@
-"""A chain of GEMVs encoded as the persistent kernel reads it: a weight pool of [BN, BK] blocks, a task table, a
-fixed task list per CTA, and dependency counters (issue #46).
+"""A decode layer's GEMVs, router and experts encoded as the persistent kernel reads them: a weight pool of
+[BN, BK] blocks, a task table, a fixed task list per CTA, and dependency counters (issue #46).
 
 What the encoding commits to, and the CuTe kernel (kernels/cute/task_gemv.py) and `interpret` below both follow:
-- weights: every op's W [N, K] cut into row tiles of BN, each tile's K in blocks of BK stored consecutively, so one
-  TMA descriptor over the pool [blocks * BN, BK] streams any task's weights, whatever its matrix's shape;
-- activations: one FP32 scratch [B, S]; op j reads columns [src, src + K) and writes [dst, dst + N); every column
-  is written by at most one op (a step is single-assignment, so no write waits for a read);
-- a task is one row tile of one op; it waits on the counter of each op that wrote what it reads until that counter
-  reaches epoch x (that op's tile count), and adds one to its own op's counter when its rows are stored. Counters
-  are never zeroed: step n waits for n x tiles, compared by wrapped difference, so they may overflow;
+- weights: every op's matrix cut into row tiles of BN (a gated op's tile: its gate rows' blocks, then its up rows'),
+  each tile's K in blocks of BK stored consecutively, so one TMA descriptor over the pool [blocks * BN, BK] streams
+  any task's weights, whatever its matrix's shape; an RMSNorm before a GEMV is folded into its columns here;
+- activations: one FP32 scratch [B, S]; ops read and write column ranges of it; every column is written by at most
+  one op (a step is single-assignment, so no write waits for a read); constants (the router's bias) sit in columns
+  no op writes, loaded once (`load_consts`); expert ids are stored as FP32 values (exact below 2^24);
+- a task is one row tile of one op (one (token, slot) assignment's tile for routed experts, the whole top-k for the
+  router); it waits on the counter of each op that wrote what it reads until that counter reaches epoch x (that op's
+  task count), and adds one to its own op's counter when its rows are stored. Counters are never zeroed: step n
+  waits for n x tasks, compared by wrapped difference, so they may overflow. A routed expert's weights depend on the
+  step: its producer waits on the router's counter (PWAIT) before streaming them, and only then;
 - per CTA, a task list fixed here (the emulator's list schedule by weight bytes), in an order consistent with one
   global order, so a CTA never waits on a task queued behind it and the lists cannot deadlock while all CTAs are
   resident. A wait that does not end within the kernel's bound writes task id + 1 to the error word.
@@ -24,18 +28,68 @@ from .emulator import check_schedule, schedule
 from .tasks import Region, Task, derive_deps
 
 BN, BK = 64, 128     # a weight block: 64 rows x 128 values, 16 KB of BF16, one TMA copy
-MAX_WAITS = 2        # producer ops a task may wait on (a GEMV reads one input; two covers a concatenated one)
+MAX_WAITS = 2        # ops a task's consumers may wait on (an expert's down waits for its up and the router)
+EPS = 1e-5           # RMSNorm epsilon the kernel is compiled with (the 48B's and K3's rms_norm_eps)
+GEMV, TOPK, EXPERT, COMBINE = range(4)   # task kinds
+NORM, GATED, WEIGHTED = 1, 2, 4          # flags: RMSNorm of the input, SwiGLU of gate and up rows, scale by the slot's weight
 # task table columns
-BLK0, KBLK, SRC, DST, SIGNAL, WAIT0, COUNT0, WAIT1, COUNT1 = range(9)
-FIELDS = 9
+(KIND, BLK0, KBLK, SRC, DST, SIGNAL, WAIT0, COUNT0, WAIT1, COUNT1, PWAIT, PCOUNT, FLAGS, TOKEN, SLOT, IDS, ESTRIDE,
+ RESID, N_OUT, TOPK_K, EXTRA) = range(21)
+FIELDS = 21
 
 
 @dataclass
 class Gemv:
-    """y[:, dst:dst + N] = act[:, src:src + K] @ w.T"""
+    """act[:, dst:dst + N] = f(act[:, src:src + K]) @ w.T (+ act[:, resid:resid + N]); gated: w is [2N, K], gate
+    rows then up rows, and the output is silu(gate) * up; norm: the input RMS-normalized with this weight [K]."""
     name: str
-    w: torch.Tensor      # [N, K], N a multiple of BN, K of BK
+    w: torch.Tensor
     src: int
+    dst: int
+    norm: torch.Tensor | None = None
+    gated: bool = False
+    resid: int | None = None
+
+
+@dataclass
+class TopK:
+    """Per token: the router's top-k of sigmoid(logits) + bias over E logits at src (ties to the lower expert);
+    writes k ids then their k sigmoid scores renormalized to sum 1 and times the routed scaling factor at dst. The
+    bias lives at columns [bias, bias + E), the scaling factor at bias + E (constants)."""
+    name: str
+    src: int
+    dst: int
+    bias: int
+    E: int
+    k: int
+
+
+@dataclass
+class Experts:
+    """Routed experts, one task per (token b, slot s) and row tile: e = act[b, ids + s]; x = act[b, src:src + K]
+    (per_slot_in: act[b, src + s K : ...]); act[b, dst + s N : ...] = f(x) @ w[e].T, times act[b, ids + k + s] if
+    weighted. w [E, N or 2N, K]; norm and gated as Gemv's."""
+    name: str
+    w: torch.Tensor
+    src: int
+    dst: int
+    ids: int
+    k: int
+    norm: torch.Tensor | None = None
+    gated: bool = False
+    per_slot_in: bool = False
+    weighted: bool = False
+
+
+@dataclass
+class Combine:
+    """act[:, dst:dst + n] = act[:, resid:...] + act[:, extra:...] + sum over s < k of act[:, parts + s n : ...]"""
+    name: str
+    parts: int
+    k: int
+    n: int
+    resid: int
+    extra: int
     dst: int
 
 
@@ -46,51 +100,128 @@ class Table:
     lists: torch.Tensor     # [ctas, L] int32, -1 past each CTA's last task
     n_counters: int         # one per op
     width: int              # S: the activation scratch's columns
-    tiles: list[int]        # row tiles per op (a counter's count per epoch)
+    tiles: list[int]        # tasks per op (a counter's count per epoch)
+    B: int
 
 
-def encode(ops: list[Gemv], width: int, ctas: int) -> Table:
-    """The pool, task table and per-CTA lists for `ops` (in an order where each op's inputs are written by earlier
-    ops or are the step's inputs) over an activation scratch of `width` columns."""
-    written: list[tuple[int, int, int]] = []  # (lo, hi, op)
-    blocks, rows, tiles = [], [], []
-    for j, op in enumerate(ops):
-        N, K = op.w.shape
-        if N % BN or K % BK:
-            raise ValueError(f"{op.name}: W is {N} x {K}; rows must be a multiple of {BN} and columns of {BK}")
-        if op.src < 0 or op.src + K > width or op.dst < 0 or op.dst + N > width:
-            raise ValueError(f"{op.name}: columns [{op.src}, {op.src + K}) or [{op.dst}, {op.dst + N}) outside the "
-                             f"scratch's {width}")
-        if op.src < op.dst + N and op.dst < op.src + K:
+def _rows(op) -> int:
+    """Output rows of one matrix (one expert's)."""
+    return op.w.shape[-2] // (2 if op.gated else 1)
+
+
+def _io(op, B: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]], int]:
+    """(column ranges it reads, column ranges it writes, its task count)."""
+    if isinstance(op, Gemv):
+        N, K = _rows(op), op.w.shape[-1]
+        reads = [(op.src, op.src + K)] + ([(op.resid, op.resid + N)] if op.resid is not None else [])
+        return reads, [(op.dst, op.dst + N)], N // BN
+    if isinstance(op, TopK):
+        return [(op.src, op.src + op.E), (op.bias, op.bias + op.E + 1)], [(op.dst, op.dst + 2 * op.k)], 1
+    if isinstance(op, Experts):
+        N, K = _rows(op), op.w.shape[-1]
+        reads = [(op.src, op.src + K * (op.k if op.per_slot_in else 1)), (op.ids, op.ids + 2 * op.k)]
+        return reads, [(op.dst, op.dst + op.k * N)], B * op.k * (N // BN)
+    reads = [(op.parts, op.parts + op.k * op.n), (op.resid, op.resid + op.n), (op.extra, op.extra + op.n)]
+    return reads, [(op.dst, op.dst + op.n)], op.n // BN
+
+
+def folded(op) -> torch.Tensor:
+    """The op's weights as the pool holds them: BF16, its RMSNorm weight folded into the columns."""
+    w = op.w if op.norm is None else op.w.float() * op.norm.float()
+    return w.to(torch.bfloat16)
+
+
+def _blocks(w: torch.Tensor, t: int, gated: bool) -> list[torch.Tensor]:
+    """Row tile t of one matrix [N or 2N, K] as BK-wide blocks: its gate rows', then (gated) its up rows'."""
+    N = w.shape[0] // (2 if gated else 1)
+    parts = [w[t * BN:(t + 1) * BN]] + ([w[N + t * BN:N + (t + 1) * BN]] if gated else [])
+    return [p[:, k * BK:(k + 1) * BK] for p in parts for k in range(w.shape[1] // BK)]
+
+
+def encode(ops: list, width: int, ctas: int, B: int = 1) -> Table:
+    """The pool, task table and per-CTA lists for `ops` at B tokens (ops in an order where each one's inputs are
+    written by earlier ops or are the step's inputs and constants) over an activation scratch of `width` columns."""
+    io = [_io(op, B) for op in ops]
+    for j, (op, (reads, writes, _)) in enumerate(zip(ops, io)):
+        if hasattr(op, "w") and (_rows(op) % BN or op.w.shape[-1] % BK):
+            raise ValueError(f"{op.name}: W is {tuple(op.w.shape)}; rows must be a multiple of {BN} and columns of {BK}")
+        if isinstance(op, Combine) and op.n % BN:
+            raise ValueError(f"{op.name}: {op.n} columns, not a multiple of {BN}")
+        if isinstance(op, TopK) and op.k > op.E:
+            raise ValueError(f"{op.name}: top-{op.k} of {op.E}")
+        for lo, hi in reads + writes:
+            if lo < 0 or hi > width:
+                raise ValueError(f"{op.name}: columns [{lo}, {hi}) outside the scratch's {width}")
+        if any(r0 < w1 and w0 < r1 for r0, r1 in reads for w0, w1 in writes):
             raise ValueError(f"{op.name}: reads the columns it writes")
-        if any(lo < op.dst + N and op.dst < hi for lo, hi, _ in written):
-            raise ValueError(f"{op.name}: writes columns another op already wrote (a step is single-assignment)")
-        written.append((op.dst, op.dst + N, j))
-        tiles.append(N // BN)
+        for i in range(j):
+            if any(a0 < b1 and b0 < a1 for a0, a1 in writes for b0, b1 in io[i][1]):
+                raise ValueError(f"{op.name}: writes columns {ops[i].name} already wrote (a step is single-assignment)")
+    tiles = [n for _, _, n in io]
     tasks: list[Task] = []
     fields: list[list[int]] = []
+    blocks: list[torch.Tensor] = []
     nblk = 0
     for j, op in enumerate(ops):
-        N, K = op.w.shape
-        waits = sorted({i for lo, hi, i in written if i != j and lo < op.src + K and op.src < hi})
+        reads = io[j][0]
+        waits = [i for i in range(len(ops)) if i != j and any(r0 < w1 and w0 < r1 for r0, r1 in reads
+                                                              for w0, w1 in io[i][1])]
         if any(i > j for i in waits):
-            raise ValueError(f"{op.name} reads what a later op writes: list the ops in the order they run")
+            raise ValueError(f"{op.name} reads what a later op ({ops[max(waits)].name}) writes: list the ops in the "
+                             "order they run")
         if len(waits) > MAX_WAITS:
             raise ValueError(f"{op.name} reads the outputs of {len(waits)} ops; a task waits on at most {MAX_WAITS}")
-        wb = op.w.to(torch.bfloat16)
-        for t in range(N // BN):
-            tile = wb[t * BN:(t + 1) * BN]
-            blocks += [tile[:, k * BK:(k + 1) * BK] for k in range(K // BK)]
-            w_pad = waits + [-1] * (MAX_WAITS - len(waits))
-            f = [nblk, K // BK, op.src, op.dst + t * BN, j]
-            for i in w_pad:
-                f += [i, tiles[i] if i >= 0 else 0]
+        pwait = -1
+        if isinstance(op, Experts):
+            pwait = next((i for i in waits if any(w0 < op.ids + op.k and op.ids < w1 for w0, w1 in io[i][1])), -1)
+        base = [0] * FIELDS
+        base[SIGNAL], base[PWAIT], base[PCOUNT] = j, pwait, tiles[pwait] if pwait >= 0 else 0
+        for n, i in enumerate(waits + [-1] * (MAX_WAITS - len(waits))):
+            base[(WAIT0, WAIT1)[n]], base[(COUNT0, COUNT1)[n]] = i, tiles[i] if i >= 0 else 0
+        # the schedule waits for whole ops, as the counters do, not only for the tiles a task reads
+        sched_reads = tuple(Region("act", lo, hi) for i in waits + ([pwait] if pwait >= 0 else []) for lo, hi in io[i][1])
+        mine: list[tuple[list[int], tuple[int, int], int]] = []  # (fields, columns written, weight bytes)
+        if isinstance(op, (Gemv, Experts)):
+            N, K, g = _rows(op), op.w.shape[-1], 2 if op.gated else 1
+            w = folded(op)
+            flags = (NORM if op.norm is not None else 0) | (GATED if op.gated else 0)
+            nb = BN * K * g * 2
+            if isinstance(op, Gemv):
+                for t in range(N // BN):
+                    f = base.copy()
+                    f[KIND], f[BLK0], f[KBLK], f[SRC], f[DST], f[FLAGS], f[N_OUT] = GEMV, nblk, K // BK, op.src, op.dst + t * BN, flags, N
+                    f[RESID] = op.resid + t * BN if op.resid is not None else -1
+                    blocks += _blocks(w, t, op.gated)
+                    mine.append((f, (f[DST], f[DST] + BN), nb))
+                    nblk += g * K // BK
+            else:
+                per_expert = (N // BN) * g * K // BK
+                for e in range(w.shape[0]):
+                    for t in range(N // BN):
+                        blocks += _blocks(w[e], t, op.gated)
+                for b in range(B):
+                    for s in range(op.k):
+                        for t in range(N // BN):
+                            f = base.copy()
+                            f[KIND], f[BLK0], f[KBLK], f[ESTRIDE] = EXPERT, nblk + t * g * K // BK, K // BK, per_expert
+                            f[SRC] = op.src + (s * K if op.per_slot_in else 0)
+                            f[DST], f[TOKEN], f[SLOT], f[IDS], f[TOPK_K] = op.dst + s * N + t * BN, b, s, op.ids, op.k
+                            f[FLAGS], f[N_OUT] = flags | (WEIGHTED if op.weighted else 0), N
+                            mine.append((f, (f[DST], f[DST] + BN), nb))
+                nblk += w.shape[0] * per_expert
+        elif isinstance(op, TopK):
+            f = base.copy()
+            f[KIND], f[SRC], f[DST], f[RESID], f[N_OUT], f[TOPK_K] = TOPK, op.src, op.dst, op.bias, op.E, op.k
+            mine.append((f, (op.dst, op.dst + 2 * op.k), 0))
+        else:
+            for t in range(op.n // BN):
+                f = base.copy()
+                f[KIND], f[SRC], f[DST], f[RESID] = COMBINE, op.parts + t * BN, op.dst + t * BN, op.resid + t * BN
+                f[EXTRA], f[N_OUT], f[TOPK_K] = op.extra + t * BN, op.n, op.k
+                mine.append((f, (f[DST], f[DST] + BN), 0))
+        for n, (f, (lo, hi), nb) in enumerate(mine):
             fields.append(f)
-            nblk += K // BK
-            # it waits for whole ops (one counter each), so the schedule must too, not only the tiles it reads
-            reads = tuple(Region("act", ops[i].dst, ops[i].dst + ops[i].w.shape[0]) for i in waits)
-            tasks.append(Task(f"{op.name}[{t}]", lambda s: None, reads,
-                              (Region("act", op.dst + t * BN, op.dst + (t + 1) * BN),), tile.numel() * 2))
+            tasks.append(Task(f"{op.name}[{n}]", lambda s: None, sched_reads, (Region("act", lo, hi),), nb))
     derive_deps(tasks)
     lists, start = schedule(tasks, ctas)
     check_schedule(tasks, lists)
@@ -99,24 +230,88 @@ def encode(ops: list[Gemv], width: int, ctas: int) -> Table:
     for c, x in enumerate(lists):
         x = sorted(x, key=lambda i: (start[i], i))
         lst[c, :len(x)] = torch.tensor(x, dtype=torch.int32)
-    return Table(torch.cat(blocks), torch.tensor(fields, dtype=torch.int32), lst, len(ops), width, tiles)
+    pool = torch.cat(blocks) if blocks else torch.zeros(BN, BK, dtype=torch.bfloat16)
+    return Table(pool, torch.tensor(fields, dtype=torch.int32), lst, len(ops), width, tiles, B)
 
 
-def reference(ops: list[Gemv], act: torch.Tensor) -> torch.Tensor:
-    """The chain in FP32, op after op, from BF16 weights (what the kernel streams): the scratch after the step."""
+def _gemv(x, w, flags):
+    """x [M, K] FP32 through one matrix's folded BF16 weights [N or 2N, K]: the op's math, FP32."""
+    y = x @ w.float().T
+    if flags & NORM:
+        y = y * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    if flags & GATED:
+        g, u = y.chunk(2, -1)
+        y = torch.nn.functional.silu(g) * u
+    return y
+
+
+def _select(logits, consts, k):
+    """consts: the bias [.., E] then the scaling factor."""
+    s = torch.sigmoid(logits)
+    ids = torch.sort(s + consts[:, :-1], dim=-1, descending=True, stable=True).indices[:, :k]
+    w = s.gather(1, ids)
+    return ids, w / w.sum(-1, keepdim=True) * consts[:, -1:]
+
+
+def reference(ops: list, act: torch.Tensor) -> torch.Tensor:
+    """The ops in FP32, one after another as whole tensors, from the weights the pool holds (`folded`): the scratch
+    after the step. Independent of the table: no tiles, no pool layout, no task order."""
     act = act.clone()
     for op in ops:
-        N, K = op.w.shape
-        act[:, op.dst:op.dst + N] = act[:, op.src:op.src + K] @ op.w.to(torch.bfloat16).float().T
+        if isinstance(op, Gemv):
+            N, K = _rows(op), op.w.shape[-1]
+            flags = (NORM if op.norm is not None else 0) | (GATED if op.gated else 0)
+            y = _gemv(act[:, op.src:op.src + K], folded(op), flags)
+            act[:, op.dst:op.dst + N] = y + (act[:, op.resid:op.resid + N] if op.resid is not None else 0)
+        elif isinstance(op, TopK):
+            ids, w = _select(act[:, op.src:op.src + op.E], act[:, op.bias:op.bias + op.E + 1], op.k)
+            act[:, op.dst:op.dst + op.k], act[:, op.dst + op.k:op.dst + 2 * op.k] = ids.float(), w
+        elif isinstance(op, Experts):
+            N, K = _rows(op), op.w.shape[-1]
+            flags = (NORM if op.norm is not None else 0) | (GATED if op.gated else 0)
+            w = folded(op)
+            for b in range(act.shape[0]):
+                for s in range(op.k):
+                    lo = op.src + (s * K if op.per_slot_in else 0)
+                    y = _gemv(act[b:b + 1, lo:lo + K], w[int(act[b, op.ids + s])], flags)[0]
+                    act[b, op.dst + s * N:op.dst + (s + 1) * N] = y * (act[b, op.ids + op.k + s] if op.weighted else 1)
+        else:
+            parts = act[:, op.parts:op.parts + op.k * op.n].reshape(-1, op.k, op.n).sum(1)
+            act[:, op.dst:op.dst + op.n] = act[:, op.resid:op.resid + op.n] + act[:, op.extra:op.extra + op.n] + parts
     return act
+
+
+def _run(tb: Table, t: int, act: torch.Tensor, pool: torch.Tensor) -> None:
+    """One task of the table, as the kernel's consumers compute it (FP32, on the CPU)."""
+    f = tb.tasks[t].tolist()
+    kind, src, dst, flags = f[KIND], f[SRC], f[DST], f[FLAGS]
+    if kind in (GEMV, EXPERT):
+        rows = slice(f[TOKEN], f[TOKEN] + 1) if kind == EXPERT else slice(None)
+        b0 = f[BLK0] + (int(act[f[TOKEN], f[IDS] + f[SLOT]]) * f[ESTRIDE] if kind == EXPERT else 0)
+        g = 2 if flags & GATED else 1
+        parts = [torch.cat([pool[(b0 + h * f[KBLK] + k) * BN:(b0 + h * f[KBLK] + k + 1) * BN] for k in range(f[KBLK])], 1)
+                 for h in range(g)]
+        y = _gemv(act[rows, src:src + f[KBLK] * BK], torch.cat(parts), flags)
+        if f[RESID] >= 0 and kind == GEMV:
+            y = y + act[:, f[RESID]:f[RESID] + BN]
+        if flags & WEIGHTED:
+            y = y * act[f[TOKEN], f[IDS] + f[TOPK_K] + f[SLOT]]
+        act[rows, dst:dst + BN] = y
+    elif kind == TOPK:
+        E, k = f[N_OUT], f[TOPK_K]
+        ids, w = _select(act[:, src:src + E], act[:, f[RESID]:f[RESID] + E + 1], k)
+        act[:, dst:dst + k], act[:, dst + k:dst + 2 * k] = ids.float(), w
+    else:
+        parts = sum(act[:, src + s * f[N_OUT]:src + s * f[N_OUT] + BN] for s in range(f[TOPK_K]))
+        act[:, dst:dst + BN] = act[:, f[RESID]:f[RESID] + BN] + act[:, f[EXTRA]:f[EXTRA] + BN] + parts
 
 
 def interpret(tb: Table, act: torch.Tensor, counters: torch.Tensor, epoch: int,
               rng: random.Random | None = None) -> int:
-    """Run the encoded table as the CTAs would, on the CPU: at each point one CTA whose next task's waits are met
-    runs that task (drawn by rng, else the lowest CTA), reading its weights from the pool's blocks. Returns the
-    error word: 0, or the id + 1 of a task still waiting when no CTA can go on (where the kernel's bounded wait
-    would fire). `act` and `counters` (int64) are updated in place."""
+    """Run the encoded table as the CTAs would, on the CPU: at each point one CTA whose next task's waits (its
+    producer's too) are met runs that task (drawn by rng, else the lowest CTA), reading its weights from the
+    pool's blocks. Returns the error word: 0, or the id + 1 of a task still waiting when no CTA can go on (where the
+    kernel's bounded wait would fire). `act` and `counters` (int64) are updated in place."""
     pc = [0] * tb.lists.shape[0]
     pool = tb.pool.float()
 
@@ -125,7 +320,8 @@ def interpret(tb: Table, act: torch.Tensor, counters: torch.Tensor, epoch: int,
 
     def ready(t):
         f = tb.tasks[t].tolist()
-        return all(f[w] < 0 or int(counters[f[w]]) - epoch * f[n] >= 0 for w, n in ((WAIT0, COUNT0), (WAIT1, COUNT1)))
+        return all(f[w] < 0 or int(counters[f[w]]) - epoch * f[n] >= 0
+                   for w, n in ((WAIT0, COUNT0), (WAIT1, COUNT1), (PWAIT, PCOUNT)))
     while True:
         live = [c for c in range(len(pc)) if next_task(c) >= 0]
         if not live:
@@ -135,11 +331,15 @@ def interpret(tb: Table, act: torch.Tensor, counters: torch.Tensor, epoch: int,
             return min(next_task(c) for c in live) + 1
         c = rng.choice(go) if rng else go[0]
         t = next_task(c)
-        b0, kb, src, dst, sig = tb.tasks[t, :SIGNAL + 1].tolist()
-        w = torch.cat([pool[(b0 + k) * BN:(b0 + k + 1) * BN] for k in range(kb)], 1)  # [BN, kb * BK]
-        act[:, dst:dst + BN] = act[:, src:src + kb * BK] @ w.T
-        counters[sig] += 1
+        _run(tb, t, act, pool)
+        counters[int(tb.tasks[t, SIGNAL])] += 1
         pc[c] += 1
+
+
+def load_consts(act: torch.Tensor, consts: dict[int, torch.Tensor]) -> None:
+    """Write the constant columns (the router's bias) into every token's row of the scratch."""
+    for col, v in consts.items():
+        act[:, col:col + v.numel()] = v.float()
 
 
 def dense_chain(D: int, Hd: int, Is: int, make) -> tuple[list[Gemv], int]:
@@ -153,3 +353,25 @@ def dense_chain(D: int, Hd: int, Is: int, make) -> tuple[list[Gemv], int]:
     ops = [Gemv("in_proj", make(3 * Hd, D), x, qkv), Gemv("o_proj", make(D, Hd), qkv + 2 * Hd, a),
            Gemv("shared_up", make(2 * Is, D), a, up), Gemv("shared_down", make(D, Is), up, out)]
     return ops, out + D
+
+
+def moe_block(post_norm, gate_w, bias, w13, w2, shared13, shared2, k: int, scaling: float):
+    """A MoE block from the residual after attention (columns [0, D)) to the layer's output: RMSNorm folded into
+    the router, routed up and shared up; top-k (its weights times the scaling factor, a constant beside the bias);
+    routed experts up (SwiGLU) and down (times the slot's weight); the shared expert; one combine.
+    -> (ops, width, consts, output column)"""
+    E, D = gate_w.shape
+    I, Is = w2.shape[2], shared2.shape[1]
+    logits = D + E + 1        # [D, D + E] holds the bias and the scaling factor
+    sel = logits + E
+    hbuf = sel + 2 * k
+    parts = hbuf + k * I
+    sh = parts + k * D
+    shout = sh + Is
+    out = shout + D
+    ops = [Gemv("router", gate_w, 0, logits, norm=post_norm), TopK("topk", logits, sel, D, E, k),
+           Experts("up", w13, 0, hbuf, sel, k, norm=post_norm, gated=True),
+           Experts("down", w2, hbuf, parts, sel, k, per_slot_in=True, weighted=True),
+           Gemv("shared_up", shared13, 0, sh, norm=post_norm, gated=True), Gemv("shared_down", shared2, sh, shout),
+           Combine("combine", parts, k, D, 0, shout, out)]
+    return ops, out + D, {D: torch.cat([bias.float().flatten(), torch.tensor([float(scaling)])])}, out
