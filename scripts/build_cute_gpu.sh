@@ -18,14 +18,15 @@ from peregrine.kernels.cute import aot, weight_stream as ws
 assert aot.runtime_archive().split("/")[-3] == "cu13", aot.runtime_archive()
 for N, K in ((4096, 2304), (32768, 8192)):  # the 48B o_proj's shape (correctness), and 512 MB (bandwidth)
     print(aot.build_shared(ws.build(), ws.fake_args(N, K) + (132,), 3, f".cute/libweight_stream-{N}x{K}.so"))
-# the persistent task kernel over the 48B layer's dense GEMV chain, one library per B, its shapes beside it
+# the persistent task kernel over the 48B layer's dense GEMV chain and its MoE block, one library per case and B,
+# its shapes beside it
 import json, torch
 from peregrine.kernels.cute import task_gemv as tg
 from peregrine.persistent import table as tb
-ops, width = tb.dense_chain(2304, 4096, 1024, lambda n, k: torch.empty(n, k, device="meta"))
-t = tb.encode(ops, width, 132)
-for B in (1, 2, 4, 8):
-    shapes = tg.shape_args(t, B)
-    print(aot.build_shared(tg.build(B), tg.fake_args(**shapes), 7, f".cute/libtask_gemv-48b-b{B}.so"))
-    json.dump(shapes, open(f".cute/libtask_gemv-48b-b{B}.json", "w"))
+for name in ("dense", "moe"):
+    ops, width, _, _ = tg.case(name, lambda *s: torch.empty(*s, device="meta"))
+    for B in (1, 2, 4, 8):
+        shapes = tg.shape_args(tb.encode(ops, width, 132, B), B)
+        print(aot.build_shared(tg.build(B), tg.fake_args(**shapes), 7, f".cute/libtask_gemv-48b{name}-b{B}.so"))
+        json.dump({"case": name, **shapes}, open(f".cute/libtask_gemv-48b{name}-b{B}.json", "w"))
 PY

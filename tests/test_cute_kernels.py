@@ -130,5 +130,5 @@ def test_task_gemv_compiles_with_counters_bounded_waits_and_tma():
     for B, s in json.loads(r.stdout.strip().splitlines()[-1]).items():
         assert s["cubins"] == 1 and s["tma_loads"] >= 1 and s["mbarrier_waits"] >= 1, (B, s)
         assert s["acquire_loads"] >= 1 and s["release_adds"] == 1 and s["gpu_fences"] >= 1, (B, s)
-        assert s["error_cas"] >= 1 and s["sleeps"] >= 1 and s["consumer_barriers"] == 2, (B, s)
+        assert s["error_cas"] >= 1 and s["sleeps"] >= 1 and s["consumer_barriers"] >= 2, (B, s)
         assert s["local_memory"] == 0, (B, s)

@@ -161,3 +161,14 @@ def test_routed_expert_tasks_wait_for_the_router_in_their_producer():
     assert (t.tasks[kinds != tb.EXPERT][:, tb.PWAIT] == -1).all()  # nothing else waits before streaming
     up = experts[experts[:, tb.SIGNAL] == 2]
     assert (up[:, tb.ESTRIDE] == (I_M // BN) * 2 * (D_M // BK)).all()  # gate and up blocks of every row tile
+
+
+def test_the_48b_moe_block_encodes_at_its_widths():
+    """What scripts/build_cute_gpu.sh compiles the kernel for: the 48B's MoE block at B = 8 on meta weights."""
+    from peregrine.kernels.cute.task_gemv import case
+    ops, width, consts, d_in = case("moe", lambda *s: torch.empty(*s, device="meta"))
+    t = tb.encode(ops, width, 132, 8)
+    kinds = t.tasks[:, tb.KIND]
+    assert int((kinds == tb.EXPERT).sum()) == 8 * 8 * (1024 // BN + 2304 // BN)
+    assert int((kinds == tb.TOPK).sum()) == 1 and d_in == 2304
+    assert t.pool.shape[0] // BN == (256 * 3 * 1024 * 2304 + 256 * 2304 + 3 * 1024 * 2304) // (BN * BK)

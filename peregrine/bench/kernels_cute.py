@@ -48,10 +48,11 @@ def weight_stream_rows(lib_dir: str) -> list[dict]:
 
 
 def task_gemv_case(path: str, timed: bool = True) -> dict:
-    """The persistent task kernel (kernels/cute/task_gemv.py) over the 48B layer's dense GEMV chain, from a library
-    scripts/build_cute_gpu.sh built: two steps (the counters not zeroed between them) against the chain in FP32,
-    a wait that can never be met (it must write the error word and return, not hang), then the step's time against
-    the same four GEMVs through torch (cuBLAS, one launch each) in the same run."""
+    """The persistent task kernel (kernels/cute/task_gemv.py) from a library scripts/build_cute_gpu.sh built for
+    one case (the 48B layer's dense GEMV chain, or its MoE block) and B: two steps (the counters not zeroed between
+    them) against the ops' FP32 reference, a wait that can never be met (it must write the error word and return,
+    not hang), then the step's time; the dense chain also against the same four GEMVs through torch (cuBLAS, one
+    launch each) in the same run."""
     import json
     import time
     import torch.nn.functional as F
@@ -59,53 +60,76 @@ def task_gemv_case(path: str, timed: bool = True) -> dict:
     from peregrine.kernels.cute import task_gemv as tg
     from peregrine.persistent import table as tb
     compiled = json.load(open(path[:-3] + ".json"))
+    name = compiled.pop("case")
     B = compiled["B"]
-    row = {"kernel": "task_gemv", "chain": "48b dense", "B": B}
+    row = {"kernel": "task_gemv", "case": name, "B": B}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if sms < compiled["ctas"]:
         row["error"] = f"{compiled['ctas']} CTAs need as many SMs resident; this GPU has {sms}"
         return row
     g = torch.Generator(device="cuda").manual_seed(B)
-    ops, width = tb.dense_chain(2304, 4096, 1024, lambda n, k: (torch.randn(n, k, device="cuda", generator=g)
-                                                                 * k ** -0.5).to(torch.bfloat16))
-    t = tb.encode(ops, width, compiled["ctas"])
-    row["bytes"] = t.pool.numel() * 2
+
+    def make(*shape):
+        if len(shape) == 1:  # a norm weight or the router's bias
+            return 1 + 0.1 * torch.randn(shape, device="cuda", generator=g)
+        return (torch.randn(shape, device="cuda", generator=g) * shape[-1] ** -0.5).to(torch.bfloat16)
+    ops, width, consts, d_in = tg.case(name, make)
     try:
+        t0 = time.perf_counter()
+        t = tb.encode(ops, width, compiled["ctas"], B)
+        row["encode_s"] = time.perf_counter() - t0
+        if name == "dense":
+            row["bytes"] = t.pool.numel() * 2
         run = tg.Runner(path, t, B, compiled)
         errs = []
         for step in range(2):
             act = torch.full((B, width), float("nan"), device="cuda")
-            act[:, :2304] = torch.randn(B, 2304, device="cuda", generator=g)
+            tb.load_consts(act, consts)
+            act[:, :d_in] = torch.randn(B, d_in, device="cuda", generator=g)
             want = tb.reference(ops, act)
             run.step(act)
             torch.cuda.synchronize()
-            errs.append(max(float((act[:, o.dst:o.dst + o.w.shape[0]] - want[:, o.dst:o.dst + o.w.shape[0]]).norm()
-                                  / want[:, o.dst:o.dst + o.w.shape[0]].norm()) for o in ops))
+            errs.append(float((act - want).norm() / want.norm()))
+            if name == "moe":  # the router's choice, exactly
+                sel = ops[1].dst
+                row.setdefault("ids_equal", []).append(bool(torch.equal(act[:, sel:sel + ops[1].k],
+                                                                         want[:, sel:sel + ops[1].k])))
         row["rel_err"], row["error_word"] = max(errs), run.error()
-        if not (row["rel_err"] < TOL and row["error_word"] == 0):
-            raise ValueError(f"relative error {row['rel_err']:.2e} (tolerance {TOL}), error word {row['error_word']}")
-        bad = tb.encode(ops, width, compiled["ctas"])
-        victim = int((bad.tasks[:, tb.SIGNAL] == 2).nonzero()[0])
-        bad.tasks[victim, tb.COUNT0] += 1  # one tile more than o_proj has: never met
+        if name == "moe":  # the floor: the router, the shared expert and each chosen expert once
+            E, I2, D = ops[2].w.shape
+            sel, k = ops[1].dst, ops[1].k
+            per_expert, fixed = 3 * (I2 // 2) * D * 2, (E * D + sum(o.w.numel() for o in ops[4:6])) * 2
+            row["experts"] = int(act[:, sel:sel + k].long().unique().numel())
+            row["bytes"] = fixed + row["experts"] * per_expert
+            row["bytes_streamed"] = fixed + B * k * per_expert  # this form streams an expert per (token, slot)
+        if not (row["rel_err"] < TOL and row["error_word"] == 0 and all(row.get("ids_equal", [True]))):
+            raise ValueError(f"relative error {row['rel_err']:.2e} (tolerance {TOL}), error word "
+                             f"{row['error_word']}, ids equal {row.get('ids_equal')}")
+        bad = tb.Table(**{**t.__dict__, "tasks": t.tasks.clone()})
+        victim = int((bad.tasks[:, tb.SIGNAL] == len(ops) - 1).nonzero()[0])
+        bad.tasks[victim, tb.COUNT0] += 1  # one task more than its input op has: never met
         t0 = time.perf_counter()
         stuck = tg.Runner(path, bad, B, compiled)
         stuck.step(act)
         torch.cuda.synchronize()
         row["missing_dep"] = {"error_word": stuck.error(), "want": victim + 1, "s": time.perf_counter() - t0}
-        if stuck.error() != victim + 1:
-            raise ValueError(f"a wait never met gave error word {stuck.error()}, not {victim + 1}")
+        del stuck
+        if row["missing_dep"]["error_word"] != victim + 1:
+            raise ValueError(f"a wait never met gave error word {row['missing_dep']['error_word']}, not {victim + 1}")
         if timed:
-            x = act[:, :2304].to(torch.bfloat16)
-            w = [o.w for o in ops]
-
-            def chain():
-                y = F.linear(x, w[0])
-                y = F.linear(y[:, 2 * 4096:], w[1])
-                y = F.linear(y, w[2])
-                return F.linear(y[:, :1024], w[3])
             row["ms"] = statistics.median(time_fn(lambda: run.step(act), iters=50))
-            row["torch_ms"] = statistics.median(time_fn(chain, iters=50))
             row["error_word_after_timing"] = run.error()
+            if name == "dense":
+                x = act[:, :d_in].to(torch.bfloat16)
+                w = [o.w for o in ops]
+                v0 = 2 * (w[0].shape[0] // 3)
+
+                def chain():
+                    y = F.linear(x, w[0])
+                    y = F.linear(y[:, v0:], w[1])
+                    y = F.linear(y, w[2])
+                    return F.linear(y[:, :w[3].shape[1]], w[3])
+                row["torch_ms"] = statistics.median(time_fn(chain, iters=50))
     except Exception as e:  # noqa: BLE001 - reported, not fatal
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     return row
@@ -122,7 +146,7 @@ def main() -> None:
     rows += [task_gemv_case(p) for p in sorted(glob.glob(os.path.join(a.dir, "libtask_gemv-*.so")))]
     for r in rows:
         for k in ("ms", "torch_ms"):
-            if k in r:
+            if k in r and r.get("bytes"):
                 r[k.replace("ms", "gbps")] = r["bytes"] / r[k] / 1e6
                 r[k.replace("ms", "pct_of_copy")] = r["bytes"] / r[k] / 1e6 / copy["gbps"]
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)

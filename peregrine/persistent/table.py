@@ -374,4 +374,4 @@ def moe_block(post_norm, gate_w, bias, w13, w2, shared13, shared2, k: int, scali
            Experts("down", w2, hbuf, parts, sel, k, per_slot_in=True, weighted=True),
            Gemv("shared_up", shared13, 0, sh, norm=post_norm, gated=True), Gemv("shared_down", shared2, sh, shout),
            Combine("combine", parts, k, D, 0, shout, out)]
-    return ops, out + D, {D: torch.cat([bias.float().flatten(), torch.tensor([float(scaling)])])}, out
+    return ops, out + D, {D: torch.cat([bias.float().flatten(), bias.new_full((1,), float(scaling)).float()])}, out

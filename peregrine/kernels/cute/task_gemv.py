@@ -17,7 +17,9 @@ Its reference is persistent/table.py's `reference` (and `interpret` runs the sam
 sm_90a without a GPU (tests/test_cute_kernels.py); not run on a GPU yet, not used by the model. Known limits of
 this first form: x is read from global memory (L1) per element, not staged in shared memory; one CTA per SM.
 """
-from ...persistent.table import BK, BN, BLK0, COUNT0, COUNT1, DST, KBLK, SIGNAL, SRC, WAIT0, WAIT1
+from ...persistent.table import (BK, BLK0, BN, COUNT0, COUNT1, DST, EPS, ESTRIDE, EXPERT, EXTRA, FLAGS, GATED, GEMV,
+                                 IDS, KBLK, KIND, N_OUT, NORM, PCOUNT, PWAIT, RESID, SIGNAL, SLOT, SRC, TOKEN, TOPK,
+                                 TOPK_K, WAIT0, WAIT1, WEIGHTED)
 
 STAGES = 6                # ring depth: 6 x 16 KB blocks in flight per SM
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
@@ -27,31 +29,151 @@ MAX_POLLS = 1 << 20       # ~0.1-1 s of polling before a wait gives up and write
 SLEEP_NS = 100            # between polls: leaves the memory system to the loads that matter
 
 
-def build(B: int):
-    """The kernel for B tokens and its host-side launcher (cute.jit); the DSL is an optional extra."""
+def build(B: int, max_experts: int = 256):
+    """The kernel for B tokens (routers of at most max_experts experts) and its host-side launcher (cute.jit); the
+    DSL is an optional extra."""
     import cutlass
     import cutlass.cute as cute
     import cutlass.pipeline as pipeline
+    from cutlass import Float32, Int32
     from cutlass._mlir.dialects import llvm
     from cutlass.cute.nvgpu import cpasync
+
+    EPT = -(-max_experts // 128)  # router scores each consumer thread holds
+    NEG = -3.0e38                 # below every score: a taken or absent expert
 
     def nanosleep():
         llvm.inline_asm(None, [], f"nanosleep.u32 {SLEEP_NS};", "", has_side_effects=True, asm_dialect=0)
 
     @cute.jit
-    def wait(counters: cute.Tensor, err: cute.Tensor, ctr: cutlass.Int32, target: cutlass.Int32,
-             task: cutlass.Int32):
+    def wait(counters: cute.Tensor, err: cute.Tensor, ctr: Int32, target: Int32, task: Int32):
         if ctr >= 0:
             ptr = (counters.iterator + ctr).llvm_ptr
-            v = cute.arch.load(ptr, cutlass.Int32, sem="acquire", scope="gpu")
-            polls = cutlass.Int32(0)
+            v = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+            polls = Int32(0)
             while (v - target < 0) & (polls < MAX_POLLS):
                 nanosleep()
-                v = cute.arch.load(ptr, cutlass.Int32, sem="acquire", scope="gpu")
+                v = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
                 polls += 1
             if v - target < 0:
-                cute.arch.atomic_cas(err.iterator.llvm_ptr, cmp=cutlass.Int32(0), val=task + 1, sem="relaxed",
-                                     scope="gpu")
+                cute.arch.atomic_cas(err.iterator.llvm_ptr, cmp=Int32(0), val=task + 1, sem="relaxed", scope="gpu")
+
+    @cute.jit
+    def consumer_sum(v: Float32, red: cute.Tensor, slot: cutlass.Constexpr, c: Int32) -> Float32:
+        """The sum of v over the 128 consumer threads (shuffles, then the 4 warps through shared memory)."""
+        for off in cutlass.range_constexpr(5):
+            v += cute.arch.shuffle_sync_bfly(v, offset=16 >> off)
+        if c % 32 == 0:
+            red[slot * 4 + c // 32] = v
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=128)
+        return red[slot * 4] + red[slot * 4 + 1] + red[slot * 4 + 2] + red[slot * 4 + 3]
+
+    @cute.jit
+    def reduce_blocks(acc: cute.Tensor, act: cute.Tensor, sW: cute.Tensor, pipe, cs, row0: Int32,
+                      rows: cutlass.Constexpr, src: Int32, kb: Int32, row: Int32, half: Int32):
+        """acc[r] += this thread's half of sW's row `row` . act[row0 + r, src:], over kb streamed blocks."""
+        for r in cutlass.range_constexpr(rows):
+            acc[r] = Float32(0.0)
+        for k in cutlass.range(kb, unroll=1):
+            pipe.consumer_wait(cs)
+            base = src + k * BK + half * (BK // 2)
+            for j in cutlass.range_constexpr(BK // 2):
+                wv = sW[row, half * (BK // 2) + j, cs.index].to(Float32)
+                for r in cutlass.range_constexpr(rows):
+                    acc[r] += wv * act[row0 + r, base + j]
+            pipe.consumer_release(cs)
+            cs.advance()
+        for r in cutlass.range_constexpr(rows):
+            acc[r] = acc[r] + cute.arch.shuffle_sync_bfly(acc[r], offset=1)
+
+    @cute.jit
+    def gemv_task(act: cute.Tensor, sW: cute.Tensor, red: cute.Tensor, pipe, cs, tasks: cute.Tensor, t: Int32,
+                  row0: Int32, rows: cutlass.Constexpr, c: Int32, accg: cute.Tensor, accu: cute.Tensor,
+                  scale: cute.Tensor):
+        """A GEMV (rows = B, row0 = 0) or routed-expert (rows = 1, row0 = the token) row tile."""
+        row, half = c // 2, c % 2
+        src, dst, kb, flags = tasks[t, SRC], tasks[t, DST], tasks[t, KBLK], tasks[t, FLAGS]
+        for r in cutlass.range_constexpr(rows):
+            scale[r] = Float32(1.0)
+        if flags & NORM:  # RMSNorm's 1 / rms of each input row; its weight is in the columns
+            for r in cutlass.range_constexpr(rows):
+                ss = Float32(0.0)
+                for i in cutlass.range(c, kb * BK, 128, unroll=1):
+                    x = act[row0 + r, src + i]
+                    ss += x * x
+                scale[r] = cute.math.rsqrt(consumer_sum(ss, red, r % 2, c) / (kb * BK).to(Float32) + EPS)
+        reduce_blocks(accg, act, sW, pipe, cs, row0, rows, src, kb, row, half)
+        if flags & GATED:
+            reduce_blocks(accu, act, sW, pipe, cs, row0, rows, src, kb, row, half)
+        for r in cutlass.range_constexpr(rows):
+            y = accg[r] * scale[r]
+            if flags & GATED:
+                y = y / (Float32(1.0) + cute.math.exp(-y)) * (accu[r] * scale[r])
+            if tasks[t, KIND] == GEMV:
+                if tasks[t, RESID] >= 0:
+                    y += act[row0 + r, tasks[t, RESID] + row]
+            if flags & WEIGHTED:
+                y *= act[row0 + r, tasks[t, IDS] + tasks[t, TOPK_K] + tasks[t, SLOT]]
+            if half == 0:
+                act[row0 + r, dst + row] = y
+
+    @cute.jit
+    def topk_task(act: cute.Tensor, red: cute.Tensor, tasks: cute.Tensor, t: Int32, c: Int32, ch: cute.Tensor,
+                  sc: cute.Tensor):
+        """Per token: top-k of sigmoid + bias, expert c + 128 i held by consumer c; k rounds of a 128-thread argmax
+        (ties to the lower expert) whose winner's owner writes its id and score; then one thread renormalizes the
+        k scores and applies the scaling factor (the constant after the bias)."""
+        src, dst, bias, E, k = tasks[t, SRC], tasks[t, DST], tasks[t, RESID], tasks[t, N_OUT], tasks[t, TOPK_K]
+        for b in cutlass.range_constexpr(B):
+            for i in cutlass.range_constexpr(EPT):
+                ch[i], sc[i] = Float32(NEG), Float32(0.0)
+                e = c + 128 * i
+                if e < E:
+                    sc[i] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-act[b, src + e]))
+                    ch[i] = sc[i] + act[b, bias + e]
+            for r in cutlass.range(k, unroll=1):
+                best, bi = Float32(NEG), Int32(1 << 30)
+                for i in cutlass.range_constexpr(EPT):
+                    if ch[i] > best:  # i rises with the expert id: strict > keeps the lower one on a tie
+                        best, bi = ch[i], c + 128 * i
+                for off in cutlass.range_constexpr(5):
+                    ob = cute.arch.shuffle_sync_bfly(best, offset=16 >> off)
+                    oi = cute.arch.shuffle_sync_bfly(bi, offset=16 >> off)
+                    if (ob > best) | ((ob == best) & (oi < bi)):
+                        best, bi = ob, oi
+                if c % 32 == 0:
+                    red[c // 32] = best
+                    red[4 + c // 32] = bi.to(Float32)
+                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=128)
+                wb, wi = red[0], red[4]
+                for w in cutlass.range_constexpr(1, 4):
+                    if (red[w] > wb) | ((red[w] == wb) & (red[4 + w] < wi)):
+                        wb, wi = red[w], red[4 + w]
+                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=128)
+                for i in cutlass.range_constexpr(EPT):
+                    if c + 128 * i == wi.to(Int32):
+                        act[b, dst + r] = wi
+                        act[b, dst + k + r] = sc[i]
+                        ch[i] = Float32(NEG)
+            cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=128)
+            if c == 0:
+                total = Float32(0.0)
+                for r in cutlass.range(k, unroll=1):
+                    total += act[b, dst + k + r]
+                f = act[b, bias + E] / total
+                for r in cutlass.range(k, unroll=1):
+                    act[b, dst + k + r] = act[b, dst + k + r] * f
+
+    @cute.jit
+    def combine_task(act: cute.Tensor, tasks: cute.Tensor, t: Int32, c: Int32):
+        """out = resid + extra + sum over the k routed parts, one row of the tile a thread (64 of 128)."""
+        if c < BN:
+            src, n, k = tasks[t, SRC], tasks[t, N_OUT], tasks[t, TOPK_K]
+            for b in cutlass.range_constexpr(B):
+                y = act[b, tasks[t, RESID] + c] + act[b, tasks[t, EXTRA] + c]
+                for s in cutlass.range(k, unroll=1):
+                    y += act[b, src + s * n + c]
+                act[b, tasks[t, DST] + c] = y
 
     @cute.kernel
     def task_kernel(tma_atom: cute.CopyAtom, mPool: cute.Tensor, act: cute.Tensor, tasks: cute.Tensor,
@@ -64,10 +186,12 @@ def build(B: int):
         @cute.struct
         class Storage:
             bars: cute.struct.MemRange[cutlass.Int64, STAGES * 2]
+            red: cute.struct.MemRange[Float32, 8]   # cross-warp sums and the router's argmax
             sW: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BN * BK * STAGES], 128]
 
         st = cutlass.utils.SmemAllocator().allocate(Storage)
         sW = st.sW.get_tensor(staged)
+        red = st.red.get_tensor(cute.make_layout(8))
         pipe = pipeline.PipelineTmaAsync.create(
             num_stages=STAGES, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4), tx_count=BN * BK * 2,
@@ -76,6 +200,7 @@ def build(B: int):
         tWsW, tWgW = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
                                            cute.group_modes(gW, 0, 2))
         n_list = lists.shape[1]
+        epoch = epoch_t[0]
         if warp < 4:  # warpgroup 0: the producer
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
@@ -83,47 +208,51 @@ def build(B: int):
                 for n in cutlass.range(n_list, unroll=1):
                     t = lists[bidx, n]
                     if t >= 0:
-                        b0 = tasks[t, BLK0]
-                        for k in cutlass.range(tasks[t, KBLK], unroll=1):
-                            pipe.producer_acquire(ps)
-                            cute.copy(tma_atom, tWgW[(None, b0 + k, 0)], tWsW[(None, ps.index)],
-                                      tma_bar_ptr=pipe.producer_get_barrier(ps))
-                            pipe.producer_commit(ps)
-                            ps.advance()
-        else:  # warpgroup 1: the consumers, two threads a row
+                        kind = tasks[t, KIND]
+                        if (kind == GEMV) | (kind == EXPERT):
+                            b0 = tasks[t, BLK0]
+                            if kind == EXPERT:  # its weights follow the router: the one wait a producer makes
+                                wait(counters, err, tasks[t, PWAIT], epoch * tasks[t, PCOUNT], t)
+                                e = act[tasks[t, TOKEN], tasks[t, IDS] + tasks[t, SLOT]].to(Int32)
+                                b0 += e * tasks[t, ESTRIDE]
+                            nb = tasks[t, KBLK]
+                            if tasks[t, FLAGS] & GATED:
+                                nb = nb * 2
+                            for k in cutlass.range(nb, unroll=1):
+                                pipe.producer_acquire(ps)
+                                cute.copy(tma_atom, tWgW[(None, b0 + k, 0)], tWsW[(None, ps.index)],
+                                          tma_bar_ptr=pipe.producer_get_barrier(ps))
+                                pipe.producer_commit(ps)
+                                ps.advance()
+        else:  # warpgroup 1: the consumers
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             c = tidx - 128
-            row, half = c // 2, c % 2
-            epoch = epoch_t[0]
             cs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-            acc = cute.make_rmem_tensor((B,), cutlass.Float32)
+            accg = cute.make_rmem_tensor((B,), Float32)
+            accu = cute.make_rmem_tensor((B,), Float32)
+            scale = cute.make_rmem_tensor((B,), Float32)
+            ch = cute.make_rmem_tensor((EPT,), Float32)
+            sc = cute.make_rmem_tensor((EPT,), Float32)
             for n in cutlass.range(n_list, unroll=1):
                 t = lists[bidx, n]
                 if t >= 0:
-                    src, dst = tasks[t, SRC], tasks[t, DST]
+                    kind = tasks[t, KIND]
                     if c == 0:
                         wait(counters, err, tasks[t, WAIT0], epoch * tasks[t, COUNT0], t)
                         wait(counters, err, tasks[t, WAIT1], epoch * tasks[t, COUNT1], t)
                     cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=128)
-                    for b in cutlass.range_constexpr(B):
-                        acc[b] = cutlass.Float32(0.0)
-                    for k in cutlass.range(tasks[t, KBLK], unroll=1):
-                        pipe.consumer_wait(cs)
-                        base = src + k * BK + half * (BK // 2)
-                        for j in cutlass.range_constexpr(BK // 2):
-                            wv = sW[row, half * (BK // 2) + j, cs.index].to(cutlass.Float32)
-                            for b in cutlass.range_constexpr(B):
-                                acc[b] += wv * act[b, base + j]
-                        pipe.consumer_release(cs)
-                        cs.advance()
-                    for b in cutlass.range_constexpr(B):
-                        v = acc[b] + cute.arch.shuffle_sync_bfly(acc[b], offset=1)
-                        if half == 0:
-                            act[b, dst + row] = v
+                    if kind == GEMV:
+                        gemv_task(act, sW, red, pipe, cs, tasks, t, Int32(0), B, c, accg, accu, scale)
+                    elif kind == EXPERT:
+                        gemv_task(act, sW, red, pipe, cs, tasks, t, tasks[t, TOKEN], 1, c, accg, accu, scale)
+                    elif kind == TOPK:
+                        topk_task(act, red, tasks, t, c, ch, sc)
+                    else:
+                        combine_task(act, tasks, t, c)
                     cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=128)
                     if c == 0:
                         cute.arch.fence_acq_rel_gpu()
-                        cute.arch.red((counters.iterator + tasks[t, SIGNAL]).llvm_ptr, cutlass.Int32(1), op="add",
+                        cute.arch.red((counters.iterator + tasks[t, SIGNAL]).llvm_ptr, Int32(1), op="add",
                                       dtype="s32", sem="release", scope="gpu")
 
     @cute.jit
@@ -153,6 +282,25 @@ def fake_args(B: int, blocks: int, width: int, n_tasks: int, ctas: int, per_cta:
     return (make_fake_tensor(cutlass.BFloat16, (blocks * BN, BK), stride=(BK, 1), assumed_align=16),
             make_fake_tensor(cutlass.Float32, (B, width), stride=(width, 1), assumed_align=16),
             i32(n_tasks, FIELDS), i32(ctas, per_cta), i32(n_counters), i32(1), i32(1))
+
+
+def case(name: str, make, model: str = "kimi-linear-48b-a3b"):
+    """The op lists the kernel is built and measured for, at a model's widths: "dense" (a KDA layer's dense GEMVs
+    as one chain, persistent/table.py's dense_chain) or "moe" (its MoE block from the residual to the layer's output,
+    moe_block). make(*shape) gives a weight (a vector for a norm). -> (ops, width, consts, input columns)"""
+    from ...config import resolve_model
+    from ...persistent import table as tb
+    c, _ = resolve_model(model)
+    D, E, I, k = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.num_experts_per_token
+    Is = I * max(1, c.num_shared_experts)
+    if name == "dense":
+        ops, width = tb.dense_chain(D, c.kda_num_heads * c.kda_head_dim, Is, make)
+        return ops, width, {}, D
+    if name == "moe":
+        ops, width, consts, _ = tb.moe_block(make(D), make(E, D), make(E), make(E, 2 * I, D), make(E, D, I),
+                                             make(2 * Is, D), make(D, Is), k, c.routed_scaling_factor)
+        return ops, width, consts, D
+    raise ValueError(f"unknown case {name!r} (dense, moe)")
 
 
 def shape_args(table, B: int) -> dict:
