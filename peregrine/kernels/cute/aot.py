@@ -114,6 +114,6 @@ def build_shared(jit_fn, args, num_tensors: int, out: str) -> str:
                .replace("ARGS", "".join(f"&t[{i}], " for i in range(num_tensors))))
         with open(os.path.join(d, "entry.c"), "w") as fh:
             fh.write(src)
-        subprocess.run(["cc", "-shared", "-fPIC", "-O2", os.path.join(d, "entry.c"), os.path.join(d, "k.o"),
+        subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-Wl,-Bsymbolic", os.path.join(d, "entry.c"), os.path.join(d, "k.o"),
                         runtime_archive(), "-o", out], check=True, capture_output=True, text=True)
     return out

@@ -25,7 +25,7 @@ def _cudart() -> ctypes.CDLL:
 class CuteLibrary:
     def __init__(self, path: str):
         self.runtime = _cudart()
-        self.lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        self.lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)  # each library its own symbols: they share names
         err = self.lib.cute_load()
         if err:
             raise RuntimeError(f"{path}: loading the kernel failed (CUDA error {err})")
