@@ -69,53 +69,49 @@ def build(B: int, max_experts: int = 256):
         return red[slot * 4] + red[slot * 4 + 1] + red[slot * 4 + 2] + red[slot * 4 + 3]
 
     @cute.jit
-    def reduce_blocks(acc: cute.Tensor, act: cute.Tensor, sW: cute.Tensor, pipe, cs, row0: Int32,
-                      rows: cutlass.Constexpr, src: Int32, kb: Int32, row: Int32, half: Int32):
-        """acc[r] += this thread's half of sW's row `row` . act[row0 + r, src:], over kb streamed blocks."""
-        for r in cutlass.range_constexpr(rows):
-            acc[r] = Float32(0.0)
-        for k in cutlass.range(kb, unroll=1):
-            pipe.consumer_wait(cs)
-            base = src + k * BK + half * (BK // 2)
-            for j in cutlass.range_constexpr(BK // 2):
-                wv = sW[row, half * (BK // 2) + j, cs.index].to(Float32)
-                for r in cutlass.range_constexpr(rows):
-                    acc[r] += wv * act[row0 + r, base + j]
-            pipe.consumer_release(cs)
-            cs.advance()
-        for r in cutlass.range_constexpr(rows):
-            acc[r] = acc[r] + cute.arch.shuffle_sync_bfly(acc[r], offset=1)
+    def add_block(acc: cute.Tensor, act: cute.Tensor, sW: cute.Tensor, stage: Int32, row0: Int32,
+                  rows: cutlass.Constexpr, x0: Int32, row: Int32, half: Int32):
+        """acc[r] += this thread's half of a ring stage's row `row` . act[row0 + r, x0:x0 + BK] (the pipeline is
+        waited on and released by the caller: its state must stay in the kernel's own loops)."""
+        base = x0 + half * (BK // 2)
+        for j in cutlass.range_constexpr(BK // 2):
+            wv = sW[row, half * (BK // 2) + j, stage].to(Float32)
+            for r in cutlass.range_constexpr(rows):
+                acc[r] += wv * act[row0 + r, base + j]
 
     @cute.jit
-    def gemv_task(act: cute.Tensor, sW: cute.Tensor, red: cute.Tensor, pipe, cs, tasks: cute.Tensor, t: Int32,
-                  row0: Int32, rows: cutlass.Constexpr, c: Int32, accg: cute.Tensor, accu: cute.Tensor,
-                  scale: cute.Tensor):
-        """A GEMV (rows = B, row0 = 0) or routed-expert (rows = 1, row0 = the token) row tile."""
-        row, half = c // 2, c % 2
-        src, dst, kb, flags = tasks[t, SRC], tasks[t, DST], tasks[t, KBLK], tasks[t, FLAGS]
+    def norm_scale(act: cute.Tensor, red: cute.Tensor, scale: cute.Tensor, row0: Int32, rows: cutlass.Constexpr,
+                   src: Int32, K: Int32, norm: Int32, c: Int32):
+        """scale[r] = 1 / rms of the input row (RMSNorm; its weight is in the columns), or 1."""
         for r in cutlass.range_constexpr(rows):
             scale[r] = Float32(1.0)
-        if flags & NORM:  # RMSNorm's 1 / rms of each input row; its weight is in the columns
+        if norm != 0:
             for r in cutlass.range_constexpr(rows):
                 ss = Float32(0.0)
-                for i in cutlass.range(c, kb * BK, 128, unroll=1):
+                for i in cutlass.range(c, K, 128, unroll=1):
                     x = act[row0 + r, src + i]
                     ss += x * x
-                scale[r] = cute.math.rsqrt(consumer_sum(ss, red, r % 2, c) / (kb * BK).to(Float32) + EPS)
-        reduce_blocks(accg, act, sW, pipe, cs, row0, rows, src, kb, row, half)
-        if flags & GATED:
-            reduce_blocks(accu, act, sW, pipe, cs, row0, rows, src, kb, row, half)
+                scale[r] = cute.math.rsqrt(consumer_sum(ss, red, r % 2, c) / K.to(Float32) + EPS)
+
+    @cute.jit
+    def gemv_out(act: cute.Tensor, tasks: cute.Tensor, t: Int32, row0: Int32, rows: cutlass.Constexpr, c: Int32,
+                 accg: cute.Tensor, accu: cute.Tensor, scale: cute.Tensor):
+        """A GEMV or routed-expert tile's epilogue: the two threads of a row summed, SwiGLU, residual or the slot's
+        weight, stored."""
+        row, half = c // 2, c % 2
+        flags = tasks[t, FLAGS]
         for r in cutlass.range_constexpr(rows):
-            y = accg[r] * scale[r]
+            y = (accg[r] + cute.arch.shuffle_sync_bfly(accg[r], offset=1)) * scale[r]
+            u = (accu[r] + cute.arch.shuffle_sync_bfly(accu[r], offset=1)) * scale[r]
             if flags & GATED:
-                y = y / (Float32(1.0) + cute.math.exp(-y)) * (accu[r] * scale[r])
+                y = y / (Float32(1.0) + cute.math.exp(-y)) * u
             if tasks[t, KIND] == GEMV:
                 if tasks[t, RESID] >= 0:
                     y += act[row0 + r, tasks[t, RESID] + row]
             if flags & WEIGHTED:
                 y *= act[row0 + r, tasks[t, IDS] + tasks[t, TOPK_K] + tasks[t, SLOT]]
             if half == 0:
-                act[row0 + r, dst + row] = y
+                act[row0 + r, tasks[t, DST] + row] = y
 
     @cute.jit
     def topk_task(act: cute.Tensor, red: cute.Tensor, tasks: cute.Tensor, t: Int32, c: Int32, ch: cute.Tensor,
@@ -241,10 +237,38 @@ def build(B: int, max_experts: int = 256):
                         wait(counters, err, tasks[t, WAIT0], epoch * tasks[t, COUNT0], t)
                         wait(counters, err, tasks[t, WAIT1], epoch * tasks[t, COUNT1], t)
                     cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=128)
-                    if kind == GEMV:
-                        gemv_task(act, sW, red, pipe, cs, tasks, t, Int32(0), B, c, accg, accu, scale)
-                    elif kind == EXPERT:
-                        gemv_task(act, sW, red, pipe, cs, tasks, t, tasks[t, TOKEN], 1, c, accg, accu, scale)
+                    if (kind == GEMV) | (kind == EXPERT):
+                        src, kb = tasks[t, SRC], tasks[t, KBLK]
+                        row0 = Int32(0)
+                        if kind == EXPERT:
+                            row0 = tasks[t, TOKEN]
+                            norm_scale(act, red, scale, row0, 1, src, kb * BK, tasks[t, FLAGS] & NORM, c)
+                        else:
+                            norm_scale(act, red, scale, row0, B, src, kb * BK, tasks[t, FLAGS] & NORM, c)
+                        for r in cutlass.range_constexpr(B):
+                            accg[r], accu[r] = Float32(0.0), Float32(0.0)
+                        nb = kb
+                        if tasks[t, FLAGS] & GATED:
+                            nb = kb * 2
+                        for k in cutlass.range(nb, unroll=1):  # gate blocks into accg, then up blocks into accu
+                            pipe.consumer_wait(cs)
+                            x0 = src + (k % kb) * BK
+                            if kind == EXPERT:
+                                if k < kb:
+                                    add_block(accg, act, sW, cs.index, row0, 1, x0, c // 2, c % 2)
+                                else:
+                                    add_block(accu, act, sW, cs.index, row0, 1, x0, c // 2, c % 2)
+                            else:
+                                if k < kb:
+                                    add_block(accg, act, sW, cs.index, row0, B, x0, c // 2, c % 2)
+                                else:
+                                    add_block(accu, act, sW, cs.index, row0, B, x0, c // 2, c % 2)
+                            pipe.consumer_release(cs)
+                            cs.advance()
+                        if kind == EXPERT:
+                            gemv_out(act, tasks, t, row0, 1, c, accg, accu, scale)
+                        else:
+                            gemv_out(act, tasks, t, row0, B, c, accg, accu, scale)
                     elif kind == TOPK:
                         topk_task(act, red, tasks, t, c, ch, sc)
                     else:
