@@ -48,11 +48,18 @@ VERIFY_GEMM_ENV = "PEREGRINE_VERIFY_GEMM"  # "triton": verify steps' 17..64-row 
 # verify steps' MLA, rows of a sequence per program: 1 (default: the rows share the sequence's table and length in
 # the kernel, no expand), 2 (M = 64, the latent read T / 2 times; ptxas spills: opt-in until measured), 0 (before)
 VERIFY_MLA_ENV = "PEREGRINE_MLA_VERIFY_ROWS"
-# MXFP4 experts: "v3" (default; the checkpoint layout) or "v4" (kernels/moe_mxfp4_v4.py: the experts repacked in
-# place at start, the standard path dequantizing the same tensors); v4 becomes the default only on an H200 run
-# that shows it faster at the same B (scripts/gpu_mxfp4_v4.sh, then bench decode on k3-slice per variant)
+# MXFP4 experts: "v4" (kernels/moe_mxfp4_v4.py: the experts repacked in place at start, the standard path
+# dequantizing the same tensors; the default on Hopper: 0.86 / 0.89 / 0.87 / 0.82x v3's k3-slice step at B = 1, 2, 4,
+# 8 on an H100, results/2026-12-05-session27) or "v3" (the checkpoint layout; the default elsewhere: v4's Gluon
+# kernel is Hopper's, its portable form the interpreter's)
 MXFP4_ENV = "PEREGRINE_MXFP4"
 MXFP4_FORMS = ("v3", "v4")
+
+
+def _hopper_weights(module) -> bool:
+    """Whether a module's weights live on a Hopper GPU (sm_90)."""
+    t = next(iter([*module.parameters(), *module.buffers()]), None)
+    return t is not None and t.is_cuda and torch.cuda.get_device_capability(t.device)[0] == 9
 
 
 def _verify_rows() -> int:
@@ -121,7 +128,7 @@ class SpecializedRunner:
         moes = [l.mlp for l in model.layers if l.is_moe and l.mlp.mx]
         if not moes:
             return None
-        form = os.environ.get(MXFP4_ENV, "v3")
+        form = os.environ.get(MXFP4_ENV) or ("v4" if _hopper_weights(moes[0]) else "v3")
         if form not in MXFP4_FORMS:
             raise ValueError(f"{MXFP4_ENV}={form!r}: expected one of {', '.join(MXFP4_FORMS)}")
         if form == "v4" and any(m.mx_layout != "v4" for m in moes):

@@ -48,7 +48,11 @@ MAX_TOKENS = 64                   # verify steps up to 64 rows an expert; more t
 # it ~18 bytes, so above ~0.22 the issue rate, not the bandwidth, is the limit); from 16 tokens BK = 64, where
 # BK = 128 makes ptxas serialize the wgmmas (C7515) at some shapes. bench kernels_moe_mxfp4 --v4 sweeps the rest.
 DEFAULTS = {"BLOCK_I": 64, "BLOCK_D": 128, "BK": 64, "STAGES": 6, "WARPS": 4}
-SMALL_B = {"BK": 128, "STAGES": 4}  # at most 8 tokens (one wgmma N of 8)
+# the fastest of bench kernels_moe_mxfp4 --v4's sweep on k3-slice (H100, results/2026-12-05-session27): one token
+# two warpgroups on 128 / 256-row tiles, 2..8 tokens BK 64 with 4 stages
+ONE_TOKEN = {"BLOCK_I": 128, "BLOCK_D": 256, "BK": 64, "STAGES": 4, "WARPS": 8}
+SMALL_B = {"BK": 64, "STAGES": 4}  # at most 8 tokens (one wgmma N of 8)
+MIN_BLOCK_I = 64  # one warpgroup's gate / up split in registers needs two rows a thread
 KEYS = tuple(DEFAULTS)
 
 # One repacked word (register $4) and its group's scale as BF16x2 ($5) -> four BF16x2 registers $0..$3, register
@@ -258,8 +262,11 @@ def _mx4_kernel(x_ptr, q_ptr, s_ptr, ids_ptr, out_ptr, B, R, KG, N_OUT, x_row_st
 
 
 def _config(config: dict | None, B: int) -> dict:
-    c = {**DEFAULTS, **(SMALL_B if B <= MIN_TOKENS else {}), **(config or {})}
+    c = {**DEFAULTS, **(ONE_TOKEN if B == 1 else SMALL_B if B <= MIN_TOKENS else {}), **(config or {})}
     assert c["BK"] in (32, 64, 128) and c["WARPS"] in (4, 8), c
+    if c["WARPS"] == 4 and c["BLOCK_I"] < MIN_BLOCK_I:
+        raise ValueError(f"BLOCK_I={c['BLOCK_I']} with one warpgroup: the gate / up split needs at least "
+                         f"{MIN_BLOCK_I} rows (two values a thread)")
     return c
 
 

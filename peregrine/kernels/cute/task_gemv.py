@@ -27,6 +27,7 @@ THREADS = 256             # two warpgroups: producer, consumers
 CONSUMER_BARRIER = 1      # named barrier among the 128 consumer threads (0 is __syncthreads)
 MAX_POLLS = 1 << 20       # ~0.1-1 s of polling before a wait gives up and writes the error word
 SLEEP_NS = 100            # between polls: leaves the memory system to the loads that matter
+UNROLL = 8                # a block's K loop unrolled this far
 
 
 def build(B: int, max_experts: int = 256):
@@ -74,7 +75,7 @@ def build(B: int, max_experts: int = 256):
         """acc[r] += this thread's half of a ring stage's row `row` . act[row0 + r, x0:x0 + BK] (the pipeline is
         waited on and released by the caller: its state must stay in the kernel's own loops)."""
         base = x0 + half * (BK // 2)
-        for j in cutlass.range_constexpr(BK // 2):
+        for j in cutlass.range(BK // 2, unroll=UNROLL):  # unrolled whole, B = 8 spilled its hoisted loads
             wv = sW[row, half * (BK // 2) + j, stage].to(Float32)
             for r in cutlass.range_constexpr(rows):
                 acc[r] += wv * act[row0 + r, base + j]
@@ -196,7 +197,6 @@ def build(B: int, max_experts: int = 256):
         tWsW, tWgW = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
                                            cute.group_modes(gW, 0, 2))
         n_list = lists.shape[1]
-        epoch = epoch_t[0]
         if warp < 4:  # warpgroup 0: the producer
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
@@ -208,7 +208,7 @@ def build(B: int, max_experts: int = 256):
                         if (kind == GEMV) | (kind == EXPERT):
                             b0 = tasks[t, BLK0]
                             if kind == EXPERT:  # its weights follow the router: the one wait a producer makes
-                                wait(counters, err, tasks[t, PWAIT], epoch * tasks[t, PCOUNT], t)
+                                wait(counters, err, tasks[t, PWAIT], epoch_t[0] * tasks[t, PCOUNT], t)
                                 e = act[tasks[t, TOKEN], tasks[t, IDS] + tasks[t, SLOT]].to(Int32)
                                 b0 += e * tasks[t, ESTRIDE]
                             nb = tasks[t, KBLK]
@@ -223,6 +223,7 @@ def build(B: int, max_experts: int = 256):
         else:  # warpgroup 1: the consumers
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             c = tidx - 128
+            epoch = epoch_t[0]
             cs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
             accg = cute.make_rmem_tensor((B,), Float32)
             accu = cute.make_rmem_tensor((B,), Float32)
