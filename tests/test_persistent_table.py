@@ -85,7 +85,9 @@ def test_a_wait_never_met_is_reported_not_hung():
 def test_encode_refuses_what_the_kernel_cannot_run():
     w = torch.zeros(BN, BK)
     with pytest.raises(ValueError, match="multiple"):
-        tb.encode([tb.Gemv("odd", torch.zeros(BN + 1, BK), 0, BK)], 4 * BK, 2)
+        tb.encode([tb.Gemv("odd", torch.zeros(BN, BK + 1), 0, 2 * BK)], 4 * BK, 2)
+    with pytest.raises(ValueError, match="multiple"):
+        tb.encode([tb.Gemv("odd gated", torch.zeros(2 * BN + 2, BK), 0, BK, gated=True)], 4 * BK, 2)
     with pytest.raises(ValueError, match="outside"):
         tb.encode([tb.Gemv("far", w, 0, 4 * BK)], 4 * BK, 2)
     with pytest.raises(ValueError, match="single-assignment"):
@@ -172,3 +174,66 @@ def test_the_48b_moe_block_encodes_at_its_widths():
     assert int((kinds == tb.EXPERT).sum()) == 8 * 8 * (1024 // BN + 2304 // BN)
     assert int((kinds == tb.TOPK).sum()) == 1 and d_in == 2304
     assert t.pool.shape[0] // BN == (256 * 3 * 1024 * 2304 + 256 * 2304 + 3 * 1024 * 2304) // (BN * BK)
+
+
+def test_a_gemv_of_odd_rows_is_padded_to_whole_tiles():
+    """The 48B in-projection's 12 576 rows are not whole tiles: the pool pads them with zero rows and the op owns
+    the padded columns (nothing else may write them)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(BN + 5, BK, generator=g).to(torch.bfloat16).float()
+    t = tb.encode([tb.Gemv("odd", w, 0, BK)], BK + 2 * BN, 2)
+    assert t.tiles == [2]
+    act = torch.full((2, BK + 2 * BN), float("nan"))
+    act[:, :BK] = torch.randn(2, BK, generator=g)
+    assert tb.interpret(t, act, torch.zeros(1, dtype=torch.int64), 1) == 0
+    torch.testing.assert_close(act[:, BK:BK + BN + 5], act[:, :BK] @ w.T, rtol=1e-5, atol=1e-5)
+    assert (act[:, BK + BN + 5:] == 0).all()
+    with pytest.raises(ValueError, match="single-assignment"):  # the padding is the op's
+        tb.encode([tb.Gemv("odd", w, 0, BK), tb.Gemv("next", torch.zeros(BN, BK), 0, BK + BN + 5)], BK + 4 * BN, 2)
+
+
+def layer_weights(seed, bounded):
+    """persistent/tasks.py's LayerWeights with BF16-exact matrices and power-of-two RMSNorm weights (folding them
+    into BF16 columns is exact), head width 128 (the kernel's: one consumer thread a column of the state)."""
+    from peregrine.persistent.tasks import LayerWeights
+    g = torch.Generator().manual_seed(seed)
+    D, H, d, r, E, I, Is, k, W = 2 * BK, 2, BK, BK, 2 * BN, BK, BK, 3, 4
+    Hd = H * d
+    bf = lambda *s, sc: (torch.randn(*s, generator=g) * sc).to(torch.bfloat16).float()  # noqa: E731
+    p2 = lambda n: 2.0 ** torch.randint(-1, 2, (n,), generator=g).float()  # noqa: E731
+    return LayerWeights(
+        in_norm=p2(D), in_proj=bf(3 * Hd + 2 * r + H, D, sc=D ** -0.5), f_b=bf(Hd, r, sc=r ** -0.5),
+        g_b=bf(Hd, r, sc=r ** -0.5), conv_w=torch.randn(3 * Hd, W, generator=g) * 0.5,
+        A_log=torch.randn(H, generator=g) * 0.5, dt_bias=torch.randn(Hd, generator=g) * 0.2,
+        o_norm=1 + 0.2 * torch.randn(d, generator=g), o_proj=bf(D, Hd, sc=Hd ** -0.5), post_norm=p2(D),
+        gate_w=bf(E, D, sc=D ** -0.5), bias=torch.randn(E, generator=g) * 0.05, w13=bf(E, 2 * I, D, sc=D ** -0.5),
+        w2=bf(E, D, I, sc=I ** -0.5), shared13=bf(2 * Is, D, sc=D ** -0.5), shared2=bf(D, Is, sc=Is ** -0.5),
+        H=H, d=d, top_k=k, lower_bound=-5.0 if bounded else None)
+
+
+@pytest.mark.parametrize("B,ctas,bounded", [(1, 5, False), (3, 9, True)])
+def test_the_whole_kda_layer_equals_the_chain_in_any_interleaving(B, ctas, bounded):
+    """One KDA decoder layer with its MoE block as one table: in the lists' order and in random interleavings,
+    over two steps (counters not zeroed), its output and KDA states equal persistent/tasks.py's chain (the layer
+    through each kernel's FP32 reference)."""
+    from peregrine.persistent.tasks import chain
+    w = layer_weights(B, bounded)
+    ops, width, consts, out = tb.kda_layer(w)
+    t = tb.encode(ops, width, ctas, B)
+    g = torch.Generator().manual_seed(10 + B)
+    slots = torch.randperm(B + 2, generator=g)[:B]
+    state = torch.randn(B + 2, w.H, w.d, w.d, generator=g) * 0.1
+    conv = torch.randn(B + 2, w.conv_w.shape[1] - 1, 3 * w.H * w.d, generator=g)
+    kda = {"state": state.clone(), "conv_state": conv.clone(), "slots": slots}
+    counters = torch.zeros(t.n_counters, dtype=torch.int64)
+    for epoch, rng in ((1, None), (2, random.Random(B))):
+        act = torch.full((B, width), float("nan"))
+        tb.load_consts(act, consts)
+        act[:, :w.in_proj.shape[1]] = torch.randn(B, w.in_proj.shape[1], generator=g)
+        want = chain(w, act[:, :w.in_proj.shape[1]].clone(), state, conv, slots)  # updates state, conv
+        assert tb.interpret(t, act, counters, epoch, rng, kda) == 0
+        torch.testing.assert_close(act[:, out:out + want.shape[1]], want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(kda["state"], state, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(kda["conv_state"], conv, rtol=1e-5, atol=1e-6)  # q|k|v: the norm after the GEMV
+    kinds = t.tasks[:, tb.KIND]
+    assert int((kinds == tb.KDA).sum()) == w.H and int((t.tasks[kinds == tb.KDA][:, tb.WAIT2] >= 0).all())

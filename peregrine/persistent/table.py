@@ -28,14 +28,17 @@ from .emulator import check_schedule, schedule
 from .tasks import Region, Task, derive_deps
 
 BN, BK = 64, 128     # a weight block: 64 rows x 128 values, 16 KB of BF16, one TMA copy
-MAX_WAITS = 2        # ops a task's consumers may wait on (an expert's down waits for its up and the router)
+MAX_WAITS = 3        # ops a task's consumers may wait on (a KDA head: the in-projection and its two gate GEMVs)
 EPS = 1e-5           # RMSNorm epsilon the kernel is compiled with (the 48B's and K3's rms_norm_eps)
-GEMV, TOPK, EXPERT, COMBINE = range(4)   # task kinds
-NORM, GATED, WEIGHTED = 1, 2, 4          # flags: RMSNorm of the input, SwiGLU of gate and up rows, scale by the slot's weight
+GEMV, TOPK, EXPERT, COMBINE, KDA = range(5)   # task kinds
+NORM, GATED, WEIGHTED, BOUNDED = 1, 2, 4, 8    # flags: RMSNorm of the input, SwiGLU of gate and up rows, scale by the
+#                                                slot's weight; KDA: the bounded gate (else softplus)
+EPS_QK = 1e-6        # KDA's q / k L2-norm epsilon (kernels/kda.py)
 # task table columns
 (KIND, BLK0, KBLK, SRC, DST, SIGNAL, WAIT0, COUNT0, WAIT1, COUNT1, PWAIT, PCOUNT, FLAGS, TOKEN, SLOT, IDS, ESTRIDE,
- RESID, N_OUT, TOPK_K, EXTRA) = range(21)
-FIELDS = 21
+ RESID, N_OUT, TOPK_K, EXTRA, WAIT2, COUNT2, HEAD, FCOL, BCOL, RCOL, PARAM) = range(28)
+FIELDS = 28
+WAITS = ((WAIT0, COUNT0), (WAIT1, COUNT1), (WAIT2, COUNT2))
 
 
 @dataclass
@@ -94,6 +97,34 @@ class Combine:
 
 
 @dataclass
+class Kda:
+    """The KDA recurrence, one task per head h (kernels/kda.py's decode, T = 1): q | k | v of the head from
+    act[:, qkv:qkv + 3Hd] through the short convolution (its state `conv_state` [slots, W - 1, 3Hd]) and SiLU, the
+    gate from act[:, f:f + Hd] (+ dt_bias), beta = sigmoid(act[:, b + h]), the state [slots, H, d, d] updated in
+    place, the output's gated RMSNorm with act[:, r:r + Hd]; writes act[:, dst + h d : ...]. Its small weights
+    (conv_w [3Hd, W], A_log [H], dt_bias [Hd], o_norm [d]) go to the table's FP32 params."""
+    name: str
+    qkv: int
+    f: int
+    b: int
+    r: int
+    dst: int
+    conv_w: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    o_norm: torch.Tensor
+    lower_bound: float | None = None   # None: softplus gate
+
+    @property
+    def H(self) -> int:
+        return self.A_log.numel()
+
+    @property
+    def d(self) -> int:
+        return self.o_norm.numel()
+
+
+@dataclass
 class Table:
     pool: torch.Tensor      # [blocks * BN, BK] BF16
     tasks: torch.Tensor     # [T, FIELDS] int32
@@ -102,6 +133,7 @@ class Table:
     width: int              # S: the activation scratch's columns
     tiles: list[int]        # tasks per op (a counter's count per epoch)
     B: int
+    params: torch.Tensor    # FP32: the KDA ops' small weights (a task's PARAM field is its op's offset)
 
 
 def _rows(op) -> int:
@@ -109,12 +141,22 @@ def _rows(op) -> int:
     return op.w.shape[-2] // (2 if op.gated else 1)
 
 
+def _padded(op) -> int:
+    """A GEMV's output columns: its rows rounded up to whole tiles (the in-projection's q|k|v|f|g|b is not), the
+    extra rows' weights zero."""
+    return -(-_rows(op) // BN) * BN
+
+
 def _io(op, B: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]], int]:
     """(column ranges it reads, column ranges it writes, its task count)."""
     if isinstance(op, Gemv):
-        N, K = _rows(op), op.w.shape[-1]
+        N, K = _padded(op), op.w.shape[-1]
         reads = [(op.src, op.src + K)] + ([(op.resid, op.resid + N)] if op.resid is not None else [])
         return reads, [(op.dst, op.dst + N)], N // BN
+    if isinstance(op, Kda):
+        Hd = op.H * op.d
+        return [(op.qkv, op.qkv + 3 * Hd), (op.f, op.f + Hd), (op.b, op.b + op.H), (op.r, op.r + Hd)], \
+            [(op.dst, op.dst + Hd)], op.H
     if isinstance(op, TopK):
         return [(op.src, op.src + op.E), (op.bias, op.bias + op.E + 1)], [(op.dst, op.dst + 2 * op.k)], 1
     if isinstance(op, Experts):
@@ -143,7 +185,7 @@ def encode(ops: list, width: int, ctas: int, B: int = 1) -> Table:
     written by earlier ops or are the step's inputs and constants) over an activation scratch of `width` columns."""
     io = [_io(op, B) for op in ops]
     for j, (op, (reads, writes, _)) in enumerate(zip(ops, io)):
-        if hasattr(op, "w") and (_rows(op) % BN or op.w.shape[-1] % BK):
+        if hasattr(op, "w") and ((_rows(op) % BN and (op.gated or isinstance(op, Experts))) or op.w.shape[-1] % BK):
             raise ValueError(f"{op.name}: W is {tuple(op.w.shape)}; rows must be a multiple of {BN} and columns of {BK}")
         if isinstance(op, Combine) and op.n % BN:
             raise ValueError(f"{op.name}: {op.n} columns, not a multiple of {BN}")
@@ -161,7 +203,8 @@ def encode(ops: list, width: int, ctas: int, B: int = 1) -> Table:
     tasks: list[Task] = []
     fields: list[list[int]] = []
     blocks: list[torch.Tensor] = []
-    nblk = 0
+    params: list[torch.Tensor] = []
+    nblk, nparam = 0, 0
     for j, op in enumerate(ops):
         reads = io[j][0]
         waits = [i for i in range(len(ops)) if i != j and any(r0 < w1 and w0 < r1 for r0, r1 in reads
@@ -176,8 +219,8 @@ def encode(ops: list, width: int, ctas: int, B: int = 1) -> Table:
             pwait = next((i for i in waits if any(w0 < op.ids + op.k and op.ids < w1 for w0, w1 in io[i][1])), -1)
         base = [0] * FIELDS
         base[SIGNAL], base[PWAIT], base[PCOUNT] = j, pwait, tiles[pwait] if pwait >= 0 else 0
-        for n, i in enumerate(waits + [-1] * (MAX_WAITS - len(waits))):
-            base[(WAIT0, WAIT1)[n]], base[(COUNT0, COUNT1)[n]] = i, tiles[i] if i >= 0 else 0
+        for (wf, cf), i in zip(WAITS, waits + [-1] * (MAX_WAITS - len(waits))):
+            base[wf], base[cf] = i, tiles[i] if i >= 0 else 0
         # the schedule waits for whole ops, as the counters do, not only for the tiles a task reads
         sched_reads = tuple(Region("act", lo, hi) for i in waits + ([pwait] if pwait >= 0 else []) for lo, hi in io[i][1])
         mine: list[tuple[list[int], tuple[int, int], int]] = []  # (fields, columns written, weight bytes)
@@ -187,6 +230,9 @@ def encode(ops: list, width: int, ctas: int, B: int = 1) -> Table:
             flags = (NORM if op.norm is not None else 0) | (GATED if op.gated else 0)
             nb = BN * K * g * 2
             if isinstance(op, Gemv):
+                if N % BN:
+                    w = torch.cat([w, w.new_zeros(_padded(op) - N, K)])
+                    N = _padded(op)
                 for t in range(N // BN):
                     f = base.copy()
                     f[KIND], f[BLK0], f[KBLK], f[SRC], f[DST], f[FLAGS], f[N_OUT] = GEMV, nblk, K // BK, op.src, op.dst + t * BN, flags, N
@@ -209,6 +255,19 @@ def encode(ops: list, width: int, ctas: int, B: int = 1) -> Table:
                             f[FLAGS], f[N_OUT] = flags | (WEIGHTED if op.weighted else 0), N
                             mine.append((f, (f[DST], f[DST] + BN), nb))
                 nblk += w.shape[0] * per_expert
+        elif isinstance(op, Kda):
+            Hd = op.H * op.d
+            for h in range(op.H):
+                f = base.copy()
+                f[KIND], f[SRC], f[DST], f[HEAD], f[N_OUT], f[PARAM] = KDA, op.qkv, op.dst + h * op.d, h, Hd, nparam
+                f[FCOL], f[BCOL], f[RCOL] = op.f, op.b, op.r
+                f[FLAGS] = BOUNDED if op.lower_bound is not None else 0
+                f[EXTRA], f[TOPK_K] = op.d, op.conv_w.shape[1]  # the head's width, the convolution's
+                mine.append((f, (f[DST], f[DST] + op.d), op.conv_w.shape[1] * 3 * op.d * 4))
+            part = [op.conv_w.float().flatten(), op.A_log.float().flatten(), op.dt_bias.float().flatten(),
+                    op.o_norm.float().flatten(), op.A_log.new_full((1,), op.lower_bound or 0.0).float()]
+            params += part
+            nparam += sum(x.numel() for x in part)
         elif isinstance(op, TopK):
             f = base.copy()
             f[KIND], f[SRC], f[DST], f[RESID], f[N_OUT], f[TOPK_K] = TOPK, op.src, op.dst, op.bias, op.E, op.k
@@ -231,7 +290,8 @@ def encode(ops: list, width: int, ctas: int, B: int = 1) -> Table:
         x = sorted(x, key=lambda i: (start[i], i))
         lst[c, :len(x)] = torch.tensor(x, dtype=torch.int32)
     pool = torch.cat(blocks) if blocks else torch.zeros(BN, BK, dtype=torch.bfloat16)
-    return Table(pool, torch.tensor(fields, dtype=torch.int32), lst, len(ops), width, tiles, B)
+    par = torch.cat(params) if params else torch.zeros(1)
+    return Table(pool, torch.tensor(fields, dtype=torch.int32), lst, len(ops), width, tiles, B, par)
 
 
 def _gemv(x, w, flags):
@@ -253,11 +313,26 @@ def _select(logits, consts, k):
     return ids, w / w.sum(-1, keepdim=True) * consts[:, -1:]
 
 
-def reference(ops: list, act: torch.Tensor) -> torch.Tensor:
+def _kda(qkv, f, b, r, conv_w, A_log, dt_bias, o_norm, lower_bound, st: dict):
+    """kernels/kda.py's FP32 decode reference, one token each, over the states in st (updated in place)."""
+    from ..kernels.kda import kda_decode_ref
+    return kda_decode_ref(qkv[:, None], f[:, None], b[:, None], r[:, None], conv_w, A_log, dt_bias, o_norm, st["state"],
+                          st["conv_state"], st["slots"], gate="softplus" if lower_bound is None else "bounded",
+                          lower_bound=-5.0 if lower_bound is None else lower_bound, eps_qk=EPS_QK, eps_o=EPS)[:, 0]
+
+
+def reference(ops: list, act: torch.Tensor, kda: dict | None = None) -> torch.Tensor:
     """The ops in FP32, one after another as whole tensors, from the weights the pool holds (`folded`): the scratch
-    after the step. Independent of the table: no tiles, no pool layout, no task order."""
+    after the step. Independent of the table: no tiles, no pool layout, no task order. kda: the KDA ops' state,
+    conv_state and slots (updated in place)."""
     act = act.clone()
     for op in ops:
+        if isinstance(op, Kda):
+            Hd = op.H * op.d
+            act[:, op.dst:op.dst + Hd] = _kda(act[:, op.qkv:op.qkv + 3 * Hd], act[:, op.f:op.f + Hd],
+                                              act[:, op.b:op.b + op.H], act[:, op.r:op.r + Hd], op.conv_w, op.A_log,
+                                              op.dt_bias, op.o_norm, op.lower_bound, kda)
+            continue
         if isinstance(op, Gemv):
             N, K = _rows(op), op.w.shape[-1]
             flags = (NORM if op.norm is not None else 0) | (GATED if op.gated else 0)
@@ -281,11 +356,27 @@ def reference(ops: list, act: torch.Tensor) -> torch.Tensor:
     return act
 
 
-def _run(tb: Table, t: int, act: torch.Tensor, pool: torch.Tensor) -> None:
+def _run(tb: Table, t: int, act: torch.Tensor, pool: torch.Tensor, kda: dict | None) -> None:
     """One task of the table, as the kernel's consumers compute it (FP32, on the CPU)."""
     f = tb.tasks[t].tolist()
     kind, src, dst, flags = f[KIND], f[SRC], f[DST], f[FLAGS]
-    if kind in (GEMV, EXPERT):
+    if kind == KDA:  # one head, its weights read from the params at the task's offset
+        h, Hd, d, W, p0 = f[HEAD], f[N_OUT], f[EXTRA], f[TOPK_K], f[PARAM]
+        H = Hd // d
+        conv = tb.params[p0:p0 + 3 * Hd * W].view(3 * Hd, W)
+        a_log = tb.params[p0 + 3 * Hd * W:p0 + 3 * Hd * W + H]
+        dtb = tb.params[p0 + 3 * Hd * W + H:p0 + 3 * Hd * W + H + Hd]
+        onorm = tb.params[p0 + 3 * Hd * W + H + Hd:p0 + 3 * Hd * W + H + Hd + d]
+        lb = float(tb.params[p0 + 3 * Hd * W + H + Hd + d]) if flags & BOUNDED else None
+        cols = torch.cat([torch.arange(h * d, (h + 1) * d) + j * Hd for j in range(3)])  # q, k, v of head h
+        c = slice(h * d, (h + 1) * d)
+        st = {"state": kda["state"][:, h:h + 1], "conv_state": kda["conv_state"][:, :, cols], "slots": kda["slots"]}
+        o = _kda(act[:, src + cols], act[:, f[FCOL] + h * d:f[FCOL] + (h + 1) * d], act[:, f[BCOL] + h:f[BCOL] + h + 1],
+                 act[:, f[RCOL] + h * d:f[RCOL] + (h + 1) * d], conv[cols], a_log[h:h + 1], dtb[c], onorm, lb, st)
+        kda["state"][:, h:h + 1] = st["state"]
+        kda["conv_state"][:, :, cols] = st["conv_state"]
+        act[:, dst:dst + d] = o
+    elif kind in (GEMV, EXPERT):
         rows = slice(f[TOKEN], f[TOKEN] + 1) if kind == EXPERT else slice(None)
         b0 = f[BLK0] + (int(act[f[TOKEN], f[IDS] + f[SLOT]]) * f[ESTRIDE] if kind == EXPERT else 0)
         g = 2 if flags & GATED else 1
@@ -307,11 +398,11 @@ def _run(tb: Table, t: int, act: torch.Tensor, pool: torch.Tensor) -> None:
 
 
 def interpret(tb: Table, act: torch.Tensor, counters: torch.Tensor, epoch: int,
-              rng: random.Random | None = None) -> int:
+              rng: random.Random | None = None, kda: dict | None = None) -> int:
     """Run the encoded table as the CTAs would, on the CPU: at each point one CTA whose next task's waits (its
     producer's too) are met runs that task (drawn by rng, else the lowest CTA), reading its weights from the
     pool's blocks. Returns the error word: 0, or the id + 1 of a task still waiting when no CTA can go on (where the
-    kernel's bounded wait would fire). `act` and `counters` (int64) are updated in place."""
+    kernel's bounded wait would fire). `act`, `counters` (int64) and the KDA states in `kda` are updated in place."""
     pc = [0] * tb.lists.shape[0]
     pool = tb.pool.float()
 
@@ -321,7 +412,7 @@ def interpret(tb: Table, act: torch.Tensor, counters: torch.Tensor, epoch: int,
     def ready(t):
         f = tb.tasks[t].tolist()
         return all(f[w] < 0 or int(counters[f[w]]) - epoch * f[n] >= 0
-                   for w, n in ((WAIT0, COUNT0), (WAIT1, COUNT1), (PWAIT, PCOUNT)))
+                   for w, n in WAITS + ((PWAIT, PCOUNT),))
     while True:
         live = [c for c in range(len(pc)) if next_task(c) >= 0]
         if not live:
@@ -331,7 +422,7 @@ def interpret(tb: Table, act: torch.Tensor, counters: torch.Tensor, epoch: int,
             return min(next_task(c) for c in live) + 1
         c = rng.choice(go) if rng else go[0]
         t = next_task(c)
-        _run(tb, t, act, pool)
+        _run(tb, t, act, pool, kda)
         counters[int(tb.tasks[t, SIGNAL])] += 1
         pc[c] += 1
 
@@ -355,23 +446,47 @@ def dense_chain(D: int, Hd: int, Is: int, make) -> tuple[list[Gemv], int]:
     return ops, out + D
 
 
-def moe_block(post_norm, gate_w, bias, w13, w2, shared13, shared2, k: int, scaling: float):
-    """A MoE block from the residual after attention (columns [0, D)) to the layer's output: RMSNorm folded into
-    the router, routed up and shared up; top-k (its weights times the scaling factor, a constant beside the bias);
-    routed experts up (SwiGLU) and down (times the slot's weight); the shared expert; one combine.
-    -> (ops, width, consts, output column)"""
+def moe_block(post_norm, gate_w, bias, w13, w2, shared13, shared2, k: int, scaling: float, src: int = 0,
+              base: int | None = None):
+    """A MoE block from the residual after attention (columns [src, src + D)) to the layer's output, its own
+    columns from `base` (default: after the residual): RMSNorm folded into the router, routed up and shared up;
+    top-k (its weights times the scaling factor, a constant beside the bias); routed experts up (SwiGLU) and down
+    (times the slot's weight); the shared expert; one combine. -> (ops, width, consts, output column)"""
     E, D = gate_w.shape
     I, Is = w2.shape[2], shared2.shape[1]
-    logits = D + E + 1        # [D, D + E] holds the bias and the scaling factor
+    c0 = src + D if base is None else base  # [c0, c0 + E] holds the bias and the scaling factor
+    logits = c0 + E + 1
     sel = logits + E
     hbuf = sel + 2 * k
     parts = hbuf + k * I
     sh = parts + k * D
     shout = sh + Is
     out = shout + D
-    ops = [Gemv("router", gate_w, 0, logits, norm=post_norm), TopK("topk", logits, sel, D, E, k),
-           Experts("up", w13, 0, hbuf, sel, k, norm=post_norm, gated=True),
+    ops = [Gemv("router", gate_w, src, logits, norm=post_norm), TopK("topk", logits, sel, c0, E, k),
+           Experts("up", w13, src, hbuf, sel, k, norm=post_norm, gated=True),
            Experts("down", w2, hbuf, parts, sel, k, per_slot_in=True, weighted=True),
-           Gemv("shared_up", shared13, 0, sh, norm=post_norm, gated=True), Gemv("shared_down", shared2, sh, shout),
-           Combine("combine", parts, k, D, 0, shout, out)]
-    return ops, out + D, {D: torch.cat([bias.float().flatten(), bias.new_full((1,), float(scaling)).float()])}, out
+           Gemv("shared_up", shared13, src, sh, norm=post_norm, gated=True), Gemv("shared_down", shared2, sh, shout),
+           Combine("combine", parts, k, D, src, shout, out)]
+    return ops, out + D, {c0: torch.cat([bias.float().flatten(), bias.new_full((1,), float(scaling)).float()])}, out
+
+
+def kda_layer(w, scaling: float = 1.0):
+    """One KDA decoder layer with its MoE block (persistent/tasks.py's LayerWeights), from its input residual
+    (columns [0, D)) to its output: the in-projection (input RMSNorm folded), the two gate low-ranks, the KDA
+    recurrence per head, the output projection plus the residual, then moe_block. -> (ops, width, consts, output
+    column); the KDA ops take reference's / interpret's `kda` states."""
+    P, D = w.in_proj.shape
+    H, d, r = w.H, w.d, w.f_b.shape[1]
+    Hd = H * d
+    proj = D
+    f = proj + -(-P // BN) * BN
+    g = f + Hd
+    o = g + Hd
+    resid2 = o + Hd
+    ops = [Gemv("in_proj", w.in_proj, 0, proj, norm=w.in_norm),
+           Gemv("f_b", w.f_b, proj + 3 * Hd, f), Gemv("g_b", w.g_b, proj + 3 * Hd + r, g),
+           Kda("kda", proj, f, proj + 3 * Hd + 2 * r, g, o, w.conv_w, w.A_log, w.dt_bias, w.o_norm, w.lower_bound),
+           Gemv("o_proj", w.o_proj, o, resid2, resid=0)]
+    moe, width, consts, out = moe_block(w.post_norm, w.gate_w, w.bias, w.w13, w.w2, w.shared13, w.shared2, w.top_k,
+                                        scaling, src=resid2)
+    return ops + moe, width, consts, out
