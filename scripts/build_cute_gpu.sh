@@ -18,15 +18,16 @@ from peregrine.kernels.cute import aot, weight_stream as ws
 assert aot.runtime_archive().split("/")[-3] == "cu13", aot.runtime_archive()
 for N, K in ((4096, 2304), (32768, 8192)):  # the 48B o_proj's shape (correctness), and 512 MB (bandwidth)
     print(aot.build_shared(ws.build(), ws.fake_args(N, K) + (132,), 3, f".cute/libweight_stream-{N}x{K}.so"))
-# the persistent task kernel over the 48B layer's dense GEMV chain and its MoE block, one library per case and B,
-# its shapes beside it
+# the persistent task kernel over the 48B layer's dense GEMV chain, its MoE block and the whole KDA layer, one
+# library per case and B (B + 1 KDA state slots), its shapes beside it
 import json, torch
 from peregrine.kernels.cute import task_gemv as tg
 from peregrine.persistent import table as tb
-for name in ("dense", "moe"):
-    ops, width, _, _ = tg.case(name, lambda *s: torch.empty(*s, device="meta"))
+for name in ("dense", "moe", "layer"):
+    ops, width, _, _, kda = tg.case(name, lambda *s: torch.empty(*s, device="meta"))
     for B in (1, 2, 4, 8):
-        shapes = tg.shape_args(tb.encode(ops, width, 132, B), B)
-        print(aot.build_shared(tg.build(B), tg.fake_args(**shapes), 7, f".cute/libtask_gemv-48b{name}-b{B}.so"))
-        json.dump({"case": name, **shapes}, open(f".cute/libtask_gemv-48b{name}-b{B}.json", "w"))
+        shapes = tg.shape_args(tb.encode(ops, width, 132, B), B, kda, B + 1)
+        out = f".cute/libtask_gemv-48b{name}-b{B}.so"
+        print(aot.build_shared(tg.build(B, conv=kda[2] if kda else 4), tg.fake_args(**shapes), tg.N_TENSORS, out))
+        json.dump({"case": name, **shapes}, open(out[:-3] + ".json", "w"))
 PY

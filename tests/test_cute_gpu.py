@@ -1,6 +1,7 @@
 """CuTe kernels on the GPU (issue #46), from the libraries scripts/build_cute_gpu.sh builds on a CPU machine (.cute/,
-carried to the device): the persistent task kernel over the 48B layer's dense GEMV chain and over its MoE block
-(router, top-k, routed experts, shared expert, combine) equals the ops' FP32 reference (the router's choice exactly)
+carried to the device): the persistent task kernel over the 48B layer's dense GEMV chain, its MoE block (router,
+top-k, routed experts, shared expert, combine) and the whole KDA layer equals the ops' FP32 reference (the router's
+choice exactly, the KDA states too)
 over two steps whose counters are never zeroed, and a wait that can never be met writes the error word and returns
 instead of hanging. Skipped without a GPU or without the built library."""
 import os
@@ -12,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["dense", "moe"])
+@pytest.mark.parametrize("case", ["dense", "moe", "layer"])
 @pytest.mark.parametrize("B", [1, 2, 4, 8])
 def test_task_gemv_equals_its_ops_and_trips_its_error_word(case, B):
     path = os.path.join(ROOT, ".cute", f"libtask_gemv-48b{case}-b{B}.so")

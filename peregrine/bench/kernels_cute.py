@@ -73,32 +73,45 @@ def task_gemv_case(path: str, timed: bool = True) -> dict:
         if len(shape) == 1:  # a norm weight or the router's bias
             return 1 + 0.1 * torch.randn(shape, device="cuda", generator=g)
         return (torch.randn(shape, device="cuda", generator=g) * shape[-1] ** -0.5).to(torch.bfloat16)
-    ops, width, consts, d_in = tg.case(name, make)
+    ops, width, consts, d_in, kda_shape = tg.case(name, make)
     try:
         t0 = time.perf_counter()
         t = tb.encode(ops, width, compiled["ctas"], B)
         row["encode_s"] = time.perf_counter() - t0
         if name == "dense":
             row["bytes"] = t.pool.numel() * 2
-        run = tg.Runner(path, t, B, compiled)
+        kda = want_kda = None
+        if kda_shape is not None:  # B + 1 state slots, the tokens on a shuffled B of them
+            H, d, W = kda_shape
+            S = compiled["kda_slots"]
+            kda = {"state": 0.1 * torch.randn(S, H, d, d, device="cuda", generator=g),
+                   "conv_state": torch.randn(S, W - 1, 3 * H * d, device="cuda", generator=g),
+                   "slots": torch.randperm(S, device="cuda", generator=g)[:B].to(torch.int32)}
+            want_kda = {k: v.clone() for k, v in kda.items()}
+        run = tg.Runner(path, t, B, compiled, kda)
         errs = []
         for step in range(2):
             act = torch.full((B, width), float("nan"), device="cuda")
             tb.load_consts(act, consts)
             act[:, :d_in] = torch.randn(B, d_in, device="cuda", generator=g)
-            want = tb.reference(ops, act)
+            want = tb.reference(ops, act, want_kda)
             run.step(act)
             torch.cuda.synchronize()
             errs.append(float((act - want).norm() / want.norm()))
-            if name == "moe":  # the router's choice, exactly
-                sel = ops[1].dst
-                row.setdefault("ids_equal", []).append(bool(torch.equal(act[:, sel:sel + ops[1].k],
-                                                                         want[:, sel:sel + ops[1].k])))
+            if kda is not None:
+                errs += [float((kda[k] - want_kda[k]).norm() / want_kda[k].norm()) for k in ("state", "conv_state")]
+            topk = next((o for o in ops if isinstance(o, tb.TopK)), None)
+            if topk is not None:  # the router's choice, exactly
+                sel = topk.dst
+                row.setdefault("ids_equal", []).append(bool(torch.equal(act[:, sel:sel + topk.k],
+                                                                         want[:, sel:sel + topk.k])))
         row["rel_err"], row["error_word"] = max(errs), run.error()
-        if name == "moe":  # the floor: the router, the shared expert and each chosen expert once
-            E, I2, D = ops[2].w.shape
-            sel, k = ops[1].dst, ops[1].k
-            per_expert, fixed = 3 * (I2 // 2) * D * 2, (E * D + sum(o.w.numel() for o in ops[4:6])) * 2
+        if topk is not None:  # the floor: every other weight once, each chosen expert once
+            experts = [o for o in ops if isinstance(o, tb.Experts)]
+            E, I2, D = experts[0].w.shape
+            sel, k = topk.dst, topk.k
+            per_expert = 3 * (I2 // 2) * D * 2
+            fixed = sum(o.w.numel() * 2 for o in ops if isinstance(o, tb.Gemv)) + t.params.numel() * 4
             row["experts"] = int(act[:, sel:sel + k].long().unique().numel())
             row["bytes"] = fixed + row["experts"] * per_expert
             row["bytes_streamed"] = fixed + B * k * per_expert  # this form streams an expert per (token, slot)
@@ -109,7 +122,7 @@ def task_gemv_case(path: str, timed: bool = True) -> dict:
         victim = int((bad.tasks[:, tb.SIGNAL] == len(ops) - 1).nonzero()[0])
         bad.tasks[victim, tb.COUNT0] += 1  # one task more than its input op has: never met
         t0 = time.perf_counter()
-        stuck = tg.Runner(path, bad, B, compiled)
+        stuck = tg.Runner(path, bad, B, compiled, None if kda is None else {k: v.clone() for k, v in kda.items()})
         stuck.step(act)
         torch.cuda.synchronize()
         row["missing_dep"] = {"error_word": stuck.error(), "want": victim + 1, "s": time.perf_counter() - t0}

@@ -17,9 +17,10 @@ Its reference is persistent/table.py's `reference` (and `interpret` runs the sam
 sm_90a without a GPU (tests/test_cute_kernels.py); not run on a GPU yet, not used by the model. Known limits of
 this first form: x is read from global memory (L1) per element, not staged in shared memory; one CTA per SM.
 """
-from ...persistent.table import (BK, BLK0, BN, COUNT0, COUNT1, DST, EPS, ESTRIDE, EXPERT, EXTRA, FLAGS, GATED, GEMV,
-                                 IDS, KBLK, KIND, N_OUT, NORM, PCOUNT, PWAIT, RESID, SIGNAL, SLOT, SRC, TOKEN, TOPK,
-                                 TOPK_K, WAIT0, WAIT1, WEIGHTED)
+from ...persistent.table import (BCOL, BK, BLK0, BN, BOUNDED, COUNT0, COUNT1, COUNT2, DST, EPS, EPS_QK, ESTRIDE, EXPERT,
+                                 EXTRA, FCOL, FLAGS, GATED, GEMV, HEAD, IDS, KBLK, KDA, KIND, N_OUT, NORM, PARAM,
+                                 PCOUNT, PWAIT, RCOL, RESID, SIGNAL, SLOT, SRC, TOKEN, TOPK, TOPK_K, WAIT0, WAIT1, WAIT2,
+                                 WEIGHTED)
 
 STAGES = 6                # ring depth: 6 x 16 KB blocks in flight per SM
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
@@ -28,11 +29,12 @@ CONSUMER_BARRIER = 1      # named barrier among the 128 consumer threads (0 is _
 MAX_POLLS = 1 << 20       # ~0.1-1 s of polling before a wait gives up and writes the error word
 SLEEP_NS = 100            # between polls: leaves the memory system to the loads that matter
 UNROLL = 8                # a block's K loop unrolled this far
+HEAD_DIM = 128            # a KDA head's width: one consumer thread a channel and a column of its state
 
 
-def build(B: int, max_experts: int = 256):
-    """The kernel for B tokens (routers of at most max_experts experts) and its host-side launcher (cute.jit); the
-    DSL is an optional extra."""
+def build(B: int, max_experts: int = 256, conv: int = 4):
+    """The kernel for B tokens (routers of at most max_experts experts, KDA heads of HEAD_DIM with a short
+    convolution of `conv` taps) and its host-side launcher (cute.jit); the DSL is an optional extra."""
     import cutlass
     import cutlass.cute as cute
     import cutlass.pipeline as pipeline
@@ -162,6 +164,60 @@ def build(B: int, max_experts: int = 256):
                     act[b, dst + k + r] = act[b, dst + k + r] * f
 
     @cute.jit
+    def kda_task(act: cute.Tensor, red: cute.Tensor, skv: cute.Tensor, tasks: cute.Tensor, t: Int32, c: Int32,
+                 params: cute.Tensor, state: cute.Tensor, conv_state: cute.Tensor, slots: cute.Tensor,
+                 qkv: cute.Tensor, hist: cute.Tensor):
+        """One KDA head for each token (kernels/kda.py's decode, T = 1): consumer c owns channel c of q, k and v
+        (their convolution, SiLU, L2 norms) and column c of the head's state [d, d] (read twice: decayed . k for the
+        delta rule, then decayed plus k u, stored, . q), then the output's gated RMSNorm."""
+        h, Hd, p0, src = tasks[t, HEAD], tasks[t, N_OUT], tasks[t, PARAM], tasks[t, SRC]
+        H = Hd // HEAD_DIM
+        alog, dtb = p0 + 3 * Hd * conv, p0 + 3 * Hd * conv + H
+        onorm = dtb + Hd
+        a = cute.math.exp(params[alog + h])
+        for b in cutlass.range_constexpr(B):
+            s = slots[b]
+            for which in cutlass.range_constexpr(3):  # q, k, v: the causal convolution over the raw inputs, SiLU
+                ch = which * Hd + h * HEAD_DIM + c
+                for w in cutlass.range_constexpr(conv - 1):
+                    hist[w] = conv_state[s, w, ch]
+                x = act[b, src + ch]
+                y = params[p0 + ch * conv + conv - 1] * x
+                for w in cutlass.range_constexpr(conv - 1):
+                    y += params[p0 + ch * conv + w] * hist[w]
+                for w in cutlass.range_constexpr(conv - 2):
+                    conv_state[s, w, ch] = hist[w + 1]
+                conv_state[s, conv - 2, ch] = x
+                qkv[which] = y / (Float32(1.0) + cute.math.exp(-y))
+            q = qkv[0] * cute.math.rsqrt(consumer_sum(qkv[0] * qkv[0], red, 0, c) + EPS_QK) * (HEAD_DIM ** -0.5)
+            k = qkv[1] * cute.math.rsqrt(consumer_sum(qkv[1] * qkv[1], red, 1, c) + EPS_QK)
+            g = act[b, tasks[t, FCOL] + h * HEAD_DIM + c] + params[dtb + h * HEAD_DIM + c]
+            gam = Float32(0.0)
+            if tasks[t, FLAGS] & BOUNDED:
+                gam = params[onorm + HEAD_DIM] / (Float32(1.0) + cute.math.exp(-a * g))
+            else:  # -a softplus(g), softplus overflow-safe
+                sp = g
+                if g < Float32(20.0):
+                    sp = cute.math.log1p(cute.math.exp(g))
+                gam = -a * sp
+            skv[c], skv[HEAD_DIM + c], skv[2 * HEAD_DIM + c] = q, k, cute.math.exp(gam)
+            cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=128)
+            beta = Float32(1.0) / (Float32(1.0) + cute.math.exp(-act[b, tasks[t, BCOL] + h]))
+            kv = Float32(0.0)
+            for i in cutlass.range(HEAD_DIM, unroll=UNROLL):  # column c of S, decayed by its rows' gates, . k
+                kv += state[s, h, i, c] * skv[2 * HEAD_DIM + i] * skv[HEAD_DIM + i]
+            u = beta * (qkv[2] - kv)
+            o = Float32(0.0)
+            for i in cutlass.range(HEAD_DIM, unroll=UNROLL):  # read again (L1): held in registers, it spilled
+                v = state[s, h, i, c] * skv[2 * HEAD_DIM + i] + skv[HEAD_DIM + i] * u
+                o += v * skv[i]
+                state[s, h, i, c] = v
+            rms = cute.math.rsqrt(consumer_sum(o * o, red, 0, c) / Float32(HEAD_DIM) + EPS)
+            r = act[b, tasks[t, RCOL] + h * HEAD_DIM + c]
+            act[b, tasks[t, DST] + c] = o * rms * params[onorm + c] / (Float32(1.0) + cute.math.exp(-r))
+            cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=128)  # skv is the next token's
+
+    @cute.jit
     def combine_task(act: cute.Tensor, tasks: cute.Tensor, t: Int32, c: Int32):
         """out = resid + extra + sum over the k routed parts, one row of the tile a thread (64 of 128)."""
         if c < BN:
@@ -175,6 +231,7 @@ def build(B: int, max_experts: int = 256):
     @cute.kernel
     def task_kernel(tma_atom: cute.CopyAtom, mPool: cute.Tensor, act: cute.Tensor, tasks: cute.Tensor,
                     lists: cute.Tensor, counters: cute.Tensor, epoch_t: cute.Tensor, err: cute.Tensor,
+                    params: cute.Tensor, state: cute.Tensor, conv_state: cute.Tensor, slots: cute.Tensor,
                     staged: cute.Layout):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -184,11 +241,13 @@ def build(B: int, max_experts: int = 256):
         class Storage:
             bars: cute.struct.MemRange[cutlass.Int64, STAGES * 2]
             red: cute.struct.MemRange[Float32, 8]   # cross-warp sums and the router's argmax
+            skv: cute.struct.MemRange[Float32, 3 * HEAD_DIM]  # a KDA head's normalized q, k and row decays
             sW: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, BN * BK * STAGES], 128]
 
         st = cutlass.utils.SmemAllocator().allocate(Storage)
         sW = st.sW.get_tensor(staged)
         red = st.red.get_tensor(cute.make_layout(8))
+        skv = st.skv.get_tensor(cute.make_layout(3 * HEAD_DIM))
         pipe = pipeline.PipelineTmaAsync.create(
             num_stages=STAGES, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4), tx_count=BN * BK * 2,
@@ -230,6 +289,8 @@ def build(B: int, max_experts: int = 256):
             scale = cute.make_rmem_tensor((B,), Float32)
             ch = cute.make_rmem_tensor((EPT,), Float32)
             sc = cute.make_rmem_tensor((EPT,), Float32)
+            qkv = cute.make_rmem_tensor((3,), Float32)
+            hist = cute.make_rmem_tensor((conv,), Float32)
             for n in cutlass.range(n_list, unroll=1):
                 t = lists[bidx, n]
                 if t >= 0:
@@ -237,6 +298,7 @@ def build(B: int, max_experts: int = 256):
                     if c == 0:
                         wait(counters, err, tasks[t, WAIT0], epoch * tasks[t, COUNT0], t)
                         wait(counters, err, tasks[t, WAIT1], epoch * tasks[t, COUNT1], t)
+                        wait(counters, err, tasks[t, WAIT2], epoch * tasks[t, COUNT2], t)
                     cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=128)
                     if (kind == GEMV) | (kind == EXPERT):
                         src, kb = tasks[t, SRC], tasks[t, KBLK]
@@ -270,6 +332,8 @@ def build(B: int, max_experts: int = 256):
                             gemv_out(act, tasks, t, row0, 1, c, accg, accu, scale)
                         else:
                             gemv_out(act, tasks, t, row0, B, c, accg, accu, scale)
+                    elif kind == KDA:
+                        kda_task(act, red, skv, tasks, t, c, params, state, conv_state, slots, qkv, hist)
                     elif kind == TOPK:
                         topk_task(act, red, tasks, t, c, ch, sc)
                     else:
@@ -282,37 +346,59 @@ def build(B: int, max_experts: int = 256):
 
     @cute.jit
     def launch(pool: cute.Tensor, act: cute.Tensor, tasks: cute.Tensor, lists: cute.Tensor, counters: cute.Tensor,
-               epoch: cute.Tensor, err: cute.Tensor):
+               epoch: cute.Tensor, err: cute.Tensor, params: cute.Tensor, state: cute.Tensor, conv_state: cute.Tensor,
+               slots: cute.Tensor):
         one = cute.make_layout((BN, BK), stride=(BK, 1))
         staged = cute.make_layout((BN, BK, STAGES), stride=(BK, 1, BN * BK))
         tma_atom, tma_tensor = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), pool, one, (BN, BK))
-        task_kernel(tma_atom, tma_tensor, act, tasks, lists, counters, epoch, err, staged).launch(
+        task_kernel(tma_atom, tma_tensor, act, tasks, lists, counters, epoch, err, params, state, conv_state, slots,
+                    staged).launch(
             grid=(lists.shape[0], 1, 1), block=(THREADS, 1, 1))
 
     return launch
 
 
-def fake_args(B: int, blocks: int, width: int, n_tasks: int, ctas: int, per_cta: int, n_counters: int):
+def fake_args(B: int, blocks: int, width: int, n_tasks: int, ctas: int, per_cta: int, n_counters: int,
+              n_params: int = 1, kda_slots: int = 1, kda_heads: int = 1, conv: int = 4, channels: int = 3 * 128):
     """Shape-only arguments for an ahead-of-time compile: the pool [blocks x BN, BK] BF16, act [B, width] FP32,
-    tasks [n_tasks, FIELDS], lists [ctas, per_cta], counters [n_counters], epoch [1], err [1] int32."""
+    tasks [n_tasks, FIELDS], lists [ctas, per_cta], counters [n_counters], epoch [1], err [1] int32, params
+    [n_params] FP32, the KDA state [kda_slots, kda_heads, HEAD_DIM, HEAD_DIM] and conv state [kda_slots, conv - 1,
+    channels] FP32, slots [B] int32 (a table without KDA tasks takes the smallest)."""
     import math
 
     import cutlass
     from cutlass.cute.runtime import make_fake_tensor
     from ...persistent.table import FIELDS
 
-    def i32(*shape):  # row-major int32
-        return make_fake_tensor(cutlass.Int32, shape, stride=tuple(math.prod(shape[k + 1:]) for k in range(len(shape))),
-                                assumed_align=4)
-    return (make_fake_tensor(cutlass.BFloat16, (blocks * BN, BK), stride=(BK, 1), assumed_align=16),
-            make_fake_tensor(cutlass.Float32, (B, width), stride=(width, 1), assumed_align=16),
-            i32(n_tasks, FIELDS), i32(ctas, per_cta), i32(n_counters), i32(1), i32(1))
+    def t(dtype, *shape, align=4):  # row-major
+        return make_fake_tensor(dtype, shape, stride=tuple(math.prod(shape[k + 1:]) for k in range(len(shape))),
+                                assumed_align=align)
+    i32, f32 = cutlass.Int32, cutlass.Float32
+    return (t(cutlass.BFloat16, blocks * BN, BK, align=16), t(f32, B, width, align=16), t(i32, n_tasks, FIELDS),
+            t(i32, ctas, per_cta), t(i32, n_counters), t(i32, 1), t(i32, 1), t(f32, n_params),
+            t(f32, kda_slots, kda_heads, HEAD_DIM, HEAD_DIM), t(f32, kda_slots, conv - 1, channels), t(i32, B))
+
+
+N_TENSORS = 11  # fake_args' tensors: the built library's cute_run takes as many pointers
+
+
+def layer_weights(make, c):
+    """persistent/tasks.py's LayerWeights of a KDA layer at config c's widths, each tensor from make(*shape)."""
+    from ...persistent.tasks import LayerWeights
+    D, H, d, E, I = c.hidden_size, c.kda_num_heads, c.kda_head_dim, c.num_experts, c.moe_intermediate_size
+    Hd, Is = H * d, I * max(1, c.num_shared_experts)
+    return LayerWeights(in_norm=make(D), in_proj=make(3 * Hd + 2 * d + H, D), f_b=make(Hd, d), g_b=make(Hd, d),
+                        conv_w=make(3 * Hd, c.kda_conv_size).float(), A_log=make(H), dt_bias=make(Hd), o_norm=make(d),
+                        o_proj=make(D, Hd), post_norm=make(D), gate_w=make(E, D), bias=make(E), w13=make(E, 2 * I, D),
+                        w2=make(E, D, I), shared13=make(2 * Is, D), shared2=make(D, Is), H=H, d=d,
+                        top_k=c.num_experts_per_token, lower_bound=c.kda_gate_lower_bound)
 
 
 def case(name: str, make, model: str = "kimi-linear-48b-a3b"):
     """The op lists the kernel is built and measured for, at a model's widths: "dense" (a KDA layer's dense GEMVs
-    as one chain, persistent/table.py's dense_chain) or "moe" (its MoE block from the residual to the layer's output,
-    moe_block). make(*shape) gives a weight (a vector for a norm). -> (ops, width, consts, input columns)"""
+    as one chain, persistent/table.py's dense_chain), "moe" (its MoE block from the residual to the layer's output,
+    moe_block) or "layer" (the whole KDA layer with its MoE block, kda_layer). make(*shape) gives a weight (a vector
+    for a norm). -> (ops, width, consts, input columns, the KDA heads, d and conv taps or None)"""
     from ...config import resolve_model
     from ...persistent import table as tb
     c, _ = resolve_model(model)
@@ -320,42 +406,65 @@ def case(name: str, make, model: str = "kimi-linear-48b-a3b"):
     Is = I * max(1, c.num_shared_experts)
     if name == "dense":
         ops, width = tb.dense_chain(D, c.kda_num_heads * c.kda_head_dim, Is, make)
-        return ops, width, {}, D
+        return ops, width, {}, D, None
     if name == "moe":
         ops, width, consts, _ = tb.moe_block(make(D), make(E, D), make(E), make(E, 2 * I, D), make(E, D, I),
                                              make(2 * Is, D), make(D, Is), k, c.routed_scaling_factor)
-        return ops, width, consts, D
-    raise ValueError(f"unknown case {name!r} (dense, moe)")
+        return ops, width, consts, D, None
+    if name == "layer":
+        ops, width, consts, _ = tb.kda_layer(layer_weights(make, c), c.routed_scaling_factor)
+        return ops, width, consts, D, (c.kda_num_heads, c.kda_head_dim, c.kda_conv_size)
+    raise ValueError(f"unknown case {name!r} (dense, moe, layer)")
 
 
-def shape_args(table, B: int) -> dict:
-    """fake_args' keywords for an encoded table (the compiled kernel is fixed to them)."""
-    return {"B": B, "blocks": table.pool.shape[0] // BN, "width": table.width, "n_tasks": table.tasks.shape[0],
-            "ctas": table.lists.shape[0], "per_cta": table.lists.shape[1], "n_counters": table.n_counters}
+def shape_args(table, B: int, kda=None, kda_slots: int = 1) -> dict:
+    """fake_args' keywords for an encoded table (the compiled kernel is fixed to them); kda: (heads, d, conv taps)
+    of its KDA op, with kda_slots state slots."""
+    a = {"B": B, "blocks": table.pool.shape[0] // BN, "width": table.width, "n_tasks": table.tasks.shape[0],
+         "ctas": table.lists.shape[0], "per_cta": table.lists.shape[1], "n_counters": table.n_counters,
+         "n_params": table.params.numel()}
+    if kda is not None:
+        H, d, W = kda
+        if d != HEAD_DIM:
+            raise ValueError(f"KDA heads of {d}: the kernel's are {HEAD_DIM} (one consumer thread a channel)")
+        a.update(kda_slots=kda_slots, kda_heads=H, conv=W, channels=3 * H * d)
+    return a
 
 
 class Runner:
-    """A built library (aot.build_shared over fake_args(**shape_args(table, B))) with its table on the GPU: step(act)
+    """A built library (aot.build_shared over fake_args(**shape_args(...))) with its table on the GPU: step(act)
     adds 1 to the epoch and launches; the counters live across steps and are never zeroed; `error()` reads the
-    error word (0, or the id + 1 of the first task whose wait ran out)."""
+    error word (0, or the id + 1 of the first task whose wait ran out). kda: the state, conv_state and slots
+    tensors of a table with KDA tasks (else placeholders of the compiled shapes)."""
 
-    def __init__(self, path: str, table, B: int, compiled: dict):
+    def __init__(self, path: str, table, B: int, compiled: dict, kda: dict | None = None):
         import torch
         from .launch import CuteLibrary
-        want = shape_args(table, B)
+        shapes = {k: v for k, v in compiled.items() if k in ("kda_slots", "kda_heads", "conv", "channels")}
+        kda_shape = None if "kda_heads" not in shapes else (shapes["kda_heads"], HEAD_DIM, shapes["conv"])
+        want = shape_args(table, B, kda_shape, shapes.get("kda_slots", 1))
         if want != compiled:
             raise ValueError(f"{path} was compiled for {compiled}, this table needs {want}")
         dev = "cuda"
         self.lib = CuteLibrary(path)
-        self.pool = table.pool.to(dev)
+        self.pool, self.params = table.pool.to(dev), table.params.to(dev, torch.float32)
         self.tasks, self.lists = table.tasks.to(dev), table.lists.to(dev)
         self.counters = torch.zeros(table.n_counters, dtype=torch.int32, device=dev)
         self.epoch = torch.zeros(1, dtype=torch.int32, device=dev)
         self.err = torch.zeros(1, dtype=torch.int32, device=dev)
+        if kda is None:
+            S, H, W, C = (compiled.get(k, v) for k, v in (("kda_slots", 1), ("kda_heads", 1), ("conv", 4),
+                                                           ("channels", 3 * HEAD_DIM)))
+            kda = {"state": torch.zeros(S, H, HEAD_DIM, HEAD_DIM, device=dev),
+                   "conv_state": torch.zeros(S, W - 1, C, device=dev),
+                   "slots": torch.zeros(B, dtype=torch.int32, device=dev)}
+        self.kda = kda
 
     def step(self, act) -> None:
         self.epoch.add_(1)
-        self.lib.run(self.pool, act, self.tasks, self.lists, self.counters, self.epoch, self.err)
+        k = self.kda
+        self.lib.run(self.pool, act, self.tasks, self.lists, self.counters, self.epoch, self.err, self.params,
+                     k["state"], k["conv_state"], k["slots"])
 
     def error(self) -> int:
         return int(self.err.item())
