@@ -237,3 +237,24 @@ def test_the_whole_kda_layer_equals_the_chain_in_any_interleaving(B, ctas, bound
         torch.testing.assert_close(kda["conv_state"], conv, rtol=1e-5, atol=1e-6)  # q|k|v: the norm after the GEMV
     kinds = t.tasks[:, tb.KIND]
     assert int((kinds == tb.KDA).sum()) == w.H and int((t.tasks[kinds == tb.KDA][:, tb.WAIT2] >= 0).all())
+
+
+def test_tokens_sharing_experts_stream_each_once():
+    """Every token routed to the same three experts (their bias far above the rest): the first (token, slot) of each
+    expert serves all the tokens, so the step streams three experts' blocks, not B x k, and still equals the model."""
+    B = 5
+    w = moe_weights(11)
+    w["bias"][:K_M] += 10.0
+    ops, width, consts, out = tb.moe_block(w["post_norm"], w["gate_w"], w["bias"], w["w13"], w["w2"], w["shared13"],
+                                           w["shared2"], K_M, SCALE)
+    t = tb.encode(ops, width, 6, B)
+    act = torch.full((B, width), float("nan"))
+    tb.load_consts(act, consts)
+    act[:, :D_M] = torch.randn(B, D_M, generator=torch.Generator().manual_seed(2))
+    want, ids = moe_model(w, act[:, :D_M].clone())
+    assert (ids.sort(-1).values == torch.arange(K_M)).all()
+    assert tb.interpret(t, act, torch.zeros(t.n_counters, dtype=torch.int64), 1, random.Random(0)) == 0
+    torch.testing.assert_close(act[:, out:out + D_M], want, rtol=1e-5, atol=1e-5)
+    per_expert = (2 * I_M * D_M + D_M * I_M) // (BN * BK)
+    gemv_blocks = sum(o.w.numel() for o in ops if isinstance(o, tb.Gemv)) // (BN * BK)
+    assert tb.streamed_blocks(t, act) == gemv_blocks + K_M * per_expert

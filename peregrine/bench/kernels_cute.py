@@ -114,7 +114,7 @@ def task_gemv_case(path: str, timed: bool = True) -> dict:
             fixed = sum(o.w.numel() * 2 for o in ops if isinstance(o, tb.Gemv)) + t.params.numel() * 4
             row["experts"] = int(act[:, sel:sel + k].long().unique().numel())
             row["bytes"] = fixed + row["experts"] * per_expert
-            row["bytes_streamed"] = fixed + B * k * per_expert  # this form streams an expert per (token, slot)
+            row["bytes_streamed"] = tb.streamed_blocks(t, act) * tb.BN * tb.BK * 2 + t.params.numel() * 4
         if not (row["rel_err"] < TOL and row["error_word"] == 0 and all(row.get("ids_equal", [True]))):
             raise ValueError(f"relative error {row['rel_err']:.2e} (tolerance {TOL}), error word "
                              f"{row['error_word']}, ids equal {row.get('ids_equal')}")

@@ -31,8 +31,8 @@ BN, BK = 64, 128     # a weight block: 64 rows x 128 values, 16 KB of BF16, one 
 MAX_WAITS = 3        # ops a task's consumers may wait on (a KDA head: the in-projection and its two gate GEMVs)
 EPS = 1e-5           # RMSNorm epsilon the kernel is compiled with (the 48B's and K3's rms_norm_eps)
 GEMV, TOPK, EXPERT, COMBINE, KDA = range(5)   # task kinds
-NORM, GATED, WEIGHTED, BOUNDED = 1, 2, 4, 8    # flags: RMSNorm of the input, SwiGLU of gate and up rows, scale by the
-#                                                slot's weight; KDA: the bounded gate (else softplus)
+NORM, GATED, WEIGHTED, BOUNDED, PER_SLOT = 1, 2, 4, 8, 16  # flags: RMSNorm of the input, SwiGLU of gate and up rows,
+#                      scale by the slot's weight; KDA: the bounded gate (else softplus); experts: input per slot
 EPS_QK = 1e-6        # KDA's q / k L2-norm epsilon (kernels/kda.py)
 # task table columns
 (KIND, BLK0, KBLK, SRC, DST, SIGNAL, WAIT0, COUNT0, WAIT1, COUNT1, PWAIT, PCOUNT, FLAGS, TOKEN, SLOT, IDS, ESTRIDE,
@@ -250,10 +250,12 @@ def encode(ops: list, width: int, ctas: int, B: int = 1) -> Table:
                         for t in range(N // BN):
                             f = base.copy()
                             f[KIND], f[BLK0], f[KBLK], f[ESTRIDE] = EXPERT, nblk + t * g * K // BK, K // BK, per_expert
-                            f[SRC] = op.src + (s * K if op.per_slot_in else 0)
-                            f[DST], f[TOKEN], f[SLOT], f[IDS], f[TOPK_K] = op.dst + s * N + t * BN, b, s, op.ids, op.k
-                            f[FLAGS], f[N_OUT] = flags | (WEIGHTED if op.weighted else 0), N
-                            mine.append((f, (f[DST], f[DST] + BN), nb))
+                            # the slot's columns are found at run time: the task serves every token that chose
+                            # its expert, if it is that expert's first (token, slot) (kernels/moe.py's schedule)
+                            f[SRC], f[DST], f[TOKEN], f[SLOT], f[IDS], f[TOPK_K] = op.src, op.dst + t * BN, b, s, op.ids, op.k
+                            f[FLAGS] = flags | (WEIGHTED if op.weighted else 0) | (PER_SLOT if op.per_slot_in else 0)
+                            f[N_OUT] = N
+                            mine.append((f, (op.dst + s * N + t * BN, op.dst + s * N + (t + 1) * BN), nb))
                 nblk += w.shape[0] * per_expert
         elif isinstance(op, Kda):
             Hd = op.H * op.d
@@ -376,17 +378,31 @@ def _run(tb: Table, t: int, act: torch.Tensor, pool: torch.Tensor, kda: dict | N
         kda["state"][:, h:h + 1] = st["state"]
         kda["conv_state"][:, :, cols] = st["conv_state"]
         act[:, dst:dst + d] = o
-    elif kind in (GEMV, EXPERT):
-        rows = slice(f[TOKEN], f[TOKEN] + 1) if kind == EXPERT else slice(None)
-        b0 = f[BLK0] + (int(act[f[TOKEN], f[IDS] + f[SLOT]]) * f[ESTRIDE] if kind == EXPERT else 0)
+    elif kind == EXPERT:  # the expert's first (token, slot) serves every token that chose it; the others do nothing
+        k, ids = f[TOPK_K], act[:, f[IDS]:f[IDS] + f[TOPK_K]].long()
+        e = int(ids[f[TOKEN], f[SLOT]])
+        if bool((ids.flatten()[:f[TOKEN] * k + f[SLOT]] == e).any()):
+            return
+        g = 2 if flags & GATED else 1
+        b0 = f[BLK0] + e * f[ESTRIDE]
+        w = torch.cat([torch.cat([pool[(b0 + h * f[KBLK] + j) * BN:(b0 + h * f[KBLK] + j + 1) * BN]
+                                  for j in range(f[KBLK])], 1) for h in range(g)])
+        K = f[KBLK] * BK
+        for b, s in (ids == e).nonzero().tolist():
+            lo = src + (s * K if flags & PER_SLOT else 0)
+            y = _gemv(act[b:b + 1, lo:lo + K], w, flags)[0]
+            if flags & WEIGHTED:
+                y = y * act[b, f[IDS] + k + s]
+            act[b, dst + s * f[N_OUT]:dst + s * f[N_OUT] + BN] = y
+    elif kind == GEMV:
+        rows = slice(None)
+        b0 = f[BLK0]
         g = 2 if flags & GATED else 1
         parts = [torch.cat([pool[(b0 + h * f[KBLK] + k) * BN:(b0 + h * f[KBLK] + k + 1) * BN] for k in range(f[KBLK])], 1)
                  for h in range(g)]
         y = _gemv(act[rows, src:src + f[KBLK] * BK], torch.cat(parts), flags)
-        if f[RESID] >= 0 and kind == GEMV:
+        if f[RESID] >= 0:
             y = y + act[:, f[RESID]:f[RESID] + BN]
-        if flags & WEIGHTED:
-            y = y * act[f[TOKEN], f[IDS] + f[TOPK_K] + f[SLOT]]
         act[rows, dst:dst + BN] = y
     elif kind == TOPK:
         E, k = f[N_OUT], f[TOPK_K]
@@ -425,6 +441,21 @@ def interpret(tb: Table, act: torch.Tensor, counters: torch.Tensor, epoch: int,
         _run(tb, t, act, pool, kda)
         counters[int(tb.tasks[t, SIGNAL])] += 1
         pc[c] += 1
+
+
+def streamed_blocks(tb: Table, act: torch.Tensor) -> int:
+    """Weight blocks the producers stream for a step whose router wrote its ids into `act`: every GEMV tile's, and
+    each routed expert's once (its first (token, slot) streams it, the others nothing)."""
+    n = 0
+    for f in tb.tasks.tolist():
+        g = 2 if f[FLAGS] & GATED else 1
+        if f[KIND] == GEMV:
+            n += g * f[KBLK]
+        elif f[KIND] == EXPERT:
+            ids = act[:, f[IDS]:f[IDS] + f[TOPK_K]].long().flatten()
+            j = f[TOKEN] * f[TOPK_K] + f[SLOT]
+            n += g * f[KBLK] * int(not bool((ids[:j] == ids[j]).any()))
+    return n
 
 
 def load_consts(act: torch.Tensor, consts: dict[int, torch.Tensor]) -> None:

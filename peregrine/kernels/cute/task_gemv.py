@@ -19,8 +19,8 @@ this first form: x is read from global memory (L1) per element, not staged in sh
 """
 from ...persistent.table import (BCOL, BK, BLK0, BN, BOUNDED, COUNT0, COUNT1, COUNT2, DST, EPS, EPS_QK, ESTRIDE, EXPERT,
                                  EXTRA, FCOL, FLAGS, GATED, GEMV, HEAD, IDS, KBLK, KDA, KIND, N_OUT, NORM, PARAM,
-                                 PCOUNT, PWAIT, RCOL, RESID, SIGNAL, SLOT, SRC, TOKEN, TOPK, TOPK_K, WAIT0, WAIT1, WAIT2,
-                                 WEIGHTED)
+                                 PCOUNT, PER_SLOT, PWAIT, RCOL, RESID, SIGNAL, SLOT, SRC, TOKEN, TOPK, TOPK_K, WAIT0,
+                                 WAIT1, WAIT2, WEIGHTED)
 
 STAGES = 6                # ring depth: 6 x 16 KB blocks in flight per SM
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
@@ -72,49 +72,64 @@ def build(B: int, max_experts: int = 256, conv: int = 4):
         return red[slot * 4] + red[slot * 4 + 1] + red[slot * 4 + 2] + red[slot * 4 + 3]
 
     @cute.jit
-    def add_block(acc: cute.Tensor, act: cute.Tensor, sW: cute.Tensor, stage: Int32, row0: Int32,
-                  rows: cutlass.Constexpr, x0: Int32, row: Int32, half: Int32):
-        """acc[r] += this thread's half of a ring stage's row `row` . act[row0 + r, x0:x0 + BK] (the pipeline is
-        waited on and released by the caller: its state must stay in the kernel's own loops)."""
+    def add_block(acc: cute.Tensor, act: cute.Tensor, sW: cute.Tensor, stage: Int32, x0: Int32, xoff: cute.Tensor,
+                  row: Int32, half: Int32):
+        """acc[b] += this thread's half of a ring stage's row `row` . act[b, x0 + xoff[b]:... + BK] for the B tokens
+        (the pipeline is waited on and released by the caller: its state must stay in the kernel's own loops)."""
         base = x0 + half * (BK // 2)
         for j in cutlass.range(BK // 2, unroll=UNROLL):  # unrolled whole, B = 8 spilled its hoisted loads
             wv = sW[row, half * (BK // 2) + j, stage].to(Float32)
-            for r in cutlass.range_constexpr(rows):
-                acc[r] += wv * act[row0 + r, base + j]
+            for r in cutlass.range_constexpr(B):
+                acc[r] += wv * act[r, base + xoff[r] + j]
 
     @cute.jit
-    def norm_scale(act: cute.Tensor, red: cute.Tensor, scale: cute.Tensor, row0: Int32, rows: cutlass.Constexpr,
-                   src: Int32, K: Int32, norm: Int32, c: Int32):
-        """scale[r] = 1 / rms of the input row (RMSNorm; its weight is in the columns), or 1."""
-        for r in cutlass.range_constexpr(rows):
+    def first_use(act: cute.Tensor, tasks: cute.Tensor, t: Int32) -> Int32:
+        """1 if this (token, slot) is its expert's first in the flat ids (it serves every token that chose the
+        expert), else 0 (the task streams and computes nothing)."""
+        k, ids, j = tasks[t, TOPK_K], tasks[t, IDS], tasks[t, TOKEN] * tasks[t, TOPK_K] + tasks[t, SLOT]
+        e = act[tasks[t, TOKEN], ids + tasks[t, SLOT]]
+        first = Int32(1)
+        for i in cutlass.range(j, unroll=1):
+            if act[i // k, ids + i % k] == e:
+                first = Int32(0)
+        return first
+
+    @cute.jit
+    def norm_scale(act: cute.Tensor, red: cute.Tensor, scale: cute.Tensor, src: Int32, K: Int32, norm: Int32,
+                   c: Int32):
+        """scale[b] = 1 / rms of token b's input (RMSNorm; its weight is in the columns), or 1."""
+        for r in cutlass.range_constexpr(B):
             scale[r] = Float32(1.0)
         if norm != 0:
-            for r in cutlass.range_constexpr(rows):
+            for r in cutlass.range_constexpr(B):
                 ss = Float32(0.0)
                 for i in cutlass.range(c, K, 128, unroll=1):
-                    x = act[row0 + r, src + i]
+                    x = act[r, src + i]
                     ss += x * x
                 scale[r] = cute.math.rsqrt(consumer_sum(ss, red, r % 2, c) / K.to(Float32) + EPS)
 
     @cute.jit
-    def gemv_out(act: cute.Tensor, tasks: cute.Tensor, t: Int32, row0: Int32, rows: cutlass.Constexpr, c: Int32,
-                 accg: cute.Tensor, accu: cute.Tensor, scale: cute.Tensor):
-        """A GEMV or routed-expert tile's epilogue: the two threads of a row summed, SwiGLU, residual or the slot's
-        weight, stored."""
+    def gemv_out(act: cute.Tensor, tasks: cute.Tensor, t: Int32, c: Int32, accg: cute.Tensor, accu: cute.Tensor,
+                 scale: cute.Tensor, slot: cute.Tensor):
+        """A GEMV or routed-expert tile's epilogue, per token: the two threads of a row summed, SwiGLU, the residual
+        (GEMV) or the slot's weight, stored at the token's slot (experts: slot[b] < 0, the token did not choose it)."""
         row, half = c // 2, c % 2
-        flags = tasks[t, FLAGS]
-        for r in cutlass.range_constexpr(rows):
+        flags, kind = tasks[t, FLAGS], tasks[t, KIND]
+        for r in cutlass.range_constexpr(B):
             y = (accg[r] + cute.arch.shuffle_sync_bfly(accg[r], offset=1)) * scale[r]
             u = (accu[r] + cute.arch.shuffle_sync_bfly(accu[r], offset=1)) * scale[r]
             if flags & GATED:
                 y = y / (Float32(1.0) + cute.math.exp(-y)) * u
-            if tasks[t, KIND] == GEMV:
+            if kind == GEMV:
                 if tasks[t, RESID] >= 0:
-                    y += act[row0 + r, tasks[t, RESID] + row]
-            if flags & WEIGHTED:
-                y *= act[row0 + r, tasks[t, IDS] + tasks[t, TOPK_K] + tasks[t, SLOT]]
-            if half == 0:
-                act[row0 + r, tasks[t, DST] + row] = y
+                    y += act[r, tasks[t, RESID] + row]
+                if half == 0:
+                    act[r, tasks[t, DST] + row] = y
+            elif slot[r] >= 0:
+                if flags & WEIGHTED:
+                    y *= act[r, tasks[t, IDS] + tasks[t, TOPK_K] + slot[r]]
+                if half == 0:
+                    act[r, tasks[t, DST] + slot[r] * tasks[t, N_OUT] + row] = y
 
     @cute.jit
     def topk_task(act: cute.Tensor, red: cute.Tensor, tasks: cute.Tensor, t: Int32, c: Int32, ch: cute.Tensor,
@@ -266,13 +281,14 @@ def build(B: int, max_experts: int = 256, conv: int = 4):
                         kind = tasks[t, KIND]
                         if (kind == GEMV) | (kind == EXPERT):
                             b0 = tasks[t, BLK0]
+                            nb = tasks[t, KBLK]
+                            if tasks[t, FLAGS] & GATED:
+                                nb = nb * 2
                             if kind == EXPERT:  # its weights follow the router: the one wait a producer makes
                                 wait(counters, err, tasks[t, PWAIT], epoch_t[0] * tasks[t, PCOUNT], t)
                                 e = act[tasks[t, TOKEN], tasks[t, IDS] + tasks[t, SLOT]].to(Int32)
                                 b0 += e * tasks[t, ESTRIDE]
-                            nb = tasks[t, KBLK]
-                            if tasks[t, FLAGS] & GATED:
-                                nb = nb * 2
+                                nb = nb * first_use(act, tasks, t)
                             for k in cutlass.range(nb, unroll=1):
                                 pipe.producer_acquire(ps)
                                 cute.copy(tma_atom, tWgW[(None, b0 + k, 0)], tWsW[(None, ps.index)],
@@ -291,6 +307,8 @@ def build(B: int, max_experts: int = 256, conv: int = 4):
             sc = cute.make_rmem_tensor((EPT,), Float32)
             qkv = cute.make_rmem_tensor((3,), Float32)
             hist = cute.make_rmem_tensor((conv,), Float32)
+            slot = cute.make_rmem_tensor((B,), Int32)
+            xoff = cute.make_rmem_tensor((B,), Int32)
             for n in cutlass.range(n_list, unroll=1):
                 t = lists[bidx, n]
                 if t >= 0:
@@ -302,36 +320,37 @@ def build(B: int, max_experts: int = 256, conv: int = 4):
                     cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=128)
                     if (kind == GEMV) | (kind == EXPERT):
                         src, kb = tasks[t, SRC], tasks[t, KBLK]
-                        row0 = Int32(0)
-                        if kind == EXPERT:
-                            row0 = tasks[t, TOKEN]
-                            norm_scale(act, red, scale, row0, 1, src, kb * BK, tasks[t, FLAGS] & NORM, c)
-                        else:
-                            norm_scale(act, red, scale, row0, B, src, kb * BK, tasks[t, FLAGS] & NORM, c)
+                        go = Int32(1)
                         for r in cutlass.range_constexpr(B):
-                            accg[r], accu[r] = Float32(0.0), Float32(0.0)
-                        nb = kb
-                        if tasks[t, FLAGS] & GATED:
-                            nb = kb * 2
-                        for k in cutlass.range(nb, unroll=1):  # gate blocks into accg, then up blocks into accu
-                            pipe.consumer_wait(cs)
-                            x0 = src + (k % kb) * BK
-                            if kind == EXPERT:
+                            slot[r], xoff[r] = Int32(0), Int32(0)
+                        if kind == EXPERT:  # which tokens chose this expert, at which slot (-1: none)
+                            go = first_use(act, tasks, t)
+                            e = act[tasks[t, TOKEN], tasks[t, IDS] + tasks[t, SLOT]]
+                            for r in cutlass.range_constexpr(B):
+                                slot[r] = Int32(-1)
+                                for j in cutlass.range(tasks[t, TOPK_K], unroll=1):
+                                    if act[r, tasks[t, IDS] + j] == e:
+                                        slot[r] = j
+                                if tasks[t, FLAGS] & PER_SLOT:
+                                    if slot[r] >= 0:
+                                        xoff[r] = slot[r] * kb * BK
+                        if go != 0:
+                            norm_scale(act, red, scale, src, kb * BK, tasks[t, FLAGS] & NORM, c)
+                            for r in cutlass.range_constexpr(B):
+                                accg[r], accu[r] = Float32(0.0), Float32(0.0)
+                            nb = kb
+                            if tasks[t, FLAGS] & GATED:
+                                nb = kb * 2
+                            for k in cutlass.range(nb, unroll=1):  # gate blocks into accg, then up blocks into accu
+                                pipe.consumer_wait(cs)
+                                x0 = src + (k % kb) * BK
                                 if k < kb:
-                                    add_block(accg, act, sW, cs.index, row0, 1, x0, c // 2, c % 2)
+                                    add_block(accg, act, sW, cs.index, x0, xoff, c // 2, c % 2)
                                 else:
-                                    add_block(accu, act, sW, cs.index, row0, 1, x0, c // 2, c % 2)
-                            else:
-                                if k < kb:
-                                    add_block(accg, act, sW, cs.index, row0, B, x0, c // 2, c % 2)
-                                else:
-                                    add_block(accu, act, sW, cs.index, row0, B, x0, c // 2, c % 2)
-                            pipe.consumer_release(cs)
-                            cs.advance()
-                        if kind == EXPERT:
-                            gemv_out(act, tasks, t, row0, 1, c, accg, accu, scale)
-                        else:
-                            gemv_out(act, tasks, t, row0, B, c, accg, accu, scale)
+                                    add_block(accu, act, sW, cs.index, x0, xoff, c // 2, c % 2)
+                                pipe.consumer_release(cs)
+                                cs.advance()
+                            gemv_out(act, tasks, t, c, accg, accu, scale, slot)
                     elif kind == KDA:
                         kda_task(act, red, skv, tasks, t, c, params, state, conv_state, slots, qkv, hist)
                     elif kind == TOPK:
