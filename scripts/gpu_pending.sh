@@ -81,19 +81,19 @@
 #     --batch-sizes 1,2,4,8 --input-len 1 --prompt-sets 1 --runs 2 --output-len 256 --temperature 0.6 --top-p 0.95
 #   (greedy and sampled in one run, against 2.344-2.357 / 6.855-6.942 ms greedy at c55ca27), then the TTFT and
 #   c = 8 serving runs of gpu_prefill.sh to show a whole turn unchanged
-# - #45 (session 26, CPU): the v4 MXFP4 experts (Gluon: repacked layout, 16-byte shared stores of the decoded tile,
-#   wgmma from shared memory; kernels/moe_mxfp4_v4.py), compile-checked for sm_90a and run in their portable form
-#   only; K3 verify steps now on the specialized path (interpreter-tested). One H200 (or H100), ~8 min, one call:
-#   PARTS="tests micro decode" bash scripts/gpu_mxfp4_v4.sh      (VERIFY=1 adds the 16/32/64-row verify shapes)
-#   (targets: v4 >= 60 % of copy at B = 1, 2, 4, 8 in the microbenchmark; the k3-slice step with v4 <= 0.75x the
-#   BF16-expert step at B = 1 and 8; then make v4 the default where it wins - the standard path already reads either
-#   layout - retire v3 where it loses everywhere, and run test_k3_specialized's GPU tests with PEREGRINE_MXFP4=v4)
-# - #46 (session 26, CPU): the first CuTe DSL kernel (kernels/cute/weight_stream.py: TMA ring, mbarrier pairs,
-#   warp-specialized), built here as a shared library because the GPU cannot install the DSL. Here first:
-#   bash scripts/build_cute_gpu.sh   (writes .cute/), then on one H100/H200, carry .commit, .whl and .cute, ~1 min:
-#   python3 -m peregrine.bench.kernels_cute 2>&1 | tee $OUT/log
-#   (its first GPU run: the library loads, y equals the FP32 reference; GB/s and % of copy beside torch.mv on the
-#   same bytes, at 4096 x 2304 and 32768 x 8192)
+# - #45 after session 27 (one H100, results/2026-12-05-session27: v4 57.1 / 60.1 / 61.6 / 63.0 % of copy at
+#   B = 1 / 2 / 4 / 8; the k3-slice step 0.86 / 0.80 / 0.74 / 0.65x the BF16 experts'): v4 is now the default on
+#   Hopper with the sweep's best tiles per B (B = 1: 8 warps, 128 / 256 rows), which the decode run did not use yet.
+#   One H100/H200, ~7 min:  PARTS="tests decode" bash scripts/gpu_mxfp4_v4.sh   (targets left: 60 % and 0.75x at
+#   B = 1; the GPU tests now include the one-token config's batch invariance against B = 4)
+# - #46 after session 27: the persistent task kernel (kernels/cute/task_gemv.py) hung on its first run (the
+#   consumers' pipeline state was not carried across tasks; rewritten, not run). Here first:
+#   bash scripts/build_cute_gpu.sh   (writes .cute/: the dense chain, MoE block and whole KDA layer at B = 1, 2, 4, 8),
+#   then on one H100/H200, carry .commit, .whl and .cute, ~4 min, stop at the first hang:
+#   timeout 60 python3 -m pytest -x -q -m gpu tests/test_cute_gpu.py -k "1-dense" && \
+#   timeout 240 python3 -m pytest -x -q -m gpu tests/test_cute_gpu.py && \
+#   timeout 240 python3 -m peregrine.bench.kernels_cute 2>&1 | tee $OUT/log
+#   (then the layer against today's chain: bench decode's per-layer time, same run, for issue #46's point 1)
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \
