@@ -44,6 +44,8 @@ V3_SWEEP = [   # mx3.KEYS order: DECODE, UP_BLOCK_I, UP_BLOCK_KB, UP_WARPS, UP_S
 V4_SWEEP = [   # mx4.KEYS order: BLOCK_I, BLOCK_D, BK, STAGES, WARPS; None: mx4's defaults for the B (first)
     None, (64, 128, 64, 6, 4), (64, 128, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 64, 8, 4),
     (64, 64, 64, 6, 4), (128, 256, 64, 4, 8), (128, 256, 128, 3, 8), (64, 128, 128, 3, 4),
+    # around B = 1's best (two warpgroups): the down grid's wave count (narrower BLOCK_D), a deeper ring
+    (128, 128, 64, 4, 8), (128, 256, 64, 6, 8), (128, 256, 128, 4, 8),
 ]
 VERIFY_BS = (16, 32, 64)  # verify steps' rows (--verify): v4 and BF16 only (v3 takes at most 16 tokens a tile)
 PROBE = [      # --probe: v3's measurement stand-ins (wrong values, timed unchecked) beside asm at the same tiles:

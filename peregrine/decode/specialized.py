@@ -49,7 +49,7 @@ VERIFY_GEMM_ENV = "PEREGRINE_VERIFY_GEMM"  # "triton": verify steps' 17..64-row 
 # the kernel, no expand), 2 (M = 64, the latent read T / 2 times; ptxas spills: opt-in until measured), 0 (before)
 VERIFY_MLA_ENV = "PEREGRINE_MLA_VERIFY_ROWS"
 # MXFP4 experts: "v4" (kernels/moe_mxfp4_v4.py: the experts repacked in place at start, the standard path
-# dequantizing the same tensors; the default on Hopper: 0.86 / 0.89 / 0.87 / 0.82x v3's k3-slice step at B = 1, 2, 4,
+# dequantizing the same tensors; the default on Hopper: 0.92 / 0.90 / 0.87 / 0.82x v3's k3-slice step at B = 1, 2, 4,
 # 8 on an H100, results/2026-12-05-session27) or "v3" (the checkpoint layout; the default elsewhere: v4's Gluon
 # kernel is Hopper's, its portable form the interpreter's)
 MXFP4_ENV = "PEREGRINE_MXFP4"
