@@ -24,3 +24,54 @@ def test_task_gemv_equals_its_ops_and_trips_its_error_word(case, B):
     assert "error" not in row, row
     assert row["rel_err"] < TOL and row["error_word"] == 0 and all(row.get("ids_equal", [True])), row
     assert row["missing_dep"]["error_word"] == row["missing_dep"]["want"], row
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8])
+def test_task_gemv_layer_equals_the_models_own_layer(B):
+    """The persistent kernel against the model's code path, not only the ops' reference: a 48B KDA + MoE decoder
+    layer (models/kimi.py, BF16, dummy weights) through its standard decode forward, and the same layer's table
+    (persistent/tasks.py's from_layer) through the built library: outputs within BF16's relative error, KDA states
+    too (docs/correctness.md: different paths agree to the model dtype's rounding)."""
+    import json
+    from types import SimpleNamespace
+    path = os.path.join(ROOT, ".cute", f"libtask_gemv-48blayer-b{B}.so")
+    if not torch.cuda.is_available() or not os.path.exists(path):
+        pytest.skip("needs a GPU and .cute/ from scripts/build_cute_gpu.sh")
+    from peregrine.config import resolve_model
+    from peregrine.kernels.cute import task_gemv as tg
+    from peregrine.models.kimi import DecoderLayer
+    from peregrine.persistent import table as tb
+    from peregrine.persistent.tasks import from_layer
+    cfg, _ = resolve_model("kimi-linear-48b-a3b")
+    i = next(j for j in cfg.kda_layers if cfg.is_moe(j))
+    g = torch.Generator(device="cuda").manual_seed(B)
+    layer = DecoderLayer(cfg, i, torch.bfloat16).cuda()
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            scale = p.shape[-1] ** -0.5 if p.dim() >= 2 else 0.1
+            p.copy_(torch.randn(p.shape, device="cuda", generator=g) * scale + (1.0 if p.dim() == 1 and "norm" in name else 0.0))
+    compiled = json.load(open(path[:-3] + ".json"))
+    compiled.pop("case")
+    S, H, d, W = compiled["kda_slots"], cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
+    slots = torch.randperm(S, device="cuda", generator=g)[:B]
+    state = 0.1 * torch.randn(S, H, d, d, device="cuda", generator=g)
+    conv = torch.randn(S, W - 1, 3 * H * d, device="cuda", generator=g).to(torch.bfloat16)
+    x = torch.randn(B, cfg.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
+    step = SimpleNamespace(input_ids=torch.zeros(B, dtype=torch.long, device="cuda"), q_lens=[1] * B, kda_slots=slots)
+    cache = SimpleNamespace(kda_index={i: 0}, state=[state.clone()], conv=[conv.clone()])
+    with torch.no_grad():
+        want = layer(x, step, cache).float()
+    ops, width, consts, out = tb.kda_layer(from_layer(layer, cfg), cfg.routed_scaling_factor)
+    t = tb.encode(ops, width, compiled["ctas"], B)
+    kda = {"state": state.clone(), "conv_state": conv.float(), "slots": slots.to(torch.int32)}
+    run = tg.Runner(path, t, B, compiled, kda)
+    act = torch.full((B, width), float("nan"), device="cuda")
+    tb.load_consts(act, consts)
+    act[:, :cfg.hidden_size] = x.float()
+    run.step(act)
+    torch.cuda.synchronize()
+    assert run.error() == 0
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    assert rel(act[:, out:out + cfg.hidden_size], want) < 2e-2
+    assert rel(kda["state"], cache.state[0].float()) < 2e-2

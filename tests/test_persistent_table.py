@@ -258,3 +258,62 @@ def test_tokens_sharing_experts_stream_each_once():
     per_expert = (2 * I_M * D_M + D_M * I_M) // (BN * BK)
     gemv_blocks = sum(o.w.numel() for o in ops if isinstance(o, tb.Gemv)) // (BN * BK)
     assert tb.streamed_blocks(t, act) == gemv_blocks + K_M * per_expert
+
+
+def test_a_model_layer_encoded_equals_its_own_forward(tmp_path):
+    """The bridge to the model: a Kimi-Linear KDA + MoE decoder layer (models/kimi.py, FP32, the standard path's
+    decode) and its table (persistent/tasks.py's from_layer, then kda_layer) give the same output and KDA states for
+    a decode step; widths of the tiny preset raised to the table's tiles, weights BF16-exact, norms powers of two."""
+    import json
+    from types import SimpleNamespace
+    from peregrine.config import resolve_model
+    from peregrine.models.kimi import DecoderLayer
+    from peregrine.persistent.tasks import from_layer
+    raw = json.load(open("peregrine/presets/tiny-kimi-linear.json"))
+    raw["linear_attn_config"]["head_dim"] = BK
+    raw["linear_attn_config"]["num_heads"] = 2
+    raw["moe_intermediate_size"] = BK
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg, _ = resolve_model(str(tmp_path))
+    i = cfg.kda_layers[-1]
+    assert cfg.is_moe(i)
+    layer = DecoderLayer(cfg, i, torch.float32)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name.endswith(("layernorm.weight",)):
+                p.copy_(2.0 ** torch.randint(-1, 2, p.shape, generator=g).float())
+            elif p.dim() >= 2 and "conv_w" not in name:
+                p.copy_((torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5).to(torch.bfloat16).float())
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if name.endswith("o_norm") else 0.0))
+    B, W = 3, cfg.kda_conv_size
+    H, d = cfg.kda_num_heads, cfg.kda_head_dim
+    slots = torch.tensor([2, 0, 3])
+    state = torch.randn(4, H, d, d, generator=g) * 0.1
+    conv = torch.randn(4, W - 1, 3 * H * d, generator=g)
+    x = torch.randn(B, cfg.hidden_size, generator=g)
+    step = SimpleNamespace(input_ids=torch.zeros(B, dtype=torch.long), q_lens=[1] * B, kda_slots=slots)
+    cache = SimpleNamespace(kda_index={i: 0}, state=[state.clone()], conv=[conv.clone()])
+    with torch.no_grad():
+        want = layer(x, step, cache)
+    ops, width, consts, out = tb.kda_layer(from_layer(layer, cfg), cfg.routed_scaling_factor)
+    t = tb.encode(ops, width, 7, B)
+    act = torch.full((B, width), float("nan"))
+    tb.load_consts(act, consts)
+    act[:, :cfg.hidden_size] = x
+    kda = {"state": state.clone(), "conv_state": conv.clone(), "slots": slots}
+    assert tb.interpret(t, act, torch.zeros(t.n_counters, dtype=torch.int64), 1, random.Random(1), kda) == 0
+    torch.testing.assert_close(act[:, out:out + cfg.hidden_size], want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kda["state"], cache.state[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(kda["conv_state"], cache.conv[0], rtol=1e-5, atol=1e-5)
+
+
+def test_from_layer_refuses_what_the_table_does_not_cover():
+    from peregrine.config import resolve_model
+    from peregrine.models.kimi import DecoderLayer
+    from peregrine.persistent.tasks import from_layer
+    cfg, _ = resolve_model("tiny-kimi-linear")
+    mla = next(j for j in range(cfg.num_hidden_layers) if not cfg.is_kda(j))
+    with pytest.raises(ValueError, match="not a KDA layer"):
+        from_layer(DecoderLayer(cfg, mla, torch.float32), cfg)

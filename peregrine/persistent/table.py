@@ -487,7 +487,7 @@ def moe_block(post_norm, gate_w, bias, w13, w2, shared13, shared2, k: int, scali
     I, Is = w2.shape[2], shared2.shape[1]
     c0 = src + D if base is None else base  # [c0, c0 + E] holds the bias and the scaling factor
     logits = c0 + E + 1
-    sel = logits + E
+    sel = logits + -(-E // BN) * BN  # the router's rows padded to whole tiles
     hbuf = sel + 2 * k
     parts = hbuf + k * I
     sh = parts + k * D

@@ -239,3 +239,23 @@ def chain(w: LayerWeights, resid, state, conv_state, slots) -> torch.Tensor:
     Is = w.shared2.shape[1]
     shared = act_ref(h2 @ w.shared13[:Is].T, h2 @ w.shared13[Is:].T) @ w.shared2.T
     return resid2 + moe_experts_ref(h2, w.w13, w.w2, ids, tw) + shared
+
+
+def from_layer(layer, cfg) -> LayerWeights:
+    """The LayerWeights of a model's KDA + MoE decoder layer (models/kimi.py's DecoderLayer), as FP32 views of its
+    parameters: what a persistent layer is built from. Refuses what the task list does not cover."""
+    attn, mlp = layer.attn, layer.mlp
+    why = ("not a KDA layer" if not layer.is_kda else "not a MoE layer" if not layer.is_moe
+           else "MXFP4 experts" if mlp.mx else "a latent MoE (K3)" if mlp.latent
+           else "a full-rank output gate (K3)" if attn.g_b is None else "AttnRes blocks (K3)" if layer.res
+           else "no shared expert" if mlp.shared is None else "the router is not renormalized"
+           if not cfg.moe_renormalize else None)
+    if why:
+        raise ValueError(f"a persistent layer covers Kimi-Linear's KDA + MoE layers: this one has {why}")
+    f = lambda t: t.detach().float()  # noqa: E731
+    return LayerWeights(
+        in_norm=f(layer.input_layernorm.weight), in_proj=f(attn.in_proj), f_b=f(attn.f_b), g_b=f(attn.g_b),
+        conv_w=f(attn.conv_w), A_log=f(attn.A_log), dt_bias=f(attn.dt_bias), o_norm=f(attn.o_norm),
+        o_proj=f(attn.o_proj), post_norm=f(layer.post_attention_layernorm.weight), gate_w=f(mlp.gate_w),
+        bias=f(mlp.bias), w13=f(mlp.w13), w2=f(mlp.w2), shared13=f(mlp.shared.gate_up), shared2=f(mlp.shared.down),
+        H=attn.H, d=attn.d, top_k=cfg.num_experts_per_token, eps=cfg.rms_norm_eps, lower_bound=cfg.kda_gate_lower_bound)
