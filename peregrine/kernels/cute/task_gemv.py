@@ -317,6 +317,7 @@ def build(B: int, max_experts: int = 256, conv: int = 4):
                         wait(counters, err, tasks[t, WAIT0], epoch * tasks[t, COUNT0], t)
                         wait(counters, err, tasks[t, WAIT1], epoch * tasks[t, COUNT1], t)
                         wait(counters, err, tasks[t, WAIT2], epoch * tasks[t, COUNT2], t)
+                        cute.arch.fence_acq_rel_gpu()  # as a grid barrier does: the others read after bar.sync
                     cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=128)
                     if (kind == GEMV) | (kind == EXPERT):
                         src, kb = tasks[t, SRC], tasks[t, KBLK]
