@@ -93,7 +93,9 @@
 #   timeout 60 python3 -m pytest -x -q -m gpu tests/test_cute_gpu.py -k "1-dense" && \
 #   timeout 240 python3 -m pytest -x -q -m gpu tests/test_cute_gpu.py && \
 #   timeout 240 python3 -m peregrine.bench.kernels_cute 2>&1 | tee $OUT/log
-#   (then the layer against today's chain: bench decode's per-layer time, same run, for issue #46's point 1)
+#   then the layer against today's chain for the same layer on one machine (~6 min, point 1's figure):
+#   bash scripts/gpu_persistent_layer.sh   (bench decode with 1 and 2 KDA + MoE layers at the 48B's widths: their
+#   difference is one chain layer; then kernels_cute --chain beside it)
 source "$(dirname "$0")/device_env.sh"  # repo root, the measured commit, the carried wheels
 C="python3 -m peregrine.parallel.check --tp 2 --dtype float32"
 exec bash scripts/gpu_lanes.sh \

@@ -3,7 +3,8 @@ carried to the device): the persistent task kernel over the 48B layer's dense GE
 top-k, routed experts, shared expert, combine) and the whole KDA layer equals the ops' FP32 reference (the router's
 choice exactly, the KDA states too)
 over two steps whose counters are never zeroed, and a wait that can never be met writes the error word and returns
-instead of hanging. Skipped without a GPU or without the built library."""
+instead of hanging. Skipped without a GPU or without the built library (the chain-layer arithmetic of bench
+kernels_cute --chain runs on the CPU)."""
 import os
 
 import pytest
@@ -75,3 +76,17 @@ def test_task_gemv_layer_equals_the_models_own_layer(B):
     rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
     assert rel(act[:, out:out + cfg.hidden_size], want) < 2e-2
     assert rel(kda["state"], cache.state[0].float()) < 2e-2
+
+
+def test_chain_layer_is_the_difference_of_two_steps(tmp_path):
+    """bench kernels_cute --chain: one layer of today's chain is the two-layer step's graph replay minus the
+    one-layer step's, per B (CPU: bench decode's JSON layout written here)."""
+    import json
+    from peregrine.bench.kernels_cute import chain_layer_ms
+    for n, ms in ((1, (1.0, 1.5)), (2, (1.25, 1.875))):
+        d = tmp_path / f"c{n}"
+        d.mkdir()
+        rows = [{"batch": B, "graph_replay_ms": m, "distinct_experts_mean": 8.0 * B} for B, m in zip((1, 8), ms)]
+        (d / "x-decode.json").write_text(json.dumps({"backends": {"latency_specialized": {"batches": rows}}}))
+    got = chain_layer_ms(str(tmp_path / "c1"), str(tmp_path / "c2"))
+    assert got == {1: {"chain_layer_ms": 0.25, "chain_experts": 8.0}, 8: {"chain_layer_ms": 0.375, "chain_experts": 64.0}}

@@ -148,15 +148,39 @@ def task_gemv_case(path: str, timed: bool = True) -> dict:
     return row
 
 
+def chain_layer_ms(one: str, two: str) -> dict[int, dict]:
+    """Today's chain for one KDA + MoE layer, per B: the specialized step's graph replay with two such layers minus
+    with one (bench decode's JSONs in folders `one` and `two`, run on the same machine): embedding, head, sampling
+    and launch overheads cancel, one layer's kernels remain."""
+    import json
+
+    def load(d):
+        f = max(glob.glob(os.path.join(d, "*decode*.json")), key=os.path.getmtime)
+        return {r["batch"]: r for r in json.load(open(f))["backends"]["latency_specialized"]["batches"]}
+    a, b = load(one), load(two)
+    return {B: {"chain_layer_ms": b[B]["graph_replay_ms"] - a[B]["graph_replay_ms"],
+                "chain_experts": b[B].get("distinct_experts_mean")} for B in sorted(set(a) & set(b))}
+
+
 def main() -> None:
     from peregrine.bench.gpu import copy_bandwidth, result_path, run_metadata, write_result
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=".cute", help="folder of the built libraries (scripts/build_cute_gpu.sh)")
     ap.add_argument("--results-dir", default="results")
+    ap.add_argument("--chain", nargs=2, metavar=("ONE", "TWO"), help="bench decode folders of the 48B's widths with "
+                    "one and two KDA + MoE layers (scripts/gpu_persistent_layer.sh): the layer cases are set beside "
+                    "the chain's time for one layer")
     a = ap.parse_args()
     copy = copy_bandwidth()
     rows = weight_stream_rows(a.dir)
     rows += [task_gemv_case(p) for p in sorted(glob.glob(os.path.join(a.dir, "libtask_gemv-*.so")))]
+    if a.chain:
+        chain = chain_layer_ms(*a.chain)
+        for r in rows:
+            if r.get("case") == "layer" and r.get("B") in chain:
+                r.update(chain[r["B"]])
+                if "ms" in r:
+                    r["persistent_over_chain"] = r["ms"] / r["chain_layer_ms"]
     for r in rows:
         for k in ("ms", "torch_ms"):
             if k in r and r.get("bytes"):
