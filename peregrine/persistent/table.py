@@ -521,3 +521,35 @@ def kda_layer(w, scaling: float = 1.0):
     moe, width, consts, out = moe_block(w.post_norm, w.gate_w, w.bias, w.w13, w.w2, w.shared13, w.shared2, w.top_k,
                                         scaling, src=resid2)
     return ops + moe, width, consts, out
+
+
+def report(table: Table) -> dict:
+    """The static schedule's load per CTA, in the weight bytes its producer streams if every expert assignment
+    streamed its expert (the schedule's own assumption: routing is not known when the lists are fixed)."""
+    fl = table.tasks.tolist()
+    blocks = [sum((2 if fl[i][FLAGS] & GATED else 1) * fl[i][KBLK] for i in row if i >= 0) for row in table.lists.tolist()]
+    mean = sum(blocks) / len(blocks)
+    return {"B": table.B, "tasks": len(fl), "ctas": len(blocks), "max_tasks_per_cta": table.lists.shape[1],
+            "weight_mb": sum(blocks) * BN * BK * 2 / 1e6, "busiest_cta_over_mean": max(blocks) / mean if mean else 0.0}
+
+
+def main() -> None:
+    import argparse
+    import json
+    from ..kernels.cute.task_gemv import case
+    ap = argparse.ArgumentParser(description="The persistent kernel's task table for a 48B case (issue #46): task "
+                                 "count and how evenly the static lists spread the weight bytes over the CTAs (the "
+                                 "schedule's own byte counts, a design figure, not a timing)")
+    ap.add_argument("--case", default="layer", choices=("dense", "moe", "layer"))
+    ap.add_argument("--batch-sizes", default="1,2,4,8", help="comma-separated B")
+    ap.add_argument("--ctas", type=int, default=132, help="CTAs, one per SM (H100 / H200: 132)")
+    a = ap.parse_args()
+    from . import table as tb  # the ops are the package module's classes, not this __main__'s
+    ops, width, _, _, _ = case(a.case, lambda *s: torch.empty(*s, device="meta"))
+    for B in (int(x) for x in a.batch_sizes.split(",")):
+        r = tb.report(tb.encode(ops, width, a.ctas, B))
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
