@@ -21,13 +21,13 @@ for N, K in ((4096, 2304), (32768, 8192)):  # the 48B o_proj's shape (correctnes
 # the persistent task kernel over the 48B layer's dense GEMV chain, its MoE block and the whole KDA layer, one
 # library per case and B (B + 1 KDA state slots), its shapes beside it
 import json, torch
-from peregrine.kernels.cute import task_gemv as tg
+from peregrine.kernels.cute import persistent_layer as tg
 from peregrine.persistent import table as tb
 for name in ("dense", "moe", "layer"):
     ops, width, _, _, kda = tg.case(name, lambda *s: torch.empty(*s, device="meta"))
     for B in (1, 2, 4, 8):
         shapes = tg.shape_args(tb.encode(ops, width, 132, B), B, kda, B + 1)
-        out = f".cute/libtask_gemv-48b{name}-b{B}.so"
+        out = f".cute/libpersistent-48b{name}-b{B}.so"
         print(aot.build_shared(tg.build(B, conv=kda[2] if kda else 4), tg.fake_args(**shapes), tg.N_TENSORS, out))
         json.dump({"case": name, **shapes}, open(out[:-3] + ".json", "w"))
 PY

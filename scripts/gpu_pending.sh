@@ -86,7 +86,7 @@
 #   Hopper with the sweep's best tiles per B (B = 1: 8 warps, 128 / 256 rows), which the decode run did not use yet.
 #   One H100/H200, ~7 min:  PARTS="tests decode" bash scripts/gpu_mxfp4_v4.sh   (targets left: 60 % and 0.75x at
 #   B = 1; the GPU tests now include the one-token config's batch invariance against B = 4)
-# - #46 after session 27: the persistent task kernel (kernels/cute/task_gemv.py) hung on its first run (the
+# - #46 after session 27: the persistent task kernel (kernels/cute/persistent_layer.py) hung on its first run (the
 #   consumers' pipeline state was not carried across tasks; rewritten, not run). Here first:
 #   bash scripts/build_cute_gpu.sh   (writes .cute/: the dense chain, MoE block and whole KDA layer at B = 1, 2, 4, 8),
 #   then on one H100/H200, carry .commit, .whl and .cute, ~4 min, stop at the first hang:

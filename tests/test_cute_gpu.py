@@ -16,12 +16,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["dense", "moe", "layer"])
 @pytest.mark.parametrize("B", [1, 2, 4, 8])
-def test_task_gemv_equals_its_ops_and_trips_its_error_word(case, B):
-    path = os.path.join(ROOT, ".cute", f"libtask_gemv-48b{case}-b{B}.so")
+def test_persistent_equals_its_ops_and_trips_its_error_word(case, B):
+    path = os.path.join(ROOT, ".cute", f"libpersistent-48b{case}-b{B}.so")
     if not torch.cuda.is_available() or not os.path.exists(path):
         pytest.skip("needs a GPU and .cute/ from scripts/build_cute_gpu.sh")
-    from peregrine.bench.kernels_cute import TOL, task_gemv_case
-    row = task_gemv_case(path, timed=False)
+    from peregrine.bench.kernels_cute import TOL, persistent_case
+    row = persistent_case(path, timed=False)
     assert "error" not in row, row
     assert row["rel_err"] < TOL and row["error_word"] == 0 and all(row.get("ids_equal", [True])), row
     assert row["missing_dep"]["error_word"] == row["missing_dep"]["want"], row
@@ -29,18 +29,18 @@ def test_task_gemv_equals_its_ops_and_trips_its_error_word(case, B):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B", [1, 8])
-def test_task_gemv_layer_equals_the_models_own_layer(B):
+def test_persistent_layer_equals_the_models_own_layer(B):
     """The persistent kernel against the model's code path, not only the ops' reference: a 48B KDA + MoE decoder
     layer (models/kimi.py, BF16, dummy weights) through its standard decode forward, and the same layer's table
     (persistent/tasks.py's from_layer) through the built library: outputs within BF16's relative error, KDA states
     too (docs/correctness.md: different paths agree to the model dtype's rounding)."""
     import json
     from types import SimpleNamespace
-    path = os.path.join(ROOT, ".cute", f"libtask_gemv-48blayer-b{B}.so")
+    path = os.path.join(ROOT, ".cute", f"libpersistent-48blayer-b{B}.so")
     if not torch.cuda.is_available() or not os.path.exists(path):
         pytest.skip("needs a GPU and .cute/ from scripts/build_cute_gpu.sh")
     from peregrine.config import resolve_model
-    from peregrine.kernels.cute import task_gemv as tg
+    from peregrine.kernels.cute import persistent_layer as tg
     from peregrine.models.kimi import DecoderLayer
     from peregrine.persistent import table as tb
     from peregrine.persistent.tasks import from_layer

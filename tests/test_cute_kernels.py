@@ -95,7 +95,7 @@ def test_weight_stream_builds_a_loadable_library(tmp_path):
 
 TASKS = r"""
 import json, os, subprocess, tempfile, torch
-from peregrine.kernels.cute import aot, task_gemv as tg
+from peregrine.kernels.cute import aot, persistent_layer as tg
 from peregrine.persistent import table as tb
 import triton
 nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
@@ -116,8 +116,8 @@ print(json.dumps(res))
 """
 
 
-def test_task_gemv_compiles_with_counters_bounded_waits_and_tma():
-    """The persistent task kernel (kernels/cute/task_gemv.py) at the table shape of the 48B's whole KDA layer, B = 1
+def test_persistent_compiles_with_counters_bounded_waits_and_tma():
+    """The persistent task kernel (kernels/cute/persistent_layer.py) at the table shape of the 48B's whole KDA layer, B = 1
     and 8:
     TMA weight loads and mbarrier waits (the ring), acquire loads and a release add at GPU scope after a GPU fence
     (the dependency counters), a compare-and-swap (the error word), nanosleep (the bounded poll), the consumers'

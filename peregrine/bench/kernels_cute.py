@@ -47,8 +47,8 @@ def weight_stream_rows(lib_dir: str) -> list[dict]:
     return rows
 
 
-def task_gemv_case(path: str, timed: bool = True) -> dict:
-    """The persistent task kernel (kernels/cute/task_gemv.py) from a library scripts/build_cute_gpu.sh built for
+def persistent_case(path: str, timed: bool = True) -> dict:
+    """The persistent task kernel (kernels/cute/persistent_layer.py) from a library scripts/build_cute_gpu.sh built for
     one case (the 48B layer's dense GEMV chain, or its MoE block) and B: two steps (the counters not zeroed between
     them) against the ops' FP32 reference, a wait that can never be met (it must write the error word and return,
     not hang), then the step's time; the dense chain also against the same four GEMVs through torch (cuBLAS, one
@@ -57,12 +57,12 @@ def task_gemv_case(path: str, timed: bool = True) -> dict:
     import time
     import torch.nn.functional as F
     from peregrine.bench.gpu import time_fn
-    from peregrine.kernels.cute import task_gemv as tg
+    from peregrine.kernels.cute import persistent_layer as tg
     from peregrine.persistent import table as tb
     compiled = json.load(open(path[:-3] + ".json"))
     name = compiled.pop("case")
     B = compiled["B"]
-    row = {"kernel": "task_gemv", "case": name, "B": B}
+    row = {"kernel": "persistent_layer", "case": name, "B": B}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if sms < compiled["ctas"]:
         row["error"] = f"{compiled['ctas']} CTAs need as many SMs resident; this GPU has {sms}"
@@ -173,7 +173,7 @@ def main() -> None:
     a = ap.parse_args()
     copy = copy_bandwidth()
     rows = weight_stream_rows(a.dir)
-    rows += [task_gemv_case(p) for p in sorted(glob.glob(os.path.join(a.dir, "libtask_gemv-*.so")))]
+    rows += [persistent_case(p) for p in sorted(glob.glob(os.path.join(a.dir, "libpersistent-*.so")))]
     if a.chain:
         chain = chain_layer_ms(*a.chain)
         for r in rows:

@@ -1,7 +1,7 @@
 """A decode layer's GEMVs, router and experts encoded as the persistent kernel reads them: a weight pool of
 [BN, BK] blocks, a task table, a fixed task list per CTA, and dependency counters (issue #46).
 
-What the encoding commits to, and the CuTe kernel (kernels/cute/task_gemv.py) and `interpret` below both follow:
+What the encoding commits to, and the CuTe kernel (kernels/cute/persistent_layer.py) and `interpret` below both follow:
 - weights: every op's matrix cut into row tiles of BN (a gated op's tile: its gate rows' blocks, then its up rows'),
   each tile's K in blocks of BK stored consecutively, so one TMA descriptor over the pool [blocks * BN, BK] streams
   any task's weights, whatever its matrix's shape; an RMSNorm before a GEMV is folded into its columns here;
@@ -536,7 +536,7 @@ def report(table: Table) -> dict:
 def main() -> None:
     import argparse
     import json
-    from ..kernels.cute.task_gemv import case
+    from ..kernels.cute.persistent_layer import case
     ap = argparse.ArgumentParser(description="The persistent kernel's task table for a 48B case (issue #46): task "
                                  "count and how evenly the static lists spread the weight bytes over the CTAs (the "
                                  "schedule's own byte counts, a design figure, not a timing)")

@@ -3,7 +3,7 @@ NVIDIA's Python DSL for CUTLASS (`nvidia-cutlass-dsl`, the optional extra `cute`
 machine without a GPU (aot.py cuts the cubin out of the DSL's ahead-of-time export, and the tests check its
 instructions). The lent GPU cannot install the DSL (its CUDA 13 compiler wheel is 92 MB, over what a call carries),
 so scripts/build_cute_gpu.sh links each into a small shared library here and launch.py loads it there. Nothing in
-the model calls them yet: weight_stream.py (one GEMV, the ring) and task_gemv.py (the persistent task kernel over
+the model calls them yet: weight_stream.py (one GEMV, the ring) and persistent_layer.py (the persistent task kernel over
 persistent/table.py's encoding)."""
 
 
