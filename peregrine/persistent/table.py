@@ -186,7 +186,8 @@ def encode(ops: list, width: int, ctas: int, B: int = 1) -> Table:
     io = [_io(op, B) for op in ops]
     for j, (op, (reads, writes, _)) in enumerate(zip(ops, io)):
         if hasattr(op, "w") and ((_rows(op) % BN and (op.gated or isinstance(op, Experts))) or op.w.shape[-1] % BK):
-            raise ValueError(f"{op.name}: W is {tuple(op.w.shape)}; rows must be a multiple of {BN} and columns of {BK}")
+            raise ValueError(f"{op.name}: W is {tuple(op.w.shape)}; rows must be a multiple of {BN} and columns "
+                             f"of {BK}")
         if isinstance(op, Combine) and op.n % BN:
             raise ValueError(f"{op.name}: {op.n} columns, not a multiple of {BN}")
         if isinstance(op, TopK) and op.k > op.E:
@@ -222,7 +223,8 @@ def encode(ops: list, width: int, ctas: int, B: int = 1) -> Table:
         for (wf, cf), i in zip(WAITS, waits + [-1] * (MAX_WAITS - len(waits))):
             base[wf], base[cf] = i, tiles[i] if i >= 0 else 0
         # the schedule waits for whole ops, as the counters do, not only for the tiles a task reads
-        sched_reads = tuple(Region("act", lo, hi) for i in waits + ([pwait] if pwait >= 0 else []) for lo, hi in io[i][1])
+        sched_reads = tuple(Region("act", lo, hi) for i in waits + ([pwait] if pwait >= 0 else [])
+                            for lo, hi in io[i][1])
         mine: list[tuple[list[int], tuple[int, int], int]] = []  # (fields, columns written, weight bytes)
         if isinstance(op, (Gemv, Experts)):
             N, K, g = _rows(op), op.w.shape[-1], 2 if op.gated else 1
@@ -235,7 +237,8 @@ def encode(ops: list, width: int, ctas: int, B: int = 1) -> Table:
                     N = _padded(op)
                 for t in range(N // BN):
                     f = base.copy()
-                    f[KIND], f[BLK0], f[KBLK], f[SRC], f[DST], f[FLAGS], f[N_OUT] = GEMV, nblk, K // BK, op.src, op.dst + t * BN, flags, N
+                    f[KIND], f[BLK0], f[KBLK], f[FLAGS], f[N_OUT] = GEMV, nblk, K // BK, flags, N
+                    f[SRC], f[DST] = op.src, op.dst + t * BN
                     f[RESID] = op.resid + t * BN if op.resid is not None else -1
                     blocks += _blocks(w, t, op.gated)
                     mine.append((f, (f[DST], f[DST] + BN), nb))
@@ -252,7 +255,8 @@ def encode(ops: list, width: int, ctas: int, B: int = 1) -> Table:
                             f[KIND], f[BLK0], f[KBLK], f[ESTRIDE] = EXPERT, nblk + t * g * K // BK, K // BK, per_expert
                             # the slot's columns are found at run time: the task serves every token that chose
                             # its expert, if it is that expert's first (token, slot) (kernels/moe.py's schedule)
-                            f[SRC], f[DST], f[TOKEN], f[SLOT], f[IDS], f[TOPK_K] = op.src, op.dst + t * BN, b, s, op.ids, op.k
+                            f[SRC], f[DST], f[TOKEN], f[SLOT] = op.src, op.dst + t * BN, b, s
+                            f[IDS], f[TOPK_K] = op.ids, op.k
                             f[FLAGS] = flags | (WEIGHTED if op.weighted else 0) | (PER_SLOT if op.per_slot_in else 0)
                             f[N_OUT] = N
                             mine.append((f, (op.dst + s * N + t * BN, op.dst + s * N + (t + 1) * BN), nb))
@@ -398,8 +402,8 @@ def _run(tb: Table, t: int, act: torch.Tensor, pool: torch.Tensor, kda: dict | N
         rows = slice(None)
         b0 = f[BLK0]
         g = 2 if flags & GATED else 1
-        parts = [torch.cat([pool[(b0 + h * f[KBLK] + k) * BN:(b0 + h * f[KBLK] + k + 1) * BN] for k in range(f[KBLK])], 1)
-                 for h in range(g)]
+        parts = [torch.cat([pool[(b0 + h * f[KBLK] + k) * BN:(b0 + h * f[KBLK] + k + 1) * BN]
+                            for k in range(f[KBLK])], 1) for h in range(g)]
         y = _gemv(act[rows, src:src + f[KBLK] * BK], torch.cat(parts), flags)
         if f[RESID] >= 0:
             y = y + act[:, f[RESID]:f[RESID] + BN]
@@ -527,7 +531,8 @@ def report(table: Table) -> dict:
     """The static schedule's load per CTA, in the weight bytes its producer streams if every expert assignment
     streamed its expert (the schedule's own assumption: routing is not known when the lists are fixed)."""
     fl = table.tasks.tolist()
-    blocks = [sum((2 if fl[i][FLAGS] & GATED else 1) * fl[i][KBLK] for i in row if i >= 0) for row in table.lists.tolist()]
+    blocks = [sum((2 if fl[i][FLAGS] & GATED else 1) * fl[i][KBLK] for i in row if i >= 0)
+              for row in table.lists.tolist()]
     mean = sum(blocks) / len(blocks)
     return {"B": table.B, "tasks": len(fl), "ctas": len(blocks), "max_tasks_per_cta": table.lists.shape[1],
             "weight_mb": sum(blocks) * BN * BK * 2 / 1e6, "busiest_cta_over_mean": max(blocks) / mean if mean else 0.0}
