@@ -134,6 +134,31 @@ def test_dspark_equals_deepspec_golden():
     assert torch.allclose(torch.tensor(conf), torch.sigmoid(case["confidence_logits"]), atol=1e-5)
 
 
+def test_dspark_draws_its_slots_with_one_host_read(monkeypatch):
+    """DSpark's slots are drawn in order (each slot's Markov bias reads the previous draft), on the device: the
+    drafts and confidences come back in one copy, not one or two host syncs a slot (each costs a GPU round trip
+    per request per step)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    gold = Path(__file__).parent / "golden"
+    d = json.loads((gold / "dspark_small.json").read_text())
+    t = load_file(str(gold / "dspark_small.safetensors"))
+    case = {k.removeprefix("case."): t.pop(k) for k in list(t) if k.startswith("case.")}
+    m = DFlashModel(DFlashConfig.from_dict(d, "golden"), t, None, None)
+    C = case["taps"].shape[0]
+    kv = m.context_kv(m.context(case["taps"]), torch.arange(C))
+    anchor = int(case["ids"][0])
+    reads = []
+    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+        orig = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=orig, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1])
+    drafts, conf, _ = m.draft(anchor, C, kv, m.cfg.num_drafts)
+    monkeypatch.undo()
+    assert reads == ["tolist"], reads
+    assert drafts == case["drafts"].tolist() and len(conf) == len(drafts)
+
+
 # ---- the drafter in the engine ----
 
 def _drafter_folder(path, target_cfg, *, dspark=False, seed=0, block=4, taps=(-1, 1)):

@@ -225,19 +225,27 @@ class DFlashModel:
         logits = self.logits(h)
         if not cfg.markov_rank and not cfg.confidence:
             return logits.argmax(-1).tolist(), None, logits
-        out, conf, prev, rows = [], [], anchor, []
-        for j in range(h.shape[0]):  # each slot's bias reads the previous slot's draft: drawn in order
+        # each slot's bias reads the previous slot's draft, so the slots are drawn in order; the draws stay on the
+        # device (the previous draft indexes W1 as a tensor) and come back in one copy at the end
+        out, conf, rows = [], [], []
+        prev = torch.tensor([anchor], device=logits.device)
+        for j in range(h.shape[0]):
             lj = logits[j]
-            e = self.w["markov_head.markov_w1.weight"][prev].float() if cfg.markov_rank else None
+            e = self.w["markov_head.markov_w1.weight"].index_select(0, prev)[0].float() if cfg.markov_rank else None
             if cfg.markov_rank:
                 lj = lj + self.w["markov_head.markov_w2.weight"].float() @ e
             if cfg.confidence:
                 z = torch.cat([h[j], e]) if cfg.markov_rank and cfg.confidence_with_markov else h[j]
-                conf.append(torch.sigmoid(self._lin(z[None], "confidence_head.proj")).item())
-            prev = int(lj.argmax())
+                conf.append(torch.sigmoid(self._lin(z[None], "confidence_head.proj"))[0, 0])
+            prev = lj.argmax().view(1)  # a tensor index: W1[int] would read it back to the host
             out.append(prev)
             rows.append(lj)
-        return out, (conf if cfg.confidence else None), torch.stack(rows) if rows else logits
+        if not rows:
+            return [], ([] if cfg.confidence else None), logits
+        drafts = torch.cat(out).double()  # exact for any vocabulary
+        back = torch.cat([drafts, torch.stack(conf)]).tolist() if cfg.confidence else drafts.tolist()
+        n = len(out)
+        return [int(x) for x in back[:n]], (back[n:] if cfg.confidence else None), torch.stack(rows)
 
 
 def drafter_dir(name: str | Path) -> Path:
