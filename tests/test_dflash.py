@@ -383,3 +383,10 @@ def test_training_continues_from_a_drafter_folder(tmp_path):
     save_file({**{n: t.detach() for n, t in fresh.items()}, k: torch.zeros(3)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(SystemExit, match="--init"):
         D.load_init(tmp_path, fresh)
+
+
+def test_read_back_splits_one_copy_into_each_block():
+    from peregrine.speculative.dflash import read_back
+    got = read_back([(torch.tensor([5, 163839]), torch.tensor([0.5, 0.25])), (torch.tensor([7]), None),
+                     (torch.tensor([], dtype=torch.long), torch.tensor([]))])
+    assert got == [([5, 163839], [0.5, 0.25]), ([7], None), ([], [])]

@@ -213,9 +213,8 @@ class DFlashModel:
         cap = cfg.final_logit_softcapping
         return torch.tanh(x / float(cap)) * float(cap) if cap and float(cap) > 0 else x
 
-    def draft(self, anchor: int, start: int, ctx_kv, k: int) -> tuple[list[int], list[float] | None, torch.Tensor]:
-        """Up to k greedy drafts after the anchor token at position start, the confidences (DSpark) or None,
-        and the draft slots' logits [k, V] (FP32)."""
+    def draft_tensors(self, anchor: int, start: int, ctx_kv, k: int):
+        """draft() on the device: (drafts [n] long, confidences [n] or None, logits [n, V]), nothing read back."""
         cfg = self.cfg
         ids = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long, device=self.embed.device)
         ids[0] = anchor
@@ -224,9 +223,9 @@ class DFlashModel:
         h = h[:k]
         logits = self.logits(h)
         if not cfg.markov_rank and not cfg.confidence:
-            return logits.argmax(-1).tolist(), None, logits
+            return logits.argmax(-1), None, logits
         # each slot's bias reads the previous slot's draft, so the slots are drawn in order; the draws stay on the
-        # device (the previous draft indexes W1 as a tensor) and come back in one copy at the end
+        # device (the previous draft indexes W1 as a tensor, W1[int] would read it back to the host)
         out, conf, rows = [], [], []
         prev = torch.tensor([anchor], device=logits.device)
         for j in range(h.shape[0]):
@@ -236,16 +235,36 @@ class DFlashModel:
                 lj = lj + self.w["markov_head.markov_w2.weight"].float() @ e
             if cfg.confidence:
                 z = torch.cat([h[j], e]) if cfg.markov_rank and cfg.confidence_with_markov else h[j]
-                conf.append(torch.sigmoid(self._lin(z[None], "confidence_head.proj"))[0, 0])
-            prev = lj.argmax().view(1)  # a tensor index: W1[int] would read it back to the host
+                conf.append(torch.sigmoid(self._lin(z[None], "confidence_head.proj"))[0])
+            prev = lj.argmax().view(1)
             out.append(prev)
             rows.append(lj)
         if not rows:
-            return [], ([] if cfg.confidence else None), logits
-        drafts = torch.cat(out).double()  # exact for any vocabulary
-        back = torch.cat([drafts, torch.stack(conf)]).tolist() if cfg.confidence else drafts.tolist()
-        n = len(out)
-        return [int(x) for x in back[:n]], (back[n:] if cfg.confidence else None), torch.stack(rows)
+            return logits.argmax(-1), (logits.new_zeros(0) if cfg.confidence else None), logits
+        return torch.cat(out), (torch.cat(conf) if cfg.confidence else None), torch.stack(rows)
+
+    def draft(self, anchor: int, start: int, ctx_kv, k: int) -> tuple[list[int], list[float] | None, torch.Tensor]:
+        """Up to k greedy drafts after the anchor token at position start, the confidences (DSpark) or None,
+        and the draft slots' logits [k, V] (FP32); one read back to the host."""
+        d, c, logits = self.draft_tensors(anchor, start, ctx_kv, k)
+        drafts, confs = read_back([(d, c)])[0]
+        return drafts, confs, logits
+
+
+def read_back(drafted: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[tuple[list[int], list[float] | None]]:
+    """Drafts and confidences of several blocks in one device-to-host copy (FP64: token ids are exact)."""
+    if not drafted:
+        return []
+    flat = torch.cat([t.double() for d, c in drafted for t in ((d,) if c is None else (d, c))]).tolist()
+    out, i = [], 0
+    for d, c in drafted:
+        n = d.numel()
+        ids, i = [int(x) for x in flat[i:i + n]], i + n
+        conf = None
+        if c is not None:
+            conf, i = flat[i:i + n], i + n
+        out.append((ids, conf))
+    return out
 
 
 def drafter_dir(name: str | Path) -> Path:
@@ -373,21 +392,24 @@ class DFlashDrafter:
 
     @torch.inference_mode()
     def propose(self, seqs, ks: list[int]) -> list[list[int]]:
-        out = []
-        for seq, k in zip(seqs, ks):
+        asked, drafted = [], []
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
             n = seq.num_cached
             if k <= 0 or n == 0 or len(seq.token_ids) != n + 1:  # drafts follow the one token not yet fed
-                out.append([])
                 continue
-            drafts, conf, _ = self.model.draft(seq.token_ids[-1], n, self._context(seq, n),
+            d, c, _ = self.model.draft_tensors(seq.token_ids[-1], n, self._context(seq, n),
                                                min(k, self.model.cfg.num_drafts))
+            asked.append(i)
+            drafted.append((d, c))
+        out: list[list[int]] = [[] for _ in seqs]
+        for i, (drafts, conf) in zip(asked, read_back(drafted)):  # every request's blocks in one copy
             if conf is not None:
                 surv, run = [], 1.0
                 for c in conf:
                     run *= c
                     surv.append(run)
-                self.survival[id(seq)] = surv
-            out.append(drafts)
+                self.survival[id(seqs[i])] = surv
+            out[i] = drafts
         return out
 
     def verified(self, seq, drafted: int, accepted: int) -> None:
