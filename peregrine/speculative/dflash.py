@@ -178,7 +178,8 @@ class DFlashModel:
         ids = ids[None] if one else ids
         A, Bk = ids.shape
         g = cfg.num_heads // cfg.num_kv_heads
-        st = torch.as_tensor(start, device=ids.device).reshape(-1).expand(A)
+        st = (torch.full((A,), start, dtype=torch.long, device=ids.device) if isinstance(start, int)
+              else torch.as_tensor(start, device=ids.device).reshape(-1).expand(A))
         pos = (st[:, None] + torch.arange(Bk, device=ids.device)).reshape(-1)  # [A·Bk]
         C = ctx_kv[0][0].shape[0]
         own = torch.arange(A, device=ids.device).repeat_interleave(Bk)
@@ -227,7 +228,7 @@ class DFlashModel:
         # each slot's bias reads the previous slot's draft, so the slots are drawn in order; the draws stay on the
         # device (the previous draft indexes W1 as a tensor, W1[int] would read it back to the host)
         out, conf, rows = [], [], []
-        prev = torch.tensor([anchor], device=logits.device)
+        prev = torch.full((1,), anchor, dtype=torch.long, device=logits.device)  # a fill, not a host copy
         for j in range(h.shape[0]):
             lj = logits[j]
             e = self.w["markov_head.markov_w1.weight"].index_select(0, prev)[0].float() if cfg.markov_rank else None
