@@ -29,7 +29,7 @@ from ..kernels.mla_prologue import mla_prologue
 from ..kernels.mla_prologue import why_not as prologue_why_not
 from ..kernels.moe import moe_combine, moe_expert_partials, moe_experts, moe_route, router_partials, router_topk
 from ..kernels.moe_mxfp4 import moe_mxfp4_experts
-from ..kernels.moe_mxfp4_v4 import moe_mxfp4_experts_v4
+from ..kernels.moe_mxfp4_v4 import moe_mxfp4_experts_v4, on_hopper
 from ..kernels.norm import add_rms_norm, rms_norm
 from ..kernels.pdl import pdl as kernels_pdl
 from ..kernels.sampling import argmax, token_logprobs
@@ -54,12 +54,6 @@ VERIFY_MLA_ENV = "PEREGRINE_MLA_VERIFY_ROWS"
 # kernel is Hopper's, its portable form the interpreter's)
 MXFP4_ENV = "PEREGRINE_MXFP4"
 MXFP4_FORMS = ("v3", "v4")
-
-
-def _hopper_weights(module) -> bool:
-    """Whether a module's weights live on a Hopper GPU (sm_90)."""
-    t = next(iter([*module.parameters(), *module.buffers()]), None)
-    return t is not None and t.is_cuda and torch.cuda.get_device_capability(t.device)[0] == 9
 
 
 def _verify_rows() -> int:
@@ -128,7 +122,7 @@ class SpecializedRunner:
         moes = [l.mlp for l in model.layers if l.is_moe and l.mlp.mx]
         if not moes:
             return None
-        form = os.environ.get(MXFP4_ENV) or ("v4" if _hopper_weights(moes[0]) else "v3")
+        form = os.environ.get(MXFP4_ENV) or ("v4" if on_hopper(moes[0].gate_w.device) else "v3")
         if form not in MXFP4_FORMS:
             raise ValueError(f"{MXFP4_ENV}={form!r}: expected one of {', '.join(MXFP4_FORMS)}")
         if form == "v4" and any(m.mx_layout != "v4" for m in moes):

@@ -280,10 +280,15 @@ def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
+def on_hopper(device: torch.device) -> bool:
+    """Whether `device` is a Hopper GPU, the one these kernels are written for."""
+    return device.type == "cuda" and _hopper(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def supports(x: torch.Tensor, Dz: int, I: int, B: int, config: dict | None = None) -> bool:
     """The Gluon kernels' gate: a Hopper GPU, BF16 activations, widths in whole K steps, at most 64 tokens."""
     c = _config(config, B)
-    return (x.is_cuda and x.dtype == torch.bfloat16 and _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return (x.dtype == torch.bfloat16 and on_hopper(x.device)
             and Dz % c["BK"] == 0 and I % c["BK"] == 0 and I % 16 == 0 and Dz % 16 == 0 and B <= MAX_TOKENS)
 
 
