@@ -13,6 +13,18 @@ from peregrine.kernels.cute import available
 
 pytestmark = pytest.mark.skipif(not available(), reason="nvidia-cutlass-dsl (the `cute` extra) is not installed")
 
+
+def run_dsl(script: str, *args: str, cache_dir: str | None = None) -> dict:
+    """A script in a fresh interpreter with the DSL set for sm_90a (the arch is read when the DSL loads), the
+    interpreter off and this checkout importable; its last stdout line, parsed as JSON."""
+    cache = cache_dir or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"cute-cache-{os.getpid()}")
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_CACHE_DIR": cache}
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
 SCRIPT = r"""
 import json, os, subprocess, sys, tempfile
 from peregrine.kernels.cute import aot, weight_stream as ws
@@ -32,13 +44,7 @@ print(json.dumps(res))
 
 
 def test_weight_stream_compiles_for_sm90_with_tma_and_mbarriers():
-    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_CACHE_DIR": os.path.join(os.environ.get("TMPDIR", "/tmp"),
-                                                                                         f"cute-cache-{os.getpid()}")}
-    env.pop("TRITON_INTERPRET", None)
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = run_dsl(SCRIPT)
     for shape, s in res.items():
         assert s["cubins"] == 1 and s["sm90"], (shape, s)
         assert s["tma_loads"] >= 1 and s["mbarrier_waits"] >= 1, (shape, s)
@@ -81,13 +87,7 @@ def test_weight_stream_builds_a_loadable_library(tmp_path):
     import shutil
     if shutil.which("cc") is None:
         pytest.skip("no C compiler")
-    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_CACHE_DIR": str(tmp_path / "cache")}
-    env.pop("TRITON_INTERPRET", None)
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", BUILD, str(tmp_path / "libws.so")], capture_output=True, text=True,
-                       env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    syms = json.loads(r.stdout.strip().splitlines()[-1])
+    syms = run_dsl(BUILD, str(tmp_path / "libws.so"), cache_dir=str(tmp_path / "cache"))
     assert {"cute_load", "cute_run"} <= set(syms["defined"])
     foreign = [s for s in syms["undefined"] if not (s.startswith("cuda") or "@GLIBC" in s)]
     assert not foreign, foreign
@@ -123,13 +123,7 @@ def test_persistent_compiles_with_counters_bounded_waits_and_tma():
     (the dependency counters), a compare-and-swap (the error word), nanosleep (the bounded poll), the consumers'
     named barrier, and only a few values in local memory (outside the weight blocks' loops: at B = 8 unrolled whole
     those spilled 1 182 stores, and a KDA column held in registers 543)."""
-    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_CACHE_DIR": os.path.join(os.environ.get("TMPDIR", "/tmp"),
-                                                                                         f"cute-cache-{os.getpid()}")}
-    env.pop("TRITON_INTERPRET", None)
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", TASKS], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    for B, s in json.loads(r.stdout.strip().splitlines()[-1]).items():
+    for B, s in run_dsl(TASKS).items():
         assert s["cubins"] == 1 and s["tma_loads"] >= 1 and s["mbarrier_waits"] >= 1, (B, s)
         assert s["acquire_loads"] >= 1 and s["release_adds"] == 1 and s["gpu_fences"] >= 1, (B, s)
         assert s["error_cas"] >= 1 and s["sleeps"] >= 1 and s["consumer_barriers"] >= 2, (B, s)
