@@ -365,6 +365,21 @@ def test_shipped_tiny_drafter_accepts_and_keeps_answers():
     assert e.spec.mean_acceptance_length >= 3.0, e.spec.mean_acceptance_length
 
 
+def test_drafter_evaluation_records_answers_acceptance_and_width(tmp_path):
+    """train.drafter --eval: per task and method, answers against plain greedy, acceptance length and the width
+    the verify steps ran at (full on the CPU: the standard backend has no verify graphs to time)."""
+    from peregrine.train.drafter import evaluate
+    r = evaluate("peregrine-tiny", "peregrine-tiny-dspark", 4, ["copy"], 7, 64, tmp_path / "e.json", log=lambda m: None)
+    assert r["backend"] == "standard" and json.loads((tmp_path / "e.json").read_text())["tasks"] == r["tasks"]
+    row = r["tasks"]["copy"]
+    assert set(row) == {"plain", "dspark", "suffix", "ngram"}
+    for m in ("dspark", "suffix", "ngram"):
+        x = row[m]
+        assert x["identical_to_plain"] == x["n"] == 4 and x["width"].startswith("full") and x["width_steps"] == [0] * 8
+        assert x["acceptance_length"] == pytest.approx(1 + x["accepted"] / x["verifies"], abs=1e-3) and x["verifies"] > 0
+    assert row["dspark"]["acceptance_length"] > 2.0
+
+
 def test_training_continues_from_a_drafter_folder(tmp_path):
     """--init: a saved drafter's tensors become the run's starting weights (trainable FP32, the saved values);
     a folder of another shape is refused, naming the option."""

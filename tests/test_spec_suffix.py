@@ -165,6 +165,16 @@ def test_replay_sessions_measure_drafters_on_copied_text():
     suf = replay(e, sess, enc, "suffix", log=lambda m: None)
     assert plain["drafts"] == 0 and suf["drafts"] > 0 and suf["acceptance_length"] > 2.0, suf
     assert [t["output_tokens"] for t in suf["turns"]] == [t["output_tokens"] for t in plain["turns"]]
+    # without a cost table (CPU) the width chooser never runs: every draft is verified, no step counted by width
+    assert plain["turns"][0]["width_steps"] == [] and suf["turns"][0]["width_steps"] == [0] * 6
+    # with one, the turn records the widths it chose: plain steps where verifying costs far more, never plain where
+    # it is free (each step then verifies as far as a draft's survival is worth 2 %: suffix drafts vary in length)
+    e.spec.costs = {1: {1: 1.0, **{T: 100.0 for T in range(2, 7)}}}
+    cheap = replay(e, sess, enc, "suffix", log=lambda m: None)["turns"][0]
+    assert cheap["drafts"] == 0 and cheap["width_steps"][0] > 0 and sum(cheap["width_steps"][1:]) == 0, cheap
+    e.spec.costs = {1: {T: 1.0 for T in range(1, 7)}}
+    free = replay(e, sess, enc, "suffix", log=lambda m: None)["turns"][0]
+    assert free["drafts"] > 0 and free["width_steps"][0] == 0 and sum(free["width_steps"][2:]) > 0, free
 
 
 def test_the_global_trie_is_held_to_its_token_budget(monkeypatch):

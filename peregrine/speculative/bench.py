@@ -184,14 +184,20 @@ def bench_replay(model: str, methods=("ngram", "suffix"), k: int = 7, sessions: 
     result = {"kind": "spec_replay", "model": cfg.name, "metadata": gpu.run_metadata(),
               "config": {"methods": list(methods), "k": k, "sessions": sessions, "turns": turns,
                          "context_chars": context_chars, "backend": backend, "dummy_weights": dummy_weights},
-              "runs": []}
+              "copy_bandwidth": gpu.copy_bandwidth() if torch.cuda.is_available() else None, "runs": []}
     engine.enable_speculation(None)
     result["runs"].append(replay(engine, sess, tok.encode, "plain", log))
     for m in methods:
         engine.enable_speculation({"method": m, "num_speculative_tokens": k}, log=log)
-        r = replay(engine, sess, tok.encode, m, log)
-        base = result["runs"][0]["tok_s_user"]
-        r["speedup_vs_plain"] = r["tok_s_user"] / base if base and r["tok_s_user"] else None
+        r = {"cost_table_ms": engine.spec.measure_costs(log)}  # the width chooser's (empty off the GPU: full width)
+        r |= replay(engine, sess, tok.encode, m, log)
+        base = result["runs"][0]
+        r["speedup_vs_plain"] = r["tok_s_user"] / base["tok_s_user"] if base["tok_s_user"] and r["tok_s_user"] else None
+        for t, p in zip(r["turns"], base["turns"]):  # the same turn, plain: the target is per turn
+            t["speedup_vs_plain"] = t["tok_s_user"] / p["tok_s_user"] if t["tok_s_user"] and p["tok_s_user"] else None
+        sp = [t["speedup_vs_plain"] for t in r["turns"] if t["speedup_vs_plain"]]
+        if sp:
+            log(f"  replay {m:>10}: per turn {min(sp):.2f}x .. {max(sp):.2f}x plain")
         result["runs"].append(r)
     engine.enable_speculation(None)
     if results_dir is not None:

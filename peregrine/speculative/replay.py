@@ -81,6 +81,7 @@ def replay(engine, sessions, encode, label: str, log=print) -> dict:
             rid = f"replay-{label}-{si}-{ti}"
             engine.forced[rid] = forced
             d0 = (sp.stats["num_drafts"], sp.stats["num_accepted_tokens"]) if sp else (0, 0)
+            w0 = list(sp.stats["width_steps"]) if sp else []
             first = []
             t0 = time.perf_counter()
 
@@ -100,7 +101,9 @@ def replay(engine, sessions, encode, label: str, log=print) -> dict:
                           "ttft_s": t_first - t0, "decode_s": decode_s,
                           "tok_s_user": (len(forced) - 1) / decode_s if decode_s > 0 else None,
                           "drafts": drafts, "accepted": acc,
-                          "acceptance_length": 1 + acc / drafts if drafts else None})
+                          "acceptance_length": 1 + acc / drafts if drafts else None,
+                          # decode steps by the verify width the chooser took (0: plain); all 0 without a cost table (full width)
+                          "width_steps": [b - a for a, b in zip(w0, sp.stats["width_steps"])] if sp else []})
     dec = sum(t["decode_s"] for t in turns)
     out = sum(t["output_tokens"] - 1 for t in turns)
     drafts, acc = sum(t["drafts"] for t in turns), sum(t["accepted"] for t in turns)

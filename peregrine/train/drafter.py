@@ -212,13 +212,16 @@ def train(target: str, out: Path, minutes: float, problems: dict, layers: int, b
 
 
 EVAL_METHODS = ("dspark", "suffix", "ngram")
+GPU_SEQS = 8   # requests at once on the fast path: the batch sizes it serves, each with its measured verify costs
+CPU_SEQS = 32  # on the CPU: more rows a step for throughput (full width, no cost table)
 
 
 def evaluate(target: str, drafter: str, n: int, task_names, k: int, recall_context: int, results: Path | None,
-             log=log) -> dict:
-    """Per task: the target's plain greedy answers, then with each drafter (this one, suffix, n-gram; k drafts a
-    verify, every draft verified: the width chooser needs a GPU cost table) -> acceptance length (1 + accepted /
-    verifies, vLLM's), answers identical to plain, accuracy; into results/ as JSON."""
+             log=log, backend: str | None = None) -> dict:
+    """Per task: the target's plain greedy answers, then with each drafter (this one, suffix, n-gram; k drafts at
+    most) -> acceptance length (1 + accepted / verifies, vLLM's), answers identical to plain, accuracy; into
+    results/ as JSON. On a GPU (backend latency_specialized, B <= GPU_SEQS) the verify width chooser reads the cost
+    table measured from the verify graphs; without one (CPU, standard) every draft is verified."""
     from ..config import EngineConfig
     from ..engine import SamplingParams
     from ..engine.build import build_engine
@@ -226,16 +229,23 @@ def evaluate(target: str, drafter: str, n: int, task_names, k: int, recall_conte
     specs = {"dspark": {"method": "dspark", "model": drafter, "num_speculative_tokens": k},
              "suffix": {"method": "suffix", "num_speculative_tokens": k},
              "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}}
+    import torch
+    backend = backend or ("latency_specialized" if torch.cuda.is_available() else "standard")
+    seqs = GPU_SEQS if backend == "latency_specialized" else CPU_SEQS
     out = {"target": target, "drafter": drafter, "k": k, "n": n, "recall_context": recall_context,
-           "width": "full (CPU: no cost table)", "tasks": {}}
+           "backend": backend, "max_num_seqs": seqs, "tasks": {}}
     for task in task_names:
         probs = tasks.generate(task, n, EVAL_SEED, recall_context)
         prompts = [p.prompt_ids() for p in probs]
         params = [SamplingParams(temperature=0.0, max_tokens=tasks.max_new_tokens(p)) for p in probs]
         row = {}
         for method in ("plain",) + EVAL_METHODS:
-            ecfg = _engine_cfg(EngineConfig(max_num_seqs=32, speculative_config=specs.get(method)), probs)
+            ecfg = _engine_cfg(EngineConfig(max_num_seqs=seqs, decode_backend=backend,
+                                            speculative_config=specs.get(method)), probs)
             e, _ = build_engine(target, ecfg, log=lambda m: None)
+            if e.spec is not None and not e.spec.costs:
+                e.spec.measure_costs(log)  # the width chooser's table: empty without verify graphs (full width)
+                out.setdefault("cost_table_ms", {})[f"{task}/{method}"] = e.spec.costs
             t0 = time.time()
             got = e.generate(prompts, params)
             dt = time.time() - t0
@@ -246,7 +256,9 @@ def evaluate(target: str, drafter: str, n: int, task_names, k: int, recall_conte
                 st = e.stats["spec"]
                 r |= {"acceptance_length": round(e.spec.mean_acceptance_length, 3), "verifies": st["num_drafts"],
                       "drafted": st["num_draft_tokens"], "accepted": st["num_accepted_tokens"],
-                      "identical_to_plain": sum(a == b for a, b in zip(got, plain)), "n": n}
+                      "identical_to_plain": sum(a == b for a, b in zip(got, plain)), "n": n,
+                      "width": "auto" if e.spec.costs else "full (no cost table)",
+                      "width_steps": st["width_steps"]}  # decode steps by chosen width (0: plain); all 0 at full
             row[method] = r
             log(f"{task} {method}: " + ", ".join(f"{key} {v}" for key, v in r.items()))
         out["tasks"][task] = row
@@ -279,13 +291,16 @@ def main(argv=None) -> None:
     ap.add_argument("--tasks", default=",".join(TASKS), help="--eval: comma-separated tasks (default all four)")
     ap.add_argument("--k", type=int, default=7, help="--eval: drafts a verify (default 7)")
     ap.add_argument("--recall-context", type=int, default=RECALL_CONTEXT, help="--eval: recall prompt tokens")
+    ap.add_argument("--backend", choices=("standard", "latency_specialized"), default=None,
+                    help="--eval: decode backend (default latency_specialized on a GPU, where the verify width is "
+                         "chosen per step from measured costs; standard on the CPU, every draft verified)")
     a = ap.parse_args(argv)
     if a.eval:
         names = [t for t in a.tasks.split(",") if t]
         bad = [t for t in names if t not in TASKS]
         if bad or a.n <= 0 or a.k <= 0:
             ap.error(f"--tasks from {', '.join(TASKS)}, --n and --k positive (got tasks {bad}, n {a.n}, k {a.k})")
-        evaluate(a.target, a.eval, a.n, names, a.k, a.recall_context, Path(a.out))
+        evaluate(a.target, a.eval, a.n, names, a.k, a.recall_context, Path(a.out), backend=a.backend)
         return
     try:
         mix = {t: int(n) for t, n in (kv.split("=") for kv in a.problems.split(",") if kv)}

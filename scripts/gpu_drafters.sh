@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue #43 on the GPU: drafters' acceptance with the verify width chooser (its cost table measured from the
+# verify graphs at start) and their answers against plain greedy.
+# 1. replay: the 48B (dummy weights, needs an H200: BF16 does not fit an H100) on agent-shaped sessions at B = 1,
+#    replies forced, plain / n-gram / suffix at k = 7 (T_replay; SESSIONS, TURNS, CONTEXT characters)
+# 2. tiny: peregrine-tiny-dspark against suffix and n-gram, 500 problems per task, fast path at B <= 8 (T_tiny)
+#   run (carry .commit and .whl):  PARTS="replay tiny" bash scripts/gpu_drafters.sh
+source "$(dirname "$0")/device_env.sh"
+rc=0
+nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv | tee "$OUT/gpu.txt"
+for p in ${PARTS:-replay tiny}; do
+  echo "=== $p ($(date -u +%T))"
+  case $p in
+    replay)
+      timeout "${T_replay:-540}" python3 -m peregrine bench spec --model kimi-linear-48b-a3b --dummy-weights --k 7 \
+        --replay-sessions "${SESSIONS:-2}" --replay-turns "${TURNS:-4}" --replay-context "${CONTEXT:-120000}" \
+        --replay-methods ngram,suffix --results-dir results/spec-replay 2>&1 | tee "$OUT/replay.log" \
+        | grep -v "captur" | tail -25 || rc=1 ;;
+    tiny)
+      timeout "${T_tiny:-540}" python3 -m peregrine.train.drafter --eval peregrine-tiny-dspark --n "${N:-500}" \
+        --out results/tiny-dspark-gpu.json 2>&1 | tee "$OUT/tiny.log" | tail -25 || rc=1 ;;
+    *) echo "unknown part $p (replay tiny)"; rc=1 ;;
+  esac
+done
+tar czf "$OUT/results-drafters.tgz" $(ls results/spec-replay/* results/tiny-dspark-gpu.json 2>/dev/null)
+exit $rc
