@@ -376,8 +376,29 @@ def test_drafter_evaluation_records_answers_acceptance_and_width(tmp_path):
     for m in ("dspark", "suffix", "ngram"):
         x = row[m]
         assert x["identical_to_plain"] == x["n"] == 4 and x["width"].startswith("full") and x["width_steps"] == [0] * 8
+        assert x["differs"] == []
         assert x["acceptance_length"] == pytest.approx(1 + x["accepted"] / x["verifies"], abs=1e-3) and x["verifies"] > 0
     assert row["dspark"]["acceptance_length"] > 2.0
+
+
+def test_divergences_name_the_first_differing_token_and_the_plain_top5():
+    """An answer unlike plain greedy's is reported where it first differs, with the plain model's top logprobs
+    there (taken from one step on prompt + common prefix): plain's own token first; a token outside them is no
+    near tie."""
+    from peregrine.config import EngineConfig
+    from peregrine.engine import SamplingParams
+    from peregrine.engine.build import build_engine
+    from peregrine.train.drafter import divergences
+    e, _ = build_engine("peregrine-tiny", EngineConfig(max_num_seqs=2, max_model_len=128), log=lambda m: None)
+    prompts = [list(b"rev:abcdef|"), list(b"rev:peregrine|")]
+    plain = e.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))
+    got = [plain[0], plain[1][:3] + [(plain[1][3] + 1) % 256] + plain[1][4:]]
+    d = divergences(e, prompts, plain, got)
+    assert len(d) == 1 and d[0]["problem"] == 1 and d[0]["at"] == 3 and d[0]["plain"] == plain[1][3]
+    assert d[0]["top"][0][0] == plain[1][3] and len(d[0]["top"]) == 5
+    assert d[0]["near_tie"] == (got[1][3] in [t for t, _ in d[0]["top"]])
+    far = [t for t in range(256) if t not in [x for x, _ in d[0]["top"]]][0]
+    assert divergences(e, prompts, plain, [plain[0], plain[1][:3] + [far]])[0]["near_tie"] is False
 
 
 def test_training_continues_from_a_drafter_folder(tmp_path):

@@ -216,6 +216,29 @@ GPU_SEQS = 8   # requests at once on the fast path: the batch sizes it serves, e
 CPU_SEQS = 32  # on the CPU: more rows a step for throughput (full width, no cost table)
 
 
+def divergences(engine, prompts, plain, got, top: int = 5) -> list[dict]:
+    """Each answer unlike plain greedy's: where it first differs, both tokens, and the plain engine's top
+    logprobs there (prompt + the common prefix, one step; docs/correctness.md's near-tie rule: each token in
+    the other's top 5). An empty list: every answer identical."""
+    from ..engine import SamplingParams
+    out = []
+    for i, (a, b) in enumerate(zip(plain, got)):
+        if a == b:
+            continue
+        at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        d = {"problem": i, "at": at, "plain": a[at] if at < len(a) else None, "spec": b[at] if at < len(b) else None}
+        res = []
+        engine.add_request(prompts[i] + a[:at], SamplingParams(temperature=0.0, max_tokens=1, logprobs=top),
+                           on_token=lambda o: o.finished and res.append(o))
+        while not res:
+            engine.step()
+        tops = res[0].logprobs[0].top if res[0].logprobs else []
+        d["top"] = [[t, round(lp, 4)] for t, lp in tops]
+        d["near_tie"] = all(x in {t for t, _ in tops} for x in (d["plain"], d["spec"]) if x is not None)
+        out.append(d)
+    return out
+
+
 def evaluate(target: str, drafter: str, n: int, task_names, k: int, recall_context: int, results: Path | None,
              log=log, backend: str | None = None) -> dict:
     """Per task: the target's plain greedy answers, then with each drafter (this one, suffix, n-gram; k drafts at
@@ -251,14 +274,15 @@ def evaluate(target: str, drafter: str, n: int, task_names, k: int, recall_conte
             dt = time.time() - t0
             r = {"seconds": round(dt, 1), "accuracy": sum(tasks.check(p, a) for p, a in zip(probs, got)) / n}
             if method == "plain":
-                plain = got
+                plain, plain_engine = got, e
             else:
                 st = e.stats["spec"]
                 r |= {"acceptance_length": round(e.spec.mean_acceptance_length, 3), "verifies": st["num_drafts"],
                       "drafted": st["num_draft_tokens"], "accepted": st["num_accepted_tokens"],
                       "identical_to_plain": sum(a == b for a, b in zip(got, plain)), "n": n,
                       "width": "auto" if e.spec.costs else "full (no cost table)",
-                      "width_steps": st["width_steps"]}  # decode steps by chosen width (0: plain); all 0 at full
+                      "width_steps": st["width_steps"],  # decode steps by chosen width (0: plain); all 0 at full
+                      "differs": divergences(plain_engine, prompts, plain, got)}
             row[method] = r
             log(f"{task} {method}: " + ", ".join(f"{key} {v}" for key, v in r.items()))
         out["tasks"][task] = row
