@@ -4,7 +4,7 @@
 # 1. replay: the 48B (dummy weights, needs an H200: BF16 does not fit an H100) on agent-shaped sessions at B = 1,
 #    replies forced, plain / n-gram / suffix at k = 7 (T_replay; SESSIONS, TURNS, CONTEXT characters)
 # 2. tiny: peregrine-tiny-dspark against suffix and n-gram, N problems per task (500), fast path at B <= 8, TASKS
-#    (default all four); an answer unlike plain greedy is reported with the plain top 5 where it differs (T_tiny)
+#    (default all four), METHODS (default dspark,suffix,ngram); an answer unlike plain greedy is reported with the plain top 5 where it differs (T_tiny)
 #   run (carry .commit and .whl):  PARTS="replay tiny" bash scripts/gpu_drafters.sh
 source "$(dirname "$0")/device_env.sh"
 rc=0
@@ -19,7 +19,8 @@ for p in ${PARTS:-replay tiny}; do
         | grep -v "captur" | tail -25 || rc=1 ;;
     tiny)
       timeout "${T_tiny:-540}" python3 -m peregrine.train.drafter --eval peregrine-tiny-dspark --n "${N:-500}" --tasks "${TASKS:-copy,reverse,add,recall}" \
-        --out results/tiny-dspark-gpu-${TASKS:-all}.json 2>&1 | tee "$OUT/tiny.log" | tail -25 || rc=1 ;;
+        --methods "${METHODS:-dspark,suffix,ngram}" \
+        --out "results/tiny-dspark-gpu-${TASKS:-all}-${METHODS:-all}.json" 2>&1 | tee "$OUT/tiny.log" | tail -25 || rc=1 ;;
     *) echo "unknown part $p (replay tiny)"; rc=1 ;;
   esac
 done

@@ -78,6 +78,21 @@ def test_drafts_copy_from_the_request_and_scale_with_the_match():
     assert d.propose([seq([1, 2, 3])], [5])[0] == []  # nothing seen before
 
 
+def test_a_long_copy_drafts_k_tokens_from_a_shorter_match_than_the_trie_depth():
+    """Once a copy runs past the depth, the longest match (m = depth) has one token left below it in the trie; a
+    shorter match continues k tokens, and the candidate with the most expected tokens is the draft. (The
+    longest-match-only rule drafted 1 token a step here: 1.98 accepted a verify on the replay sessions' text.)"""
+    depth, k = 8, 4  # a trie of depth 8 drafts at most 4 (m = 4, 4 tokens below it)
+    d = SuffixDrafter(max_tree_depth=depth, max_cached_requests=10, max_spec_factor=1.0, min_token_prob=0.1)
+    text = list(range(100, 140))
+    s = seq(text + [1] + text[:20])  # copying text: the last 20 tokens were seen before, followed by 120..
+    assert d.propose([s], [k])[0] == list(range(120, 120 + k))
+    assert d.survival[id(s)] == [1.0] * k
+    r = d.requests[id(s)]
+    longest, m = r.match()
+    assert m == depth - 1 and follow(longest, k, 0.1)[0] == [120]  # the longest match alone: one draft
+
+
 def test_the_global_trie_serves_a_repeated_request_and_keeps_its_cap():
     d = SuffixDrafter(max_tree_depth=8, max_cached_requests=2, max_spec_factor=4.0, min_token_prob=0.1)
     prompt = [3, 1, 4, 1, 5]
@@ -191,7 +206,7 @@ def test_the_global_trie_is_held_to_its_token_budget(monkeypatch):
 
 
 def test_request_match_reads_its_active_nodes_as_a_walk_would():
-    """_Request.match (the nodes its updates hold) equals SuffixTrie.match's walk from the root, on random text."""
+    """_Request.match(es) (the nodes its updates hold) equal SuffixTrie's walks from the root, on random text."""
     from peregrine.speculative.suffix import _Request
     rng = random.Random(5)
     for depth in (1, 4, 24):
@@ -200,4 +215,4 @@ def test_request_match_reads_its_active_nodes_as_a_walk_would():
         for _ in range(300):
             toks.append(rng.randrange(6))
             r.update(toks)
-            assert r.match() == r.trie.match(toks)
+            assert r.match() == r.trie.match(toks) and r.matches() == r.trie.matches(toks)

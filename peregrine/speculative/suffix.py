@@ -2,12 +2,15 @@
 
 Two bounded-depth suffix tries count which token followed every context of up to `max_tree_depth` tokens:
 one per request over its prompt and output (agents copy from their context), one global over the outputs of
-the last `max_cached_requests` finished requests (agents repeat themselves across calls). To draft, the
-longest suffix of the sequence found in a trie (its match length m) is followed greedily along its most
-frequent continuation while the path's probability (the product of count(child) / count(children)) stays at
-or above `min_token_prob`, for at most min(k, ceil(max_spec_factor * m)) tokens: longer matches speculate
-further. Of the two tries' drafts the one with more expected accepted tokens wins. Those path probabilities are
-also the drafts' survival for the verify width chooser (width.py).
+the last `max_cached_requests` finished requests (agents repeat themselves across calls). To draft, each
+suffix of the sequence found in a trie (its match length m) is followed greedily along its most frequent
+continuation while the path's probability (the product of count(child) / count(children)) stays at or above
+`min_token_prob`, for at most min(k, ceil(max_spec_factor * m)) tokens: longer matches speculate further. Of
+all these candidates, over every match length and both tries, the one with the most expected accepted tokens
+(the sum of its path probabilities) wins, as in Arctic's. Every match length, not only the longest: a trie of
+depth D continues a context of m tokens by at most D - m tokens, so the longest match (m near D once a copy
+runs) could only ever draft one or two. The path probabilities are also the drafts' survival for the verify
+width chooser (width.py).
 
 Written here rather than taken from `arctic-inference` (Snowflake's implementation): it ships as a source
 package only, whose C++ build needs cmake, nanobind, protobuf and grpc tooling and a torch to build against,
@@ -63,9 +66,10 @@ class SuffixTrie:
         for t in tokens:
             active = self.step(active, t, sign)
 
-    def match(self, tokens) -> tuple[_Node | None, int]:
-        """The node of the longest suffix of `tokens` (up to the depth) that has continuations, and its length."""
-        for m in range(min(self.depth, len(tokens)), 0, -1):
+    def matches(self, tokens) -> list[tuple[_Node, int]]:
+        """(node, m) of each suffix of `tokens` of m <= depth tokens seen before with a continuation, shortest first."""
+        out = []
+        for m in range(1, min(self.depth, len(tokens)) + 1):
             node = self.root
             for t in tokens[len(tokens) - m:]:
                 node = node.kids.get(t)
@@ -73,8 +77,12 @@ class SuffixTrie:
                     break
             else:
                 if node.kids:
-                    return node, m
-        return None, 0
+                    out.append((node, m))
+        return out
+
+    def match(self, tokens) -> tuple[_Node | None, int]:
+        """The node of the longest suffix of `tokens` (up to the depth) that has continuations, and its length."""
+        return (self.matches(tokens) or [(None, 0)])[-1]
 
 
 class _Request:
@@ -88,13 +96,13 @@ class _Request:
             self.active = self.trie.step(self.active, t)
         self.seen = len(tokens)
 
-    def match(self) -> tuple[_Node | None, int]:
-        """SuffixTrie.match of the request's own tokens, read off the nodes update already holds: active[m - 1]
+    def matches(self) -> list[tuple[_Node, int]]:
+        """SuffixTrie.matches of the request's own tokens, read off the nodes update already holds: active[m - 1]
         is the context of the last m tokens."""
-        for m in range(len(self.active), 0, -1):
-            if self.active[m - 1].kids:
-                return self.active[m - 1], m
-        return None, 0
+        return [(n, m) for m, n in enumerate(self.active, 1) if n.kids]
+
+    def match(self) -> tuple[_Node | None, int]:
+        return (self.matches() or [(None, 0)])[-1]
 
 
 def follow(node: _Node, limit: int, min_prob: float) -> tuple[list[int], list[float]]:
@@ -127,10 +135,14 @@ class SuffixDrafter:
         self.cached_tokens = 0
         self.survival: dict[int, list[float]] = {}
 
-    def _draft(self, trie_node, m: int, k: int) -> tuple[list[int], list[float]]:
-        if trie_node is None:
-            return [], []
-        return follow(trie_node, min(k, math.ceil(self.factor * m)), self.min_prob)
+    def _best(self, matches, k: int) -> tuple[list[int], list[float]]:
+        """The candidate with the most expected accepted tokens over these matches (ties: the longer match)."""
+        best = ([], [])
+        for node, m in matches:
+            cand = follow(node, min(k, math.ceil(self.factor * m)), self.min_prob)
+            if sum(cand[1]) >= sum(best[1]) and cand[0]:
+                best = cand
+        return best
 
     def propose(self, seqs, ks: list[int]) -> list[list[int]]:
         out = []
@@ -141,7 +153,7 @@ class SuffixDrafter:
             r.update(s.token_ids)
             # the request's own trie counts the sequence's end too: its deepest suffix has no continuation
             # there, so match finds the longest suffix seen before with one
-            best = max((self._draft(*r.match(), k), self._draft(*self.glob.match(s.token_ids), k)),
+            best = max((self._best(r.matches(), k), self._best(self.glob.matches(s.token_ids), k)),
                        key=lambda d: sum(d[1]))
             self.survival[id(s)] = best[1]
             out.append(best[0])

@@ -240,7 +240,7 @@ def divergences(engine, prompts, plain, got, top: int = 5) -> list[dict]:
 
 
 def evaluate(target: str, drafter: str, n: int, task_names, k: int, recall_context: int, results: Path | None,
-             log=log, backend: str | None = None) -> dict:
+             log=log, backend: str | None = None, methods=EVAL_METHODS) -> dict:
     """Per task: the target's plain greedy answers, then with each drafter (this one, suffix, n-gram; k drafts at
     most) -> acceptance length (1 + accepted / verifies, vLLM's), answers identical to plain, accuracy; into
     results/ as JSON. On a GPU (backend latency_specialized, B <= GPU_SEQS) the verify width chooser reads the cost
@@ -262,7 +262,7 @@ def evaluate(target: str, drafter: str, n: int, task_names, k: int, recall_conte
         prompts = [p.prompt_ids() for p in probs]
         params = [SamplingParams(temperature=0.0, max_tokens=tasks.max_new_tokens(p)) for p in probs]
         row = {}
-        for method in ("plain",) + EVAL_METHODS:
+        for method in ("plain",) + tuple(methods):
             ecfg = _engine_cfg(EngineConfig(max_num_seqs=seqs, decode_backend=backend,
                                             speculative_config=specs.get(method)), probs)
             e, _ = build_engine(target, ecfg, log=lambda m: None)
@@ -315,16 +315,22 @@ def main(argv=None) -> None:
     ap.add_argument("--tasks", default=",".join(TASKS), help="--eval: comma-separated tasks (default all four)")
     ap.add_argument("--k", type=int, default=7, help="--eval: drafts a verify (default 7)")
     ap.add_argument("--recall-context", type=int, default=RECALL_CONTEXT, help="--eval: recall prompt tokens")
+    ap.add_argument("--methods", default=",".join(EVAL_METHODS),
+                    help=f"--eval: drafters to compare with plain greedy (default {','.join(EVAL_METHODS)})")
     ap.add_argument("--backend", choices=("standard", "latency_specialized"), default=None,
                     help="--eval: decode backend (default latency_specialized on a GPU, where the verify width is "
                          "chosen per step from measured costs; standard on the CPU, every draft verified)")
     a = ap.parse_args(argv)
     if a.eval:
         names = [t for t in a.tasks.split(",") if t]
+        methods = [m for m in a.methods.split(",") if m]
+        if not methods or any(m not in EVAL_METHODS for m in methods):
+            ap.error(f"--methods from {', '.join(EVAL_METHODS)}, got {a.methods!r}")
         bad = [t for t in names if t not in TASKS]
         if bad or a.n <= 0 or a.k <= 0:
             ap.error(f"--tasks from {', '.join(TASKS)}, --n and --k positive (got tasks {bad}, n {a.n}, k {a.k})")
-        evaluate(a.target, a.eval, a.n, names, a.k, a.recall_context, Path(a.out), backend=a.backend)
+        evaluate(a.target, a.eval, a.n, names, a.k, a.recall_context, Path(a.out), backend=a.backend,
+                 methods=methods)
         return
     try:
         mix = {t: int(n) for t, n in (kv.split("=") for kv in a.problems.split(",") if kv)}
