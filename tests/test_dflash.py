@@ -159,6 +159,33 @@ def test_dspark_draws_its_slots_with_one_host_read(monkeypatch):
     assert drafts == case["drafts"].tolist() and len(conf) == len(drafts)
 
 
+def test_a_batch_of_blocks_over_their_own_contexts_equals_each_block_alone():
+    """propose drafts every asking request in one call: draft_batch over B contexts of different lengths (padded
+    to the longest and masked, as TapWriter.gather returns them) equals each request's one-block call over its own
+    context (the DeepSpec-checked path): block states' logits, in-order Markov draws and confidences."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    gold = Path(__file__).parent / "golden"
+    d = json.loads((gold / "dspark_small.json").read_text())
+    t = load_file(str(gold / "dspark_small.safetensors"))
+    case = {k.removeprefix("case."): t.pop(k) for k in list(t) if k.startswith("case.")}
+    m = DFlashModel(DFlashConfig.from_dict(d, "golden"), t, None, None)
+    g = torch.Generator().manual_seed(7)
+    lens, taps = [5, 1, 12], case["taps"]
+    ctxs = [m.context_kv(m.context(torch.randn(n, taps.shape[1], generator=g) * taps.std()), torch.arange(n)) for n in lens]
+    L = max(lens)
+    pad = lambda x: torch.cat([x, 1e3 * torch.randn((L - x.shape[0],) + x.shape[1:], generator=g)])  # noqa: E731  garbage past the end
+    ctx = [(torch.stack([pad(c[i][0]) for c in ctxs]), torch.stack([pad(c[i][1]) for c in ctxs])) for i in range(m.cfg.num_layers)]
+    valid = torch.arange(L)[None] < torch.tensor(lens)[:, None]
+    anchors = torch.tensor([3, int(case["ids"][0]), 11])
+    k = m.cfg.num_drafts
+    d, c, logits = m.draft_batch(anchors, torch.tensor(lens), ctx, valid, k)  # (a mask ignored: garbage leaks)
+    for b, n in enumerate(lens):
+        d1, c1, l1 = m.draft_tensors(int(anchors[b]), n, ctxs[b], k)
+        assert torch.equal(d[b], d1) and torch.allclose(c[b], c1, atol=1e-6) and torch.allclose(logits[b], l1, atol=1e-5), b
+
+
 # ---- the drafter in the engine ----
 
 def _drafter_folder(path, target_cfg, *, dspark=False, seed=0, block=4, taps=(-1, 1)):
@@ -190,9 +217,10 @@ def _drafter_folder(path, target_cfg, *, dspark=False, seed=0, block=4, taps=(-1
 @pytest.mark.parametrize("dspark,backend", [(False, "standard"), (True, "standard"), (False, "latency_specialized")])
 def test_drafter_in_the_engine_keeps_greedy_exact_and_reads_the_targets_taps(tmp_path, dspark, backend, monkeypatch):
     """With a DFlash (or DSpark) drafter the engine's greedy tokens equal plain greedy decoding; the context each
-    propose reads from the taps buffer (written by the target's own forwards: prefill, verify, rollback; on the
-    specialized path its fused step's residual) equals the context recomputed from a fresh forward over the same
-    tokens (FP32 within 1e-4); DSpark's confidences reach the width chooser as survival probabilities."""
+    propose reads from the taps buffer (each drafter layer's keys and values, written by the target's own forwards:
+    prefill, verify, rollback; on the specialized path its fused step's residual) equals the one recomputed from a
+    fresh forward over the same tokens (FP32 within 1e-4); DSpark's confidences reach the width chooser as
+    survival probabilities."""
     from peregrine.config import EngineConfig
     from peregrine.decode.batch import StepInput
     from peregrine.engine import SamplingParams
@@ -215,10 +243,12 @@ def test_drafter_in_the_engine_keeps_greedy_exact_and_reads_the_targets_taps(tmp
     seen = []
     real = dflash.DFlashDrafter._context
 
-    def spy(self, seq, n):
-        kv = real(self, seq, n)
-        seen.append((list(seq.token_ids[:n]), self.writer.read(seq.blocks, self.bs, 0, n).clone()))
-        return kv
+    def spy(self, seqs, lens):
+        ctx, valid = real(self, seqs, lens)
+        for b, (seq, n) in enumerate(zip(seqs, lens)):  # each layer's (keys, values) of the positions it reads
+            assert valid[b].sum() == n and bool(valid[b, :n].all())
+            seen.append((list(seq.token_ids[:n]), [(k[b, :n].clone(), v[b, :n].clone()) for k, v in ctx]))
+        return ctx, valid
     monkeypatch.setattr(dflash.DFlashDrafter, "_context", spy)
     surv = []
     real_propose = dflash.DFlashDrafter.propose
@@ -253,8 +283,11 @@ def test_drafter_in_the_engine_keeps_greedy_exact_and_reads_the_targets_taps(tmp
             x = model.embed(st_in.input_ids)
             model.hidden_states(st_in, fresh.cache, rec)
         outs = {-1: x} | dict(enumerate(rec))
-        want = drafter.model.context(torch.cat([outs[L] for L in cfg.target_layer_ids], -1))
-        assert torch.allclose(c.float(), want, atol=1e-4, rtol=1e-4), (c.float() - want).abs().max()
+        want = drafter.model.context_kv(drafter.model.context(torch.cat([outs[L] for L in cfg.target_layer_ids], -1)),
+                                        torch.arange(len(toks)))
+        for (k, v), (wk, wv) in zip(c, want):
+            assert torch.allclose(k.float(), wk, atol=1e-4, rtol=1e-4), (k.float() - wk).abs().max()
+            assert torch.allclose(v.float(), wv, atol=1e-4, rtol=1e-4), (v.float() - wv).abs().max()
         checked += 1
     assert checked >= 2
 

@@ -214,35 +214,72 @@ class DFlashModel:
         cap = cfg.final_logit_softcapping
         return torch.tanh(x / float(cap)) * float(cap) if cap and float(cap) > 0 else x
 
-    def draft_tensors(self, anchor: int, start: int, ctx_kv, k: int):
-        """draft() on the device: (drafts [n] long, confidences [n] or None, logits [n, V]), nothing read back."""
+    def block_batch(self, anchors: torch.Tensor, starts: torch.Tensor, ctx, valid: torch.Tensor) -> torch.Tensor:
+        """B blocks [anchor, masks...] of B sequences, block b at positions starts[b].., each over its own context:
+        ctx per layer (keys, values) [B, L, kv heads, hd] with valid [B, L] (the positions before its start) ->
+        final-normed states [B, Bk, H] (FP32). A block sees its valid context and its whole own block."""
         cfg = self.cfg
-        ids = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long, device=self.embed.device)
-        ids[0] = anchor
-        h = self.hidden(ids, start, ctx_kv)
-        h = h if cfg.shifted else h[1:]
-        h = h[:k]
+        B, Bk, dev = anchors.shape[0], cfg.block_size, anchors.device
+        ids = torch.full((B, Bk), cfg.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, 0] = anchors
+        pos = (starts[:, None] + torch.arange(Bk, device=dev)).reshape(-1)  # [B·Bk]
+        see = torch.cat([valid, valid.new_ones(B, Bk)], 1)[:, None, None, :]  # [B, 1, 1, L + Bk]
+        g, N = cfg.num_heads // cfg.num_kv_heads, B * Bk
+        x = self.embed[ids.reshape(-1)].float() * cfg.input_embedding_scale
+        for i, (kc, vc) in enumerate(ctx):
+            p = f"layers.{i}."
+            n = _norm(x, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+            q = self._lin(n, p + "self_attn.q_proj").view(N, cfg.num_heads, cfg.head_dim)
+            q = _rope(_norm(q, self.w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps), pos, cfg.rope_theta)
+            k = self._lin(n, p + "self_attn.k_proj").view(N, cfg.num_kv_heads, cfg.head_dim)
+            k = _rope(_norm(k, self.w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps), pos, cfg.rope_theta)
+            v = self._lin(n, p + "self_attn.v_proj").view(N, cfg.num_kv_heads, cfg.head_dim)
+            K = torch.cat([kc.float(), k.view(B, Bk, cfg.num_kv_heads, -1)], 1).repeat_interleave(g, 2)
+            V = torch.cat([vc.float(), v.view(B, Bk, cfg.num_kv_heads, -1)], 1).repeat_interleave(g, 2)
+            sc = torch.einsum("bqhd,bkhd->bhqk", q.view(B, Bk, cfg.num_heads, -1), K) / math.sqrt(cfg.head_dim)
+            o = torch.einsum("bhqk,bkhd->bqhd", sc.masked_fill(~see, float("-inf")).softmax(-1), V).reshape(N, -1)
+            x = x + self._lin(o, p + "self_attn.o_proj")
+            m = _norm(x, self.w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            x = x + self._lin(F.silu(self._lin(m, p + "mlp.gate_proj")) * self._lin(m, p + "mlp.up_proj"),
+                              p + "mlp.down_proj")
+        return _norm(x, self.w["norm.weight"], cfg.rms_norm_eps).view(B, Bk, -1)
+
+    def draft_batch(self, anchors: torch.Tensor, starts: torch.Tensor, ctx, valid: torch.Tensor, k: int):
+        """block_batch's B blocks drafted on the device, nothing read back: (drafts [B, k] long, confidences
+        [B, k] or None, the draft slots' logits [B, k, V]); k at most the block's drafts."""
+        cfg = self.cfg
+        h = self.block_batch(anchors, starts, ctx, valid)
+        h = (h if cfg.shifted else h[:, 1:])[:, :k]
         logits = self.logits(h)
         if not cfg.markov_rank and not cfg.confidence:
             return logits.argmax(-1), None, logits
-        # each slot's bias reads the previous slot's draft, so the slots are drawn in order; the draws stay on the
-        # device (the previous draft indexes W1 as a tensor, W1[int] would read it back to the host)
-        out, conf, rows = [], [], []
-        prev = torch.full((1,), anchor, dtype=torch.long, device=logits.device)  # a fill, not a host copy
-        for j in range(h.shape[0]):
-            lj = logits[j]
-            e = self.w["markov_head.markov_w1.weight"].index_select(0, prev)[0].float() if cfg.markov_rank else None
+        # each slot's bias reads the previous slot's draft, so the slots are drawn in order, all B at once; the
+        # draws stay on the device (index_select with the previous drafts as a tensor)
+        out, conf, rows, prev = [], [], [], anchors
+        for j in range(h.shape[1]):
+            lj = logits[:, j]
+            e = self.w["markov_head.markov_w1.weight"].index_select(0, prev).float() if cfg.markov_rank else None
             if cfg.markov_rank:
-                lj = lj + self.w["markov_head.markov_w2.weight"].float() @ e
+                lj = lj + e @ self.w["markov_head.markov_w2.weight"].float().T
             if cfg.confidence:
-                z = torch.cat([h[j], e]) if cfg.markov_rank and cfg.confidence_with_markov else h[j]
-                conf.append(torch.sigmoid(self._lin(z[None], "confidence_head.proj"))[0])
-            prev = lj.argmax().view(1)
+                z = torch.cat([h[:, j], e], -1) if cfg.markov_rank and cfg.confidence_with_markov else h[:, j]
+                conf.append(torch.sigmoid(self._lin(z, "confidence_head.proj"))[:, 0])
+            prev = lj.argmax(-1)
             out.append(prev)
             rows.append(lj)
         if not rows:
-            return logits.argmax(-1), (logits.new_zeros(0) if cfg.confidence else None), logits
-        return torch.cat(out), (torch.cat(conf) if cfg.confidence else None), torch.stack(rows)
+            return logits.argmax(-1), (logits.new_zeros(h.shape[:2]) if cfg.confidence else None), logits
+        return (torch.stack(out, 1), torch.stack(conf, 1) if cfg.confidence else None, torch.stack(rows, 1))
+
+    def draft_tensors(self, anchor: int, start: int, ctx_kv, k: int):
+        """draft() on the device: (drafts [n] long, confidences [n] or None, logits [n, V]), nothing read back."""
+        dev = self.embed.device
+        C = ctx_kv[0][0].shape[0]
+        d, c, logits = self.draft_batch(torch.full((1,), anchor, dtype=torch.long, device=dev),
+                                        torch.full((1,), start, dtype=torch.long, device=dev),
+                                        [(kk[None], vv[None]) for kk, vv in ctx_kv],
+                                        (torch.arange(C, device=dev) < start)[None], k)
+        return d[0], (None if c is None else c[0]), logits[0]
 
     def draft(self, anchor: int, start: int, ctx_kv, k: int) -> tuple[list[int], list[float] | None, torch.Tensor]:
         """Up to k greedy drafts after the anchor token at position start, the confidences (DSpark) or None,
@@ -324,13 +361,17 @@ def check_fits(cfg: DFlashConfig, weights: dict, model: DFlashModel, target_cfg,
 
 class TapWriter:
     """Installed on the target model (KimiModel.taps): its forward hands over the residual stream after the tapped
-    layers (take), and the drafter's context c of every token the target is fed is written at the token's cache
-    slot (step.slot_mapping), in a paged buffer beside the KV cache: any path that feeds tokens (prefill pieces,
-    decode, verify, graphs) keeps it, and a rejected draft's entry is overwritten when its position is fed again."""
+    layers (take); from them the drafter's context c of every token the target is fed, and from c each drafter
+    layer's key and value at the token's position, are written at the token's cache slot (step.slot_mapping), in
+    a paged buffer beside the KV cache. Any path that feeds tokens (prefill pieces, decode, verify, graphs) keeps
+    it, a rejected draft's entry is overwritten when its position is fed again, and a propose reads any batch's
+    contexts from it at once (gather) with nothing kept per request."""
 
     def __init__(self, model: DFlashModel, num_slots: int, dtype, device):
-        self.model, self.layers = model, list(model.cfg.target_layer_ids)
-        self.buf = torch.zeros(num_slots, model.cfg.hidden_size, dtype=dtype, device=device)
+        cfg = model.cfg
+        self.model, self.layers = model, list(cfg.target_layer_ids)
+        # [layer, key / value, slot, kv heads, hd]
+        self.kv = torch.zeros(cfg.num_layers, 2, num_slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
         self.parts: dict[int, torch.Tensor] = {}
 
     def take(self, layer: int, x: torch.Tensor, step) -> None:
@@ -341,13 +382,19 @@ class TapWriter:
         if len(self.parts) == len(set(self.layers)):
             taps = torch.cat([self.parts[L] for L in self.layers], -1)
             self.parts = {}
-            self.buf[step.slot_mapping] = self.model.context(taps).to(self.buf.dtype)
+            for i, (k, v) in enumerate(self.model.context_kv(self.model.context(taps), step.positions)):
+                self.kv[i, 0, step.slot_mapping] = k.to(self.kv.dtype)
+                self.kv[i, 1, step.slot_mapping] = v.to(self.kv.dtype)
 
-    def read(self, blocks: list[int], block_size: int, start: int, end: int) -> torch.Tensor:
-        """c of positions start..end-1 of a sequence with these cache blocks."""
-        pos = torch.arange(start, end)
-        slots = torch.tensor(blocks, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
-        return self.buf[slots.to(self.buf.device)]
+    def gather(self, tables: torch.Tensor, lens: torch.Tensor, L: int, block_size: int):
+        """Contexts of B sequences: block tables [B, blocks] and fed lengths [B] (device tensors), L >= the
+        longest -> per layer (keys, values) [B, L, kv heads, hd], and valid [B, L] (position < its length)."""
+        pos = torch.arange(L, device=tables.device)
+        valid = pos[None, :] < lens[:, None]
+        slots = tables.gather(1, (pos // block_size)[None].expand(tables.shape[0], -1).clamp(max=tables.shape[1] - 1))
+        slots = torch.where(valid, slots * block_size + pos % block_size, 0)
+        kv = self.kv[:, :, slots]  # [layers, 2, B, L, kv heads, hd]
+        return [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])], valid
 
 
 class DFlashDrafter:
@@ -372,50 +419,46 @@ class DFlashDrafter:
         c = engine.cache
         self.writer = TapWriter(self.model, c.latent.shape[1] * c.block_size, target.embed_tokens.dtype, dev)
         target.taps = self.writer
-        self.bs, self.k = c.block_size, cfg.k
-        self.ctx: dict[str, tuple[int, list]] = {}  # request -> (positions held, per layer (keys, values))
+        self.bs, self.k, self.dev = c.block_size, cfg.k, dev
         self.survival: dict[int, list[float]] = {}  # id(seq) -> P(drafts 0..j all accepted), from the confidences
         log(f"speculative: {cfg_d.num_layers}-layer {'DSpark' if cfg_d.markov_rank or cfg_d.confidence else 'DFlash'}"
             f" drafter from {cfg.model}, taps at target layers {cfg_d.target_layer_ids}, block {cfg_d.block_size}, "
             f"up to {cfg_d.num_drafts} drafts")
 
-    def _context(self, seq, n: int) -> list:
-        have, kv = self.ctx.get(seq.request_id, (0, None))
-        have = min(have, n)
-        if kv is not None and have < kv[0][0].shape[0]:
-            kv = [(k[:have], v[:have]) for k, v in kv]
-        if have < n:
-            new = self.model.context_kv(self.writer.read(seq.blocks, self.bs, have, n).float(),
-                                        torch.arange(have, n, device=self.writer.buf.device))
-            kv = new if kv is None else [(torch.cat([k, k2]), torch.cat([v, v2])) for (k, v), (k2, v2) in zip(kv, new)]
-        self.ctx[seq.request_id] = (n, kv)
-        return kv
+    def _context(self, seqs, lens: list[int]):
+        """The asking sequences' contexts from the taps buffer: one block-table copy to the device, one gather."""
+        width = max(len(s.blocks) for s in seqs)
+        tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs], dtype=torch.long)
+        return self.writer.gather(tables.to(self.dev), torch.tensor(lens).to(self.dev), max(lens), self.bs)
 
     @torch.inference_mode()
     def propose(self, seqs, ks: list[int]) -> list[list[int]]:
-        asked, drafted = [], []
-        for i, (seq, k) in enumerate(zip(seqs, ks)):
-            n = seq.num_cached
-            if k <= 0 or n == 0 or len(seq.token_ids) != n + 1:  # drafts follow the one token not yet fed
-                continue
-            d, c, _ = self.model.draft_tensors(seq.token_ids[-1], n, self._context(seq, n),
-                                               min(k, self.model.cfg.num_drafts))
-            asked.append(i)
-            drafted.append((d, c))
+        """One block per asking request, all in one batched forward; drafts and confidences back in one copy."""
+        asked = [i for i, (seq, k) in enumerate(zip(seqs, ks))  # drafts follow the one token not yet fed
+                 if k > 0 and seq.num_cached > 0 and len(seq.token_ids) == seq.num_cached + 1]
         out: list[list[int]] = [[] for _ in seqs]
-        for i, (drafts, conf) in zip(asked, read_back(drafted)):  # every request's blocks in one copy
-            if conf is not None:
+        if not asked:
+            return out
+        sq = [seqs[i] for i in asked]
+        lens = [s.num_cached for s in sq]
+        kmax = min(max(ks[i] for i in asked), self.model.cfg.num_drafts)
+        ctx, valid = self._context(sq, lens)
+        d, c, _ = self.model.draft_batch(torch.tensor([s.token_ids[-1] for s in sq]).to(self.dev),
+                                         torch.tensor(lens).to(self.dev), ctx, valid, kmax)
+        ids, confs = read_back([(d.reshape(-1), None if c is None else c.reshape(-1))])[0]  # every block, one copy
+        for r, i in enumerate(asked):
+            n = min(ks[i], kmax)
+            if confs is not None:
                 surv, run = [], 1.0
-                for c in conf:
-                    run *= c
+                for x in confs[r * kmax:r * kmax + n]:
+                    run *= x
                     surv.append(run)
                 self.survival[id(seqs[i])] = surv
-            out[i] = drafts
+            out[i] = ids[r * kmax:r * kmax + n]
         return out
 
     def verified(self, seq, drafted: int, accepted: int) -> None:
         pass  # the next propose reads the fed positions' context; rejected ones were never read
 
     def release(self, seq) -> None:
-        self.ctx.pop(seq.request_id, None)
         self.survival.pop(id(seq), None)
