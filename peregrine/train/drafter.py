@@ -255,8 +255,9 @@ def evaluate(target: str, drafter: str, n: int, task_names, k: int, recall_conte
     import torch
     backend = backend or ("latency_specialized" if torch.cuda.is_available() else "standard")
     seqs = GPU_SEQS if backend == "latency_specialized" else CPU_SEQS
+    from ..bench import gpu
     out = {"target": target, "drafter": drafter, "k": k, "n": n, "recall_context": recall_context,
-           "backend": backend, "max_num_seqs": seqs, "tasks": {}}
+           "backend": backend, "max_num_seqs": seqs, "metadata": gpu.run_metadata(), "tasks": {}}
     for task in task_names:
         probs = tasks.generate(task, n, EVAL_SEED, recall_context)
         prompts = [p.prompt_ids() for p in probs]
