@@ -5,11 +5,12 @@
 #    replies forced, plain / n-gram / suffix at k = 7 (T_replay; SESSIONS, TURNS, CONTEXT characters)
 # 2. tiny: peregrine-tiny-dspark against suffix and n-gram, N problems per task (500), fast path at B <= 8, TASKS
 #    (default all four), METHODS (default dspark,suffix,ngram); an answer unlike plain greedy is reported with the plain top 5 where it differs (T_tiny)
-#   run (carry .commit and .whl):  PARTS="replay tiny" bash scripts/gpu_drafters.sh
+# 3. tests: the drafters' GPU tests (the drafter's CUDA graphs against its eager step; T_tests)
+#   run (carry .commit and .whl):  PARTS="replay tiny tests" bash scripts/gpu_drafters.sh
 source "$(dirname "$0")/device_env.sh"
 rc=0
 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv | tee "$OUT/gpu.txt"
-for p in ${PARTS:-replay tiny}; do
+for p in ${PARTS:-replay tiny tests}; do
   echo "=== $p ($(date -u +%T))"
   case $p in
     replay)
@@ -21,7 +22,10 @@ for p in ${PARTS:-replay tiny}; do
       timeout "${T_tiny:-540}" python3 -m peregrine.train.drafter --eval peregrine-tiny-dspark --n "${N:-500}" --tasks "${TASKS:-copy,reverse,add,recall}" \
         --methods "${METHODS:-dspark,suffix,ngram}" \
         --out "results/tiny-dspark-gpu-${TASKS:-all}-${METHODS:-all}.json" 2>&1 | tee "$OUT/tiny.log" | tail -25 || rc=1 ;;
-    *) echo "unknown part $p (replay tiny)"; rc=1 ;;
+    tests)
+      timeout "${T_tests:-120}" python3 -m pytest -q -m gpu tests/test_dflash.py tests/test_spec_suffix.py 2>&1 \
+        | tee "$OUT/pytest-drafters.log" | tail -8 || rc=1 ;;
+    *) echo "unknown part $p (replay tiny tests)"; rc=1 ;;
   esac
 done
 tar czf "$OUT/results-drafters.tgz" $(ls results/spec-replay/* results/tiny-dspark-gpu-*.json 2>/dev/null)

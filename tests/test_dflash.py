@@ -186,6 +186,73 @@ def test_a_batch_of_blocks_over_their_own_contexts_equals_each_block_alone():
         assert torch.equal(d[b], d1) and torch.allclose(c[b], c1, atol=1e-6) and torch.allclose(logits[b], l1, atol=1e-5), b
 
 
+def test_drafter_graphs_pad_to_context_buckets_without_changing_the_drafts():
+    """dflash_graphs.DrafterGraphs (capture=False: the same padded buffers the GPU captures): requests with
+    scattered cache blocks, their contexts gathered from the paged key / value buffer at a power-of-two bucket,
+    give each request's one-block drafts and confidences over its own context; one entry per (B, bucket)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from peregrine.speculative.dflash import TapWriter
+    from peregrine.speculative.dflash_graphs import MIN_L, DrafterGraphs, bucket
+    assert [bucket(n, 1000) for n in (1, MIN_L, MIN_L + 1, 300, 999)] == [MIN_L, MIN_L, 2 * MIN_L, 512, 1000]
+    gold = Path(__file__).parent / "golden"
+    d = json.loads((gold / "dspark_small.json").read_text())
+    t = load_file(str(gold / "dspark_small.safetensors"))
+    for key in [k for k in t if k.startswith("case.")]:
+        t.pop(key)
+    m = DFlashModel(DFlashConfig.from_dict(d, "golden"), t, None, None)
+    bs, nblocks = 4, 40
+    w = TapWriter(m, nblocks * bs, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(9)
+    w.kv.copy_(torch.randn(w.kv.shape, generator=g))
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    lens, anchors = [70, 3, 9], [5, 17, 2]
+    blocks = [perm[0:20], perm[20:22], perm[22:26] + [perm[30]]]  # more blocks than fed tokens need, in any order
+    k = m.cfg.num_drafts
+    dg = DrafterGraphs(m, w, bs, k, 512, torch.device("cpu"), capture=False)
+    ids, confs = dg.draft(blocks, lens, anchors)
+    for b, n in enumerate(lens):
+        pos = torch.arange(n)
+        slots = torch.tensor(blocks[b])[pos // bs] * bs + pos % bs
+        ctx = [(w.kv[i, 0, slots], w.kv[i, 1, slots]) for i in range(m.cfg.num_layers)]
+        d1, c1, _ = m.draft_tensors(anchors[b], n, ctx, k)
+        assert ids[b] == d1.tolist() and confs[b] == pytest.approx(c1.tolist(), abs=1e-6), b
+    assert list(dg.graphs) == [(3, 128)] and dg.replays == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1",
+                    reason="CUDA graphs need a GPU")
+def test_drafter_graphs_replay_the_eager_drafts_on_the_gpu():
+    """Captured per (B, bucket), replayed with new tables, lengths and anchors: the drafts and confidences of the
+    same padded step run eagerly, for every call (the graph reads its buffers, nothing baked in at capture)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from peregrine.speculative.dflash import TapWriter
+    from peregrine.speculative.dflash_graphs import DrafterGraphs
+    gold = Path(__file__).parent / "golden"
+    d = json.loads((gold / "dspark_small.json").read_text())
+    t = {k: v.cuda() for k, v in load_file(str(gold / "dspark_small.safetensors")).items() if not k.startswith("case.")}
+    m = DFlashModel(DFlashConfig.from_dict(d, "golden"), t, None, None)
+    bs, nblocks, dev = 16, 64, torch.device("cuda")
+    w = TapWriter(m, nblocks * bs, torch.bfloat16, dev)
+    g = torch.Generator().manual_seed(11)
+    w.kv.copy_(torch.randn(w.kv.shape, generator=g))
+    graphs = DrafterGraphs(m, w, bs, m.cfg.num_drafts, 1024, dev, capture=True)
+    eager = DrafterGraphs(m, w, bs, m.cfg.num_drafts, 1024, dev, capture=False)
+    for call in range(4):
+        perm = torch.randperm(nblocks, generator=g).tolist()
+        lens = [90 + call, 7 * call + 1]  # one bucket (128) for every call: the same graph replayed
+        blocks, anchors = [perm[:6], perm[6:12]], [call + 3, 2 * call + 1]
+        got, want = graphs.draft(blocks, lens, anchors), eager.draft(blocks, lens, anchors)
+        assert got[0] == want[0] and got[1] == pytest.approx(want[1], abs=1e-6), call
+    assert graphs.broken is None and list(graphs.graphs) == [(2, 128)] and graphs.replays == 4
+
+
 # ---- the drafter in the engine ----
 
 def _drafter_folder(path, target_cfg, *, dspark=False, seed=0, block=4, taps=(-1, 1)):
@@ -240,20 +307,15 @@ def test_drafter_in_the_engine_keeps_greedy_exact_and_reads_the_targets_taps(tmp
         return e
     plain = engine()
     folder, _ = _drafter_folder(tmp_path / "d", plain.model_cfg, dspark=dspark)
-    seen = []
-    real = dflash.DFlashDrafter._context
-
-    def spy(self, seqs, lens):
-        ctx, valid = real(self, seqs, lens)
-        for b, (seq, n) in enumerate(zip(seqs, lens)):  # each layer's (keys, values) of the positions it reads
-            assert valid[b].sum() == n and bool(valid[b, :n].all())
-            seen.append((list(seq.token_ids[:n]), [(k[b, :n].clone(), v[b, :n].clone()) for k, v in ctx]))
-        return ctx, valid
-    monkeypatch.setattr(dflash.DFlashDrafter, "_context", spy)
-    surv = []
+    seen, surv = [], []
     real_propose = dflash.DFlashDrafter.propose
 
     def propose(self, seqs, ks):
+        for seq, k in zip(seqs, ks):  # the context this propose reads: each layer's keys and values of the fed tokens
+            n = seq.num_cached
+            if k > 0 and n > 0 and len(seq.token_ids) == n + 1:
+                ctx, valid = self.writer.gather(torch.tensor([seq.blocks]), torch.tensor([n]), n, self.bs)
+                seen.append((list(seq.token_ids[:n]), [(kk[0].clone(), vv[0].clone()) for kk, vv in ctx]))
         out = real_propose(self, seqs, ks)
         surv.extend(self.survival.get(id(s)) for s, d in zip(seqs, out) if d)
         return out

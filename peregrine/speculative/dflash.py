@@ -421,40 +421,35 @@ class DFlashDrafter:
         target.taps = self.writer
         self.bs, self.k, self.dev = c.block_size, cfg.k, dev
         self.survival: dict[int, list[float]] = {}  # id(seq) -> P(drafts 0..j all accepted), from the confidences
+        from .dflash_graphs import DrafterGraphs
+        on_gpu = dev.type == "cuda" and engine.engine_cfg.cuda_graphs
+        self.graphs = DrafterGraphs(self.model, self.writer, c.block_size, min(cfg.k, cfg_d.num_drafts),
+                                    engine.max_model_len, dev, capture=on_gpu, log=log)
         log(f"speculative: {cfg_d.num_layers}-layer {'DSpark' if cfg_d.markov_rank or cfg_d.confidence else 'DFlash'}"
             f" drafter from {cfg.model}, taps at target layers {cfg_d.target_layer_ids}, block {cfg_d.block_size}, "
             f"up to {cfg_d.num_drafts} drafts")
 
-    def _context(self, seqs, lens: list[int]):
-        """The asking sequences' contexts from the taps buffer: one block-table copy to the device, one gather."""
-        width = max(len(s.blocks) for s in seqs)
-        tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs], dtype=torch.long)
-        return self.writer.gather(tables.to(self.dev), torch.tensor(lens).to(self.dev), max(lens), self.bs)
-
     @torch.inference_mode()
     def propose(self, seqs, ks: list[int]) -> list[list[int]]:
-        """One block per asking request, all in one batched forward; drafts and confidences back in one copy."""
+        """One block per asking request, all in one batched step (a CUDA graph per batch size and context bucket
+        on the GPU: dflash_graphs.py); drafts and confidences back in one copy."""
         asked = [i for i, (seq, k) in enumerate(zip(seqs, ks))  # drafts follow the one token not yet fed
                  if k > 0 and seq.num_cached > 0 and len(seq.token_ids) == seq.num_cached + 1]
         out: list[list[int]] = [[] for _ in seqs]
         if not asked:
             return out
         sq = [seqs[i] for i in asked]
-        lens = [s.num_cached for s in sq]
-        kmax = min(max(ks[i] for i in asked), self.model.cfg.num_drafts)
-        ctx, valid = self._context(sq, lens)
-        d, c, _ = self.model.draft_batch(torch.tensor([s.token_ids[-1] for s in sq]).to(self.dev),
-                                         torch.tensor(lens).to(self.dev), ctx, valid, kmax)
-        ids, confs = read_back([(d.reshape(-1), None if c is None else c.reshape(-1))])[0]  # every block, one copy
+        drafts, confs = self.graphs.draft([s.blocks for s in sq], [s.num_cached for s in sq],
+                                          [s.token_ids[-1] for s in sq])
         for r, i in enumerate(asked):
-            n = min(ks[i], kmax)
+            n = min(ks[i], len(drafts[r]))
             if confs is not None:
                 surv, run = [], 1.0
-                for x in confs[r * kmax:r * kmax + n]:
+                for x in confs[r][:n]:
                     run *= x
                     surv.append(run)
                 self.survival[id(seqs[i])] = surv
-            out[i] = ids[r * kmax:r * kmax + n]
+            out[i] = drafts[r][:n]
         return out
 
     def verified(self, seq, drafted: int, accepted: int) -> None:

@@ -1,0 +1,96 @@
+"""The DFlash / DSpark drafter's step as CUDA graphs (#43 item 2).
+
+Eager, a propose is ~25 launches per drafter layer plus ~6 per drawn slot (the Markov bias, the confidence, the
+argmax): a 5-layer drafter at k = 7 launches ~170 kernels a step, about a millisecond of launch time beside a
+~2.3 ms target step. Captured, it is one replay. A graph needs fixed shapes, so it is captured per (B, L): B the
+asking requests, L the context length padded up to a power of two (a gather of at most twice the live context;
+ContextBuckets below). The inputs (block tables, fed lengths, anchor tokens) are copied into the graph's own
+buffers, the drafts and confidences come back in one copy as before.
+
+With capture=False the same buffers and padding run eagerly: the CPU tests' path, and the fallback when a capture
+fails (logged once).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .dflash import read_back
+
+MIN_L = 64  # the smallest context bucket: a new request's few tokens share one graph
+
+
+def bucket(n: int, max_len: int) -> int:
+    """The padded context length for n fed tokens: the next power of two >= n (at least MIN_L), at most max_len."""
+    b = MIN_L
+    while b < n:
+        b *= 2
+    return min(b, max(max_len, n))
+
+
+class DrafterGraphs:
+    """Per (B, L bucket): the drafter's gather + block + draws on static buffers, captured on first use."""
+
+    def __init__(self, model, writer, block_size: int, k: int, max_len: int, device, *, capture: bool, log=print):
+        self.model, self.writer, self.bs, self.k, self.max_len = model, writer, block_size, k, max_len
+        self.dev, self.capture, self.log = device, capture, log
+        self.graphs: dict[tuple[int, int], tuple] = {}  # (B, L) -> (graph or None, inputs, outputs)
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.broken: str | None = None  # why capture stopped (then every step runs eagerly)
+        self.replays = 0
+        self.capture_s = 0.0
+
+    def _buffers(self, B: int, L: int) -> dict:
+        width = -(-L // self.bs)
+        return {"tables": torch.zeros(B, width, dtype=torch.long, device=self.dev),
+                "lens": torch.ones(B, dtype=torch.long, device=self.dev),
+                "anchors": torch.zeros(B, dtype=torch.long, device=self.dev)}
+
+    def _run(self, inp: dict, L: int):
+        ctx, valid = self.writer.gather(inp["tables"], inp["lens"], L, self.bs)
+        d, c, _ = self.model.draft_batch(inp["anchors"], inp["lens"], ctx, valid, self.k)
+        return d, c
+
+    def _entry(self, B: int, L: int):
+        key = (B, L)
+        if key in self.graphs:
+            return self.graphs[key]
+        inp = self._buffers(B, L)
+        g, out = None, None
+        if self.capture and self.broken is None:
+            from ..decode.capture import capture
+            t0 = time.time()
+            try:
+                g, out = capture(lambda: self._run(inp, L), self.pool)
+            except Exception as e:  # noqa: BLE001  (any capture failure: run eagerly from now on, said once)
+                self.broken, g, out = repr(e), None, None
+                self.log(f"WARNING: drafter graph capture failed ({self.broken}); the drafter runs eagerly from now on")
+            self.capture_s += time.time() - t0
+        self.graphs[key] = (g, inp, out)
+        return self.graphs[key]
+
+    @torch.inference_mode()
+    def draft(self, blocks: list[list[int]], lens: list[int], anchors: list[int]):
+        """B requests' block tables, fed lengths and last tokens -> (drafts [B][k], confidences [B][k] or None),
+        read back in one copy."""
+        B, L = len(lens), bucket(max(lens), self.max_len)
+        g, inp, out = self._entry(B, L)
+        width = inp["tables"].shape[1]
+        host = torch.zeros(B, width, dtype=torch.long)
+        for b, bl in enumerate(blocks):
+            n = min(len(bl), width)
+            host[b, :n] = torch.tensor(bl[:n], dtype=torch.long)
+        inp["tables"].copy_(host)
+        inp["lens"].copy_(torch.tensor(lens, dtype=torch.long))
+        inp["anchors"].copy_(torch.tensor(anchors, dtype=torch.long))
+        if g is not None:
+            g.replay()
+            self.replays += 1
+            d, c = out
+        else:
+            d, c = self._run(inp, L)
+        ids, confs = read_back([(d.reshape(-1), None if c is None else c.reshape(-1))])[0]
+        k = d.shape[1]
+        return ([ids[b * k:(b + 1) * k] for b in range(B)],
+                None if confs is None else [confs[b * k:(b + 1) * k] for b in range(B)])
