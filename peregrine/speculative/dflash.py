@@ -111,6 +111,12 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     return x.float() * cos + torch.cat([-x2, x1], -1) * sin
 
 
+def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T in FP32 out; a BF16 / FP16 weight multiplies in its own dtype (FP32 accumulation) rather than being
+    widened to an FP32 copy every call (the 48B's lm_head alone is 0.75 GB in BF16)."""
+    return x.float() @ w.T if w.dtype == torch.float32 else (x.to(w.dtype) @ w.T).float()
+
+
 def _norm(x, w, eps):
     xf = x.float()
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()
@@ -150,13 +156,13 @@ class DFlashModel:
         return out
 
     def _lin(self, x, name):
-        y = x @ self.w[name + ".weight"].float().T
+        y = _mm(x, self.w[name + ".weight"])
         b = self.w.get(name + ".bias")
         return y if b is None else y + b.float()
 
     def context(self, taps: torch.Tensor) -> torch.Tensor:
         """[C, n·H] taps -> c [C, H] (FP32)."""
-        return _norm(taps.float() @ self.w["fc.weight"].float().T, self.w["hidden_norm.weight"], self.cfg.rms_norm_eps)
+        return _norm(_mm(taps, self.w["fc.weight"]), self.w["hidden_norm.weight"], self.cfg.rms_norm_eps)
 
     def context_kv(self, c: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """c [C, H] at positions pos [C] -> per layer (keys after k_norm and RoPE, values), [C, kv heads, hd]."""
@@ -210,7 +216,7 @@ class DFlashModel:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Block states [n, H] -> logits [n, V] (FP32), with z-lab's multiplier and soft cap where configured."""
         cfg = self.cfg
-        x = (h @ self.lm_head.float().T) * cfg.output_multiplier
+        x = _mm(h, self.lm_head) * cfg.output_multiplier
         cap = cfg.final_logit_softcapping
         return torch.tanh(x / float(cap)) * float(cap) if cap and float(cap) > 0 else x
 
@@ -223,7 +229,7 @@ class DFlashModel:
         ids = torch.full((B, Bk), cfg.mask_token_id, dtype=torch.long, device=dev)
         ids[:, 0] = anchors
         pos = (starts[:, None] + torch.arange(Bk, device=dev)).reshape(-1)  # [B·Bk]
-        see = torch.cat([valid, valid.new_ones(B, Bk)], 1)[:, None, None, :]  # [B, 1, 1, L + Bk]
+        see = torch.cat([valid, valid.new_ones(B, Bk)], 1)[:, None, None, None, :]  # [B, 1, 1, 1, L + Bk]
         g, N = cfg.num_heads // cfg.num_kv_heads, B * Bk
         x = self.embed[ids.reshape(-1)].float() * cfg.input_embedding_scale
         for i, (kc, vc) in enumerate(ctx):
@@ -234,10 +240,15 @@ class DFlashModel:
             k = self._lin(n, p + "self_attn.k_proj").view(N, cfg.num_kv_heads, cfg.head_dim)
             k = _rope(_norm(k, self.w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps), pos, cfg.rope_theta)
             v = self._lin(n, p + "self_attn.v_proj").view(N, cfg.num_kv_heads, cfg.head_dim)
-            K = torch.cat([kc.float(), k.view(B, Bk, cfg.num_kv_heads, -1)], 1).repeat_interleave(g, 2)
-            V = torch.cat([vc.float(), v.view(B, Bk, cfg.num_kv_heads, -1)], 1).repeat_interleave(g, 2)
-            sc = torch.einsum("bqhd,bkhd->bhqk", q.view(B, Bk, cfg.num_heads, -1), K) / math.sqrt(cfg.head_dim)
-            o = torch.einsum("bhqk,bkhd->bqhd", sc.masked_fill(~see, float("-inf")).softmax(-1), V).reshape(N, -1)
+            # grouped-query attention by kv head (query heads h = kv head · g + j), the context read in its own
+            # dtype: no widened or head-repeated copy of the gathered keys and values
+            qg = q.view(B, Bk, cfg.num_kv_heads, g, cfg.head_dim)
+            sc = torch.cat([torch.einsum("bqkgd,blkd->bkgql", qg.to(kc.dtype), kc).float(),
+                            torch.einsum("bqkgd,blkd->bkgql", qg, k.view(B, Bk, cfg.num_kv_heads, -1))], -1)
+            pr = (sc / math.sqrt(cfg.head_dim)).masked_fill(~see, float("-inf")).softmax(-1)
+            L = kc.shape[1]
+            o = (torch.einsum("bkgql,blkd->bqkgd", pr[..., :L].to(vc.dtype), vc).float()
+                 + torch.einsum("bkgql,blkd->bqkgd", pr[..., L:], v.view(B, Bk, cfg.num_kv_heads, -1))).reshape(N, -1)
             x = x + self._lin(o, p + "self_attn.o_proj")
             m = _norm(x, self.w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             x = x + self._lin(F.silu(self._lin(m, p + "mlp.gate_proj")) * self._lin(m, p + "mlp.up_proj"),
@@ -260,7 +271,7 @@ class DFlashModel:
             lj = logits[:, j]
             e = self.w["markov_head.markov_w1.weight"].index_select(0, prev).float() if cfg.markov_rank else None
             if cfg.markov_rank:
-                lj = lj + e @ self.w["markov_head.markov_w2.weight"].float().T
+                lj = lj + _mm(e, self.w["markov_head.markov_w2.weight"])
             if cfg.confidence:
                 z = torch.cat([h[:, j], e], -1) if cfg.markov_rank and cfg.confidence_with_markov else h[:, j]
                 conf.append(torch.sigmoid(self._lin(z, "confidence_head.proj"))[:, 0])
