@@ -51,7 +51,7 @@ def _model(shape: str, dev):
     return m
 
 
-def run(shape: str, batches, lengths, log=print, iters: int = ITERS) -> dict:
+def run(shape: str, batches, lengths, log=print, iters: int = ITERS, k: int | None = None) -> dict:
     """On the CPU (the smoke test) the same steps run eagerly, with no copy bandwidth to compare against."""
     from ..speculative.dflash import TapWriter
     from ..speculative.dflash_graphs import DrafterGraphs, bucket
@@ -61,13 +61,13 @@ def run(shape: str, batches, lengths, log=print, iters: int = ITERS) -> dict:
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     m = _model(shape, dev)
     cfg, bs = m.cfg, 16
-    k = cfg.num_drafts
+    k = min(k or cfg.num_drafts, cfg.num_drafts)  # drafts a propose (the engine's num_speculative_tokens)
     slots = max(batches) * (max(lengths) + bs)
     w = TapWriter(m, slots, torch.bfloat16, dev)
     w.kv.normal_()
     wbytes = sum(t.numel() * t.element_size() for t in m.w.values()) + m.lm_head.numel() * m.lm_head.element_size()
     out = {"kind": "drafter_step", "shape": shape, "config": vars(cfg), "metadata": gpu.run_metadata(),
-           "copy_bandwidth": copy, "weight_bytes": wbytes, "rows": []}
+           "copy_bandwidth": copy, "weight_bytes": wbytes, "k": k, "rows": []}
     log(f"drafter {shape}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, block {cfg.block_size}, k {k}; "
         f"weights {wbytes / 1e6:.0f} MB" + (f"; copy {copy['gbps']:.0f} GB/s" if copy else ""))
     for L in lengths:
@@ -104,6 +104,7 @@ def main(argv=None) -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="48b", help="drafter shape (default 48b)")
     ap.add_argument("--batches", default="1,4,8", help="batch sizes (default 1,4,8)")
     ap.add_argument("--lengths", default="1024,8192,32768", help="context lengths (default 1024,8192,32768)")
+    ap.add_argument("--k", type=int, default=None, help="drafts a propose (default: the block's, all slots)")
     ap.add_argument("--results-dir", default="results", help="where the JSON goes (default results)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -115,8 +116,10 @@ def main(argv=None) -> None:
         ap.error("--batches and --lengths take comma-separated integers")
     if not batches or not lengths or min(batches + lengths) <= 0:
         ap.error("--batches and --lengths must be positive")
-    res = run(a.shape, batches, lengths)
-    path = gpu.write_result(gpu.result_path(f"drafter-{a.shape}", "step", a.results_dir), res)
+    if a.k is not None and a.k <= 0:
+        ap.error("--k must be positive")
+    res = run(a.shape, batches, lengths, k=a.k)
+    path = gpu.write_result(gpu.result_path(f"drafter-{a.shape}", f"step-k{res['k']}", a.results_dir), res)
     print(f"wrote {path}")
 
 
