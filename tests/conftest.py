@@ -33,7 +33,9 @@ def run_aot(script: str, timeout: int = 300):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout)
-    if r.returncode != 0 and ("GPUTarget" in r.stderr or "ASTSource" in r.stderr):
+    missing = ("ImportError" in r.stderr or "ModuleNotFoundError" in r.stderr) and (
+        "GPUTarget" in r.stderr or "ASTSource" in r.stderr)  # only a missing API: a compile error's traceback names them too
+    if r.returncode != 0 and missing:
         pytest.skip("no ahead-of-time compile API in this triton")
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -493,10 +493,10 @@ def test_drafter_step_bench_smoke_on_cpu():
     """bench drafter on the CPU: the shipped tiny drafter's padded step, both modes eager (no graphs, no copy
     bandwidth); rows per (B, L) with the bucket, bytes-based rates and the weights counted once."""
     from peregrine.bench.drafter import run
-    res = run("tiny", [1, 2], [40, 100], log=lambda m: None, iters=2)
+    res = run("tiny", [1, 2], [40, 100], log=lambda m: None, iters=2, paged=False)
     assert [(r["batch"], r["context"], r["bucket"]) for r in res["rows"]] == [(1, 40, 64), (2, 40, 64), (1, 100, 100), (2, 100, 100)]
     for r in res["rows"]:
-        for mode in ("graph", "eager"):
+        for mode in ("graph", "eager", "graph_gather"):
             x = r[mode]
             assert len(x["samples_ms"]) == 2 and x["median_ms"] > 0 and x["pct_copy_bw"] is None and not x["captured"]
     assert res["weight_bytes"] > 320 * 256 * 2 and res["copy_bandwidth"] is None

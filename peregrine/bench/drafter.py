@@ -5,8 +5,10 @@ Random weights of a drafter shape (`--shape`): "tiny" is the shipped peregrine-t
 drafter of hidden 2304 over the 48B's vocabulary (the public Kimi-Linear DFlash drafter's layers, hidden size and
 block; its head counts and MLP width are not published: 32 / 8 heads of 128 and 9216 are assumed here). Timed: the
 whole propose as the engine calls it (inputs copied in, drafts and confidences read back), host clock around a
-synchronised call. Bytes per propose: every weight once plus the gathered context keys and values; GB/s and % of
-the copy bandwidth measured in the same run.
+synchronised call, three ways: the step's graph with the context read in place (kernels/drafter_attn.py), the
+same step launched eagerly, and the graph of the step that gathers the context first. Bytes per propose: every
+weight once plus the context's keys and values (at the padded length); GB/s and % of the copy bandwidth measured
+in the same run.
 """
 from __future__ import annotations
 
@@ -51,8 +53,13 @@ def _model(shape: str, dev):
     return m
 
 
-def run(shape: str, batches, lengths, log=print, iters: int = ITERS, k: int | None = None) -> dict:
-    """On the CPU (the smoke test) the same steps run eagerly, with no copy bandwidth to compare against."""
+MODES = {"graph": (True, None), "eager": (False, None), "graph_gather": (True, False)}  # capture, paged (None: where
+# the kernels run): the paged step replayed, the same launched eagerly, and the gathered-context step replayed
+
+
+def run(shape: str, batches, lengths, log=print, iters: int = ITERS, k: int | None = None, paged=None) -> dict:
+    """On the CPU (the smoke test) the same steps run eagerly, with no copy bandwidth to compare against; paged
+    False there keeps the interpreter out of it."""
     from ..speculative.dflash import TapWriter
     from ..speculative.dflash_graphs import DrafterGraphs, bucket
     on_gpu = torch.cuda.is_available()
@@ -76,8 +83,9 @@ def run(shape: str, batches, lengths, log=print, iters: int = ITERS, k: int | No
             lens, anchors = [L] * B, list(range(1, B + 1))
             row = {"batch": B, "context": L, "bucket": bucket(L, max(lengths))}
             kv_bytes = B * row["bucket"] * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
-            for mode in ("graph", "eager"):
-                dg = DrafterGraphs(m, w, bs, k, max(lengths), dev, capture=on_gpu and mode == "graph", log=log)
+            for mode, (cap, pg) in MODES.items():
+                pg = paged if pg is None else pg
+                dg = DrafterGraphs(m, w, bs, k, max(lengths), dev, capture=on_gpu and cap, log=log, paged=pg)
                 samples = []
                 for i in range(WARMUP + iters):
                     sync()
@@ -87,7 +95,7 @@ def run(shape: str, batches, lengths, log=print, iters: int = ITERS, k: int | No
                         samples.append((time.perf_counter() - t0) * 1e3)
                 med = statistics.median(samples)
                 gbps = (wbytes + kv_bytes) / med / 1e6
-                row[mode] = {"median_ms": med, "samples_ms": samples, "gbps": gbps,
+                row[mode] = {"median_ms": med, "samples_ms": samples, "gbps": gbps, "paged": dg.paged,
                              "pct_copy_bw": gbps / copy["gbps"] * 100 if copy else None, "captured": dg.replays > 0}
                 del dg
             row["graph_vs_eager"] = row["graph"]["median_ms"] / row["eager"]["median_ms"]
@@ -95,7 +103,7 @@ def run(shape: str, batches, lengths, log=print, iters: int = ITERS, k: int | No
             pct = row["graph"]["pct_copy_bw"]
             log(f"  B={B} L={L}: graph {row['graph']['median_ms']:.3f} ms"
                 + (f" ({pct:.0f} % of copy)" if pct is not None else " (not captured: no GPU)")
-                + f", eager {row['eager']['median_ms']:.3f} ms")
+                + f", eager {row['eager']['median_ms']:.3f} ms, gathered context {row['graph_gather']['median_ms']:.3f} ms")
     return out
 
 

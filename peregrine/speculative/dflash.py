@@ -23,6 +23,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -120,6 +121,14 @@ def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def _norm(x, w, eps):
     xf = x.float()
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+
+
+class PagedContext(NamedTuple):
+    """A batch's contexts left in the paged buffer (TapWriter.kv), for kernels/drafter_attn.py to read in place."""
+    kv: torch.Tensor       # [layers, 2, slots, kv heads, hd]
+    tables: torch.Tensor   # [B, blocks] long
+    lens: torch.Tensor     # [B] long: fed positions
+    block_size: int
 
 
 class DFlashModel:
@@ -220,19 +229,23 @@ class DFlashModel:
         cap = cfg.final_logit_softcapping
         return torch.tanh(x / float(cap)) * float(cap) if cap and float(cap) > 0 else x
 
-    def block_batch(self, anchors: torch.Tensor, starts: torch.Tensor, ctx, valid: torch.Tensor) -> torch.Tensor:
+    def block_batch(self, anchors: torch.Tensor, starts: torch.Tensor, ctx, valid: torch.Tensor | None) -> torch.Tensor:
         """B blocks [anchor, masks...] of B sequences, block b at positions starts[b].., each over its own context:
-        ctx per layer (keys, values) [B, L, kv heads, hd] with valid [B, L] (the positions before its start) ->
-        final-normed states [B, Bk, H] (FP32). A block sees its valid context and its whole own block."""
+        ctx per layer (keys, values) [B, L, kv heads, hd] with valid [B, L] (the positions before its start), or a
+        PagedContext read in place by kernels/drafter_attn.py (valid unused) -> final-normed states [B, Bk, H]
+        (FP32). A block sees its context and its whole own block."""
         cfg = self.cfg
         B, Bk, dev = anchors.shape[0], cfg.block_size, anchors.device
         ids = torch.full((B, Bk), cfg.mask_token_id, dtype=torch.long, device=dev)
         ids[:, 0] = anchors
         pos = (starts[:, None] + torch.arange(Bk, device=dev)).reshape(-1)  # [B·Bk]
-        see = torch.cat([valid, valid.new_ones(B, Bk)], 1)[:, None, None, None, :]  # [B, 1, 1, 1, L + Bk]
+        paged = isinstance(ctx, PagedContext)
+        if paged:
+            from ..kernels.drafter_attn import block_attention
+        see = None if paged else torch.cat([valid, valid.new_ones(B, Bk)], 1)[:, None, None, None, :]  # [B,1,1,1,L+Bk]
         g, N = cfg.num_heads // cfg.num_kv_heads, B * Bk
         x = self.embed[ids.reshape(-1)].float() * cfg.input_embedding_scale
-        for i, (kc, vc) in enumerate(ctx):
+        for i in range(cfg.num_layers):
             p = f"layers.{i}."
             n = _norm(x, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
             q = self._lin(n, p + "self_attn.q_proj").view(N, cfg.num_heads, cfg.head_dim)
@@ -243,12 +256,17 @@ class DFlashModel:
             # grouped-query attention by kv head (query heads h = kv head · g + j), the context read in its own
             # dtype: no widened or head-repeated copy of the gathered keys and values
             qg = q.view(B, Bk, cfg.num_kv_heads, g, cfg.head_dim)
-            sc = torch.cat([torch.einsum("bqkgd,blkd->bkgql", qg.to(kc.dtype), kc).float(),
-                            torch.einsum("bqkgd,blkd->bkgql", qg, k.view(B, Bk, cfg.num_kv_heads, -1))], -1)
-            pr = (sc / math.sqrt(cfg.head_dim)).masked_fill(~see, float("-inf")).softmax(-1)
-            L = kc.shape[1]
-            o = (torch.einsum("bkgql,blkd->bqkgd", pr[..., :L].to(vc.dtype), vc).float()
-                 + torch.einsum("bkgql,blkd->bqkgd", pr[..., L:], v.view(B, Bk, cfg.num_kv_heads, -1))).reshape(N, -1)
+            ko, vo = k.view(B, Bk, cfg.num_kv_heads, -1), v.view(B, Bk, cfg.num_kv_heads, -1)
+            if paged:
+                o = block_attention(qg, ko, vo, ctx.kv, i, ctx.tables, ctx.lens, ctx.block_size).reshape(N, -1)
+            else:
+                kc, vc = ctx[i]
+                sc = torch.cat([torch.einsum("bqkgd,blkd->bkgql", qg.to(kc.dtype), kc).float(),
+                                torch.einsum("bqkgd,blkd->bkgql", qg, ko)], -1)
+                pr = (sc / math.sqrt(cfg.head_dim)).masked_fill(~see, float("-inf")).softmax(-1)
+                L = kc.shape[1]
+                o = (torch.einsum("bkgql,blkd->bqkgd", pr[..., :L].to(vc.dtype), vc).float()
+                     + torch.einsum("bkgql,blkd->bqkgd", pr[..., L:], vo)).reshape(N, -1)
             x = x + self._lin(o, p + "self_attn.o_proj")
             m = _norm(x, self.w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             x = x + self._lin(F.silu(self._lin(m, p + "mlp.gate_proj")) * self._lin(m, p + "mlp.up_proj"),

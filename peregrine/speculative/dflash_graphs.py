@@ -2,10 +2,13 @@
 
 Eager, a propose is ~25 launches per drafter layer plus ~6 per drawn slot (the Markov bias, the confidence, the
 argmax): a 5-layer drafter at k = 7 launches ~170 kernels a step, about a millisecond of launch time beside a
-~2.3 ms target step. Captured, it is one replay. A graph needs fixed shapes, so it is captured per (B, L): B the
-asking requests, L the context length padded up to a power of two (a gather of at most twice the live context;
-ContextBuckets below). The inputs (block tables, fed lengths, anchor tokens) are copied into the graph's own
-buffers, the drafts and confidences come back in one copy as before.
+~2.3 ms target step. Captured, it is one replay per B, the asking requests: where the Triton kernels run
+(kernels/drafter_attn.py, Hopper or the interpreter) the block attends to its context in place in the paged
+buffer, splitting whatever length each sequence has at run time, so one graph serves every length. Elsewhere the
+context is gathered into a dense copy first, whose shape is fixed per graph: the graph is then per (B, L), L the
+longest context padded up to a power of two (bucket(); a gather of at most twice the live context). The inputs
+(block tables, fed lengths, anchor tokens) are copied into the graph's own buffers, the drafts and confidences come
+back in one copy as before.
 
 With capture=False the same buffers and padding run eagerly: the CPU tests' path, and the fallback when a capture
 fails (logged once).
@@ -30,9 +33,11 @@ def bucket(n: int, max_len: int) -> int:
 
 
 class DrafterGraphs:
-    """Per (B, L bucket): the drafter's gather + block + draws on static buffers, captured on first use."""
+    """Per B (and L bucket where the context is gathered): the drafter's block and draws on static buffers,
+    captured on first use."""
 
-    def __init__(self, model, writer, block_size: int, k: int, max_len: int, device, *, capture: bool, log=print):
+    def __init__(self, model, writer, block_size: int, k: int, max_len: int, device, *, capture: bool, log=print,
+                 paged: bool | None = None):
         self.model, self.writer, self.bs, self.k, self.max_len = model, writer, block_size, k, max_len
         self.dev, self.capture, self.log = device, capture, log
         self.graphs: dict[tuple[int, int], tuple] = {}  # (B, L) -> (graph or None, inputs, outputs)
@@ -40,15 +45,22 @@ class DrafterGraphs:
         self.broken: str | None = None  # why capture stopped (then every step runs eagerly)
         self.replays = 0
         self.capture_s = 0.0
+        from ..kernels import available
+        self.paged = available(device) if paged is None else paged  # attend in place (no gather, no buckets)
+        self.table_width = -(-max_len // block_size)  # the paged path's tables: every block a sequence can have
 
     def _buffers(self, B: int, L: int) -> dict:
-        width = -(-L // self.bs)
+        width = self.table_width if self.paged else -(-L // self.bs)
         return {"tables": torch.zeros(B, width, dtype=torch.long, device=self.dev),
                 "lens": torch.ones(B, dtype=torch.long, device=self.dev),
                 "anchors": torch.zeros(B, dtype=torch.long, device=self.dev)}
 
     def _run(self, inp: dict, L: int):
-        ctx, valid = self.writer.gather(inp["tables"], inp["lens"], L, self.bs)
+        if self.paged:
+            from .dflash import PagedContext
+            ctx, valid = PagedContext(self.writer.kv, inp["tables"], inp["lens"], self.bs), None
+        else:
+            ctx, valid = self.writer.gather(inp["tables"], inp["lens"], L, self.bs)
         d, c, _ = self.model.draft_batch(inp["anchors"], inp["lens"], ctx, valid, self.k)
         return d, c
 
@@ -74,7 +86,7 @@ class DrafterGraphs:
     def draft(self, blocks: list[list[int]], lens: list[int], anchors: list[int]):
         """B requests' block tables, fed lengths and last tokens -> (drafts [B][k], confidences [B][k] or None),
         read back in one copy."""
-        B, L = len(lens), bucket(max(lens), self.max_len)
+        B, L = len(lens), (0 if self.paged else bucket(max(lens), self.max_len))
         g, inp, out = self._entry(B, L)
         width = inp["tables"].shape[1]
         host = torch.zeros(B, width, dtype=torch.long)
