@@ -51,11 +51,6 @@
 #   off by default: python3 -m peregrine.bench.kernels_gemm --shapes decode48b --ms 16,24,32,40,48,56,64 (skinny vs
 #   cuBLAS per shape, same run), then bench spec above with PEREGRINE_VERIFY_GEMM=triton against without; make it the
 #   default (and plan "torch" entries where cuBLAS wins) only on that evidence
-# - #43 (session 23: suffix decoding and the replay mode built, CPU-tested): drafters on agent-shaped text at the 48B's
-#   real cost, B = 1, replies forced (~10 min with a 32K context):
-#   python3 -m peregrine bench spec --model kimi-linear-48b-a3b --dummy-weights --k 7 --replay-sessions 2 \
-#     --replay-turns 4 --replay-context 120000 --replay-methods ngram,suffix
-#   (targets: suffix >= 1.5x plain tok/s/user on the editing turns, never < 1.0x on any turn)
 # - session 24 (no device lent): #41's descent reworked in 8391a25 (its slices sized by B: 160 programs at B = 1, not
 #   40; the pivot counts in a register tile reduced once; top-k's 6 levels not launched unless a row uses top-k, a
 #   "topk" graph variant). The #41 run above measures it as is; kernels_sampling now also times the slices fixed at
@@ -67,11 +62,15 @@
 #   python3 -m peregrine.bench.kernels_mla --verify --quick
 #   then bench spec (above) with PEREGRINE_MLA_VERIFY_ROWS=2 and =0 against the default (1) at ISL 32768, B = 1
 #   (make 2 the default only where it wins; 0 is the pre-#42 layout)
-# - #43 items 2-3 (session 24, CPU): DFlash / DSpark drafters (taps on both paths; the drafter's block eager, outside
-#   the step's graph) and peregrine-tiny-dspark. On one H200, the drafter's acceptance with the verify width chooser
-#   (the GPU has its cost table) and the answers against plain greedy, ~5 min:
-#   python3 -m peregrine.train.drafter --eval peregrine-tiny-dspark --n 500 --out results/tiny-dspark-gpu.json
-#   then the drafter's block inside the verify graph (not written: it needs the GPU to show it pays)
+# - #43 after session 28 (H100 only; every H200 start failed): the tiny drafter with the width chooser ran
+#   (results/2026-12-05-session28); the 48B replay needs an H200 (BF16 48B does not fit 80 GB), ~8 min, carry .commit
+#   and .whl:   SESSIONS=2 TURNS=4 PARTS="replay tests" bash scripts/gpu_drafters.sh
+#   (targets: suffix >= 1.5x plain tok/s/user on the editing turns, never < 1.0x on any turn; suffix now drafts from
+#   the best match length, c9a5c78). Then the drafter's in-place attention (7dad05d, not yet on a GPU), one H100/H200:
+#   python3 -m pytest -q -m gpu tests/test_kernels_drafter_attn.py tests/test_dflash.py && \
+#   python3 -m peregrine.bench.drafter --shape 48b --k 7 --batches 1,4,8 --lengths 1024,8192,32768
+#   (against 75c5eac's gathered context: 2.47 / 6.56 ms at B = 1, 1K / 32K; 50 ms at B = 8, 32K; the same run
+#   times the gathered-context graph beside it) and PARTS=tiny METHODS=dspark bash scripts/gpu_drafters.sh
 # - #44 (session 25, CPU): the removed A/B switches and experiments kept the default paths by construction, and the
 #   SiTU tanh cap / bounded-gate sigmoid floor give the same FP32 bits; GPU-only code (the MoE down kernel's PDL wait,
 #   MXFP4 v3 asm/dot_scaled, the router fusion) was only compile-checked. On one H200, ~8 min, one call:
