@@ -2,7 +2,8 @@
 # Issue #43 on the GPU: drafters' acceptance with the verify width chooser (its cost table measured from the
 # verify graphs at start) and their answers against plain greedy.
 # 1. replay: the 48B (dummy weights, needs an H200: BF16 does not fit an H100) on agent-shaped sessions at B = 1,
-#    replies forced, plain / n-gram / suffix at k = 7 (T_replay; SESSIONS, TURNS, CONTEXT characters)
+#    replies forced, plain / n-gram / suffix at k = 7 (T_replay; SESSIONS, TURNS, CONTEXT characters: the defaults
+#    2 x 10 turns, 320 000 characters reach 30K and 38K tokens at the last turns)
 # 2. tiny: peregrine-tiny-dspark against suffix and n-gram, N problems per task (500), fast path at B <= 8, TASKS
 #    (default all four), METHODS (default dspark,suffix,ngram); an answer unlike plain greedy is reported with the plain top 5 where it differs (T_tiny)
 # 3. tests: the drafters' GPU tests (the drafter's CUDA graphs against its eager step; T_tests)
@@ -15,7 +16,7 @@ for p in ${PARTS:-replay tiny tests}; do
   case $p in
     replay)
       timeout "${T_replay:-540}" python3 -m peregrine bench spec --model kimi-linear-48b-a3b --dummy-weights --k 7 \
-        --replay-sessions "${SESSIONS:-2}" --replay-turns "${TURNS:-4}" --replay-context "${CONTEXT:-120000}" \
+        --replay-sessions "${SESSIONS:-2}" --replay-turns "${TURNS:-10}" --replay-context "${CONTEXT:-320000}" \
         --replay-methods ngram,suffix --results-dir results/spec-replay 2>&1 | tee "$OUT/replay.log" \
         | grep -v "captur" | tail -25 || rc=1 ;;
     tiny)

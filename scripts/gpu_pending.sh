@@ -64,7 +64,7 @@
 #   (make 2 the default only where it wins; 0 is the pre-#42 layout)
 # - #43 after session 28 (H100 only; every H200 start failed): the tiny drafter with the width chooser ran
 #   (results/2026-12-05-session28); the 48B replay needs an H200 (BF16 48B does not fit 80 GB), ~8 min, carry .commit
-#   and .whl:   SESSIONS=2 TURNS=4 PARTS="replay tests" bash scripts/gpu_drafters.sh
+#   and .whl:   PARTS="replay tests" bash scripts/gpu_drafters.sh
 #   (targets: suffix >= 1.5x plain tok/s/user on the editing turns, never < 1.0x on any turn; suffix now drafts from
 #   the best match length, c9a5c78). Then the drafter's in-place attention (7dad05d, not yet on a GPU), one H100/H200:
 #   python3 -m pytest -q -m gpu tests/test_kernels_drafter_attn.py tests/test_dflash.py && \

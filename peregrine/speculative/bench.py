@@ -171,26 +171,28 @@ def bench_replay(model: str, methods=("ngram", "suffix"), k: int = 7, sessions: 
     drafter method at k on the same engine; tok/s/user after the first token and acceptance, per turn."""
     from ..bench import gpu
     from ..engine.build import build_engine
-    from .replay import agent_sessions, replay
+    from .replay import agent_sessions, replay, replay_encoder
     cfg, _ = resolve_model(model)
     sess = agent_sessions(sessions, turns, max_chars=context_chars)
     engine, tok = build_engine(model, EngineConfig(max_num_seqs=1, decode_backend=backend,
                                                    max_model_len=min(cfg.max_position_embeddings, 65536)),
                                dummy_weights=dummy_weights, log=log)
-    longest = max(len(tok.encode(c + r)) for p in sess for c, r in p)
+    enc = replay_encoder(tok, cfg.vocab_size)
+    longest = max(len(enc.encode(c + r)) for p in sess for c, r in p)
     if longest + k + 2 > engine.max_model_len:
         raise ConfigError(f"replay sessions reach {longest} tokens, past max_model_len {engine.max_model_len}: "
                           f"lower --replay-context")
     result = {"kind": "spec_replay", "model": cfg.name, "metadata": gpu.run_metadata(),
               "config": {"methods": list(methods), "k": k, "sessions": sessions, "turns": turns,
-                         "context_chars": context_chars, "backend": backend, "dummy_weights": dummy_weights},
+                         "context_chars": context_chars, "backend": backend, "dummy_weights": dummy_weights,
+                         "tokens": enc.kind},
               "copy_bandwidth": gpu.copy_bandwidth() if torch.cuda.is_available() else None, "runs": []}
     engine.enable_speculation(None)
-    result["runs"].append(replay(engine, sess, tok.encode, "plain", log))
+    result["runs"].append(replay(engine, sess, enc.encode, "plain", log))
     for m in methods:
         engine.enable_speculation({"method": m, "num_speculative_tokens": k}, log=log)
         r = {"cost_table_ms": engine.spec.measure_costs(log)}  # the width chooser's (empty off the GPU: full width)
-        r |= replay(engine, sess, tok.encode, m, log)
+        r |= replay(engine, sess, enc.encode, m, log)
         base = result["runs"][0]
         r["speedup_vs_plain"] = r["tok_s_user"] / base["tok_s_user"] if base["tok_s_user"] and r["tok_s_user"] else None
         for t, p in zip(r["turns"], base["turns"]):  # the same turn, plain: the target is per turn

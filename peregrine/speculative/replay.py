@@ -40,6 +40,39 @@ def _functions(text: str) -> list[str]:
     return out
 
 
+# GPT-2-style pre-tokenisation (letters, up to 3 digits, other symbols, whitespace; a leading space kept)
+PIECE = re.compile(r"""'(?:[sdmt]|ll|ve|re)| ?[A-Za-z]+| ?[0-9]{1,3}| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+""")
+FIRST_PIECE_ID = 1024  # piece ids start past the byte range and run upward, far below a large vocabulary's specials
+
+
+class PieceTokenizer:
+    """The replay's tokens for a model folder without its tokenizer (dummy weights: a byte-level stand-in, whose
+    tokens are 3-4x finer than a real BPE's on code, so acceptance and lengths would be off by that much). Each
+    pre-tokenised piece is one token (a large-vocabulary BPE's granularity on common words; rare identifiers would
+    split further), ids given in order of first appearance: deterministic for the same text."""
+    kind = "pieces"
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size, self.ids = vocab_size, {}
+
+    def encode(self, text: str) -> list[int]:
+        out = []
+        for p in PIECE.findall(text):
+            i = self.ids.get(p)
+            if i is None:
+                i = self.ids[p] = FIRST_PIECE_ID + len(self.ids)
+                if i >= self.vocab_size // 2:
+                    raise ValueError(f"the replay's text has more distinct pieces than half of the vocabulary "
+                                     f"({self.vocab_size}): lower --replay-context")
+            out.append(i)
+        return out
+
+
+def replay_encoder(tok, vocab_size: int):
+    """The model's own tokenizer, or pieces where it is only the byte-level stand-in of a large vocabulary."""
+    return PieceTokenizer(vocab_size) if tok.kind == "byte-level" and vocab_size > 4 * FIRST_PIECE_ID else tok
+
+
 def agent_sessions(n_sessions: int, turns: int, seed: int = 0, max_chars: int = 120_000) -> list[list[tuple[str, str]]]:
     """n_sessions sessions of `turns` (context, reply) text pairs; each context holds the whole session so far."""
     rng = random.Random(seed)
