@@ -184,6 +184,7 @@ def test_replay_sessions_measure_drafters_on_copied_text():
     assert plain["turns"][0]["width_steps"] == [] and suf["turns"][0]["width_steps"] == [0] * 6
     # with one, the turn records the widths it chose: plain steps where verifying costs far more, never plain where
     # it is free (each step then verifies as far as a draft's survival is worth 2 %: suffix drafts vary in length)
+    e.spec.observe = lambda *a: None  # the table as given: CPU steps' wall times would move it (docs: RESID_EMA)
     e.spec.costs = {1: {1: 1.0, **{T: 100.0 for T in range(2, 7)}}}
     cheap = replay(e, sess, enc, "suffix", log=lambda m: None)["turns"][0]
     assert cheap["drafts"] == 0 and cheap["width_steps"][0] > 0 and sum(cheap["width_steps"][1:]) == 0, cheap
@@ -212,6 +213,63 @@ def test_replay_tokens_are_pieces_where_the_model_has_only_the_byte_stand_in():
     assert replay_encoder(tiny, 320) is tiny
     with pytest.raises(ValueError, match="distinct pieces"):
         PieceTokenizer(FIRST_PIECE_ID * 2 + 4).encode(" ".join(f"w{i:x}" for i in range(100)).replace("0", "q"))
+
+
+def _same_trie(a, b) -> bool:
+    """Two tries count the same contexts the same number of times (structure and counts)."""
+    if a.count != b.count or set(a.kids) != set(b.kids):
+        return False
+    return all(_same_trie(a.kids[t], b.kids[t]) for t in a.kids)
+
+
+def test_a_truncated_request_trie_equals_one_built_on_the_prefix():
+    from peregrine.speculative.suffix import _Request
+    rng = random.Random(11)
+    for depth in (1, 3, 8):
+        toks = [rng.randrange(5) for _ in range(120)]
+        for n in (119, 100, 60, 1, 0):
+            r = _Request(depth)
+            r.update(toks)
+            r.truncate(n)
+            fresh = _Request(depth)
+            fresh.update(toks[:n])
+            assert r.tokens == toks[:n] and _same_trie(r.trie.root, fresh.trie.root), (depth, n)
+            assert [(m, nd.count) for nd, m in r.matches()] == [(m, nd.count) for nd, m in fresh.matches()]
+            r.update(toks)  # and it counts on from there as if never cut
+            full = _Request(depth)
+            full.update(toks)
+            assert _same_trie(r.trie.root, full.trie.root)
+
+
+def test_an_agents_next_turn_starts_from_the_last_turns_trie(monkeypatch):
+    """A finished request's trie is kept; a request whose prompt starts with its tokens takes it over (a differing
+    tail of up to REUSE_SLACK tokens is uncounted first) and counts only what is new: the trie equals one built
+    on the whole prompt. Another prompt starts empty; kept tries are held to their token budget."""
+    import peregrine.speculative.suffix as sx
+    rng = random.Random(12)
+    d = SuffixDrafter(max_tree_depth=6, max_cached_requests=10, max_spec_factor=1.0, min_token_prob=0.1)
+    turn1 = seq([rng.randrange(9) for _ in range(300)], prompt_len=250)
+    d.propose([turn1], [3])
+    turn1.token_ids += [rng.randrange(9) for _ in range(5)]  # tokens emitted after its last propose
+    d.release(turn1)
+    assert len(d.kept) == 1 and d.reused == 0
+    for tail in (0, 3):  # the next turn resends it (its last `tail` tokens re-rendered) and adds its own
+        prev = list(turn1.token_ids)
+        nxt = seq(prev[:len(prev) - tail] + [100 + i for i in range(tail)] + [rng.randrange(9) for _ in range(40)],
+                  prompt_len=len(prev) + 40)
+        d.propose([nxt], [3])
+        r = d.requests[id(nxt)]
+        fresh = sx._Request(6)
+        fresh.update(nxt.token_ids)
+        assert d.reused == 1 + (tail > 0) and _same_trie(r.trie.root, fresh.trie.root) and r.tokens == nxt.token_ids
+        d.release(nxt)
+        turn1 = nxt
+    other = seq([50 + rng.randrange(9) for _ in range(30)], prompt_len=30)
+    d.propose([other], [3])
+    assert d.reused == 2 and d.requests[id(other)].seen == 30 and len(d.kept) == 1
+    monkeypatch.setattr(sx, "KEPT_MAX_TOKENS", 100)
+    d.release(other)  # the long one is dropped for the budget, the 30-token one kept
+    assert [k.seen for k in d.kept.values()] == [30]
 
 
 def test_the_global_trie_is_held_to_its_token_budget(monkeypatch):
