@@ -222,6 +222,7 @@ def test_drafter_graphs_pad_to_context_buckets_without_changing_the_drafts(paged
         d1, c1, _ = m.draft_tensors(anchors[b], n, ctx, k)
         assert ids[b] == d1.tolist() and confs[b] == pytest.approx(c1.tolist(), abs=1e-5), b
     assert list(dg.graphs) == [(3, 0 if paged else 128)] and dg.replays == 0
+    assert dg.warm_up(4, log=lambda m: None) == 0 and len(dg.graphs) == 1  # nothing to capture off the GPU
 
 
 @pytest.mark.gpu
@@ -255,6 +256,9 @@ def test_drafter_graphs_replay_the_eager_drafts_on_the_gpu(paged):
         assert got[0] == want[0] and len(got[1]) == len(want[1]) == 2, call
         assert all(a == pytest.approx(b, abs=1e-6) for a, b in zip(got[1], want[1])), call
     assert graphs.broken is None and list(graphs.graphs) == [(2, 0 if paged else 128)] and graphs.replays == 4
+    # a server's start captures every B at once where one graph serves every length (paged); gathered: per bucket
+    assert graphs.warm_up(3, log=lambda m: None) == (2 if paged else 0) and eager.warm_up(3, log=lambda m: None) == 0
+    assert sorted(graphs.graphs) == ([(1, 0), (2, 0), (3, 0)] if paged else [(2, 128)])
 
 
 # ---- the drafter in the engine ----

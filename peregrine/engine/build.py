@@ -57,6 +57,9 @@ def warm_up(engine, log=print) -> None:
     warm_cold_attention(engine, log)
     if getattr(engine, "spec", None) is not None:  # the verify width chooser's cost table (GPU graphs only)
         engine.spec.measure_costs(log)
+        graphs = getattr(engine.spec.drafter, "graphs", None)  # a DFlash / DSpark drafter's step graphs per B
+        if graphs is not None:
+            graphs.warm_up(max(engine.engine_cfg.max_num_seqs, 1), log)
 
 
 def warm_cold_attention(engine, log=print) -> int:

@@ -83,6 +83,20 @@ class DrafterGraphs:
         return self.graphs[key]
 
     @torch.inference_mode()
+    def warm_up(self, max_batch: int, log=print) -> int:
+        """Capture every batch size's graph now (a server's start-up; otherwise each is captured at its first
+        use, inside a request's step) -> graphs captured. Only where one graph serves every length (paged)."""
+        if not (self.capture and self.paged):
+            return 0
+        t0, before = time.time(), len(self.graphs)
+        for B in range(1, max_batch + 1):
+            self._entry(B, 0)
+        n = sum(1 for g, _, _ in self.graphs.values() if g is not None) - before
+        if n:
+            log(f"captured {n} drafter graphs (B = 1..{max_batch}) in {time.time() - t0:.1f}s")
+        return max(n, 0)
+
+    @torch.inference_mode()
     def draft(self, blocks: list[list[int]], lens: list[int], anchors: list[int]):
         """B requests' block tables, fed lengths and last tokens -> (drafts [B][k], confidences [B][k] or None),
         read back in one copy."""
