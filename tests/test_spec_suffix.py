@@ -272,6 +272,32 @@ def test_an_agents_next_turn_starts_from_the_last_turns_trie(monkeypatch):
     assert [k.seen for k in d.kept.values()] == [30]
 
 
+def test_bench_replay_end_to_end_on_a_large_vocabulary_dummy_model(tmp_path):
+    """bench spec --replay-sessions as the GPU call runs it, on a narrow model of an 8K vocabulary with dummy weights
+    and no tokenizer (the 48B's situation): tokens are pieces, plain then suffix on the same engine, per-turn
+    speedups against the same turn's plain run, widths and the (CPU: empty) cost table, one JSON written."""
+    import json as _json
+
+    from conftest import write_dummy_model
+    from peregrine.config import PRESET_DIR
+    from peregrine.speculative.bench import bench_replay
+    from test_specialized import MICRO
+    (tmp_path / "m").mkdir()
+    raw = _json.loads((PRESET_DIR / "tiny-kimi-linear.json").read_text()) | MICRO | {"vocab_size": 8192}
+    model = write_dummy_model(tmp_path / "m", raw, seed=None)
+    r = bench_replay(model, ("suffix",), k=3, sessions=1, turns=2, context_chars=2400, backend="standard",
+                     dummy_weights=True, results_dir=str(tmp_path / "res"), log=lambda m: None)
+    assert r["config"]["tokens"] == "pieces" and [x["label"] for x in r["runs"]] == ["plain", "suffix"]
+    plain, suf = r["runs"]
+    assert suf["cost_table_ms"] == {} and suf["drafts"] > 0 and suf["acceptance_length"] > 1.5
+    for t, p in zip(suf["turns"], plain["turns"]):
+        assert t["output_tokens"] == p["output_tokens"] and t["speedup_vs_plain"] == pytest.approx(
+            t["tok_s_user"] / p["tok_s_user"]) and len(t["width_steps"]) == 4
+    assert suf["turns"][1]["input_tokens"] > suf["turns"][0]["input_tokens"] + suf["turns"][0]["output_tokens"]
+    saved = _json.loads(open(r["paths"]["json"]).read())
+    assert saved["runs"][1]["speedup_vs_plain"] == pytest.approx(suf["speedup_vs_plain"])
+
+
 def test_the_global_trie_is_held_to_its_token_budget(monkeypatch):
     import peregrine.speculative.suffix as sx
     monkeypatch.setattr(sx, "GLOBAL_MAX_TOKENS", 10)
