@@ -362,6 +362,19 @@ def test_drafter_in_the_engine_keeps_greedy_exact_and_reads_the_targets_taps(tmp
     assert checked >= 2
 
 
+def test_a_drafter_context_buffer_too_big_for_the_gpu_is_a_clear_error():
+    from peregrine.speculative.dflash import check_room
+    cfg = DFlashConfig.from_dict({"architectures": ["Qwen3DSparkModel"], "hidden_size": 2304, "intermediate_size": 9216,
+                                  "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                  "head_dim": 128, "block_size": 16, "mask_token_id": 1, "target_layer_ids": [3],
+                                  "markov_rank": 8}, "t")
+    need = 524288 * 5 * 2 * 8 * 128 * 2  # 512K slots: 20 KiB each in BF16
+    assert check_room(cfg, 524288, torch.bfloat16, None, "d") == need == check_room(cfg, 524288, torch.bfloat16, need, "d")
+    with pytest.raises(ConfigError, match=r"drafter d: .*524288 token slots need 10.0 GiB, more than the 8.0 GiB free: "
+                                          r"lower --max-model-len or --max-num-seqs"):
+        check_room(cfg, 524288, torch.bfloat16, 8 << 30, "d")
+
+
 def test_speculative_config_for_drafter_folders(tmp_path):
     """{"method": "dflash" | "dspark", "model": DIR}: k defaults to the block's drafts; a missing folder, a k past
     the block and a K3 target are clear errors."""

@@ -388,6 +388,17 @@ def check_fits(cfg: DFlashConfig, weights: dict, model: DFlashModel, target_cfg,
             raise ConfigError(f"{where}: {name} has shape {tuple(weights[name].shape)}, expected {(V, H)}")
 
 
+def check_room(cfg: DFlashConfig, slots: int, dtype, free: int | None, where) -> int:
+    """The bytes of TapWriter's buffer (each drafter layer's key and value for every cache slot); a clear error
+    where more than `free` (None: not checked, the CPU)."""
+    need = slots * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    if free is not None and need > free:
+        raise ConfigError(f"drafter {where}: its keys and values for the cache's {slots} token slots need "
+                          f"{need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free: lower --max-model-len "
+                          "or --max-num-seqs")
+    return need
+
+
 class TapWriter:
     """Installed on the target model (KimiModel.taps): its forward hands over the residual stream after the tapped
     layers (take); from them the drafter's context c of every token the target is fed, and from c each drafter
@@ -446,7 +457,9 @@ class DFlashDrafter:
         self.model = DFlashModel(cfg_d, weights, target.embed_tokens, target.lm_head)
         check_fits(cfg_d, weights, self.model, tcfg, f"drafter {cfg.model}")
         c = engine.cache
-        self.writer = TapWriter(self.model, c.latent.shape[1] * c.block_size, target.embed_tokens.dtype, dev)
+        slots, dtype = c.latent.shape[1] * c.block_size, target.embed_tokens.dtype
+        check_room(cfg_d, slots, dtype, torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else None, cfg.model)
+        self.writer = TapWriter(self.model, slots, dtype, dev)
         target.taps = self.writer
         self.bs, self.k, self.dev = c.block_size, cfg.k, dev
         self.survival: dict[int, list[float]] = {}  # id(seq) -> P(drafts 0..j all accepted), from the confidences
