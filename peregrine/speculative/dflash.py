@@ -102,14 +102,23 @@ class DFlashConfig:
                    final_logit_softcapping=get("final_logit_softcapping", None, False))
 
 
+def _rope_cs(pos: torch.Tensor, hd: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE's (cos, sin) [N, 1, hd] at positions pos [N], FP32: computed once a block, every layer's
+    queries and keys share them."""
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2, device=pos.device, dtype=torch.float32) / hd)
+    f = pos.float()[:, None] * inv[None, :]
+    f = torch.cat([f, f], -1)[:, None, :]
+    return f.cos(), f.sin()
+
+
+def _rotate(x: torch.Tensor, cs) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, -1)
+    return x.float() * cs[0] + torch.cat([-x2, x1], -1) * cs[1]
+
+
 def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate-half RoPE (Qwen3's) of x [N, heads, hd] at positions pos [N], in FP32."""
-    hd = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
-    f = pos.float()[:, None] * inv[None, :]
-    cos, sin = torch.cat([f, f], -1).cos()[:, None, :], torch.cat([f, f], -1).sin()[:, None, :]
-    x1, x2 = x.float().chunk(2, -1)
-    return x.float() * cos + torch.cat([-x2, x1], -1) * sin
+    return _rotate(x, _rope_cs(pos, x.shape[-1], theta))
 
 
 def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -119,8 +128,8 @@ def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _norm(x, w, eps):
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+    """RMSNorm in FP32: one fused op where torch has it (a drafter step launches ~20 norms)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps)
 
 
 class PagedContext(NamedTuple):
@@ -176,10 +185,11 @@ class DFlashModel:
     def context_kv(self, c: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """c [C, H] at positions pos [C] -> per layer (keys after k_norm and RoPE, values), [C, kv heads, hd]."""
         cfg, out = self.cfg, []
+        cs = _rope_cs(pos, cfg.head_dim, cfg.rope_theta)  # once for every layer (this runs inside the target's step)
         for i in range(cfg.num_layers):
             p = f"layers.{i}.self_attn."
             k = self._lin(c, p + "k_proj").view(-1, cfg.num_kv_heads, cfg.head_dim)
-            k = _rope(_norm(k, self.w[p + "k_norm.weight"], cfg.rms_norm_eps), pos, cfg.rope_theta)
+            k = _rotate(_norm(k, self.w[p + "k_norm.weight"], cfg.rms_norm_eps), cs)
             out.append((k, self._lin(c, p + "v_proj").view(-1, cfg.num_kv_heads, cfg.head_dim)))
         return out
 
@@ -239,6 +249,7 @@ class DFlashModel:
         ids = torch.full((B, Bk), cfg.mask_token_id, dtype=torch.long, device=dev)
         ids[:, 0] = anchors
         pos = (starts[:, None] + torch.arange(Bk, device=dev)).reshape(-1)  # [B·Bk]
+        cs = _rope_cs(pos, cfg.head_dim, cfg.rope_theta)
         paged = isinstance(ctx, PagedContext)
         if paged:
             from ..kernels.drafter_attn import block_attention
@@ -249,9 +260,9 @@ class DFlashModel:
             p = f"layers.{i}."
             n = _norm(x, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
             q = self._lin(n, p + "self_attn.q_proj").view(N, cfg.num_heads, cfg.head_dim)
-            q = _rope(_norm(q, self.w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps), pos, cfg.rope_theta)
+            q = _rotate(_norm(q, self.w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps), cs)
             k = self._lin(n, p + "self_attn.k_proj").view(N, cfg.num_kv_heads, cfg.head_dim)
-            k = _rope(_norm(k, self.w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps), pos, cfg.rope_theta)
+            k = _rotate(_norm(k, self.w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps), cs)
             v = self._lin(n, p + "self_attn.v_proj").view(N, cfg.num_kv_heads, cfg.head_dim)
             # grouped-query attention by kv head (query heads h = kv head · g + j), the context read in its own
             # dtype: no widened or head-repeated copy of the gathered keys and values
