@@ -6,7 +6,8 @@
 #    2 x 10 turns, 320 000 characters reach 30K and 38K tokens at the last turns)
 # 2. tiny: peregrine-tiny-dspark against suffix and n-gram, N problems per task (500), fast path at B <= 8, TASKS
 #    (default all four), METHODS (default dspark,suffix,ngram); an answer unlike plain greedy is reported with the plain top 5 where it differs (T_tiny)
-# 3. tests: the drafters' GPU tests (the drafter's CUDA graphs against its eager step; T_tests)
+# 3. tests: the drafters' GPU tests (the in-place context attention kernel; the drafter's CUDA graphs against its
+#    eager step; T_tests)
 #   run (carry .commit and .whl):  PARTS="replay tiny tests" bash scripts/gpu_drafters.sh
 source "$(dirname "$0")/device_env.sh"
 rc=0
@@ -24,7 +25,8 @@ for p in ${PARTS:-replay tiny tests}; do
         --methods "${METHODS:-dspark,suffix,ngram}" \
         --out "results/tiny-dspark-gpu-${TASKS:-all}-${METHODS:-all}.json" 2>&1 | tee "$OUT/tiny.log" | tail -25 || rc=1 ;;
     tests)
-      timeout "${T_tests:-120}" python3 -m pytest -q -m gpu tests/test_dflash.py tests/test_spec_suffix.py 2>&1 \
+      timeout "${T_tests:-120}" python3 -m pytest -q -m gpu tests/test_kernels_drafter_attn.py tests/test_dflash.py \
+        tests/test_spec_suffix.py 2>&1 \
         | tee "$OUT/pytest-drafters.log" | tail -8 || rc=1 ;;
     *) echo "unknown part $p (replay tiny tests)"; rc=1 ;;
   esac
