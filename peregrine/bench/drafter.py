@@ -23,8 +23,8 @@ from . import gpu
 
 SHAPES = {
     "tiny": None,  # read from peregrine/presets/peregrine-tiny-dspark
-    "48b": {"architectures": ["Qwen3DSparkModel"], "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 5, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "block_size": 16,
+    "48b": {"architectures": ["Qwen3DSparkModel"], "hidden_size": 2304, "intermediate_size": 9216,
+            "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "block_size": 16,
             "mask_token_id": 163839, "target_layer_ids": [3, 7, 15, 19, 23], "num_target_layers": 27,
             "vocab_size": 163840, "markov_rank": 32, "enable_confidence_head": True},
 }

@@ -74,17 +74,19 @@ class SuffixTrie:
             active = self.step(active, t, sign)
 
     def matches(self, tokens) -> list[tuple[_Node, int]]:
-        """(node, m) of each suffix of `tokens` of m <= depth tokens seen before with a continuation, shortest first."""
+        """(node, m) of each suffix of `tokens` of m <= depth tokens seen before with a continuation, shortest first.
+        The trie counts every context's suffixes too, so once a suffix is missing (or has no continuation) every
+        longer one is: the walk stops there."""
         out = []
         for m in range(1, min(self.depth, len(tokens)) + 1):
             node = self.root
             for t in tokens[len(tokens) - m:]:
                 node = node.kids.get(t)
                 if node is None:
-                    break
-            else:
-                if node.kids:
-                    out.append((node, m))
+                    return out
+            if not node.kids:
+                return out
+            out.append((node, m))
         return out
 
     def match(self, tokens) -> tuple[_Node | None, int]:
