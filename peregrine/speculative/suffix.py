@@ -56,7 +56,17 @@ class SuffixTrie:
         """Count (sign 1) or uncount (-1) token t after the root and after each context in `active` (the nodes of
         the contexts ending at the previous token, shortest first); -> the same for the contexts ending at t."""
         nxt = []
-        for node in [self.root] + active[:self.depth - 1]:  # a context at the depth is not extended further
+        if sign == 1:  # counting, the hot path (every fed token): no removals to check
+            add = nxt.append
+            for node in (self.root, *active[:self.depth - 1]):  # a context at the depth is not extended further
+                kids = node.kids
+                child = kids.get(t)
+                if child is None:
+                    child = kids[t] = _Node()
+                child.count += 1
+                add(child)
+            return nxt
+        for node in [self.root] + active[:self.depth - 1]:
             child = node.kids.get(t)
             if child is None:
                 child = node.kids[t] = _Node()
