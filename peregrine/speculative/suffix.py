@@ -30,7 +30,7 @@ DEFAULTS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_re
 # tree (O(tokens) nodes, as arctic-inference's) is the fix for long contexts.
 GLOBAL_MAX_TOKENS = 16384
 # A finished request's own trie is kept for a next request whose prompt starts with its tokens (an agent's next
-# turn resends the conversation): only the new tokens are then counted, not the whole context again (~0.8 s of
+# turn resends the conversation): only the new tokens are then counted, not the whole context again (~0.7 s of
 # host time for 30K tokens on the CI machine). At most KEPT_MAX_TOKENS tokens' tries are kept (~380 MB), the
 # oldest dropped first; a kept trie whose last REUSE_SLACK tokens differ from the new prompt (a re-rendered
 # ending) has them uncounted first.
