@@ -1,8 +1,6 @@
 """kernels/drafter_attn.py: the drafter block's attention over its paged context against an FP64 reference over
 the gathered context (real and odd shapes, one to many splits, empty and one-token contexts), NaN in every slot
 and table entry the sequences do not own, the paged buffer left untouched; and the sm_90a compile."""
-import math
-
 import pytest
 import torch
 
@@ -86,4 +84,4 @@ def test_drafter_attention_compiles_for_sm90():
     for row in rows:
         assert "error" not in row, row
         assert row["spill"] == 0 and 0 < row["regs"] <= 255, row
-    assert math.isfinite(rows[0]["regs"])
+    assert rows[0]["wgmma"] > 0  # the 48B's 64-row tile multiplies on the Hopper tensor cores
