@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError
+from .width import survival_from_rates
 
 MARKOV_TYPES = ("vanilla",)  # DeepSpec also has "gated" and "rnn" heads: not implemented, refused at load
 
@@ -497,11 +498,7 @@ class DFlashDrafter:
         for r, i in enumerate(asked):
             n = min(ks[i], len(drafts[r]))
             if confs is not None:
-                surv, run = [], 1.0
-                for x in confs[r][:n]:
-                    run *= x
-                    surv.append(run)
-                self.survival[id(seqs[i])] = surv
+                self.survival[id(seqs[i])] = survival_from_rates(confs[r][:n])
             out[i] = drafts[r][:n]
         return out
 
