@@ -117,11 +117,6 @@ def _rotate(x: torch.Tensor, cs) -> torch.Tensor:
     return x.float() * cs[0] + torch.cat([-x2, x1], -1) * cs[1]
 
 
-def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE (Qwen3's) of x [N, heads, hd] at positions pos [N], in FP32."""
-    return _rotate(x, _rope_cs(pos, x.shape[-1], theta))
-
-
 def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T in FP32 out; a BF16 / FP16 weight multiplies in its own dtype (FP32 accumulation) rather than being
     widened to an FP32 copy every call (the 48B's lm_head alone is 0.75 GB in BF16)."""
@@ -179,6 +174,25 @@ class DFlashModel:
         b = self.w.get(name + ".bias")
         return y if b is None else y + b.float()
 
+    def _qkv(self, x: torch.Tensor, i: int, cs):
+        """Layer i's attention inputs for block states x [N, H]: q [N, heads, hd], k and v [N, kv heads, hd]
+        (q and k normed and rotated by cs = _rope_cs of their positions)."""
+        cfg, p = self.cfg, f"layers.{i}."
+        n = _norm(x, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+        q = self._lin(n, p + "self_attn.q_proj").view(-1, cfg.num_heads, cfg.head_dim)
+        q = _rotate(_norm(q, self.w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps), cs)
+        k = self._lin(n, p + "self_attn.k_proj").view(-1, cfg.num_kv_heads, cfg.head_dim)
+        k = _rotate(_norm(k, self.w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps), cs)
+        return q, k, self._lin(n, p + "self_attn.v_proj").view(-1, cfg.num_kv_heads, cfg.head_dim)
+
+    def _finish(self, x: torch.Tensor, o: torch.Tensor, i: int) -> torch.Tensor:
+        """Layer i after attention: x + o_proj(o), then its MLP's residual."""
+        cfg, p = self.cfg, f"layers.{i}."
+        x = x + self._lin(o, p + "self_attn.o_proj")
+        m = _norm(x, self.w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        return x + self._lin(F.silu(self._lin(m, p + "mlp.gate_proj")) * self._lin(m, p + "mlp.up_proj"),
+                             p + "mlp.down_proj")
+
     def context(self, taps: torch.Tensor) -> torch.Tensor:
         """[C, n·H] taps -> c [C, H] (FP32)."""
         return _norm(_mm(taps, self.w["fc.weight"]), self.w["hidden_norm.weight"], self.cfg.rms_norm_eps)
@@ -212,24 +226,14 @@ class DFlashModel:
         see = torch.cat([torch.arange(C, device=ids.device)[None, :] < st.repeat_interleave(Bk)[:, None],
                          own[:, None] == own[None, :]], 1)  # [A·Bk, C + A·Bk]
         x = self.embed[ids.reshape(-1)].float() * cfg.input_embedding_scale
-        N = A * Bk
+        N, cs = A * Bk, _rope_cs(pos, cfg.head_dim, cfg.rope_theta)
         for i, (kc, vc) in enumerate(ctx_kv):
-            p = f"layers.{i}."
-            n = _norm(x, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            q = self._lin(n, p + "self_attn.q_proj").view(N, cfg.num_heads, cfg.head_dim)
-            q = _rope(_norm(q, self.w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps), pos, cfg.rope_theta)
-            k = self._lin(n, p + "self_attn.k_proj").view(N, cfg.num_kv_heads, cfg.head_dim)
-            k = _rope(_norm(k, self.w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps), pos, cfg.rope_theta)
-            v = self._lin(n, p + "self_attn.v_proj").view(N, cfg.num_kv_heads, cfg.head_dim)
+            q, k, v = self._qkv(x, i, cs)
             K = torch.cat([kc, k]).repeat_interleave(g, 1)  # [C + N, heads, hd]: grouped-query attention
             V = torch.cat([vc, v]).repeat_interleave(g, 1)
             s = torch.einsum("qhd,khd->hqk", q, K) / math.sqrt(cfg.head_dim)
             s = s.masked_fill(~see[None], float("-inf"))
-            o = torch.einsum("hqk,khd->qhd", s.softmax(-1), V).reshape(N, -1)
-            x = x + self._lin(o, p + "self_attn.o_proj")
-            m = _norm(x, self.w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            x = x + self._lin(F.silu(self._lin(m, p + "mlp.gate_proj")) * self._lin(m, p + "mlp.up_proj"),
-                              p + "mlp.down_proj")
+            x = self._finish(x, torch.einsum("hqk,khd->qhd", s.softmax(-1), V).reshape(N, -1), i)
         h = _norm(x, self.w["norm.weight"], cfg.rms_norm_eps).view(A, Bk, -1)
         return h[0] if one else h
 
@@ -258,13 +262,7 @@ class DFlashModel:
         g, N = cfg.num_heads // cfg.num_kv_heads, B * Bk
         x = self.embed[ids.reshape(-1)].float() * cfg.input_embedding_scale
         for i in range(cfg.num_layers):
-            p = f"layers.{i}."
-            n = _norm(x, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            q = self._lin(n, p + "self_attn.q_proj").view(N, cfg.num_heads, cfg.head_dim)
-            q = _rotate(_norm(q, self.w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps), cs)
-            k = self._lin(n, p + "self_attn.k_proj").view(N, cfg.num_kv_heads, cfg.head_dim)
-            k = _rotate(_norm(k, self.w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps), cs)
-            v = self._lin(n, p + "self_attn.v_proj").view(N, cfg.num_kv_heads, cfg.head_dim)
+            q, k, v = self._qkv(x, i, cs)
             # grouped-query attention by kv head (query heads h = kv head · g + j), the context read in its own
             # dtype: no widened or head-repeated copy of the gathered keys and values
             qg = q.view(B, Bk, cfg.num_kv_heads, g, cfg.head_dim)
@@ -279,10 +277,7 @@ class DFlashModel:
                 L = kc.shape[1]
                 o = (torch.einsum("bkgql,blkd->bqkgd", pr[..., :L].to(vc.dtype), vc).float()
                      + torch.einsum("bkgql,blkd->bqkgd", pr[..., L:], vo)).reshape(N, -1)
-            x = x + self._lin(o, p + "self_attn.o_proj")
-            m = _norm(x, self.w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            x = x + self._lin(F.silu(self._lin(m, p + "mlp.gate_proj")) * self._lin(m, p + "mlp.up_proj"),
-                              p + "mlp.down_proj")
+            x = self._finish(x, o, i)
         return _norm(x, self.w["norm.weight"], cfg.rms_norm_eps).view(B, Bk, -1)
 
     def draft_batch(self, anchors: torch.Tensor, starts: torch.Tensor, ctx, valid: torch.Tensor, k: int):
