@@ -187,8 +187,15 @@ def bench_replay(model: str, methods=("ngram", "suffix"), k: int = 7, sessions: 
                          "context_chars": context_chars, "backend": backend, "dummy_weights": dummy_weights,
                          "tokens": enc.kind},
               "copy_bandwidth": gpu.copy_bandwidth() if torch.cuda.is_available() else None, "runs": []}
+    path = gpu.result_path(cfg.name, f"spec-replay-{backend}", results_dir) if results_dir is not None else None
+
+    def save():  # after every method: a run cut short by a time limit still leaves what it measured
+        if path is not None:
+            gpu.write_result(path, result)
+
     engine.enable_speculation(None)
     result["runs"].append(replay(engine, sess, enc.encode, "plain", log))
+    save()
     for m in methods:
         engine.enable_speculation({"method": m, "num_speculative_tokens": k}, log=log)
         r = {"cost_table_ms": engine.spec.measure_costs(log)}  # the width chooser's (empty off the GPU: full width)
@@ -201,9 +208,10 @@ def bench_replay(model: str, methods=("ngram", "suffix"), k: int = 7, sessions: 
         if sp:
             log(f"  replay {m:>10}: per turn {min(sp):.2f}x .. {max(sp):.2f}x plain")
         result["runs"].append(r)
+        save()
     engine.enable_speculation(None)
-    if results_dir is not None:
-        path = gpu.write_result(gpu.result_path(cfg.name, f"spec-replay-{backend}", results_dir), result)
+    if path is not None:
+        save()
         result["paths"] = {"json": str(path)}
         log(f"wrote {path}")
     return result
