@@ -364,7 +364,8 @@ def test_width_chooser_learns_the_host_side_excess():
     from peregrine.speculative.decoder import SpecDecoder
     from peregrine.speculative.width import choose_width
     d = SpecDecoder.__new__(SpecDecoder)
-    d.costs, d.excess = {2: {1: 3.0, 2: 3.3, 3: 3.6}}, {"plain": 0.0, "verify": 0.0}
+    d.costs = {2: {1: 3.0, 2: 3.3, 3: 3.6}}
+    d.reset_excess()
     surv = [[0.5, 0.25]] * 2
     # table: 2 / 3.0 = 0.667 against 3 / 3.3 = 0.909 and 3.5 / 3.6 = 0.972 -> width 2
     assert choose_width(surv, d.effective_costs(2)) == 2
@@ -376,6 +377,30 @@ def test_width_chooser_learns_the_host_side_excess():
     assert choose_width(surv, d.effective_costs(2)) == 0
     d.observe(5, 2, 9.0)  # a B without a table row changes nothing
     assert d.effective_costs(5) is None and abs(d.excess["verify"] - 3.0) < 0.01
+
+
+def test_one_slow_step_does_not_turn_the_width_chooser_to_plain_for_good():
+    """A new turn's first propose (a trie built over the context) once took 0.3 s inside one verify step: in a
+    running mean that made verifies look ~30 ms dearer and the chooser kept to plain steps, which never measured a
+    verify again (600 steps in a row on the 48B replay). The median ignores the one step; and verify steps not seen
+    for EXCESS_STALE steps are judged by the plain steps' excess."""
+    from peregrine.speculative.decoder import EXCESS_STALE, SpecDecoder
+    from peregrine.speculative.width import choose_width
+    d = SpecDecoder.__new__(SpecDecoder)
+    d.costs = {1: {1: 3.0, 2: 3.5, 3: 4.0}}
+    d.reset_excess()
+    surv = [[0.9, 0.8]]
+    for _ in range(5):
+        d.observe(1, 3, 4.2)
+        d.observe(1, 1, 3.1)
+    d.observe(1, 3, 300.0)  # the slow step
+    assert abs(d.excess["verify"] - 0.2) < 1e-9 and choose_width(surv, d.effective_costs(1)) == 2
+    for _ in range(8):  # slow verifies for real now: plain wins ...
+        d.observe(1, 3, 40.0)
+    assert d.excess["verify"] == 36.0 and choose_width(surv, d.effective_costs(1)) == 0
+    for _ in range(EXCESS_STALE):  # ... until they are old: then verifies are judged at the plain steps' excess
+        d.observe(1, 1, 3.1)
+    assert abs(d.excess["verify"] - 0.1) < 1e-9 and choose_width(surv, d.effective_costs(1)) == 2
 
 
 def test_engine_feeds_the_width_chooser_its_step_times():

@@ -28,6 +28,7 @@ cache's scratch block, never into another sequence's.
 from __future__ import annotations
 
 import os
+from collections import deque
 
 import torch
 
@@ -59,7 +60,13 @@ def _mix(x: int) -> int:
 
 WIDTH_ENV = "PEREGRINE_SPEC_WIDTH"  # "auto" (default: chosen per step from measured costs) or "full" (every draft)
 COST_ITERS = 20  # graph replays timed per (B, T) for the width chooser's table at start-up
-RESID_EMA = 0.1  # weight of each new step in the running host-side excess over the table (drafting, accept, sync)
+# The host-side excess of a step over the table (drafting, accepting, syncing): the median of the last EXCESS_WINDOW
+# pure decode steps of each kind, so that one slow step (a new turn's first propose, a collection) does not move it,
+# and a verify step's is forgotten EXCESS_STALE steps later: once the chooser has kept to plain steps that long it
+# judges verifies by the plain steps' excess again rather than by an old outlier (an EMA of both, one 0.3 s step
+# had made verifies look 30 ms dearer, and plain steps never corrected it: 600 steps in a row on the replay).
+EXCESS_WINDOW = 15
+EXCESS_STALE = 64
 
 
 def make_drafter(cfg: SpeculativeConfig, engine, log):
@@ -93,7 +100,7 @@ class SpecDecoder:
         self.stats["width_steps"] = [0] * (self.k + 1)  # pure decode steps by chosen width (0: plain, by choice)
         self.tracker = AcceptanceTracker(self.k)
         self.costs: dict[int, dict[int, float]] = {}  # B -> {T: step ms}: the width chooser's table (empty: full)
-        self.excess = {"plain": 0.0, "verify": 0.0}  # observed step wall ms minus the table's, running (RESID_EMA)
+        self.reset_excess()
         self.width_mode = os.environ.get(WIDTH_ENV, "auto")
         if self.width_mode not in ("auto", "full"):
             raise ValueError(f"{WIDTH_ENV} must be auto or full, got {self.width_mode!r}")
@@ -148,15 +155,34 @@ class SpecDecoder:
         row = self.costs.get(B)
         if row is None:
             return None
-        return {T: ms + self.excess["plain" if T == 1 else "verify"] for T, ms in row.items()}
+        ex = self.excess
+        return {T: ms + ex["plain" if T == 1 else "verify"] for T, ms in row.items()}
+
+    def reset_excess(self) -> None:
+        """Forget the observed steps: per kind, the last EXCESS_WINDOW (pure decode step number, wall ms minus
+        the table's)."""
+        self.excess_seen: dict[str, deque] = {k: deque(maxlen=EXCESS_WINDOW) for k in ("plain", "verify")}
+        self.decode_steps = 0
+
+    @property
+    def excess(self) -> dict[str, float]:
+        """Each kind's excess ms now: the median of its recent steps (verify steps: those of the last EXCESS_STALE
+        steps; with none, the plain steps' excess); 0 before any."""
+        def med(xs):
+            xs = sorted(xs)
+            return xs[len(xs) // 2] if xs else None
+        plain = med(x for _, x in self.excess_seen["plain"])
+        verify = med(x for n, x in self.excess_seen["verify"] if n > self.decode_steps - EXCESS_STALE)
+        plain = 0.0 if plain is None else plain
+        return {"plain": plain, "verify": plain if verify is None else verify}
 
     def observe(self, B: int, T: int, wall_ms: float) -> None:
-        """A pure decode step of B sequences at T tokens each (1: plain) took wall_ms: update the excess."""
+        """A pure decode step of B sequences at T tokens each (1: plain) took wall_ms: note its excess."""
         row = self.costs.get(B)
         if row is None or T not in row:
             return
-        k = "plain" if T == 1 else "verify"
-        self.excess[k] += RESID_EMA * ((wall_ms - row[T]) - self.excess[k])
+        self.decode_steps += 1
+        self.excess_seen["plain" if T == 1 else "verify"].append((self.decode_steps, wall_ms - row[T]))
 
     def _survival(self, seq, d: list[int]) -> list[float]:
         """P(drafts 0..j all accepted): the synthetic rates, the drafter's own confidences (suffix: its path

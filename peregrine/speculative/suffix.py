@@ -38,68 +38,107 @@ KEPT_MAX_TOKENS = 65536
 REUSE_SLACK = 64
 
 
-class _Node:
-    __slots__ = ("count", "kids")
-
-    def __init__(self):
-        self.count = 0      # occurrences of the context this node spells
-        self.kids: dict[int, _Node] = {}
-
-
 class SuffixTrie:
-    """Counts of every context of up to `depth` tokens and what followed it, over one or more sequences."""
+    """Counts of every context of up to `depth` tokens and what followed it, over one or more sequences.
+
+    Nodes are ints: node n's children are kids[n] ({token: child}, None for a leaf) and its count count[n].
+    Dicts of ints are not tracked by Python's cyclic garbage collector, so millions of nodes cost a collection
+    nothing (as objects each node was tracked, and a full collection walked them all: 0.2-0.3 s pauses inside
+    decode steps once a request's trie held 30K tokens). Uncounted nodes go to a free list for reuse."""
 
     def __init__(self, depth: int):
-        self.depth, self.root = depth, _Node()
+        self.depth, self.root = depth, 0
+        self.kids: list[dict[int, int] | None] = [None]
+        self.count: list[int] = [0]
+        self.free: list[int] = []
 
-    def step(self, active: list[_Node], t: int, sign: int = 1) -> list[_Node]:
+    @property
+    def live(self) -> int:
+        """Nodes in use, the root included."""
+        return len(self.count) - len(self.free)
+
+    def child(self, node: int, t: int) -> int | None:
+        k = self.kids[node]
+        return None if k is None else k.get(t)
+
+    def counts(self, node: int) -> dict[int, int]:
+        """{token: how often it followed node's context}."""
+        return {t: self.count[c] for t, c in (self.kids[node] or {}).items()}
+
+    def _drop(self, node: int) -> None:
+        """Free node and everything below it."""
+        stack, kids, count, free = [node], self.kids, self.count, self.free
+        while stack:
+            n = stack.pop()
+            if kids[n]:
+                stack.extend(kids[n].values())
+            kids[n], count[n] = None, 0
+            free.append(n)
+
+    def step(self, active: list[int], t: int, sign: int = 1) -> list[int]:
         """Count (sign 1) or uncount (-1) token t after the root and after each context in `active` (the nodes of
         the contexts ending at the previous token, shortest first); -> the same for the contexts ending at t."""
-        nxt = []
+        kids, count, nxt = self.kids, self.count, []
         if sign == 1:  # counting, the hot path (every fed token): no removals to check
-            add = nxt.append
-            for node in (self.root, *active[:self.depth - 1]):  # a context at the depth is not extended further
-                kids = node.kids
-                child = kids.get(t)
-                if child is None:
-                    child = kids[t] = _Node()
-                child.count += 1
-                add(child)
+            add, free = nxt.append, self.free
+            for node in (0, *active[:self.depth - 1]):  # a context at the depth is not extended further
+                k = kids[node]
+                if k is None:
+                    k = kids[node] = {}
+                c = k.get(t)
+                if c is None:
+                    if free:
+                        c = free.pop()
+                    else:
+                        c = len(count)
+                        count.append(0)
+                        kids.append(None)
+                    k[t] = c
+                count[c] += 1
+                add(c)
             return nxt
-        for node in [self.root] + active[:self.depth - 1]:
-            child = node.kids.get(t)
-            if child is None:
-                child = node.kids[t] = _Node()
-            child.count += sign
-            if child.count == 0:
-                del node.kids[t]
+        gone = []  # freed after the walk: a longer context of this token may lie below one that just emptied
+        for node in (0, *active[:self.depth - 1]):  # (a repeated token: [a] empties, then [a a] is walked)
+            k = kids[node]
+            c = None if k is None else k.get(t)
+            if c is None:
+                raise ValueError(f"uncounting a context the trie does not hold (token {t})")
+            count[c] -= 1
+            if count[c] == 0:  # its right extensions occur nowhere either
+                del k[t]
+                if not k:
+                    kids[node] = None
+                gone.append(c)
             else:
-                nxt.append(child)
+                nxt.append(c)
+        for c in gone:
+            self._drop(c)
         return nxt
 
     def add(self, tokens, sign: int = 1) -> None:
         """Count (sign 1) or uncount (-1) every context of `tokens` up to the depth."""
-        active: list[_Node] = []
+        active: list[int] = []
         for t in tokens:
             active = self.step(active, t, sign)
 
-    def matches(self, tokens) -> list[tuple[_Node, int]]:
+    def matches(self, tokens) -> list[tuple[int, int]]:
         """(node, m) of each suffix of `tokens` of m <= depth tokens seen before with a continuation, shortest first.
         The trie counts every context's suffixes too, so once a suffix is missing (or has no continuation) every
         longer one is: the walk stops there."""
-        out = []
+        out, kids = [], self.kids
         for m in range(1, min(self.depth, len(tokens)) + 1):
-            node = self.root
+            node = 0
             for t in tokens[len(tokens) - m:]:
-                node = node.kids.get(t)
+                k = kids[node]
+                node = None if k is None else k.get(t)
                 if node is None:
                     return out
-            if not node.kids:
+            if not kids[node]:
                 return out
             out.append((node, m))
         return out
 
-    def match(self, tokens) -> tuple[_Node | None, int]:
+    def match(self, tokens) -> tuple[int | None, int]:
         """The node of the longest suffix of `tokens` (up to the depth) that has continuations, and its length."""
         return (self.matches(tokens) or [(None, 0)])[-1]
 
@@ -123,29 +162,34 @@ class _Request:
     def truncate(self, n: int) -> None:
         """Uncount the contexts ending at positions n.. (the last first: a context's right extensions are gone
         before it), so the trie counts tokens[:n] alone; O(depth^2) a dropped token."""
-        toks, root, D = self.tokens, self.trie.root, self.trie.depth
+        toks, tr, D = self.tokens, self.trie, self.trie.depth
+        kids, count = tr.kids, tr.count
         for p in range(len(toks) - 1, n - 1, -1):
             for m in range(1, min(D, p + 1) + 1):
-                parent, node = None, root
+                parent, node = 0, 0
                 for t in toks[p - m + 1:p + 1]:
-                    parent, node = node, node.kids[t]
-                node.count -= 1
-                if node.count == 0:
-                    del parent.kids[toks[p]]
+                    parent, node = node, kids[node][t]
+                count[node] -= 1
+                if count[node] == 0:
+                    del kids[parent][toks[p]]
+                    if not kids[parent]:
+                        kids[parent] = None
+                    tr._drop(node)
         del toks[n:]
         self.active = []
         for m in range(1, min(D, n) + 1):  # the contexts ending at the new last token, shortest first
-            node = root
+            node = 0
             for t in toks[n - m:]:
-                node = node.kids[t]
+                node = kids[node][t]
             self.active.append(node)
 
-    def matches(self) -> list[tuple[_Node, int]]:
+    def matches(self) -> list[tuple[int, int]]:
         """SuffixTrie.matches of the request's own tokens, read off the nodes update already holds: active[m - 1]
         is the context of the last m tokens."""
-        return [(n, m) for m, n in enumerate(self.active, 1) if n.kids]
+        kids = self.trie.kids
+        return [(n, m) for m, n in enumerate(self.active, 1) if kids[n]]
 
-    def match(self) -> tuple[_Node | None, int]:
+    def match(self) -> tuple[int | None, int]:
         return (self.matches() or [(None, 0)])[-1]
 
 
@@ -161,19 +205,21 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
-def follow(node: _Node, limit: int, min_prob: float) -> tuple[list[int], list[float]]:
+def follow(trie: SuffixTrie, node: int, limit: int, min_prob: float) -> tuple[list[int], list[float]]:
     """Greedy path from node along its most frequent continuation: (tokens, survival), survival[j] being the
     product of the conditional frequencies up to token j; stops below min_prob or at limit tokens."""
     toks, surv, p = [], [], 1.0
-    while node.kids and len(toks) < limit:
-        total = sum(c.count for c in node.kids.values())
-        t, child = max(node.kids.items(), key=lambda kv: (kv[1].count, -kv[0]))  # ties: the lowest id
-        p *= child.count / total
+    kids, count = trie.kids, trie.count
+    while kids[node] and len(toks) < limit:
+        k = kids[node]
+        total = sum(count[c] for c in k.values())
+        t, c = max(k.items(), key=lambda kv: (count[kv[1]], -kv[0]))  # ties: the lowest id
+        p *= count[c] / total
         if p < min_prob:
             break
         toks.append(t)
         surv.append(p)
-        node = child
+        node = c
     return toks, surv
 
 
@@ -193,13 +239,18 @@ class SuffixDrafter:
         self.kept: OrderedDict[int, _Request] = OrderedDict()  # finished requests' tries, oldest first
         self.reused = 0  # requests that started from a kept trie
 
-    def _best(self, matches, k: int) -> tuple[list[int], list[float]]:
-        """The candidate with the most expected accepted tokens over these matches (ties: the longer match)."""
-        best = ([], [])
-        for node, m in matches:
-            cand = follow(node, min(k, math.ceil(self.factor * m)), self.min_prob)
-            if sum(cand[1]) >= sum(best[1]) and cand[0]:
-                best = cand
+    def _best(self, trie: SuffixTrie, matches, k: int) -> tuple[list[int], list[float]]:
+        """The candidate with the most expected accepted tokens over these matches (ties: the longer match).
+        Longest first: a match whose length cap cannot beat the best so far (each token adds at most 1) is not
+        followed; the short ones, whose nodes have the most children to scan, rarely are."""
+        best, got = ([], []), 0.0
+        for node, m in reversed(matches):
+            limit = min(k, math.ceil(self.factor * m))
+            if best[0] and limit <= got:
+                continue
+            cand = follow(trie, node, limit, self.min_prob)
+            if cand[0] and (not best[0] or sum(cand[1]) > got):
+                best, got = cand, sum(cand[1])
         return best
 
     def propose(self, seqs, ks: list[int]) -> list[list[int]]:
@@ -211,7 +262,7 @@ class SuffixDrafter:
             r.update(s.token_ids)
             # the request's own trie counts the sequence's end too: its deepest suffix has no continuation
             # there, so match finds the longest suffix seen before with one
-            best = max((self._best(r.matches(), k), self._best(self.glob.matches(s.token_ids), k)),
+            best = max((self._best(r.trie, r.matches(), k), self._best(self.glob, self.glob.matches(s.token_ids), k)),
                        key=lambda d: sum(d[1]))
             self.survival[id(s)] = best[1]
             out.append(best[0])
