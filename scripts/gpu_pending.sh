@@ -62,16 +62,12 @@
 #   python3 -m peregrine.bench.kernels_mla --verify --quick
 #   then bench spec (above) with PEREGRINE_MLA_VERIFY_ROWS=2 and =0 against the default (1) at ISL 32768, B = 1
 #   (make 2 the default only where it wins; 0 is the pre-#42 layout)
-# - #43 after session 28 (H100 only; every H200 start failed): the tiny drafter with the width chooser ran
-#   (results/2026-12-05-session28). The 48B replay needs an H200 (BF16 48B does not fit 80 GB), ~8 min, carry .commit
-#   and .whl:   PARTS="replay tests" bash scripts/gpu_drafters.sh
-#   (2 sessions x 10 turns to 30K / 38K tokens, pieces as tokens; targets: suffix >= 1.5x plain tok/s/user on the
-#   editing turns, never < 1.0x on any turn. Since session 27 suffix drafts from the best match length (c9a5c78) and
-#   reuses the last turn's trie, and the replay measures the chooser's cost table.) Then the drafter's step, one
-#   H100/H200, ~2 min: python3 -m peregrine.bench.drafter --shape 48b --k 7 --batches 1,4,8 --lengths 1024,8192,32768
-#   (against 75c5eac's: 2.47 / 6.56 ms at B = 1, 1K / 32K; 50 ms at B = 8, 32K; since then the context is read in
-#   place by kernels/drafter_attn.py, RoPE once a block, fused RMSNorm: ~19 % fewer ops a propose; the same run
-#   times the gathered-context graph beside it), and PARTS=tiny METHODS=dspark bash scripts/gpu_drafters.sh
+# - #43 after session 29 (results/2026-12-05-session29: the 48B BF16 replay ran on an H200 at 260778b, suffix
+#   1.79x plain, every turn 1.08-2.25x; the drafter step, tests and tiny eval on an H100). Left, one H200, ~5 min:
+#   PARTS="replay" bash scripts/gpu_drafters.sh   after 2a6e2b1 (verify GEMMs at untuned row counts, 3 and 5-7 at
+#   B = 1, take the next tuned M's plan entry instead of the heuristic): the cost table's T = 3 read 5.10 ms against
+#   T = 4's 3.98 at 260778b; it should now rise with T, and the chooser's widths 2 and 4-6 get cheaper. And the
+#   kernels' own check: python3 -m pytest -q -m gpu tests/test_kernels_gemm.py -k "borrowed or untuned"
 # - #44 (session 25, CPU): the removed A/B switches and experiments kept the default paths by construction, and the
 #   SiTU tanh cap / bounded-gate sigmoid floor give the same FP32 bits; GPU-only code (the MoE down kernel's PDL wait,
 #   MXFP4 v3 asm/dot_scaled, the router fusion) was only compile-checked. On one H200, ~8 min, one call:

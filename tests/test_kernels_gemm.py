@@ -134,6 +134,38 @@ def test_plan_entries_valid_and_fallback():
     assert small_n["kernel"] == "splitk" and small_n["SPLIT_K"] > 1
 
 
+def test_an_untuned_row_count_takes_the_next_tuned_ones_config():
+    """Verify steps run B·T rows (3, 5, 6, 7 at B = 1) the plan was not tuned at: they take the entry of the next
+    larger tuned M at the same (N, K) (read here from the plan file itself), the heuristic only past the largest."""
+    import json
+    entries = json.loads(gemm.PLAN_PATH.read_text())["entries"]
+    tuned: dict[tuple, dict[int, dict]] = {}
+    for key, e in entries.items():
+        m, n, k = map(int, key.split(","))
+        tuned.setdefault((n, k), {})[m] = e
+    for (n, k), by_m in tuned.items():
+        for m in range(1, max(by_m) + 3):
+            cfg = gemm.lookup(m, n, k)
+            src = by_m.get(m) or by_m.get(min((t for t in by_m if t > m), default=0))
+            if src is None:
+                assert cfg == gemm.heuristic(m, n, k), (m, n, k)
+                continue
+            assert all(cfg[f] == src[f] for f in ("kernel", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps")), (m, n, k)
+    assert gemm.lookup(3, 163840, 2304)["kernel"] == entries["4,163840,2304"]["kernel"]
+
+
+@pytest.mark.parametrize("mnk", [(3, 4096, 128), (5, 4096, 128), (3, 2304, 1024), (7, 2304, 1024), (5, 2048, 2304)])
+def test_a_borrowed_plan_config_computes_the_product(mnk, device):
+    """The configs untuned row counts borrow (Triton ones of the 48B's shapes: dot tiles, split-K) on their rows,
+    into a poisoned output."""
+    m, n, k = mnk
+    cfg = gemm.lookup(m, n, k)
+    assert cfg["kernel"] in ("plain", "splitk") and f"{m},{n},{k}" not in gemm.load_plan()
+    x, w = _inputs(m, n, k, torch.bfloat16, device, seed=7)
+    y = skinny_gemm(x, w, out=poisoned((m, n), torch.bfloat16, device))
+    assert_close(y, ref(x, w), TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cublas_plan_entry_into_strided_out(device, dtype):
     """A plan entry may pick cuBLAS ("torch"); it must honour `out` slices like the Triton kernels."""

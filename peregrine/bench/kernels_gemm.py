@@ -290,6 +290,7 @@ def write_plan(plan: dict, meta: dict, path=gemm.PLAN_PATH) -> None:
     path.write_text(json.dumps({"meta": meta, "entries": entries}, indent=1, sort_keys=True) + "\n")
     gemm.load_plan.cache_clear()
     gemm.lookup.cache_clear()
+    gemm._tuned_rows.cache_clear()
 
 
 def table(rows) -> str:

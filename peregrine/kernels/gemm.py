@@ -219,12 +219,31 @@ def plan_key(M: int, N: int, K: int) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def lookup(M: int, N: int, K: int) -> dict:
-    entry = load_plan().get(plan_key(M, N, K))
+    """The plan's config for (M, N, K); for an M the plan was not tuned at (verify steps: B·T rows, e.g. 3, 5-7),
+    that of the smallest tuned M' > M of the same (N, K): its tiles hold M's rows too (the rest masked) and the
+    kernel streams the same weights. The heuristic only where no M' >= M was tuned: at M = 3 it had taken
+    0.44 ms for the 48B's lm_head where M = 4's plan entry takes 0.18, and verify steps at T = 3 cost more
+    than at T = 4 (H200, results/2026-12-05-session29)."""
+    plan = load_plan()
+    entry = plan.get(plan_key(M, N, K))
     if entry is None:
-        return heuristic(M, N, K)
+        tuned = [m for m in _tuned_rows(N, K) if m > M]
+        entry = plan[plan_key(min(tuned), N, K)] if tuned else None
     cfg = heuristic(M, N, K)
-    cfg.update({k: v for k, v in entry.items() if k in cfg})
+    if entry is not None:
+        cfg.update({k: v for k, v in entry.items() if k in cfg})
     return cfg
+
+
+@functools.cache
+def _tuned_rows(N: int, K: int) -> tuple[int, ...]:
+    """The Ms the plan has an entry for at this (N, K)."""
+    out = []
+    for key in load_plan():
+        m, n, k = map(int, key.split(","))
+        if (n, k) == (N, K):
+            out.append(m)
+    return tuple(sorted(out))
 
 
 def _check_2d(t: torch.Tensor, name: str) -> None:
