@@ -64,7 +64,7 @@
 #   (make 2 the default only where it wins; 0 is the pre-#42 layout)
 # - #43 after session 29 (results/2026-12-05-session29: the 48B BF16 replay ran on an H200 at 260778b, suffix
 #   1.79x plain, every turn 1.08-2.25x; the drafter step, tests and tiny eval on an H100). Left, one H200, ~5 min:
-#   PARTS="replay" bash scripts/gpu_drafters.sh   after 2a6e2b1 (verify GEMMs at untuned row counts, 3 and 5-7 at
+#   PARTS="replay" bash scripts/gpu_drafters.sh   after 6da3fcf (verify GEMMs at untuned row counts, 3 and 5-7 at
 #   B = 1, take the next tuned M's plan entry instead of the heuristic): the cost table's T = 3 read 5.10 ms against
 #   T = 4's 3.98 at 260778b; it should now rise with T, and the chooser's widths 2 and 4-6 get cheaper. And the
 #   kernels' own check: python3 -m pytest -q -m gpu tests/test_kernels_gemm.py -k "borrowed or untuned"
