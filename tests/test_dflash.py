@@ -362,6 +362,61 @@ def test_drafter_in_the_engine_keeps_greedy_exact_and_reads_the_targets_taps(tmp
     assert checked >= 2
 
 
+@pytest.mark.gpu
+def test_the_fast_path_drafts_the_next_block_inside_the_verify_step(tmp_path, monkeypatch):
+    """On the fast path the verify step ends by drafting each row's next block from the accepted prefix it counted
+    on the device (dflash_graphs.in_verify, in the verify graph on a GPU); a propose takes those blocks. Each taken
+    block (and its confidences) equals the block a separate propose drafts for the same sequence at that point;
+    answers equal plain greedy; a method switch leaves no drafter hooks on the target."""
+    from peregrine.config import EngineConfig
+    from peregrine.engine import SamplingParams
+    from peregrine.engine.build import build_engine
+    from peregrine.speculative import dflash
+
+    from conftest import write_dummy_model
+    from peregrine.config import PRESET_DIR
+    from test_specialized import MICRO
+    (tmp_path / "target").mkdir()
+    target = write_dummy_model(tmp_path / "target", json.loads((PRESET_DIR / "tiny-kimi-linear.json").read_text())
+                               | MICRO, seed=1)
+
+    def engine(spec=None):
+        e, _ = build_engine(target, EngineConfig(speculative_config=spec, max_num_seqs=2, block_size=16,
+                                                 max_model_len=128, decode_backend="latency_specialized"),
+                            log=lambda m: None)
+        return e
+    plain = engine()
+    folder, _ = _drafter_folder(tmp_path / "d", plain.model_cfg, dspark=True)
+    pairs = []
+    real_propose = dflash.DFlashDrafter.propose
+
+    def propose(self, seqs, ks):
+        for seq in seqs:  # the block the verify step left, against one drafted apart now
+            r = self.ready.get(id(seq))
+            if r is not None and r[0] == seq.num_cached:
+                d, c = self.graphs.draft([seq.blocks], [seq.num_cached], [seq.token_ids[-1]])
+                pairs.append((r[1:], (d[0], None if c is None else c[0])))
+        return real_propose(self, seqs, ks)
+    monkeypatch.setattr(dflash.DFlashDrafter, "propose", propose)
+    spec = engine({"method": "dspark", "model": folder})
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (9, 23)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert spec.generate(prompts, params) == plain.generate(prompts, params)
+    st = spec.spec.drafter.stats
+    assert st["drafted_in_verify"] > 0 and len(pairs) == st["drafted_in_verify"], st
+    # FP32 on the CPU: the same blocks; BF16 on a GPU (the verify graph's B rows against one apart): near-ties aside
+    fp32 = spec.runner.model.embed_tokens.dtype == torch.float32
+    same = sum(d == want_d for (d, _), (want_d, _) in pairs)
+    assert same == len(pairs) if fp32 else same >= 0.9 * len(pairs), (same, len(pairs))
+    for (d, c), (want_d, want_c) in pairs:
+        assert d != want_d or c == pytest.approx(want_c, abs=1e-5 if fp32 else 2e-2)
+    runner = spec.runner
+    assert runner.after_verify is not None and runner.model.taps is not None
+    spec.enable_speculation({"method": "ngram", "num_speculative_tokens": 3})
+    assert runner.after_verify is None and runner.model.taps is None
+
+
 def test_a_drafter_context_buffer_too_big_for_the_gpu_is_a_clear_error():
     from peregrine.speculative.dflash import check_room
     cfg = DFlashConfig.from_dict({"architectures": ["Qwen3DSparkModel"], "hidden_size": 2304, "intermediate_size": 9216,

@@ -88,6 +88,11 @@ class SpecializedRunner:
         self.last_path = self.name
         self.fallback_reasons: Counter = Counter()
         self.greedy_tokens = None  # argmax of the last specialized step (the engine skips its own)
+        # a drafter's work run at the end of every verify step, in its graph: after_verify(step, tokens) -> a dict
+        # of device tensors, left in verify_extras (speculative/dflash_graphs.py: the next block drafted from the
+        # rows' accepted prefixes without a second launch and read-back)
+        self.after_verify = None
+        self.verify_extras = None
         self.device_logprobs = None  # its logprobs, when the step asked for them (StepInput.logprobs)
         dev = cache.latent.device
         self.verify_graphs: dict[int, GraphCache] = {}  # speculative verify steps, by T = 1 + k
@@ -156,12 +161,14 @@ class SpecializedRunner:
         reason = self.why_not(step)
         if reason is not None:
             self._fall_back(reason)
-            self.last_path, self.greedy_tokens, self.device_logprobs = "standard", None, None
+            self.last_path, self.greedy_tokens, self.device_logprobs, self.verify_extras = "standard", None, None, None
             return self.standard.forward(step)
         self.last_path = self.name
         graphs = self.verify_graphs.get(step.spec_tokens) if step.spec_tokens else self.graphs
         out = graphs.run(step) if graphs and not self.record_routing else None  # record eagerly
         res = out if out is not None else self._pdl_step(step)
+        self.verify_extras = res[-1] if isinstance(res[-1], dict) else None
+        res = res[:-1] if self.verify_extras is not None else res
         logits, self.greedy_tokens = res[:2]
         self.device_logprobs = res[2] if len(res) > 2 else None  # (chosen, top ids, top logprobs) with step.logprobs
         if self.record_routing:
@@ -230,7 +237,10 @@ class SpecializedRunner:
         h, residual = add_rms_norm(x, residual, m.norm.weight, eps)
         if taps is not None:
             taps.take(len(layers) - 1, residual.clone(), step)
-        return self._head(_mm(h, m.lm_head).float(), step)
+        out = self._head(_mm(h, m.lm_head).float(), step)
+        if step.spec_tokens and self.after_verify is not None:
+            out = (*out, self.after_verify(step, out[1]))
+        return out
 
     def _norm_in_proj(self, attn, x, residual, w):
         """(RMSNorm(residual [+ x])·w @ in_proj.T, the residual after the add, in place)."""

@@ -152,6 +152,7 @@ class LLMEngine:
         if self.spec is not None:
             for seq in list(self._live.values()):
                 self.spec.release(seq)
+            self.spec.detach()
         if cfg is None:
             self.spec = None
             self.stats.pop("spec", None)

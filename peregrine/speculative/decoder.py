@@ -123,6 +123,12 @@ class SpecDecoder:
     def release(self, seq) -> None:
         self.drafter.release(seq)
 
+    def detach(self) -> None:
+        """Speculation off or replaced: the drafter's hooks leave the target (its taps, its in-verify work)."""
+        off = getattr(self.drafter, "detach", None)
+        if off is not None:
+            off(self.engine)
+
     @property
     def synthetic_note(self) -> str:
         return (f"WARNING: speculative decoding with synthetic acceptance (rates {self.rates}, mean acceptance length "
@@ -291,6 +297,8 @@ class SpecDecoder:
         drawn = self._draw_sampled(batch, drafts, T, logits)
         out, sample_rows, sample_seqs = [], [], []
         restore_rows, restore_slots, restore_pos, dead = [], [], [], []
+        extras = getattr(e.runner, "verify_extras", None)  # a block drafted inside this verify step's graph
+        ahead = [] if extras is not None and hasattr(self.drafter, "predrafted") else None
         pos = 0
         for i, (seq, n) in enumerate(batch):
             if seq.in_prefill:
@@ -313,6 +321,8 @@ class SpecDecoder:
                 else:
                     while a < len(d) and d[a] == t[a]:
                         a += 1
+                if ahead is not None and f is None and self.rates is None and i not in drawn:
+                    ahead.append((i, seq, a))  # the device's count is the same where it anchored on t[a]
                 out.append((i, seq, d[:a] + [t[a]]))
             else:
                 a = 0
@@ -340,6 +350,8 @@ class SpecDecoder:
             c.restore_kda(restore_slots, self.ckpt, restore_rows, restore_pos)
         if dead:
             c.clear_latent(dead)
+        if ahead is not None:
+            self.drafter.predrafted(extras, ahead)
         if sample_rows:
             toks = e._sample([s for _, s in sample_seqs], logits[sample_rows])
             out += [(i, s, [t]) for (i, s), t in zip(sample_seqs, toks)]

@@ -474,6 +474,12 @@ class DFlashDrafter:
         on_gpu = dev.type == "cuda" and engine.engine_cfg.cuda_graphs
         self.graphs = DrafterGraphs(self.model, self.writer, c.block_size, min(cfg.k, cfg_d.num_drafts),
                                     engine.max_model_len, dev, capture=on_gpu, log=log)
+        # the fast path drafts the next block inside each verify step (dflash_graphs.in_verify); where the rows'
+        # accepted counts agree with the host's, propose takes those blocks: {id(seq): (fed length, drafts, confs)}
+        self.ready: dict[int, tuple[int, list[int], list[float] | None]] = {}
+        self.stats = {"drafted_in_verify": 0, "drafted_apart": 0}
+        if self.graphs.paged and hasattr(engine.runner, "after_verify"):
+            engine.runner.after_verify = self.graphs.in_verify
         log(f"speculative: {cfg_d.num_layers}-layer {'DSpark' if cfg_d.markov_rank or cfg_d.confidence else 'DFlash'}"
             f" drafter from {cfg.model}, taps at target layers {cfg_d.target_layer_ids}, block {cfg_d.block_size}, "
             f"up to {cfg_d.num_drafts} drafts")
@@ -487,18 +493,53 @@ class DFlashDrafter:
         out: list[list[int]] = [[] for _ in seqs]
         if not asked:
             return out
-        sq = [seqs[i] for i in asked]
-        drafts, confs = self.graphs.draft([s.blocks for s in sq], [s.num_cached for s in sq],
-                                          [s.token_ids[-1] for s in sq])
-        for r, i in enumerate(asked):
-            n = min(ks[i], len(drafts[r]))
-            if confs is not None:
-                self.survival[id(seqs[i])] = survival_from_rates(confs[r][:n])
-            out[i] = drafts[r][:n]
+        got = {}
+        for i in asked:
+            r = self.ready.pop(id(seqs[i]), None)
+            if r is not None and r[0] == seqs[i].num_cached:
+                got[i] = r[1:]
+        self.stats["drafted_in_verify"] += len(got)
+        rest = [i for i in asked if i not in got]
+        if rest:
+            sq = [seqs[i] for i in rest]
+            drafts, confs = self.graphs.draft([s.blocks for s in sq], [s.num_cached for s in sq],
+                                              [s.token_ids[-1] for s in sq])
+            got |= {i: (drafts[r], None if confs is None else confs[r]) for r, i in enumerate(rest)}
+            self.stats["drafted_apart"] += len(rest)
+        for i in asked:
+            d, c = got[i]
+            n = min(ks[i], len(d))
+            if c is not None:
+                self.survival[id(seqs[i])] = survival_from_rates(c[:n])
+            out[i] = d[:n]
         return out
+
+    def predrafted(self, extras: dict, rows: list[tuple[int, object, int]]) -> None:
+        """After a verify step whose graph drafted on (dflash_graphs.in_verify): rows (verify row, sequence, drafts
+        the host accepted) of greedy rows; a row's block is kept for its next propose where the device counted
+        the same, so it was anchored on the token the host appended and read the context through it."""
+        self.ready.clear()
+        if not rows:
+            return
+        d, c = extras["drafts"], extras["confs"]
+        (acc, _), (ids, confs) = read_back([(extras["accepted"], None),
+                                            (d.reshape(-1), None if c is None else c.reshape(-1))])
+        k = d.shape[1]
+        for row, seq, a in rows:
+            if acc[row] == a:
+                self.ready[id(seq)] = (seq.num_cached, ids[row * k:(row + 1) * k],
+                                       None if confs is None else confs[row * k:(row + 1) * k])
 
     def verified(self, seq, drafted: int, accepted: int) -> None:
         pass  # the next propose reads the fed positions' context; rejected ones were never read
 
+    def detach(self, engine) -> None:
+        """Stop the target's forwards from feeding this drafter (its taps, its work inside verify steps)."""
+        if engine.runner.model.taps is self.writer:
+            engine.runner.model.taps = None
+        if getattr(engine.runner, "after_verify", None) == self.graphs.in_verify:
+            engine.runner.after_verify = None
+
     def release(self, seq) -> None:
         self.survival.pop(id(seq), None)
+        self.ready.pop(id(seq), None)

@@ -11,6 +11,9 @@ longest context padded up to a power of two (bucket(); a gather of at most twice
 (block tables, fed lengths, anchor tokens) are copied into the graph's own buffers, the drafts and confidences come
 back in one copy as before.
 
+On the fast path the block for the next step is drafted at the end of each verify step instead, inside its graph
+(in_verify): no launch or read-back of its own; a separate propose is left to rows the verify step did not serve.
+
 With capture=False the same buffers and padding run eagerly: the CPU tests' path, and the fallback when a capture
 fails (logged once).
 """
@@ -96,6 +99,22 @@ class DrafterGraphs:
         if n:
             log(f"captured {n} drafter graphs (B = 1..{max_batch}) in {time.time() - t0:.1f}s")
         return max(n, 0)
+
+    def in_verify(self, step, tokens):
+        """Run inside the target's verify step (SpecializedRunner.after_verify, captured in its graph): each row's
+        accepted drafts as the host counts a greedy row's (the fed drafts equal to the target's tokens, in order),
+        and from there the next block: anchored on the target's token after them, over the context through it.
+        -> {"accepted" [B], "drafts" [B, k], "confs" [B, k] or None}, on the device. The host uses a row's block
+        only where its own count agrees (DFlashDrafter.predrafted): sampled, forced or synthetic rows fall back."""
+        from .dflash import PagedContext
+        T = step.spec_tokens
+        B = tokens.shape[0] // T
+        got, fed = tokens.view(B, T).long(), step.input_ids.view(B, T)
+        a = (fed[:, 1:] == got[:, :-1]).long().cumprod(1).sum(1)
+        lens = step.positions.view(B, T)[:, 0] + 1 + a
+        ctx = PagedContext(self.writer.kv, step.block_tables, lens, self.bs)
+        d, c, _ = self.model.draft_batch(got.gather(1, a[:, None])[:, 0], lens, ctx, None, self.k)
+        return {"accepted": a, "drafts": d, "confs": c}
 
     @torch.inference_mode()
     def draft(self, blocks: list[list[int]], lens: list[int], anchors: list[int]):
