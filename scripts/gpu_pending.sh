@@ -68,6 +68,10 @@
 #   B = 1, take the next tuned M's plan entry instead of the heuristic): the cost table's T = 3 read 5.10 ms against
 #   T = 4's 3.98 at 260778b; it should now rise with T, and the chooser's widths 2 and 4-6 get cheaper. And the
 #   kernels' own check: python3 -m pytest -q -m gpu tests/test_kernels_gemm.py -k "borrowed or untuned"
+#   Then the drafter inside the verify graph (e38c5fc, CPU-tested only), one H100/H200, ~4 min:
+#   PARTS="tests tiny" METHODS=dspark bash scripts/gpu_drafters.sh   (the GPU test of the in-verify blocks against
+#   blocks drafted apart, with the verify graphs captured; the tiny eval's acceptance as at baa0320: copy 5.23,
+#   reverse 5.94, add 3.39, and 500 / 500 identical; its log's drafted_in_verify / drafted_apart split)
 # - #44 (session 25, CPU): the removed A/B switches and experiments kept the default paths by construction, and the
 #   SiTU tanh cap / bounded-gate sigmoid floor give the same FP32 bits; GPU-only code (the MoE down kernel's PDL wait,
 #   MXFP4 v3 asm/dot_scaled, the router fusion) was only compile-checked. On one H200, ~8 min, one call:

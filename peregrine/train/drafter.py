@@ -283,6 +283,7 @@ def evaluate(target: str, drafter: str, n: int, task_names, k: int, recall_conte
                       "identical_to_plain": sum(a == b for a, b in zip(got, plain)), "n": n,
                       "width": "auto" if e.spec.costs else "full (no cost table)",
                       "width_steps": st["width_steps"],  # decode steps by chosen width (0: plain); all 0 at full
+                      "drafter_stats": dict(getattr(e.spec.drafter, "stats", {})),  # DSpark: blocks in / apart from verify
                       "differs": divergences(plain_engine, prompts, plain, got)}
             row[method] = r
             log(f"{task} {method}: " + ", ".join(f"{key} {v}" for key, v in r.items()))
