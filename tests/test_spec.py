@@ -414,3 +414,40 @@ def test_engine_feeds_the_width_chooser_its_step_times():
     e.spec.observe = lambda B, T, ms: seen.append((B, T)) or real(B, T, ms)
     e.generate(ps, greedy(8))
     assert seen and all(B == 3 for B, _ in seen) and e.spec.excess["plain"] + e.spec.excess["verify"] > 0
+
+
+def test_the_cost_table_is_timed_with_a_different_token_in_every_row():
+    """A verify step's MoE reads the union of the experts its rows route to; scratch replays with the capture's
+    tokens (alike in every row) read top-k experts whatever T is: the table asks for distinct tokens."""
+    from types import SimpleNamespace
+
+    from peregrine.speculative.decoder import SpecDecoder
+    calls = []
+
+    class Runner:
+        def graph_replay_time(self, B, iters, T=1, distinct=False):
+            calls.append((B, T, distinct))
+            return 1.0 + T + (10.0 if distinct else 0.0)
+    d = SpecDecoder.__new__(SpecDecoder)
+    d.costs, d.width_mode, d.k = {}, "auto", 2
+    d.engine = SimpleNamespace(runner=Runner(), engine_cfg=SimpleNamespace(max_num_seqs=2))
+    d.measure_costs(log=lambda m: None)
+    assert sorted(calls) == [(B, T, True) for B in (1, 2) for T in (1, 2, 3)]
+    assert d.costs == {B: {1: 12.0, 2: 13.0, 3: 14.0} for B in (1, 2)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1",
+                    reason="verify graphs need a GPU")
+def test_distinct_token_replays_feed_the_verify_graph_a_different_token_a_row():
+    e, _ = build_engine("tiny-kimi-linear", EngineConfig(max_num_seqs=2, decode_backend="latency_specialized",
+                                                        speculative_config={"method": "ngram",
+                                                                            "num_speculative_tokens": 3}),
+                        dummy_weights=True, log=lambda m: None)
+    g = e.runner.verify_graphs[4]
+    assert e.runner.graph_replay_time(1, 3, T=4, distinct=True) is not None
+    (st,) = [st for key, (_, st, _) in g.graphs.items() if key[0] == 1]
+    assert st.input_ids.unique().numel() >= 3  # the rows route as different tokens do (random: a collision at most)
+    a = st.input_ids.clone()
+    e.runner.graph_replay_time(1, 3, T=4, distinct=True)
+    assert torch.equal(st.input_ids, a)  # the same tokens every time: one table per start, reproducible

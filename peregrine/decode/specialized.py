@@ -39,6 +39,7 @@ from .head import draw
 from .standard import GraphCache
 
 MAX_DECODE_BATCH = 16  # the skinny GEMMs are written for M ≤ 16 rows
+DISTINCT_SEED = 0xD157  # the random tokens graph_replay_time(distinct=True) feeds, fixed: the same table every start
 # MLA's combine with W_UV in one launch up to this B: it won 7-16 us a step at B = 1, 2 and lost 33-117 us at
 # B = 4, 8 (sessions 17, 18); larger batches take the combine, then the bmm
 FUSED_UV_MAX_B = 2
@@ -186,9 +187,20 @@ class SpecializedRunner:
     def routed_experts_per_step(self):
         return self.standard.routed_experts_per_step()
 
-    def graph_replay_time(self, B: int, iters: int = 100, T: int = 1) -> float | None:
+    def graph_replay_time(self, B: int, iters: int = 100, T: int = 1, distinct: bool = False) -> float | None:
+        """Median ms of B's (verify: B·T rows') graph replayed on scratch inputs. distinct: every row a different
+        random token, so the MoE reads the union of experts a real step's rows route to; else the capture's
+        tokens, alike in every row (8 experts a layer whatever B·T: a 48B verify at T = 8 then timed ~3 ms under
+        its real cost on an H200, results/2026-12-05-session29)."""
         g = self.graphs if T == 1 else self.verify_graphs.get(T)
-        return g.replay_time(B, iters) if g else None
+        if not g:
+            return None
+        ids = None
+        if distinct:
+            dev = self.cache.latent.device
+            gen = torch.Generator(device=dev).manual_seed(DISTINCT_SEED + 64 * B + T)
+            ids = torch.randint(0, self.cfg.vocab_size, (B * T,), generator=gen, device=dev)
+        return g.replay_time(B, iters, ids)
 
     def enable_speculation(self, k: int, kda_ckpt, max_blocks: int) -> None:
         """Serve verify steps of T = 2 .. k+1 tokens per sequence; on the GPU capture one graph per

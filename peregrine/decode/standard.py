@@ -183,9 +183,10 @@ class GraphCache:
             st.input_ids.copy_(input_ids)
         return g.replay
 
-    def replay_time(self, B: int, iters: int = 100) -> float | None:
-        """Median ms of `iters` replays of B's most-used graph, timed with CUDA events, on scratch inputs."""
-        replay = self.scratch_replay(B)
+    def replay_time(self, B: int, iters: int = 100, input_ids=None) -> float | None:
+        """Median ms of `iters` replays of B's most-used graph, timed with CUDA events, on scratch inputs
+        (input_ids: the rows' tokens, as scratch_replay)."""
+        replay = self.scratch_replay(B, input_ids)
         if replay is None:
             return None
         from ..bench.gpu import time_fn

@@ -137,15 +137,16 @@ class SpecDecoder:
 
     def measure_costs(self, log=print, iters: int = COST_ITERS) -> dict:
         """The width chooser's table: each (B, T)'s step time from its CUDA graph (plain graphs for T = 1), replayed
-        on scratch inputs. Needs the runner's graphs (the specialized path on a GPU); else the table stays empty
-        and every draft is verified."""
+        on scratch inputs with a different random token in every row, so that the MoE reads as many experts as a
+        real step's rows route to (a verify's cost follows their union). Needs the runner's graphs (the
+        specialized path on a GPU); else the table stays empty and every draft is verified."""
         rt = getattr(self.engine.runner, "graph_replay_time", None)
         if rt is None or self.width_mode == "full":
             return self.costs
         B_max = max(self.engine.engine_cfg.max_num_seqs, 1)
         for B in range(1, B_max + 1):
             try:
-                row = {T: rt(B, iters, T=T) for T in range(1, self.k + 2)}
+                row = {T: rt(B, iters, T=T, distinct=True) for T in range(1, self.k + 2)}
             except TypeError:  # a runner without verify graphs (standard): every draft is verified
                 return self.costs
             if all(v is not None for v in row.values()):
