@@ -65,9 +65,12 @@
 # - #43 after session 29 (results/2026-12-05-session29: the 48B BF16 replay ran on an H200 at 260778b, suffix
 #   1.79x plain, every turn 1.08-2.25x; the drafter step, tests and tiny eval on an H100). Left, one H200, ~5 min:
 #   PARTS="replay" bash scripts/gpu_drafters.sh   after 6da3fcf (verify GEMMs at untuned row counts, 3 and 5-7 at
-#   B = 1, take the next tuned M's plan entry instead of the heuristic): the cost table's T = 3 read 5.10 ms against
-#   T = 4's 3.98 at 260778b; it should now rise with T, and the chooser's widths 2 and 4-6 get cheaper. And the
-#   kernels' own check: python3 -m pytest -q -m gpu tests/test_kernels_gemm.py -k "borrowed or untuned"
+#   B = 1, take the next tuned M's plan entry instead of the heuristic: the cost table's T = 3 read 5.10 ms against
+#   T = 4's 3.98 at 260778b) and 85ced9d (the table timed with a different token in every row: verify steps ran
+#   ~3.1-3.3 ms over the table, plain ones 0.17, the MoE's expert union): the table should now rise with T and read
+#   about what verify steps take (the JSON's turns: decode_s against width_steps x table), and the chooser pick
+#   narrower widths where they pay. Then the kernels' own checks: python3 -m pytest -q -m gpu
+#   tests/test_kernels_gemm.py -k "borrowed or untuned"; python3 -m pytest -q -m gpu tests/test_spec.py -k distinct
 #   Then the drafter inside the verify graph (e38c5fc, CPU-tested only), one H100/H200, ~4 min:
 #   PARTS="tests tiny" METHODS=dspark bash scripts/gpu_drafters.sh   (the GPU test of the in-verify blocks against
 #   blocks drafted apart, with the verify graphs captured; the tiny eval's acceptance as at baa0320: copy 5.23,
