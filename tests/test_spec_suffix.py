@@ -362,3 +362,18 @@ def test_the_drafted_candidate_is_the_best_of_every_match_length():
             if toks_m and sum(surv) >= best:
                 want, best = toks_m, sum(surv)
         assert got == want, (trial, got, want)
+
+
+def test_a_request_trie_is_counted_while_its_prefill_runs():
+    """The engine hands requests in prefill to the drafter right after launching the step: the trie over the prompt
+    exists before the first decode step, whose propose then counts only the new tokens."""
+    e = tiny({"method": "suffix", "num_speculative_tokens": 4})
+    prompt = [(7 * i) % 50 for i in range(120)]
+    e.add_request(prompt, greedy(8))
+    e.step()  # the prefill
+    (seq,) = e.scheduler.running
+    r = e.spec.drafter.requests[id(seq)]
+    assert r.tokens == prompt
+    while e.has_unfinished():
+        e.step()
+    assert not e.spec.drafter.requests

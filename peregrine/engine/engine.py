@@ -337,6 +337,7 @@ class LLMEngine:
         """A speculative step: every row's drafts verified in one forward, the accepted tokens back."""
         d0 = (self.spec.stats["num_draft_tokens"], self.spec.stats["num_accepted_tokens"])
         logits = self._forward(step, len(step.logits_idx))
+        self.spec.prepare([s for s, _ in plan.batch if s.in_prefill])  # prefill rows beside the verify rows
         path = getattr(self.runner, "last_path", "standard")
         new = self.spec.finish(plan.batch, step, drafts, T, logits)
         self._after_forward(plan.batch, {})
@@ -477,6 +478,8 @@ class LLMEngine:
         if ahead is None:
             step, last, snaps = self._build_step(batch)
             logits = logprobs.split_prompt_rows(batch, self._forward(step, last[-1] + 1), last)
+            if self.spec is not None:  # the drafter's setup for new requests while their prefill runs
+                self.spec.prepare([s for s, _ in batch if s.in_prefill])
             greedy = getattr(self.runner, "greedy_tokens", None)  # tokens already taken inside the step
             path = getattr(self.runner, "last_path", "standard")
             device = (step.sampling is not None or step.logprobs, getattr(self.runner, "device_logprobs", None))

@@ -123,6 +123,14 @@ class SpecDecoder:
     def release(self, seq) -> None:
         self.drafter.release(seq)
 
+    def prepare(self, seqs) -> None:
+        """Sequences whose prefill the engine has just launched: a drafter's per-request setup (suffix: its trie)
+        done while the GPU works, not in the first decode step."""
+        prep = getattr(self.drafter, "prepare", None)
+        seqs = [s for s in seqs if speculates(s.params)]
+        if prep is not None and seqs and self.enabled:
+            prep(seqs)
+
     def detach(self) -> None:
         """Speculation off or replaced: the drafter's hooks leave the target (its taps, its in-verify work)."""
         off = getattr(self.drafter, "detach", None)
