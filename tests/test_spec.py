@@ -451,3 +451,34 @@ def test_distinct_token_replays_feed_the_verify_graph_a_different_token_a_row():
     a = st.input_ids.clone()
     e.runner.graph_replay_time(1, 3, T=4, distinct=True)
     assert torch.equal(st.input_ids, a)  # the same tokens every time: one table per start, reproducible
+
+
+def test_ngram_lookup_equals_every_window_compared():
+    """The lookup searches from the last token's earlier positions, over a buffer appended to per sequence; it must
+    propose what comparing every window of every n proposes (written here as the reference)."""
+    import random
+    from types import SimpleNamespace
+
+    def ref(tokens, k, max_n, min_n):
+        L = len(tokens)
+        if k <= 0 or L < 2:
+            return []
+        for n in range(min(max_n, L - 1), min_n - 1, -1):
+            hits = [p for p in range(0, L - n) if tokens[p:p + n] == tokens[L - n:]]
+            if hits:
+                full = [p for p in hits if p + n + k <= L]
+                p = full[-1] if full else hits[-1]
+                return tokens[p + n:p + n + k]
+        return []
+    rng = random.Random(3)
+    for trial in range(300):
+        max_n, min_n = rng.choice([(4, 1), (3, 2), (1, 1), (5, 3)])
+        d = NgramDrafter(max_n, min_n)
+        seq = SimpleNamespace(token_ids=[rng.randrange(rng.choice([2, 4, 9])) for _ in range(rng.randrange(1, 40))])
+        for _ in range(4):  # the sequence grows between proposes, as accepted tokens are appended
+            k = rng.randrange(0, 6)
+            assert d.propose([seq], [k])[0] == ref(seq.token_ids, k, max_n, min_n), (trial, seq.token_ids, k)
+            assert d.lookup(seq.token_ids, k) == ref(seq.token_ids, k, max_n, min_n)
+            seq.token_ids += [rng.randrange(4) for _ in range(rng.randrange(0, 80))]
+        d.release(seq)
+        assert not d.bufs
