@@ -377,3 +377,17 @@ def test_a_request_trie_is_counted_while_its_prefill_runs():
     while e.has_unfinished():
         e.step()
     assert not e.spec.drafter.requests
+
+
+def test_replay_excess_over_the_cost_table():
+    """The replay's excess: decode wall time less each step's table time, per step (plain: tokens after the first;
+    speculative: the chooser's steps by width)."""
+    from peregrine.speculative.bench import _excess_per_step
+    table = {1: 2.0, 2: 3.0, 3: 4.0}
+    plain = {"turns": [{"output_tokens": 11, "decode_s": 0.025, "width_steps": []},
+                       {"output_tokens": 6, "decode_s": 0.0125, "width_steps": []}]}
+    assert _excess_per_step(plain, table) == pytest.approx((37.5 - 15 * 2.0) / 15)
+    spec = {"turns": [{"output_tokens": 20, "decode_s": 0.030, "width_steps": [2, 0, 4]}]}
+    assert _excess_per_step(spec, table) == pytest.approx((30.0 - 2 * 2.0 - 4 * 4.0) / 6)
+    assert _excess_per_step(spec, None) is None
+    assert _excess_per_step({"turns": [{"output_tokens": 5, "decode_s": 0.01, "width_steps": [0, 0, 0]}]}, table) is None

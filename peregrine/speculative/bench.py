@@ -210,11 +210,32 @@ def bench_replay(model: str, methods=("ngram", "suffix"), k: int = 7, sessions: 
         result["runs"].append(r)
         save()
     engine.enable_speculation(None)
+    table = next((r["cost_table_ms"].get(1) for r in result["runs"] if r.get("cost_table_ms")), None)
+    for r in result["runs"]:  # what the steps took beyond their graphs' times: host work, or a table that is off
+        r["excess_ms_per_step"] = _excess_per_step(r, table)
+        if r["excess_ms_per_step"] is not None:
+            log(f"  replay {r['label']:>10}: {r['excess_ms_per_step']:.3f} ms a decode step over the cost table")
     if path is not None:
         save()
         result["paths"] = {"json": str(path)}
         log(f"wrote {path}")
     return result
+
+
+def _excess_per_step(run: dict, table: dict | None) -> float | None:
+    """(decode seconds - each decode step's table time) / decode steps, over a replay run's turns, at B = 1: plain
+    steps are its tokens after the first; a speculative run's are its width_steps (the table's T = 1 + width)."""
+    if not table:
+        return None
+    steps = ms = 0.0
+    for t in run["turns"]:
+        ws = t.get("width_steps") or [t["output_tokens"] - 1]
+        if not any(ws):  # a speculative run with no decisions recorded (no table when it ran)
+            return None
+        steps += sum(ws)
+        ms += sum(n * table[w + 1] for w, n in enumerate(ws) if n)
+    dec = sum(t["decode_s"] for t in run["turns"]) * 1e3
+    return (dec - ms) / steps if steps else None
 
 
 def bench_spec(model: str, batch_sizes=(1, 2, 4), ks=(3,), spec_config=None, input_len: int = 256,
