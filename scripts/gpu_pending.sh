@@ -68,13 +68,15 @@
 #   B = 1, take the next tuned M's plan entry instead of the heuristic: the cost table's T = 3 read 5.10 ms against
 #   T = 4's 3.98 at 260778b) and 85ced9d (the table timed with a different token in every row: verify steps ran
 #   ~3.1-3.3 ms over the table, plain ones 0.17, the MoE's expert union): the table should now rise with T and read
-#   about what verify steps take (the JSON's turns: decode_s against width_steps x table), and the chooser pick
+#   about what verify steps take (each run's excess_ms_per_step, a5cd2ed: 3.07 / 3.26 at 260778b), and the chooser pick
 #   narrower widths where they pay. Then the kernels' own checks: python3 -m pytest -q -m gpu
 #   tests/test_kernels_gemm.py -k "borrowed or untuned"; python3 -m pytest -q -m gpu tests/test_spec.py -k distinct
 #   Then the drafter inside the verify graph (e38c5fc, CPU-tested only), one H100/H200, ~4 min:
 #   PARTS="tests tiny" METHODS=dspark bash scripts/gpu_drafters.sh   (the GPU test of the in-verify blocks against
 #   blocks drafted apart, with the verify graphs captured; the tiny eval's acceptance as at baa0320: copy 5.23,
-#   reverse 5.94, add 3.39, and 500 / 500 identical; its log's drafted_in_verify / drafted_apart split)
+#   reverse 5.94, add 3.39, and 500 / 500 identical; its log's drafted_in_verify / drafted_apart split), and the
+#   same for suffix and n-gram as they are now (best-of-every-length suffix, c9a5c78; not run on a GPU since):
+#   PARTS=tiny METHODS=suffix,ngram bash scripts/gpu_drafters.sh
 # - #44 (session 25, CPU): the removed A/B switches and experiments kept the default paths by construction, and the
 #   SiTU tanh cap / bounded-gate sigmoid floor give the same FP32 bits; GPU-only code (the MoE down kernel's PDL wait,
 #   MXFP4 v3 asm/dot_scaled, the router fusion) was only compile-checked. On one H200, ~8 min, one call:
