@@ -307,7 +307,7 @@ class SpecDecoder:
         out, sample_rows, sample_seqs = [], [], []
         restore_rows, restore_slots, restore_pos, dead = [], [], [], []
         extras = getattr(e.runner, "verify_extras", None)  # a block drafted inside this verify step's graph
-        ahead = [] if extras is not None and hasattr(self.drafter, "predrafted") else None
+        predraft = [] if extras is not None and hasattr(self.drafter, "predrafted") else None
         pos = 0
         for i, (seq, n) in enumerate(batch):
             if seq.in_prefill:
@@ -330,8 +330,8 @@ class SpecDecoder:
                 else:
                     while a < len(d) and d[a] == t[a]:
                         a += 1
-                if ahead is not None and f is None and self.rates is None and i not in drawn:
-                    ahead.append((i, seq, a))  # the device's count is the same where it anchored on t[a]
+                if predraft is not None and f is None and self.rates is None and i not in drawn:
+                    predraft.append((i, seq, a))  # its in-verify block is kept where the device counted a too
                 out.append((i, seq, d[:a] + [t[a]]))
             else:
                 a = 0
@@ -359,8 +359,8 @@ class SpecDecoder:
             c.restore_kda(restore_slots, self.ckpt, restore_rows, restore_pos)
         if dead:
             c.clear_latent(dead)
-        if ahead is not None:
-            self.drafter.predrafted(extras, ahead)
+        if predraft is not None:
+            self.drafter.predrafted(extras, predraft)
         if sample_rows:
             toks = e._sample([s for _, s in sample_seqs], logits[sample_rows])
             out += [(i, s, [t]) for (i, s), t in zip(sample_seqs, toks)]
