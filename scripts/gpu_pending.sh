@@ -47,6 +47,8 @@
 #     --input-len 256 --output-len 128 --no-oracle --acceptance-lengths 2.33,3,3.78,4.73,6 --widths auto,full
 #   then --k 3 --acceptance-lengths 2.33,3,3.78, and --input-len 32768 --batch-sizes 1 --acceptance-lengths 3.78
 #   (targets at 3.78, k = 7: >= 1.7 / 1.5 / 1.3 / 1.15 x plain at B = 1 / 2 / 4 / 8; 6.0: >= 2.2 x at B = 1; never < 1.0 x)
+#   Since 85ced9d the chooser's table is timed with a different token in every row (session 29: with one token in
+#   every row the 48B's verify steps ran ~3.2 ms over it, the MoE's expert union); the log prints the table
 #   #42 item 2, its first piece: the skinny GEMM's wide tile (17..64 verify rows in one M tile, weights streamed once),
 #   off by default: python3 -m peregrine.bench.kernels_gemm --shapes decode48b --ms 16,24,32,40,48,56,64 (skinny vs
 #   cuBLAS per shape, same run), then bench spec above with PEREGRINE_VERIFY_GEMM=triton against without; make it the
