@@ -287,9 +287,32 @@ def test_an_agents_next_turn_starts_from_the_last_turns_trie(monkeypatch):
     other = seq([50 + rng.randrange(9) for _ in range(30)], prompt_len=30)
     d.propose([other], [3])
     assert d.reused == 2 and d.requests[id(other)].seen == 30 and len(d.kept) == 1
-    monkeypatch.setattr(sx, "KEPT_MAX_TOKENS", 100)
+    d.kept_budget = 100
     d.release(other)  # the long one is dropped for the budget, the 30-token one kept
     assert [k.seen for k in d.kept.values()] == [30]
+
+
+def test_kept_tries_scale_with_the_requests_the_engine_runs_at_once():
+    """c agents taking turns: each one's last turn must still be kept when its next turn comes, so the budget is per
+    concurrent request (and the engine passes its max_num_seqs)."""
+    import peregrine.speculative.suffix as sx
+    assert SuffixDrafter(24, 10, 1.0, 0.1).kept_budget == sx.KEPT_MAX_TOKENS
+    assert SuffixDrafter(24, 10, 1.0, 0.1, max_num_seqs=8).kept_budget == 8 * sx.KEPT_TOKENS_PER_SEQ
+    e = tiny({"method": "suffix", "num_speculative_tokens": 4})
+    assert e.spec.drafter.kept_budget == max(sx.KEPT_MAX_TOKENS, e.engine_cfg.max_num_seqs * sx.KEPT_TOKENS_PER_SEQ)
+    d = SuffixDrafter(6, 10, 1.0, 0.1, max_num_seqs=4)
+    d.kept_budget = 440  # four agents' contexts of 100-103 tokens: all four kept, none evicted by the others
+    rng = random.Random(2)
+    agents = [seq([a * 10 + rng.randrange(9) for _ in range(100)], prompt_len=100) for a in range(4)]
+    for s in agents:
+        d.propose([s], [3])
+        d.release(s)
+    for s in agents:  # each agent's next turn resends its context plus a little
+        nxt = seq(s.token_ids + [1, 2, 3], prompt_len=103)
+        before = d.reused
+        d.propose([nxt], [3])
+        assert d.reused == before + 1
+        d.release(nxt)
 
 
 def test_bench_replay_end_to_end_on_a_large_vocabulary_dummy_model(tmp_path):

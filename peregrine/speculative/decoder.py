@@ -75,7 +75,8 @@ def make_drafter(cfg: SpeculativeConfig, engine, log):
     if cfg.method == "suffix":
         from .suffix import SuffixDrafter
         return SuffixDrafter(cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_cached_requests,
-                             cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob)
+                             cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob,
+                             max_num_seqs=engine.engine_cfg.max_num_seqs)
     if cfg.method in ("dflash", "dspark"):
         from .dflash import DFlashDrafter
         return DFlashDrafter(cfg, engine, log)

@@ -31,10 +31,12 @@ DEFAULTS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_re
 GLOBAL_MAX_TOKENS = 16384
 # A finished request's own trie is kept for a next request whose prompt starts with its tokens (an agent's next
 # turn resends the conversation): only the new tokens are then counted, not the whole context again (~0.7 s of
-# host time for 30K tokens on the CI machine). At most KEPT_MAX_TOKENS tokens' tries are kept (~380 MB), the
-# oldest dropped first; a kept trie whose last REUSE_SLACK tokens differ from the new prompt (a re-rendered
-# ending) has them uncounted first.
+# host time for 30K tokens on the CI machine, and a prefix-cached turn's prefill is too short to hide it). At most
+# KEPT_TOKENS_PER_SEQ tokens' tries per request the engine runs at once are kept (~160 MB each), and KEPT_MAX_TOKENS
+# (~330 MB) at least, the oldest dropped first: c agents taking turns each find their last turn's trie. A kept trie
+# whose last REUSE_SLACK tokens differ from the new prompt (a re-rendered ending) has them uncounted first.
 KEPT_MAX_TOKENS = 65536
+KEPT_TOKENS_PER_SEQ = 32768
 REUSE_SLACK = 64
 
 
@@ -227,8 +229,10 @@ class SuffixDrafter:
     """The drafter interface (drafters.py) over the two tries; `survival` holds each proposal's path
     probabilities (by sequence) for the width chooser."""
 
-    def __init__(self, max_tree_depth: int, max_cached_requests: int, max_spec_factor: float, min_token_prob: float):
+    def __init__(self, max_tree_depth: int, max_cached_requests: int, max_spec_factor: float, min_token_prob: float,
+                 max_num_seqs: int = 1):
         self.depth, self.max_cached = max_tree_depth, max_cached_requests
+        self.kept_budget = max(KEPT_MAX_TOKENS, KEPT_TOKENS_PER_SEQ * max_num_seqs)  # tokens of kept tries
         self.factor, self.min_prob = max_spec_factor, min_token_prob
         self.requests: dict[int, _Request] = {}       # by id(seq), while it runs
         self.glob = SuffixTrie(max_tree_depth)         # outputs of finished requests
@@ -298,10 +302,10 @@ class SuffixDrafter:
         """A finished (or aborted) request's output joins the global trie; the oldest leaves past the cap."""
         r = self.requests.pop(id(seq), None)
         self.survival.pop(id(seq), None)
-        if r is not None and r.seen <= KEPT_MAX_TOKENS:
+        if r is not None and r.seen <= self.kept_budget:
             self._n += 1
             self.kept[self._n] = r
-            while sum(k.seen for k in self.kept.values()) > KEPT_MAX_TOKENS:
+            while sum(k.seen for k in self.kept.values()) > self.kept_budget:
                 self.kept.popitem(last=False)
         if self.max_cached <= 0:
             return
