@@ -4,7 +4,8 @@
 # 1. replay: the 48B (dummy weights, needs an H200: BF16 does not fit an H100) on agent-shaped sessions at B = 1,
 #    replies forced, plain / n-gram / suffix at k = 7 (T_replay; SESSIONS, TURNS, CONTEXT characters: the defaults
 #    2 x 10 turns, 320 000 characters reach 30K and 38K tokens at the last turns); replay_mxfp4: the same with the
-#    48B's experts in MXFP4 (a config made here from the preset), which fits one H100
+#    48B's experts in MXFP4 (a config made here from the preset), which fits one H100; REPLAY_ARGS e.g.
+#    "--replay-temperature 1 --replay-top-p 0.95" (sampled requests, the server's default temperature)
 # 2. tiny: peregrine-tiny-dspark against suffix and n-gram, N problems per task (500), fast path at B <= 8, TASKS
 #    (default all four), METHODS (default dspark,suffix,ngram); an answer unlike plain greedy is reported with the plain top 5 where it differs (T_tiny)
 # 3. tests: the drafters' GPU tests (the in-place context attention kernel; the drafter's CUDA graphs against its
@@ -19,7 +20,7 @@ for p in ${PARTS:-replay tiny tests}; do
     replay)
       timeout "${T_replay:-540}" python3 -m peregrine bench spec --model kimi-linear-48b-a3b --dummy-weights --k 7 \
         --replay-sessions "${SESSIONS:-2}" --replay-turns "${TURNS:-10}" --replay-context "${CONTEXT:-320000}" \
-        --replay-methods ngram,suffix --results-dir results/spec-replay 2>&1 | tee "$OUT/replay.log" \
+        --replay-methods ngram,suffix ${REPLAY_ARGS:-} --results-dir results/spec-replay 2>&1 | tee "$OUT/replay.log" \
         | grep -v "captur" | tail -25 || rc=1 ;;
     replay_mxfp4)  # the same on one H100: the 48B's experts in MXFP4 (K3's format, dummy codes), 30 GB in all
       M=/tmp/kimi-linear-48b-a3b-mxfp4; mkdir -p $M

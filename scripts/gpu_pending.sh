@@ -71,7 +71,9 @@
 #   T = 4's 3.98 at 260778b) and 85ced9d (the table timed with a different token in every row: verify steps ran
 #   ~3.1-3.3 ms over the table, plain ones 0.17, the MoE's expert union): the table should now rise with T and read
 #   about what verify steps take (each run's excess_ms_per_step, a5cd2ed: 3.07 / 3.26 at 260778b), and the chooser pick
-#   narrower widths where they pay. Then the kernels' own checks: python3 -m pytest -q -m gpu
+#   narrower widths where they pay; and the same sampled, as the server's users are (the recorded tokens still
+#   win): REPLAY_ARGS="--replay-temperature 1 --replay-top-p 0.95" PARTS=replay bash scripts/gpu_drafters.sh.
+#   Then the kernels' own checks: python3 -m pytest -q -m gpu
 #   tests/test_kernels_gemm.py -k "borrowed or untuned"; python3 -m pytest -q -m gpu tests/test_spec.py -k distinct
 #   Then the drafter inside the verify graph (e38c5fc, CPU-tested only), one H100/H200, ~4 min:
 #   PARTS="tests tiny" METHODS=dspark bash scripts/gpu_drafters.sh   (the GPU test of the in-verify blocks against

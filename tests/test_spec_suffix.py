@@ -339,6 +339,12 @@ def test_bench_replay_end_to_end_on_a_large_vocabulary_dummy_model(tmp_path):
     assert suf["turns"][1]["input_tokens"] > suf["turns"][0]["input_tokens"] + suf["turns"][0]["output_tokens"]
     saved = _json.loads(open(r["paths"]["json"]).read())
     assert saved["runs"][1]["speedup_vs_plain"] == pytest.approx(suf["speedup_vs_plain"])
+    # sampled requests (the server's default): their own verify path runs, the recorded tokens still win, so the
+    # drafter sees the same text and accepts the same
+    s = bench_replay(model, ("suffix",), k=3, sessions=1, turns=2, context_chars=2400, backend="standard",
+                     dummy_weights=True, results_dir=None, log=lambda m: None, temperature=1.0, top_p=0.9)
+    assert s["config"]["temperature"] == 1.0 and s["runs"][1]["acceptance_length"] == suf["acceptance_length"]
+    assert [t["output_tokens"] for t in s["runs"][1]["turns"]] == [t["output_tokens"] for t in suf["turns"]]
 
 
 def test_the_global_trie_is_held_to_its_token_budget(monkeypatch):

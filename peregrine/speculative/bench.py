@@ -166,9 +166,10 @@ def _synthetic(engine, drafter, B, k, lengths, widths, sets, params, runs, plain
 
 def bench_replay(model: str, methods=("ngram", "suffix"), k: int = 7, sessions: int = 2, turns: int = 3,
                  context_chars: int = 120_000, backend: str = "latency_specialized", dummy_weights: bool = False,
-                 results_dir: str | None = "results", log=print) -> dict:
+                 results_dir: str | None = "results", log=print, temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """Replay (replay.py): agent-shaped sessions at B = 1 with every reply forced, plain decode and then each
-    drafter method at k on the same engine; tok/s/user after the first token and acceptance, per turn."""
+    drafter method at k on the same engine; tok/s/user after the first token and acceptance, per turn. temperature
+    > 0: the requests sample (the forced token still wins), so a sampled request's own path is what is timed."""
     from ..bench import gpu
     from ..engine.build import build_engine
     from .replay import agent_sessions, replay, replay_encoder
@@ -185,6 +186,7 @@ def bench_replay(model: str, methods=("ngram", "suffix"), k: int = 7, sessions: 
     result = {"kind": "spec_replay", "model": cfg.name, "metadata": gpu.run_metadata(),
               "config": {"methods": list(methods), "k": k, "sessions": sessions, "turns": turns,
                          "context_chars": context_chars, "backend": backend, "dummy_weights": dummy_weights,
+                         "temperature": temperature, "top_p": top_p,
                          "tokens": enc.kind},
               "copy_bandwidth": gpu.copy_bandwidth() if torch.cuda.is_available() else None, "runs": []}
     path = gpu.result_path(cfg.name, f"spec-replay-{backend}", results_dir) if results_dir is not None else None
@@ -194,12 +196,13 @@ def bench_replay(model: str, methods=("ngram", "suffix"), k: int = 7, sessions: 
             gpu.write_result(path, result)
 
     engine.enable_speculation(None)
-    result["runs"].append(replay(engine, sess, enc.encode, "plain", log))
+    sampling = {"temperature": temperature, "top_p": top_p}
+    result["runs"].append(replay(engine, sess, enc.encode, "plain", log, sampling))
     save()
     for m in methods:
         engine.enable_speculation({"method": m, "num_speculative_tokens": k}, log=log)
         r = {"cost_table_ms": engine.spec.measure_costs(log)}  # the width chooser's (empty off the GPU: full width)
-        r |= replay(engine, sess, enc.encode, m, log)
+        r |= replay(engine, sess, enc.encode, m, log, sampling)
         base = result["runs"][0]
         r["speedup_vs_plain"] = r["tok_s_user"] / base["tok_s_user"] if base["tok_s_user"] and r["tok_s_user"] else None
         for t, p in zip(r["turns"], base["turns"]):  # the same turn, plain: the target is per turn
@@ -372,6 +375,9 @@ def add_bench_spec_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--replay-turns", type=int, default=3, help="turns per replayed session (default 3)")
     p.add_argument("--replay-context", type=int, default=120_000, help="characters of files a session adds in all")
     p.add_argument("--replay-methods", default="ngram,suffix", help="drafter methods to replay (default ngram,suffix)")
+    p.add_argument("--replay-temperature", type=float, default=0.0,
+                   help="replayed requests sample at this temperature (default 0: greedy); the recorded token still wins")
+    p.add_argument("--replay-top-p", type=float, default=1.0, help="their top_p (default 1)")
     p.add_argument("--results-dir", default="results", help="where the JSON goes (default results)")
     p.set_defaults(func=run_bench_spec)
     return p
@@ -391,9 +397,12 @@ def run_bench_spec(args) -> int:
             methods = [m.strip() for m in args.replay_methods.split(",") if m.strip()]
             if any(m not in ("ngram", "suffix") for m in methods) or args.replay_turns < 1:
                 raise ConfigError("--replay-methods takes ngram and/or suffix; --replay-turns must be >= 1")
+            if args.replay_temperature < 0 or not 0 < args.replay_top_p <= 1:
+                raise ConfigError("--replay-temperature must be >= 0 and --replay-top-p in (0, 1]")
             r = bench_replay(args.model, methods, max(args.k), args.replay_sessions, args.replay_turns,
                              args.replay_context, args.backend, args.dummy_weights, args.results_dir,
-                             log=lambda m: print(f"[peregrine] {m}", file=sys.stderr, flush=True))
+                             log=lambda m: print(f"[peregrine] {m}", file=sys.stderr, flush=True),
+                             temperature=args.replay_temperature, top_p=args.replay_top_p)
             for run_ in r["runs"]:
                 print(f"{run_['label']:>8}: {run_['tok_s_user'] or 0:.1f} tok/s/user"
                       + (f", acceptance length {run_['acceptance_length']:.2f}" if run_["acceptance_length"] else "")

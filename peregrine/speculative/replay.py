@@ -103,9 +103,10 @@ def agent_sessions(n_sessions: int, turns: int, seed: int = 0, max_chars: int = 
     return sessions
 
 
-def replay(engine, sessions, encode, label: str, log=print) -> dict:
+def replay(engine, sessions, encode, label: str, log=print, sampling: dict | None = None) -> dict:
     """Run every session's turns one request at a time (B = 1) with each reply forced; -> per-turn records and
-    the totals: tokens, seconds, tok/s/user, drafts and accepted tokens."""
+    the totals: tokens, seconds, tok/s/user, drafts and accepted tokens. sampling: SamplingParams fields the
+    requests take (temperature, top_p; default greedy)."""
     from ..engine.request import SamplingParams
     turns, sp = [], engine.spec
     for si, pairs in enumerate(sessions):
@@ -121,8 +122,8 @@ def replay(engine, sessions, encode, label: str, log=print) -> dict:
             def cb(o, first=first):
                 if not first and o.new_token_ids:
                     first.append(time.perf_counter())
-            engine.add_request(prompt, SamplingParams(max_tokens=len(forced), ignore_eos=True), request_id=rid,
-                               on_token=cb)
+            params = SamplingParams(max_tokens=len(forced), ignore_eos=True, seed=si * 1000 + ti, **(sampling or {}))
+            engine.add_request(prompt, params, request_id=rid, on_token=cb)
             while engine.has_unfinished():
                 engine.step()
             t_end = time.perf_counter()
