@@ -68,6 +68,37 @@ def test_dflash_block_equals_zlab(C):
     assert drafts == (want_h[1:] @ head.T).argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_tap_writer_keys_and_values_equal_each_layers_own(bias):
+    """The writer projects every layer's keys and values in one GEMM (fused weights, k_norm stacked) inside the
+    target's step; they equal DFlashModel.context_kv's, layer by layer (FP32), and land at the step's slots only."""
+    from types import SimpleNamespace
+
+    from peregrine.speculative.dflash import TapWriter
+    ref, d = zlab_reference()
+    cfg = DFlashConfig.from_dict(d | {"attention_bias": bias}, "test")
+    g = torch.Generator().manual_seed(1)
+    weights = {k: v.detach().clone() for k, v in ref.state_dict().items() if "rotary" not in k}
+    if bias:
+        for i in range(cfg.num_layers):
+            for n, rows in (("q", cfg.num_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
+                weights[f"layers.{i}.self_attn.{n}_proj.bias"] = torch.randn(rows * cfg.head_dim, generator=g)
+    m = DFlashModel(cfg, weights, torch.randn(V, H, generator=g), torch.randn(V, H, generator=g))
+    w = TapWriter(m, 40, torch.float32, "cpu")
+    w.kv.fill_(float("nan"))
+    taps = {L: torch.randn(6, H, generator=g) for L in TAPS}
+    step = SimpleNamespace(positions=torch.tensor([3, 4, 5, 9, 10, 11]), slot_mapping=torch.tensor([7, 8, 9, 20, 21, 22]))
+    for L in TAPS:
+        w.take(L, taps[L], step)
+    want = m.context_kv(m.context(torch.cat([taps[L] for L in TAPS], -1)), step.positions)
+    for i, (k, v) in enumerate(want):
+        assert torch.allclose(w.kv[i, 0, step.slot_mapping], k, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(w.kv[i, 1, step.slot_mapping], v, atol=1e-5, rtol=1e-5)
+    others = torch.ones(40, dtype=torch.bool)
+    others[step.slot_mapping] = False
+    assert w.kv[:, :, others].isnan().all()
+
+
 def test_folder_errors_name_the_problem(tmp_path):
     """A folder that is not a drafter for this target is a clear error at start."""
     from safetensors.torch import save_file

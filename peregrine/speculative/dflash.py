@@ -420,6 +420,13 @@ class TapWriter:
         # [layer, key / value, slot, kv heads, hd]
         self.kv = torch.zeros(cfg.num_layers, 2, num_slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
         self.parts: dict[int, torch.Tensor] = {}
+        # every layer's key and value projections as one weight (and its k_norm weights stacked): take() runs in
+        # each target step, where context_kv's per-layer GEMMs, norms, rotations and writes were ~10 launches a layer
+        w, L = model.w, range(cfg.num_layers)
+        proj = [f"layers.{i}.self_attn.{n}_proj" for i in L for n in "kv"]
+        self.w_kv = torch.cat([w[p + ".weight"] for p in proj])
+        self.b_kv = torch.cat([w[p + ".bias"] for p in proj]).float() if cfg.attention_bias else None
+        self.k_norm = torch.stack([w[f"layers.{i}.self_attn.k_norm.weight"] for i in L]).float()[:, None, :]
 
     def take(self, layer: int, x: torch.Tensor, step) -> None:
         """layer: the target layer whose output x [N, H] is (-1: the embedding)."""
@@ -429,9 +436,17 @@ class TapWriter:
         if len(self.parts) == len(set(self.layers)):
             taps = torch.cat([self.parts[L] for L in self.layers], -1)
             self.parts = {}
-            for i, (k, v) in enumerate(self.model.context_kv(self.model.context(taps), step.positions)):
-                self.kv[i, 0, step.slot_mapping] = k.to(self.kv.dtype)
-                self.kv[i, 1, step.slot_mapping] = v.to(self.kv.dtype)
+            self.kv[:, :, step.slot_mapping] = self.context_kv(self.model.context(taps), step.positions)
+
+    def context_kv(self, c: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """DFlashModel.context_kv for every layer at once -> [layers, 2, C, kv heads, hd] in the buffer's dtype."""
+        cfg = self.model.cfg
+        y = _mm(c, self.w_kv)
+        y = (y if self.b_kv is None else y + self.b_kv).view(-1, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim)
+        cos, sin = _rope_cs(pos, cfg.head_dim, cfg.rope_theta)
+        k = F.rms_norm(y[:, :, 0], (cfg.head_dim,), None, cfg.rms_norm_eps) * self.k_norm
+        k = _rotate(k, (cos[:, None], sin[:, None]))
+        return torch.stack([k, y[:, :, 1]]).permute(2, 0, 1, 3, 4).to(self.kv.dtype)
 
     def gather(self, tables: torch.Tensor, lens: torch.Tensor, L: int, block_size: int):
         """Contexts of B sequences: block tables [B, blocks] and fed lengths [B] (device tensors), L >= the
