@@ -253,17 +253,23 @@ class SuffixDrafter:
             if best[0] and limit <= got:
                 continue
             cand = follow(trie, node, limit, self.min_prob)
-            if cand[0] and (not best[0] or sum(cand[1]) > got):
-                best, got = cand, sum(cand[1])
+            total = sum(cand[1])
+            if cand[0] and (not best[0] or total > got):
+                best, got = cand, total
         return best
+
+    def _request(self, s) -> _Request:
+        """The sequence's own trie (a kept one reused, or a new one, at its first call), counted through its tokens."""
+        r = self.requests.get(id(s))
+        if r is None:
+            r = self.requests[id(s)] = self._start(s.token_ids)
+        r.update(s.token_ids)
+        return r
 
     def propose(self, seqs, ks: list[int]) -> list[list[int]]:
         out = []
         for s, k in zip(seqs, ks):
-            r = self.requests.get(id(s))
-            if r is None:
-                r = self.requests[id(s)] = self._start(s.token_ids)
-            r.update(s.token_ids)
+            r = self._request(s)
             # the request's own trie counts the sequence's end too: its deepest suffix has no continuation
             # there, so match finds the longest suffix seen before with one
             best = max((self._best(r.trie, r.matches(), k), self._best(self.glob, self.glob.matches(s.token_ids), k)),
@@ -276,9 +282,7 @@ class SuffixDrafter:
         """Requests in prefill: their tries counted now, while the GPU runs the prefill the engine has just launched,
         rather than inside their first decode step (a fresh 30K-token context is ~0.3-0.7 s of host work)."""
         for s in seqs:
-            if id(s) not in self.requests:
-                r = self.requests[id(s)] = self._start(s.token_ids)
-                r.update(s.token_ids)
+            self._request(s)
 
     def _start(self, tokens) -> _Request:
         """A new request's trie: the kept one sharing the longest prefix with its tokens (all but at most REUSE_SLACK
