@@ -256,6 +256,29 @@ def test_drafter_graphs_pad_to_context_buckets_without_changing_the_drafts(paged
     assert dg.warm_up(4, log=lambda m: None) == 0 and len(dg.graphs) == 1  # nothing to capture off the GPU
 
 
+def test_a_drafter_the_context_kernel_cannot_take_gathers_its_context():
+    """The in-place context kernel's gate (drafter_attn.supported): a head size that is not a power of two sends the
+    drafter to the gathered path instead of into a kernel that cannot take it."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from peregrine.kernels import available
+    from peregrine.kernels.drafter_attn import supported
+    from peregrine.speculative.dflash import TapWriter
+    from peregrine.speculative.dflash_graphs import DrafterGraphs
+    gold = Path(__file__).parent / "golden"
+    d = json.loads((gold / "dspark_small.json").read_text())
+    t = {k: v for k, v in load_file(str(gold / "dspark_small.safetensors")).items() if not k.startswith("case.")}
+    for hd, ok in ((d.get("head_dim", 16), True), (24, False)):
+        m = DFlashModel(DFlashConfig.from_dict(d | {"head_dim": hd}, "golden"), t, None, None)
+        w = TapWriter(m, 64, torch.float32, torch.device("cpu"))
+        dg = DrafterGraphs(m, w, 4, 2, 64, torch.device("cpu"), capture=False)
+        assert (supported(hd, torch.float32) is None) == ok
+        assert dg.paged == (ok and available(torch.device("cpu")))
+    assert "power of two" in supported(24, torch.bfloat16) and "dtype" in supported(64, torch.int8)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1",
                     reason="CUDA graphs need a GPU")

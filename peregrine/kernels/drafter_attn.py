@@ -79,13 +79,12 @@ def splits_for(B: int, kv_heads: int) -> int:
     return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // (B * kv_heads))))
 
 
-def supported(q: torch.Tensor, kv: torch.Tensor) -> str | None:
-    """Why this kernel cannot take these shapes (None: it can)."""
-    hd = q.shape[-1]
-    if hd < 16 or hd & (hd - 1):
-        return f"head_dim {hd} is not a power of two >= 16"
-    if kv.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"kv dtype {kv.dtype}"
+def supported(head_dim: int, kv_dtype: torch.dtype) -> str | None:
+    """Why this kernel cannot take a drafter of this head size and context dtype (None: it can)."""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two >= 16"
+    if kv_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"kv dtype {kv_dtype}"
     return None
 
 

@@ -50,7 +50,10 @@ class DrafterGraphs:
         self.replays = 0
         self.capture_s = 0.0
         from ..kernels import available
-        self.paged = available(device) if paged is None else paged  # attend in place (no gather, no buckets)
+        from ..kernels.drafter_attn import supported
+        if paged is None:  # attend in place (no gather, no buckets) where the kernel runs and takes this drafter
+            paged = available(device) and supported(model.cfg.head_dim, writer.kv.dtype) is None
+        self.paged = paged
         self.table_width = -(-max_len // block_size)  # the paged path's tables: every block a sequence can have
 
     def _buffers(self, B: int, L: int) -> dict:
