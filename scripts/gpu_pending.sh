@@ -71,8 +71,8 @@
 #   T = 4's 3.98 at 260778b) and 85ced9d (the table timed with a different token in every row: verify steps ran
 #   ~3.1-3.3 ms over the table, plain ones 0.17, the MoE's expert union): the table should now rise with T and read
 #   about what verify steps take (each run's excess_ms_per_step, a5cd2ed: 3.07 / 3.26 at 260778b), and the chooser pick
-#   narrower widths where they pay; and the same sampled, as the server's users are (the recorded tokens still
-#   win): REPLAY_ARGS="--replay-temperature 1 --replay-top-p 0.95" PARTS=replay bash scripts/gpu_drafters.sh.
+#   narrower widths where they pay; and the same sampled beside it (temperature 0.6, top_p 0.95; the recorded tokens still
+#   win): REPLAY_ARGS="--replay-temperature 0.6 --replay-top-p 0.95" PARTS=replay bash scripts/gpu_drafters.sh.
 #   Then the kernels' own checks: python3 -m pytest -q -m gpu
 #   tests/test_kernels_gemm.py -k "borrowed or untuned"; python3 -m pytest -q -m gpu tests/test_spec.py -k distinct
 #   Then the drafter inside the verify graph (e38c5fc, CPU-tested only), one H100/H200, ~4 min:
@@ -81,6 +81,12 @@
 #   reverse 5.94, add 3.39, and 500 / 500 identical; its log's drafted_in_verify / drafted_apart split), and the
 #   same for suffix and n-gram as they are now (best-of-every-length suffix, c9a5c78; not run on a GPU since):
 #   PARTS=tiny METHODS=suffix,ngram bash scripts/gpu_drafters.sh
+#   The review after session 29 (8f72d43: the taps' keys and values in one GEMM and one write in every target step;
+#   eeb38f2: the context kernel's shape gate) changes a drafter-carrying decode step: the tiny eval above times it.
+#   Not measured for this change, and not yet scriptable as asked: the whole turn with speculation on. gpu_prefill.sh's
+#   ttft / serve (TTFT 1K / 8K / 32K cold and repeated, ITL p99 under arrivals) run without a --speculative-config,
+#   and bench spec's synthetic-acceptance protocol (rows verified, distinct experts per layer) is greedy only; the
+#   replay above is the one run with sampled requests (0.6 / 0.95) beside greedy. Both need that option first.
 # - #44 (session 25, CPU): the removed A/B switches and experiments kept the default paths by construction, and the
 #   SiTU tanh cap / bounded-gate sigmoid floor give the same FP32 bits; GPU-only code (the MoE down kernel's PDL wait,
 #   MXFP4 v3 asm/dot_scaled, the router fusion) was only compile-checked. On one H200, ~8 min, one call:
