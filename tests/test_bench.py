@@ -453,10 +453,14 @@ def test_bench_decode_sampled_rows_beside_greedy(tmp_path):
 
     r = decode.bench_decode("tiny-kimi-linear", [2], input_len=2, output_len=6, dummy_weights=True,
                             backends=("latency_specialized",), prompt_sets=1, runs=1, results_dir=None,
-                            builder=builder, log=lambda *a: None, sampling={"temperature": 0.6, "top_p": 0.95})
+                            builder=builder, log=lambda *a: None, sampling={"temperature": 0.6, "top_p": 0.95},
+                            also_logprobs=5)
     b = r["backends"]["latency_specialized"]
     assert b["status"] == "ok", b.get("traceback")
     g, s = b["batches"][0], b["sampled_batches"][0]
+    lp = b["sampled_logprobs_batches"][0]  # the same rows with logprobs 5, on the same engine
+    assert lp["sampling"] == {"temperature": 0.6, "top_p": 0.95, "logprobs": 5} and lp["batch"] == 2
+    assert lp["vs_greedy"] == pytest.approx(lp["median_ms"] / g["median_ms"])
     assert g["sampling"] is None and s["sampling"] == {"temperature": 0.6, "top_p": 0.95}
     assert s["lookahead_steps"] > 0 and runners[0].sampled_steps > 0
     assert s["vs_greedy"] == pytest.approx(s["median_ms"] / g["median_ms"])
@@ -465,7 +469,9 @@ def test_bench_decode_sampled_rows_beside_greedy(tmp_path):
 
 @pytest.mark.parametrize("argv,msg", [(["--top-p", "0.9"], "--temperature"), (["--temperature", "-1"], "temperature"),
                                       (["--temperature", "0.7", "--top-p", "1.5"], "top_p"),
-                                      (["--temperature", "0.7", "--min-p", "2"], "min_p")])
+                                      (["--temperature", "0.7", "--min-p", "2"], "min_p"),
+                                      (["--also-logprobs", "5"], "--temperature"),
+                                      (["--temperature", "0.7", "--also-logprobs", "-1"], "logprobs")])
 def test_bench_decode_sampling_flags_are_checked(argv, msg, capsys):
     from peregrine.cli import main
     assert main(["bench", "decode", "--model", "tiny-kimi-linear", "--dummy-weights", *argv]) == 2

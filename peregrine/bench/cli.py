@@ -71,6 +71,8 @@ def add_bench_decode_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--additional-config", default=None, help="JSON object, as for serve")
     p.add_argument("--tensor-parallel-size", "-tp", type=_positive(int), default=1, help="GPUs (ranks) per engine")
     add_sampling_args(p, "sampled requests (each B is then measured greedy and sampled, same engine)")
+    p.add_argument("--also-logprobs", type=int, default=None, metavar="N",
+                   help="after the sampled rows, the same rows with logprobs N too (same engine, one more ratio)")
     p.set_defaults(func=run_bench_decode)
     return p
 
@@ -104,12 +106,18 @@ def run_bench_decode(args) -> int:
         if args.additional_config:
             json.loads(args.additional_config)  # fail early with a message, before any model is built
         sampling = sampling_settings(args)
+        if args.also_logprobs is not None:
+            if not sampling:
+                raise ValueError("--also-logprobs measures sampled rows: give --temperature > 0 too")
+            from ..engine.request import SamplingParams
+            SamplingParams(**{**sampling, "logprobs": args.also_logprobs}).validate(2**31)
         r = bench_decode(args.model, args.batch_sizes, args.input_len, args.output_len, tuple(args.backends),
                          args.dummy_weights, prompt_sets=args.prompt_sets, runs=args.runs,
                          kv_cache_dtype=args.kv_cache_dtype, additional_config=args.additional_config,
                          results_dir=args.results_dir,
                          engine_overrides={"tensor_parallel_size": args.tensor_parallel_size}
-                         if args.tensor_parallel_size > 1 else None, sampling=sampling)
+                         if args.tensor_parallel_size > 1 else None, sampling=sampling,
+                         also_logprobs=args.also_logprobs)
     except json.JSONDecodeError as e:
         return _fail(f"--additional-config is not valid JSON: {e.msg}")
     except (ConfigError, ValueError) as e:

@@ -198,16 +198,23 @@ def bench_decode(model: str, batch_sizes: list[int], input_len: int = 1, output_
                  backends: tuple[str, ...] = ("standard", "latency_specialized"), dummy_weights: bool = False,
                  prompt_sets: int = 4, runs: int = 3, engine_overrides: dict | None = None,
                  kv_cache_dtype: str = "auto", additional_config: str | dict | None = None,
-                 results_dir: str | None = "results", builder=None, log=print, sampling: dict | None = None) -> dict:
+                 results_dir: str | None = "results", builder=None, log=print, sampling: dict | None = None,
+                 also_logprobs: int | None = None) -> dict:
     """Run the decode benchmark; returns the result dict (also written under results_dir unless None).
     sampling: SamplingParams fields (temperature, top_p, top_k, min_p, logprobs): every B is measured greedy
-    and then with these settings on the same engine (each backend's "sampled_batches")."""
+    and then with these settings on the same engine (each backend's "sampled_batches"); also_logprobs N: then
+    sampled once more with logprobs N ("sampled_logprobs_batches"), so all three ratios come from one engine."""
     if not batch_sizes or any(b < 1 for b in batch_sizes):
         raise ConfigError(f"batch sizes must be positive integers, got {batch_sizes}")
     if input_len < 1 or output_len < 2:
         raise ConfigError(f"need input_len >= 1 and output_len >= 2 (got {input_len}, {output_len})")
     if prompt_sets < 1 or runs < 1:
         raise ConfigError(f"need prompt_sets >= 1 and runs >= 1 (got {prompt_sets}, {runs})")
+    if also_logprobs is not None and not sampling:
+        raise ConfigError("also_logprobs measures sampled rows with logprobs: give the sampling settings too")
+    variants = [("sampled_batches", sampling)] if sampling else []
+    if also_logprobs is not None:
+        variants.append(("sampled_logprobs_batches", {**sampling, "logprobs": also_logprobs}))
     cfg, _ = resolve_model(model)  # a bad model name fails here, not as "backend not available"
     builder = builder or _default_builder
     copy = gpu.copy_bandwidth() if torch.cuda.is_available() else None
@@ -221,7 +228,7 @@ def bench_decode(model: str, batch_sizes: list[int], input_len: int = 1, output_
                    "backends": list(backends), "prompt_sets": prompt_sets, "runs": runs,
                    "dummy_weights": dummy_weights, "kv_cache_dtype": kv_cache_dtype,
                    "additional_config": additional_config, "engine_overrides": engine_overrides or {},
-                   "sampling": sampling or None},
+                   "sampling": sampling or None, "also_logprobs": also_logprobs},
         "copy_bandwidth": copy,
         "roofline": {"non_routed_bytes_b1": roofline.non_routed_step_bytes(cfg, 1),
                      "expert_bytes": roofline.expert_bytes(cfg), "moe_layers": len(cfg.moe_layers)},
@@ -249,12 +256,13 @@ def bench_decode(model: str, batch_sizes: list[int], input_len: int = 1, output_
             for B in batch_sizes:
                 entry["batches"].append(_bench_batch(engine, cfg, B, input_len, output_len, prompt_sets, runs,
                                                      kv_cache_dtype, copy_gbps, backend, log))
-                if sampling:  # the same engine and B right after the greedy one: a same-run ratio
+                for key, params in variants:  # the same engine and B right after the greedy one: same-run ratios
                     sb = _bench_batch(engine, cfg, B, input_len, output_len, prompt_sets, runs, kv_cache_dtype,
-                                      copy_gbps, backend, log, sampling)
+                                      copy_gbps, backend, log, params)
                     sb["vs_greedy"] = sb["median_ms"] / entry["batches"][-1]["median_ms"]
-                    entry.setdefault("sampled_batches", []).append(sb)
-                    log(f"{backend:>20} B={B:<3} sampled / greedy step: {sb['vs_greedy']:.3f}")
+                    entry.setdefault(key, []).append(sb)
+                    what = "sampled" + (f" + logprobs {params['logprobs']}" if params.get("logprobs") else "")
+                    log(f"{backend:>20} B={B:<3} {what} / greedy step: {sb['vs_greedy']:.3f}")
             entry["engine_stats"] = {k: dict(v) if isinstance(v, dict) else v for k, v in engine.stats.items()}
         except Exception as e:  # keep what was measured; the error is reported, not hidden
             log(f"WARNING: backend {backend} failed: {e!r}")

@@ -257,7 +257,8 @@ def bench_spec(model: str, batch_sizes=(1, 2, 4), ks=(3,), spec_config=None, inp
     engine, _ = builder(model, ecfg, dummy_weights=dummy_weights, log=log)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     rparams = SamplingParams(temperature=0.0, max_tokens=min(output_len, ROUTING_TOKENS), ignore_eos=True)
-    result = {"kind": "spec_decode", "model": cfg.name, "metadata": gpu.run_metadata(),
+    copy = gpu.copy_bandwidth() if torch.cuda.is_available() else None  # the same run's floor, beside its figures
+    result = {"kind": "spec_decode", "model": cfg.name, "metadata": gpu.run_metadata(), "copy_bandwidth": copy,
               "config": {"batch_sizes": list(batch_sizes), "ks": list(ks), "spec_config": vars(base), "input_len": input_len,
                          "output_len": output_len, "pattern_len": pattern_len, "prompt_sets": prompt_sets, "runs": runs,
                          "backend": backend, "dummy_weights": dummy_weights, "oracle": oracle,

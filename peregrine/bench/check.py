@@ -1,0 +1,130 @@
+"""The head check's verdict (scripts/gpu_check.sh, issue #57): each real-traffic target against the figure a
+`bench decode` (greedy, sampled, sampled + logprobs, one engine) and a `bench spec` (synthetic acceptance)
+run measured, met or short, as one table.
+
+    python -m peregrine.bench.check RESULTS_DIR [--out check.json]
+
+Ratios only, each from one run; absolute step times are printed beside them for the record.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+SAMPLED_MAX = 1.03           # sampled step / greedy step, every B
+LOGPROBS_MAX = 1.05          # sampled with logprobs 5 / greedy step, every B
+SPEC_378_MIN = {1: 1.7, 2: 1.5, 4: 1.3, 8: 1.15}  # synthetic acceptance 3.78, k = 7: x plain tok/s/user
+SPEC_6_MIN = {1: 2.2}        # synthetic acceptance 6.0, k = 7
+SPEC_FLOOR = 1.0             # any length >= 1.5: the width chooser falls back to plain steps
+FLOOR_FROM_LENGTH = 1.5
+GREEDY_DRIFT_PCT = 1.0       # greedy B = 1 within this of the last record on the same GPU and model
+# the last greedy B = 1 records, ms: (GPU name fragment, model) -> (low, high), results/README.md
+GREEDY_RECORDS = {("H200", "kimi-linear-48b-a3b"): (2.344, 2.357)}
+
+
+def _row(target: str, figure, limit: str, met: bool | None, note: str = "") -> dict:
+    return {"target": target, "figure": figure, "limit": limit,
+            "verdict": "n/a" if met is None else ("met" if met else "short"), "note": note}
+
+
+def decode_rows(d: dict) -> list[dict]:
+    b = d.get("backends", {}).get("latency_specialized", {})
+    rows = []
+    if b.get("status") != "ok":
+        return [_row("bench decode latency_specialized", None, "runs", False, b.get("reason", "missing")[:120])]
+    greedy = {x["batch"]: x["median_ms"] for x in b["batches"]}
+    for key, lim, what in (("sampled_batches", SAMPLED_MAX, "sampled 0.6/0.95"),
+                           ("sampled_logprobs_batches", LOGPROBS_MAX, "sampled + logprobs 5")):
+        got = {x["batch"]: x for x in b.get(key, [])}
+        for B in sorted(greedy):
+            x = got.get(B)
+            if x is None:
+                rows.append(_row(f"{what} / greedy step, B={B}", None, f"<= {lim}", None, "not measured"))
+                continue
+            rows.append(_row(f"{what} / greedy step, B={B}", round(x["vs_greedy"], 3), f"<= {lim}",
+                             x["vs_greedy"] <= lim, f"{x['median_ms']:.3f} vs {greedy[B]:.3f} ms"))
+    gpu, model = d.get("metadata", {}).get("gpu", ""), d.get("model", "")
+    rec = next((v for (g, m), v in GREEDY_RECORDS.items() if g in gpu and m == model), None)
+    if 1 in greedy:
+        if rec:
+            lo, hi = rec[0] * (1 - GREEDY_DRIFT_PCT / 100), rec[1] * (1 + GREEDY_DRIFT_PCT / 100)
+            rows.append(_row("greedy step B=1 vs last record", round(greedy[1], 3), f"{lo:.3f}-{hi:.3f} ms",
+                             greedy[1] <= hi, f"record {rec[0]}-{rec[1]} ms"))
+        else:
+            rows.append(_row("greedy step B=1 (ms)", round(greedy[1], 3), "record", None,
+                             f"no earlier record for {model} on {gpu}"))
+    return rows
+
+
+def spec_rows(d: dict) -> list[dict]:
+    rows, floor_worst = [], None
+    for entry in d.get("batches", []):
+        B = entry["batch"]
+        for c in entry["configs"]:
+            L, width = c.get("acceptance_length"), c.get("width")
+            if c.get("status") == "error" and "synthetic" in c.get("label", ""):
+                rows.append(_row(c["label"] + f", B={B}", None, "runs", False, c.get("reason", "")[:120]))
+                continue
+            if L is None or width != "auto" or c.get("k") != 7:
+                continue
+            s = c["speedup_vs_plain"]
+            if L >= FLOOR_FROM_LENGTH and (floor_worst is None or s < floor_worst[0]):
+                floor_worst = (s, L, B)
+            lim = (SPEC_378_MIN if abs(L - 3.78) < 1e-6 else SPEC_6_MIN if abs(L - 6.0) < 1e-6 else {}).get(B)
+            if lim is not None:
+                rows.append(_row(f"synthetic {L:g}, k=7, auto: x plain, B={B}", round(s, 3), f">= {lim}", s >= lim,
+                                 f"verify {c.get('median_verify_step_ms') or 0:.3f} ms; widths {c.get('width_steps')}"))
+    if floor_worst is not None:
+        s, L, B = floor_worst
+        rows.append(_row(f"synthetic, any length >= {FLOOR_FROM_LENGTH}: worst x plain", round(s, 3),
+                         f">= {SPEC_FLOOR}", s >= SPEC_FLOOR, f"at length {L:g}, B={B}"))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| target | figure | limit | verdict | note |", "|---|---:|---|---|---|"]
+    lines += [f"| {r['target']} | {'' if r['figure'] is None else r['figure']} | {r['limit']} | {r['verdict']} "
+              f"| {r['note']} |" for r in rows]
+    return "\n".join(lines)
+
+
+def check(results_dir: str | Path) -> dict:
+    """Every decode and spec_decode JSON under results_dir, read; one verdict row per target."""
+    out = {"runs": [], "rows": []}
+    for p in sorted(Path(results_dir).rglob("*.json")):
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        kind = d.get("kind") if isinstance(d, dict) else None
+        if kind not in ("decode", "spec_decode"):
+            continue
+        md = d.get("metadata", {})
+        out["runs"].append({"file": str(p), "kind": kind, "model": d.get("model"), "gpu": md.get("gpu"),
+                            "commit": md.get("commit"), "copy_gbps": (d.get("copy_bandwidth") or {}).get("gbps")})
+        out["rows"] += decode_rows(d) if kind == "decode" else spec_rows(d)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results_dir", help="the folder the head check's benchmarks wrote into")
+    ap.add_argument("--out", default=None, help="also write the verdicts as JSON here")
+    a = ap.parse_args(argv)
+    r = check(a.results_dir)
+    if not r["runs"]:
+        print(f"error: no decode or spec_decode results under {a.results_dir}", file=sys.stderr)
+        return 2
+    for run in r["runs"]:
+        gb = f"{run['copy_gbps']:.0f} GB/s" if run["copy_gbps"] else "n/a"
+        print(f"{run['kind']:>11}: {run['model']} on {run['gpu']} at {run['commit']}, copy {gb}  ({run['file']})")
+    print(table(r["rows"]))
+    if a.out:
+        Path(a.out).write_text(json.dumps(r, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
