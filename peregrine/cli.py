@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         bsub = b.add_subparsers(dest="bench_cmd", metavar="BENCH")
         bsub.required = True
         bench_cli.add_bench_decode_parser(bsub)
-        from .speculative.bench import add_bench_spec_parser
+        from .bench.spec import add_bench_spec_parser
         add_bench_spec_parser(bsub)
         bench_cli.add_bench_report_parser(bsub)
         from .bench.kernels import add_bench_kernels_parser

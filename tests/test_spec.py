@@ -169,7 +169,7 @@ def test_metrics_and_cli():
 
 
 def test_bench_spec_records_plain_ngram_and_oracle(tmp_path):
-    from peregrine.speculative.bench import bench_spec
+    from peregrine.bench.spec import bench_spec
     r = bench_spec("tiny-kimi-linear", batch_sizes=(2,), ks=(2,), input_len=24, output_len=8, pattern_len=4, runs=1,
                    backend="standard", dummy_weights=True, results_dir=str(tmp_path), log=lambda m: None)
     assert [b["batch"] for b in r["batches"]] == [2]
@@ -305,7 +305,7 @@ def test_width_chooser_in_the_engine_keeps_greedy_exact():
 def test_bench_spec_synthetic_lengths(tmp_path):
     """bench spec's synthetic rows: per acceptance length and width mode, tokens a step per user near the length
     (every greedy row drafts its room and accepts the drawn count), rows verified per request 1 + k."""
-    from peregrine.speculative.bench import bench_spec
+    from peregrine.bench.spec import bench_spec
     r = bench_spec("tiny-kimi-linear", batch_sizes=(2,), ks=(3,), input_len=16, output_len=24, pattern_len=4, runs=1,
                    backend="standard", dummy_weights=True, oracle=False, results_dir=str(tmp_path), log=lambda m: None,
                    acceptance_lengths=(2.0, 3.5), widths=("full",))

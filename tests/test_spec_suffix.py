@@ -323,7 +323,7 @@ def test_bench_replay_end_to_end_on_a_large_vocabulary_dummy_model(tmp_path):
 
     from conftest import write_dummy_model
     from peregrine.config import PRESET_DIR
-    from peregrine.speculative.bench import bench_replay
+    from peregrine.bench.spec import bench_replay
     from test_specialized import MICRO
     (tmp_path / "m").mkdir()
     raw = _json.loads((PRESET_DIR / "tiny-kimi-linear.json").read_text()) | MICRO | {"vocab_size": 8192}
@@ -411,7 +411,7 @@ def test_a_request_trie_is_counted_while_its_prefill_runs():
 def test_replay_excess_over_the_cost_table():
     """The replay's excess: decode wall time less each step's table time, per step (plain: tokens after the first;
     speculative: the chooser's steps by width)."""
-    from peregrine.speculative.bench import _excess_per_step
+    from peregrine.bench.spec import _excess_per_step
     table = {1: 2.0, 2: 3.0, 3: 4.0}
     plain = {"turns": [{"output_tokens": 11, "decode_s": 0.025, "width_steps": []},
                        {"output_tokens": 6, "decode_s": 0.0125, "width_steps": []}]}

@@ -27,9 +27,9 @@ import traceback
 import torch
 
 from ..config import ConfigError, EngineConfig, resolve_model
-from ..bench.cli import int_list, positive_list
-from ..bench.decode import run_batch
-from .config import SpeculativeConfig, acceptance_rates_for
+from ..speculative.config import SpeculativeConfig, acceptance_rates_for
+from .cli import int_list, positive_list
+from .decode import run_batch
 
 PROMPT_SEED = 4321       # prompt set s uses PROMPT_SEED + s: the same prompts for every configuration
 ROUTING_TOKENS = 64      # tokens of the untimed run that counts routed experts
@@ -167,12 +167,12 @@ def _synthetic(engine, drafter, B, k, lengths, widths, sets, params, runs, plain
 def bench_replay(model: str, methods=("ngram", "suffix"), k: int = 7, sessions: int = 2, turns: int = 3,
                  context_chars: int = 120_000, backend: str = "latency_specialized", dummy_weights: bool = False,
                  results_dir: str | None = "results", log=print, temperature: float = 0.0, top_p: float = 1.0) -> dict:
-    """Replay (replay.py): agent-shaped sessions at B = 1 with every reply forced, plain decode and then each
+    """Replay (speculative/replay.py): agent-shaped sessions at B = 1 with every reply forced, plain decode and then each
     drafter method at k on the same engine; tok/s/user after the first token and acceptance, per turn. temperature
     > 0: the requests sample (the forced token still wins), so a sampled request's own path is what is timed."""
-    from ..bench import gpu
     from ..engine.build import build_engine
-    from .replay import agent_sessions, replay, replay_encoder
+    from ..speculative.replay import agent_sessions, replay, replay_encoder
+    from . import gpu
     cfg, _ = resolve_model(model)
     sess = agent_sessions(sessions, turns, max_chars=context_chars)
     engine, tok = build_engine(model, EngineConfig(max_num_seqs=1, decode_backend=backend,
@@ -246,8 +246,8 @@ def bench_spec(model: str, batch_sizes=(1, 2, 4), ks=(3,), spec_config=None, inp
                backend: str = "latency_specialized", dummy_weights: bool = False, oracle: bool = True,
                results_dir: str | None = "results", builder=None, log=print, acceptance_lengths=(),
                widths=("auto", "full")) -> dict:
-    from ..bench import gpu
     from ..engine.request import SamplingParams
+    from . import gpu
     base = SpeculativeConfig.parse(spec_config or {"method": "ngram", "num_speculative_tokens": max(ks)})
     cfg, _ = resolve_model(model)
     ecfg = EngineConfig(max_num_seqs=max(batch_sizes), max_decode_batch=min(16, max(batch_sizes)), decode_backend=backend,
