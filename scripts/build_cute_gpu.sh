@@ -24,7 +24,7 @@ import json, torch
 from peregrine.kernels.cute import persistent_layer as tg
 from peregrine.persistent import table as tb
 for name in ("dense", "moe", "layer"):
-    ops, width, _, _, kda = tg.case(name, lambda *s: torch.empty(*s, device="meta"))
+    ops, width, _, _, kda = tb.case(name, lambda *s: torch.empty(*s, device="meta"))
     for B in (1, 2, 4, 8):
         shapes = tg.shape_args(tb.encode(ops, width, 132, B), B, kda, B + 1)
         out = f".cute/libpersistent-48b{name}-b{B}.so"

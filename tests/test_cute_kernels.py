@@ -99,7 +99,7 @@ from peregrine.kernels.cute import aot, persistent_layer as tg
 from peregrine.persistent import table as tb
 import triton
 nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
-ops, width, _, _, kda = tg.case("layer", lambda *s: torch.empty(*s, device="meta"))
+ops, width, _, _, kda = tb.case("layer", lambda *s: torch.empty(*s, device="meta"))
 res = {}
 for B in (1, 8):
     t = tb.encode(ops, width, 132, B)

@@ -354,7 +354,7 @@ def test_drafter_in_the_engine_keeps_greedy_exact_and_reads_the_targets_taps(tmp
     from peregrine.decode.batch import StepInput
     from peregrine.engine import SamplingParams
     from peregrine.engine.build import build_engine
-    from peregrine.speculative import dflash
+    from peregrine.speculative import dflash_drafter
 
     from conftest import write_dummy_model
     from peregrine.config import PRESET_DIR
@@ -370,7 +370,7 @@ def test_drafter_in_the_engine_keeps_greedy_exact_and_reads_the_targets_taps(tmp
     plain = engine()
     folder, _ = _drafter_folder(tmp_path / "d", plain.model_cfg, dspark=dspark)
     seen, surv = [], []
-    real_propose = dflash.DFlashDrafter.propose
+    real_propose = dflash_drafter.DFlashDrafter.propose
 
     def propose(self, seqs, ks):
         for seq, k in zip(seqs, ks):  # the context this propose reads: each layer's keys and values of the fed tokens
@@ -381,7 +381,7 @@ def test_drafter_in_the_engine_keeps_greedy_exact_and_reads_the_targets_taps(tmp
         out = real_propose(self, seqs, ks)
         surv.extend(self.survival.get(id(s)) for s, d in zip(seqs, out) if d)
         return out
-    monkeypatch.setattr(dflash.DFlashDrafter, "propose", propose)
+    monkeypatch.setattr(dflash_drafter.DFlashDrafter, "propose", propose)
     spec = engine({"method": "dspark" if dspark else "dflash", "model": folder})
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (9, 23)]  # MICRO's vocabulary is 300
@@ -425,7 +425,7 @@ def test_the_fast_path_drafts_the_next_block_inside_the_verify_step(tmp_path, mo
     from peregrine.config import EngineConfig
     from peregrine.engine import SamplingParams
     from peregrine.engine.build import build_engine
-    from peregrine.speculative import dflash
+    from peregrine.speculative import dflash_drafter
 
     from conftest import write_dummy_model
     from peregrine.config import PRESET_DIR
@@ -442,7 +442,7 @@ def test_the_fast_path_drafts_the_next_block_inside_the_verify_step(tmp_path, mo
     plain = engine()
     folder, _ = _drafter_folder(tmp_path / "d", plain.model_cfg, dspark=True)
     pairs = []
-    real_propose = dflash.DFlashDrafter.propose
+    real_propose = dflash_drafter.DFlashDrafter.propose
 
     def propose(self, seqs, ks):
         for seq in seqs:  # the block the verify step left, against one drafted apart now
@@ -451,7 +451,7 @@ def test_the_fast_path_drafts_the_next_block_inside_the_verify_step(tmp_path, mo
                 d, c = self.graphs.draft([seq.blocks], [seq.num_cached], [seq.token_ids[-1]])
                 pairs.append((r[1:], (d[0], None if c is None else c[0])))
         return real_propose(self, seqs, ks)
-    monkeypatch.setattr(dflash.DFlashDrafter, "propose", propose)
+    monkeypatch.setattr(dflash_drafter.DFlashDrafter, "propose", propose)
     spec = engine({"method": "dspark", "model": folder})
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (9, 23)]

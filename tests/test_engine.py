@@ -15,7 +15,8 @@ import torch
 
 from peregrine.cache import ModelCache
 from peregrine.config import EngineConfig, resolve_model
-from peregrine.engine import LLMEngine, RequestError, SamplingParams
+from peregrine.engine import RequestError, SamplingParams
+from peregrine.engine.engine import LLMEngine
 from peregrine.engine.sampling import filtered_probs, sample
 from peregrine.testing import SENTINEL
 from fake_runner import FakeRunner, ref_logits

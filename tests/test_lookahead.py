@@ -14,7 +14,8 @@ import torch
 
 from peregrine.cache import ModelCache
 from peregrine.config import ConfigError, EngineConfig
-from peregrine.engine import LLMEngine, SamplingParams
+from peregrine.engine import SamplingParams
+from peregrine.engine.engine import LLMEngine
 from peregrine.engine.penalties import MAX_BAN
 from peregrine.parallel.driver import TPDriver
 from peregrine.testing import SENTINEL

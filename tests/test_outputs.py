@@ -15,7 +15,8 @@ from fake_runner import FakeRunner, device_tokens, ref_logits
 from kimi_files import ranks, vocab_size, write_tokenizer
 from peregrine.cache import ModelCache
 from peregrine.config import EngineConfig, resolve_model
-from peregrine.engine import LLMEngine, RequestError, SamplingParams
+from peregrine.engine import RequestError, SamplingParams
+from peregrine.engine.engine import LLMEngine
 from peregrine.tokenizer import ByteTokenizer
 
 CFG, _ = resolve_model("tiny-kimi-linear")

@@ -167,8 +167,7 @@ def test_routed_expert_tasks_wait_for_the_router_in_their_producer():
 
 def test_the_48b_moe_block_encodes_at_its_widths():
     """What scripts/build_cute_gpu.sh compiles the kernel for: the 48B's MoE block at B = 8 on meta weights."""
-    from peregrine.kernels.cute.persistent_layer import case
-    ops, width, consts, d_in, _ = case("moe", lambda *s: torch.empty(*s, device="meta"))
+    ops, width, consts, d_in, _ = tb.case("moe", lambda *s: torch.empty(*s, device="meta"))
     t = tb.encode(ops, width, 132, 8)
     kinds = t.tasks[:, tb.KIND]
     assert int((kinds == tb.EXPERT).sum()) == 8 * 8 * (1024 // BN + 2304 // BN)

@@ -15,7 +15,8 @@ import torch
 
 from peregrine.cache import ModelCache
 from peregrine.config import EngineConfig, resolve_model
-from peregrine.engine import LLMEngine, SamplingParams
+from peregrine.engine import SamplingParams
+from peregrine.engine.engine import LLMEngine
 from peregrine.prefix_cache import PrefixCache
 from fake_runner import FakeRunner
 from test_engine import check_clean, ref_generate

@@ -73,7 +73,7 @@ def persistent_case(path: str, timed: bool = True) -> dict:
         if len(shape) == 1:  # a norm weight or the router's bias
             return 1 + 0.1 * torch.randn(shape, device="cuda", generator=g)
         return (torch.randn(shape, device="cuda", generator=g) * shape[-1] ** -0.5).to(torch.bfloat16)
-    ops, width, consts, d_in, kda_shape = tg.case(name, make)
+    ops, width, consts, d_in, kda_shape = tb.case(name, make)
     try:
         t0 = time.perf_counter()
         t = tb.encode(ops, width, compiled["ctas"], B)

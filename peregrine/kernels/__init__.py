@@ -60,8 +60,3 @@ def read_plan_entries(path: Path, warn: str | None = None) -> dict:
         return {}
     return entries if isinstance(entries, dict) else {}
 
-
-def set_pdl(on: bool) -> None:
-    """Programmatic Dependent Launch for the decode kernels, process-wide (see kernels/pdl.py)."""
-    from .pdl import set_pdl as _set
-    _set(on)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .emulator import check_schedule, schedule
-from .tasks import Region, Task, derive_deps
+from .tasks import LayerWeights, Region, Task, derive_deps
 
 BN, BK = 64, 128     # a weight block: 64 rows x 128 values, 16 KB of BF16, one TMA copy
 MAX_WAITS = 3        # ops a task's consumers may wait on (a KDA head: the in-projection and its two gate GEMVs)
@@ -527,6 +527,39 @@ def kda_layer(w, scaling: float = 1.0):
     return ops + moe, width, consts, out
 
 
+def layer_weights(make, c):
+    """tasks.py's LayerWeights of a KDA layer at config c's widths, each tensor from make(*shape)."""
+    D, H, d, E, I = c.hidden_size, c.kda_num_heads, c.kda_head_dim, c.num_experts, c.moe_intermediate_size
+    Hd, Is = H * d, I * max(1, c.num_shared_experts)
+    return LayerWeights(in_norm=make(D), in_proj=make(3 * Hd + 2 * d + H, D), f_b=make(Hd, d), g_b=make(Hd, d),
+                        conv_w=make(3 * Hd, c.kda_conv_size).float(), A_log=make(H), dt_bias=make(Hd), o_norm=make(d),
+                        o_proj=make(D, Hd), post_norm=make(D), gate_w=make(E, D), bias=make(E), w13=make(E, 2 * I, D),
+                        w2=make(E, D, I), shared13=make(2 * Is, D), shared2=make(D, Is), H=H, d=d,
+                        top_k=c.num_experts_per_token, lower_bound=c.kda_gate_lower_bound)
+
+
+def case(name: str, make, model: str = "kimi-linear-48b-a3b"):
+    """The op lists the persistent kernel (kernels/cute/persistent_layer.py) is built and measured for, at a model's
+    widths: "dense" (a KDA layer's dense GEMVs as one chain, dense_chain), "moe" (its MoE block from the residual to
+    the layer's output, moe_block) or "layer" (the whole KDA layer with its MoE block, kda_layer). make(*shape) gives
+    a weight (a vector for a norm). -> (ops, width, consts, input columns, the KDA heads, d and conv taps or None)"""
+    from ..config import resolve_model
+    c, _ = resolve_model(model)
+    D, E, I, k = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.num_experts_per_token
+    Is = I * max(1, c.num_shared_experts)
+    if name == "dense":
+        ops, width = dense_chain(D, c.kda_num_heads * c.kda_head_dim, Is, make)
+        return ops, width, {}, D, None
+    if name == "moe":
+        ops, width, consts, _ = moe_block(make(D), make(E, D), make(E), make(E, 2 * I, D), make(E, D, I),
+                                          make(2 * Is, D), make(D, Is), k, c.routed_scaling_factor)
+        return ops, width, consts, D, None
+    if name == "layer":
+        ops, width, consts, _ = kda_layer(layer_weights(make, c), c.routed_scaling_factor)
+        return ops, width, consts, D, (c.kda_num_heads, c.kda_head_dim, c.kda_conv_size)
+    raise ValueError(f"unknown case {name!r} (dense, moe, layer)")
+
+
 def report(table: Table) -> dict:
     """The static schedule's load per CTA, in the weight bytes its producer streams if every expert assignment
     streamed its expert (the schedule's own assumption: routing is not known when the lists are fixed)."""
@@ -541,7 +574,6 @@ def report(table: Table) -> dict:
 def main() -> None:
     import argparse
     import json
-    from ..kernels.cute.persistent_layer import case
     ap = argparse.ArgumentParser(description="The persistent kernel's task table for a 48B case (issue #46): task "
                                  "count and how evenly the static lists spread the weight bytes over the CTAs (the "
                                  "schedule's own byte counts, a design figure, not a timing)")
@@ -550,7 +582,7 @@ def main() -> None:
     ap.add_argument("--ctas", type=int, default=132, help="CTAs, one per SM (H100 / H200: 132)")
     a = ap.parse_args()
     from . import table as tb  # the ops are the package module's classes, not this __main__'s
-    ops, width, _, _, _ = case(a.case, lambda *s: torch.empty(*s, device="meta"))
+    ops, width, _, _, _ = tb.case(a.case, lambda *s: torch.empty(*s, device="meta"))
     for B in (int(x) for x in a.batch_sizes.split(",")):
         r = tb.report(tb.encode(ops, width, a.ctas, B))
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)

@@ -78,7 +78,7 @@ def make_drafter(cfg: SpeculativeConfig, engine, log):
                              cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob,
                              max_num_seqs=engine.engine_cfg.max_num_seqs)
     if cfg.method in ("dflash", "dspark"):
-        from .dflash import DFlashDrafter
+        from .dflash_drafter import DFlashDrafter
         return DFlashDrafter(cfg, engine, log)
     from .draft_model import DraftModelDrafter
     return DraftModelDrafter(cfg, engine, log)

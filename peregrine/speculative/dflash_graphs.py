@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .dflash import read_back
+from .dflash import PagedContext, read_back
 
 MIN_L = 64  # the smallest context bucket: a new request's few tokens share one graph
 
@@ -64,7 +64,6 @@ class DrafterGraphs:
 
     def _run(self, inp: dict, L: int):
         if self.paged:
-            from .dflash import PagedContext
             ctx, valid = PagedContext(self.writer.kv, inp["tables"], inp["lens"], self.bs), None
         else:
             ctx, valid = self.writer.gather(inp["tables"], inp["lens"], L, self.bs)
@@ -109,7 +108,6 @@ class DrafterGraphs:
         and from there the next block: anchored on the target's token after them, over the context through it.
         -> {"accepted" [B], "drafts" [B, k], "confs" [B, k] or None}, on the device. The host uses a row's block
         only where its own count agrees (DFlashDrafter.predrafted): sampled, forced or synthetic rows fall back."""
-        from .dflash import PagedContext
         T = step.spec_tokens
         B = tokens.shape[0] // T
         got, fed = tokens.view(B, T).long(), step.input_ids.view(B, T)

@@ -402,41 +402,6 @@ def fake_args(B: int, blocks: int, width: int, n_tasks: int, ctas: int, per_cta:
 N_TENSORS = 11  # fake_args' tensors: the built library's cute_run takes as many pointers
 
 
-def layer_weights(make, c):
-    """persistent/tasks.py's LayerWeights of a KDA layer at config c's widths, each tensor from make(*shape)."""
-    from ...persistent.tasks import LayerWeights
-    D, H, d, E, I = c.hidden_size, c.kda_num_heads, c.kda_head_dim, c.num_experts, c.moe_intermediate_size
-    Hd, Is = H * d, I * max(1, c.num_shared_experts)
-    return LayerWeights(in_norm=make(D), in_proj=make(3 * Hd + 2 * d + H, D), f_b=make(Hd, d), g_b=make(Hd, d),
-                        conv_w=make(3 * Hd, c.kda_conv_size).float(), A_log=make(H), dt_bias=make(Hd), o_norm=make(d),
-                        o_proj=make(D, Hd), post_norm=make(D), gate_w=make(E, D), bias=make(E), w13=make(E, 2 * I, D),
-                        w2=make(E, D, I), shared13=make(2 * Is, D), shared2=make(D, Is), H=H, d=d,
-                        top_k=c.num_experts_per_token, lower_bound=c.kda_gate_lower_bound)
-
-
-def case(name: str, make, model: str = "kimi-linear-48b-a3b"):
-    """The op lists the kernel is built and measured for, at a model's widths: "dense" (a KDA layer's dense GEMVs
-    as one chain, persistent/table.py's dense_chain), "moe" (its MoE block from the residual to the layer's output,
-    moe_block) or "layer" (the whole KDA layer with its MoE block, kda_layer). make(*shape) gives a weight (a vector
-    for a norm). -> (ops, width, consts, input columns, the KDA heads, d and conv taps or None)"""
-    from ...config import resolve_model
-    from ...persistent import table as tb
-    c, _ = resolve_model(model)
-    D, E, I, k = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.num_experts_per_token
-    Is = I * max(1, c.num_shared_experts)
-    if name == "dense":
-        ops, width = tb.dense_chain(D, c.kda_num_heads * c.kda_head_dim, Is, make)
-        return ops, width, {}, D, None
-    if name == "moe":
-        ops, width, consts, _ = tb.moe_block(make(D), make(E, D), make(E), make(E, 2 * I, D), make(E, D, I),
-                                             make(2 * Is, D), make(D, Is), k, c.routed_scaling_factor)
-        return ops, width, consts, D, None
-    if name == "layer":
-        ops, width, consts, _ = tb.kda_layer(layer_weights(make, c), c.routed_scaling_factor)
-        return ops, width, consts, D, (c.kda_num_heads, c.kda_head_dim, c.kda_conv_size)
-    raise ValueError(f"unknown case {name!r} (dense, moe, layer)")
-
-
 def shape_args(table, B: int, kda=None, kda_slots: int = 1) -> dict:
     """fake_args' keywords for an encoded table (the compiled kernel is fixed to them); kda: (heads, d, conv taps)
     of its KDA op, with kda_slots state slots."""
