@@ -12,6 +12,9 @@ import time
 from .config import ConfigError
 from .engine_args import add_engine_args, engine_config
 
+DEFAULT_PROMPT = "rev:peregrine|"  # a task of the default model, peregrine-tiny (README.md, "Presets")
+
+
 def parse_ids(text: str) -> list[int]:
     try:
         return [int(x) for x in text.replace(",", " ").split()]
@@ -106,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one prompt", description="Generate for one prompt and print the text and token timing.")
     add_engine_args(g)
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--prompt", default="The quick brown fox", help="prompt text (default: a short sentence)")
+    src.add_argument("--prompt", default=DEFAULT_PROMPT,
+                     help=f"prompt text (default {DEFAULT_PROMPT!r}: a task of the default model, peregrine-tiny, "
+                          "which answers it 'enirgerep' and other text with little or nothing)")
     src.add_argument("--prompt-ids", default=None, help="prompt as token ids, e.g. '1,2,3'")
     g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
