@@ -3,7 +3,7 @@
 # 1. decode: `bench decode` on the 48B (dummy weights), latency_specialized, B = 1, 2, 4, 8: greedy, sampled
 #    (temperature 0.6, top-p 0.95) and sampled with logprobs 5, all on one engine (same-run ratios)
 # 2. spec: `bench spec` synthetic acceptance (vLLM's "synthetic" method) 1.5, 3.78 and 6.0, k = 7, B = 1 and 8,
-#    width auto, against plain on the same engine
+#    width auto, against plain on the same engine; greedy, then sampled rows (0.6 / 0.95: rejection sampling)
 # 3. tests: every `-m gpu` test of the kernels, the fast step and the sampler, in the time left
 # Then one table: each target, the figure, met or short (python -m peregrine.bench.check).
 # An H200 runs the BF16 48B; an H100 (80 GB: the BF16 48B does not fit) the 48B with MXFP4 experts.
@@ -39,7 +39,8 @@ for p in ${PARTS:-decode spec tests}; do
         | tee "$OUT/decode.log" | grep -E "B=|copy bandwidth|WARN|Error|error" | grep -v captur || rc=1 ;;
     spec)
       timeout "${T_spec:-190}" python3 -m peregrine bench spec --model $M --dummy-weights --batch-sizes 1,8 --k 7 \
-        --input-len 256 --output-len 128 --no-oracle --acceptance-lengths 1.5,3.78,6 --widths auto --results-dir $R 2>&1 \
+        --input-len 256 --output-len 128 --no-oracle --acceptance-lengths 1.5,3.78,6 --widths auto \
+        --temperature 0.6 --top-p 0.95 --results-dir $R 2>&1 \
         | tee "$OUT/spec.log" | grep -E "B=|WARN|Error|error|table" | grep -v captur || rc=1 ;;
     tests)
       t=$(( $(left) - 10 )); [ $t -lt 30 ] && { echo "tests skipped: $t s left"; continue; }

@@ -65,6 +65,17 @@ def test_speculation_targets_and_floor(tmp_path):
     assert floor["verdict"] == "short" and floor["figure"] == 0.97 and "B=8" in floor["note"]  # 1.2 is below 1.5
 
 
+def test_sampled_speedups_judged_against_the_greedy_ones(tmp_path):
+    d = _spec({(1, 3.78): 1.8, (8, 3.78): 1.2})
+    for entry, (s, v) in zip(d["batches"], ((1.75, 1.75 / 1.8), (1.1, 1.1 / 1.2))):
+        entry["configs"].append({"label": "synthetic 3.78 k=7 auto sampled", "k": 7, "acceptance_length": 3.78,
+                                 "width": "auto", "sampled": True, "speedup_vs_plain": s, "vs_greedy_speedup": v})
+    v = _verdicts(tmp_path, d)
+    assert v["synthetic 3.78 sampled speedup / greedy speedup, B=1"]["verdict"] == "met"    # 0.972 >= 0.95
+    assert v["synthetic 3.78 sampled speedup / greedy speedup, B=8"]["verdict"] == "short"  # 0.917
+    assert v["synthetic 3.78, k=7, auto: x plain, B=1"]["figure"] == 1.8  # the greedy row still judged alone
+
+
 def test_cli_prints_the_table_last(tmp_path, capsys):
     _verdicts(tmp_path, _decode({1: 2.35}, {1: 2.35}, {1: 2.35}), _spec({(1, 3.78): 1.8}))
     assert check.main([str(tmp_path), "--out", str(tmp_path / "v.json")]) == 0

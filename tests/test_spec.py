@@ -319,6 +319,25 @@ def test_bench_spec_synthetic_lengths(tmp_path):
     assert "synthetic 3.5 k=3 full" in open(r["paths"]["md"]).read()
 
 
+def test_bench_spec_synthetic_sampled_rows(tmp_path):
+    """--temperature: plain and each synthetic configuration once more with sampled rows on the same engine; the
+    sampled rows still draft their whole room and accept near the length (rejection sampling replaced by the
+    synthetic draw, as vLLM's), their speedup is over plain sampled and vs_greedy_speedup the ratio of speedups."""
+    from peregrine.bench.spec import bench_spec
+    r = bench_spec("tiny-kimi-linear", batch_sizes=(2,), ks=(3,), input_len=16, output_len=24, pattern_len=4, runs=1,
+                   backend="standard", dummy_weights=True, oracle=False, results_dir=None, log=lambda m: None,
+                   acceptance_lengths=(3.0,), widths=("full",), sampling={"temperature": 0.6, "top_p": 0.95})
+    (b,) = r["batches"]
+    c = {x["label"]: x for x in b["configs"]}
+    assert list(c) == ["plain", "plain sampled", "ngram k=3", "synthetic 3 k=3 full", "synthetic 3 k=3 full sampled"]
+    ps, g, s = c["plain sampled"], c["synthetic 3 k=3 full"], c["synthetic 3 k=3 full sampled"]
+    assert ps["sampled"] and ps["draft_tokens"] == 0 and s["sampled"] and not g["sampled"]
+    assert s["draft_tokens"] > 0 and abs(s["accepted_tokens"] / (s["draft_tokens"] / 3) + 1 - 3.0) < 0.4
+    assert s["speedup_vs_plain"] == pytest.approx(s["effective_tok_s_user"] / ps["effective_tok_s_user"])
+    assert s["vs_greedy_speedup"] == pytest.approx(s["speedup_vs_plain"] / g["speedup_vs_plain"])
+    assert r["config"]["sampling"] == {"temperature": 0.6, "top_p": 0.95}
+
+
 # ---- sampled requests speculate (#42 item 4) ----
 def test_sampled_requests_speculate_and_keep_their_tokens():
     """Seeded sampled requests (temperature, top-p, top-k) get drafts: with a drafter proposing the plain sampled

@@ -17,6 +17,7 @@ SAMPLED_MAX = 1.03           # sampled step / greedy step, every B
 LOGPROBS_MAX = 1.05          # sampled with logprobs 5 / greedy step, every B
 SPEC_378_MIN = {1: 1.7, 2: 1.5, 4: 1.3, 8: 1.15}  # synthetic acceptance 3.78, k = 7: x plain tok/s/user
 SPEC_6_MIN = {1: 2.2}        # synthetic acceptance 6.0, k = 7
+SAMPLED_SPEEDUP_MIN = 0.95   # a sampled configuration's speedup over the greedy one's: within 5 %
 SPEC_FLOOR = 1.0             # any length >= 1.5: the width chooser falls back to plain steps
 FLOOR_FROM_LENGTH = 1.5
 GREEDY_DRIFT_PCT = 1.0       # greedy B = 1 within this of the last record on the same GPU and model
@@ -70,16 +71,22 @@ def spec_rows(d: dict) -> list[dict]:
             if L is None or width != "auto" or c.get("k") != 7:
                 continue
             s = c["speedup_vs_plain"]
-            if L >= FLOOR_FROM_LENGTH and (floor_worst is None or s < floor_worst[0]):
-                floor_worst = (s, L, B)
+            if L >= FLOOR_FROM_LENGTH and (floor_worst is None or s < floor_worst[0]):  # sampled rows too
+                floor_worst = (s, L, B, " sampled" if c.get("sampled") else "")
+            if c.get("sampled"):
+                v = c.get("vs_greedy_speedup")
+                rows.append(_row(f"synthetic {L:g} sampled speedup / greedy speedup, B={B}",
+                                 None if v is None else round(v, 3), f">= {SAMPLED_SPEEDUP_MIN}",
+                                 None if v is None else v >= SAMPLED_SPEEDUP_MIN, f"sampled {s:.3f}x plain sampled"))
+                continue
             lim = (SPEC_378_MIN if abs(L - 3.78) < 1e-6 else SPEC_6_MIN if abs(L - 6.0) < 1e-6 else {}).get(B)
             if lim is not None:
                 rows.append(_row(f"synthetic {L:g}, k=7, auto: x plain, B={B}", round(s, 3), f">= {lim}", s >= lim,
                                  f"verify {c.get('median_verify_step_ms') or 0:.3f} ms; widths {c.get('width_steps')}"))
     if floor_worst is not None:
-        s, L, B = floor_worst
+        s, L, B, what = floor_worst
         rows.append(_row(f"synthetic, any length >= {FLOOR_FROM_LENGTH}: worst x plain", round(s, 3),
-                         f">= {SPEC_FLOOR}", s >= SPEC_FLOOR, f"at length {L:g}, B={B}"))
+                         f">= {SPEC_FLOOR}", s >= SPEC_FLOOR, f"at length {L:g}{what}, B={B}"))
     return rows
 
 

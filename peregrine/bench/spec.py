@@ -15,7 +15,10 @@ equal the plain ones. JSON (and a Markdown table) under results/.
 count; outputs are not the model's), once per --widths mode: "auto" (the verify width chosen per step
 from the costs timed at enable, GPU graphs only: elsewhere it verifies every draft) and "full" (every
 draft, the seed's "DL7" protocol). Reported beside the rest: rows verified per request a step and the
-widths chosen.
+widths chosen. --temperature (with --top-p, --top-k, --min-p): plain and every synthetic configuration are
+measured once more with sampled rows (rejection sampling, each row's draws keyed by its seed and position),
+right after the greedy one on the same engine; a sampled configuration's speedup is over plain sampled, and
+its "vs_greedy_speedup" the ratio of the two speedups.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import torch
 
 from ..config import ConfigError, EngineConfig, resolve_model
 from ..speculative.config import SpeculativeConfig, acceptance_rates_for
-from .cli import int_list, positive_list
+from .cli import int_list, positive_list, sampling_settings
 from .decode import run_batch
 
 PROMPT_SEED = 4321       # prompt set s uses PROMPT_SEED + s: the same prompts for every configuration
@@ -136,29 +139,37 @@ def _measure(engine, B, prompt_sets, params, runs, refs, log, label) -> dict:
     return out
 
 
-def _synthetic(engine, drafter, B, k, lengths, widths, sets, params, runs, plain, rparams, log) -> list[dict]:
-    """The synthetic-acceptance configurations of one B and k (the engine's speculation enabled at k)."""
+def _synthetic(engine, drafter, B, k, lengths, widths, sets, modes, runs, rparams, log) -> list[dict]:
+    """The synthetic-acceptance configurations of one B and k (the engine's speculation enabled at k), each once
+    per mode: [(label suffix, SamplingParams, that mode's plain results by B)], greedy first."""
     out, sp = [], engine.spec
     for L in lengths:
         if not 1 <= L <= k + 1:
             continue
         for mode in widths:
-            label = f"synthetic {L:g} k={k} {mode}"
-            sp.drafter, sp.rates, sp.width_mode = drafter, acceptance_rates_for(L, k), mode
-            sp.stats["synthetic_acceptance_length"] = L
-            w0 = list(sp.stats["width_steps"])
-            try:
-                c = _measure(engine, B, sets[B], params, runs, None, log, label)
-                c.update(k=k, acceptance_length=L, width=mode,
-                         speedup_vs_plain=c["effective_tok_s_user"] / plain[B]["effective_tok_s_user"],
-                         width_steps=[a - b for a, b in zip(sp.stats["width_steps"], w0)])
-                v = c["median_verify_step_ms"]
-                c["verify_vs_plain_step"] = v / plain[B]["median_step_ms"] if v else None
-                c["routing"] = _routing(engine, sets[B][0], rparams, B)
-            except Exception as e:  # a failing configuration is reported, the sweep goes on
-                log(f"WARNING: {label} B={B} failed: {e!r}")
-                c = {"label": label, "k": k, "status": "error", "reason": repr(e), "traceback": traceback.format_exc()}
-            out.append(c)
+            greedy_speedup = None
+            for suffix, params, plain in modes:
+                label = f"synthetic {L:g} k={k} {mode}{suffix}"
+                sp.drafter, sp.rates, sp.width_mode = drafter, acceptance_rates_for(L, k), mode
+                sp.stats["synthetic_acceptance_length"] = L
+                w0 = list(sp.stats["width_steps"])
+                try:
+                    c = _measure(engine, B, sets[B], params, runs, None, log, label)
+                    c.update(k=k, acceptance_length=L, width=mode, sampled=not params.greedy,
+                             speedup_vs_plain=c["effective_tok_s_user"] / plain[B]["effective_tok_s_user"],
+                             width_steps=[a - b for a, b in zip(sp.stats["width_steps"], w0)])
+                    v = c["median_verify_step_ms"]
+                    c["verify_vs_plain_step"] = v / plain[B]["median_step_ms"] if v else None
+                    if params.greedy:
+                        greedy_speedup = c["speedup_vs_plain"]
+                        c["routing"] = _routing(engine, sets[B][0], rparams, B)
+                    elif greedy_speedup:
+                        c["vs_greedy_speedup"] = c["speedup_vs_plain"] / greedy_speedup
+                except Exception as e:  # a failing configuration is reported, the sweep goes on
+                    log(f"WARNING: {label} B={B} failed: {e!r}")
+                    c = {"label": label, "k": k, "status": "error", "reason": repr(e),
+                         "traceback": traceback.format_exc()}
+                out.append(c)
     sp.rates, sp.width_mode = None, "auto"
     sp.stats.pop("synthetic_acceptance_length", None)
     return out
@@ -245,7 +256,7 @@ def bench_spec(model: str, batch_sizes=(1, 2, 4), ks=(3,), spec_config=None, inp
                output_len: int = 128, pattern_len: int = 16, prompt_sets: int = 1, runs: int = 2,
                backend: str = "latency_specialized", dummy_weights: bool = False, oracle: bool = True,
                results_dir: str | None = "results", builder=None, log=print, acceptance_lengths=(),
-               widths=("auto", "full")) -> dict:
+               widths=("auto", "full"), sampling: dict | None = None) -> dict:
     from ..engine.request import SamplingParams
     from . import gpu
     base = SpeculativeConfig.parse(spec_config or {"method": "ngram", "num_speculative_tokens": max(ks)})
@@ -257,15 +268,17 @@ def bench_spec(model: str, batch_sizes=(1, 2, 4), ks=(3,), spec_config=None, inp
     engine, _ = builder(model, ecfg, dummy_weights=dummy_weights, log=log)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     rparams = SamplingParams(temperature=0.0, max_tokens=min(output_len, ROUTING_TOKENS), ignore_eos=True)
+    sparams = SamplingParams(max_tokens=output_len, ignore_eos=True, **sampling) if sampling else None
     copy = gpu.copy_bandwidth() if torch.cuda.is_available() else None  # the same run's floor, beside its figures
     result = {"kind": "spec_decode", "model": cfg.name, "metadata": gpu.run_metadata(), "copy_bandwidth": copy,
               "config": {"batch_sizes": list(batch_sizes), "ks": list(ks), "spec_config": vars(base), "input_len": input_len,
                          "output_len": output_len, "pattern_len": pattern_len, "prompt_sets": prompt_sets, "runs": runs,
                          "backend": backend, "dummy_weights": dummy_weights, "oracle": oracle,
-                         "acceptance_lengths": list(acceptance_lengths), "widths": list(widths)},
+                         "acceptance_lengths": list(acceptance_lengths), "widths": list(widths),
+                         "sampling": sampling or None},
               "batches": []}
     try:
-        sets, refs, plain = {}, {}, {}
+        sets, refs, plain, plain_sampled = {}, {}, {}, {}
         engine.enable_speculation(None)
         for B in batch_sizes:  # plain first: the reference outputs and the baseline of every B
             sets[B] = [repetitive_prompts(cfg.vocab_size, B, input_len, pattern_len, s) for s in range(prompt_sets)]
@@ -275,6 +288,11 @@ def bench_spec(model: str, batch_sizes=(1, 2, 4), ks=(3,), spec_config=None, inp
             plain[B] = _measure(engine, B, sets[B], params, runs, None, log, "plain")
             plain[B]["routing"] = _routing(engine, sets[B][0], rparams, B)
             result["batches"].append({"batch": B, "configs": [plain[B]]})
+            if sparams is not None:
+                plain_sampled[B] = _measure(engine, B, sets[B], sparams, runs, None, log, "plain sampled")
+                plain_sampled[B]["sampled"] = True
+                result["batches"][-1]["configs"].append(plain_sampled[B])
+        modes = [("", params, plain)] + ([(" sampled", sparams, plain_sampled)] if sparams is not None else [])
         for k in ks:  # one enable per k: the verify graphs (B, T = 2 .. k+1) are captured once
             try:
                 engine.enable_speculation(SpeculativeConfig(**dict(vars(base), num_speculative_tokens=k)), log=log)
@@ -308,8 +326,8 @@ def bench_spec(model: str, batch_sizes=(1, 2, 4), ks=(3,), spec_config=None, inp
                         log(f"WARNING: {label} B={B} failed: {e!r}")
                         c = {"label": label, "k": k, "status": "error", "reason": repr(e), "traceback": traceback.format_exc()}
                     entry["configs"].append(c)
-                entry["configs"] += _synthetic(engine, own, B, k, acceptance_lengths, widths, sets, params, runs, plain,
-                                               rparams, log)
+                entry["configs"] += _synthetic(engine, own, B, k, acceptance_lengths, widths, sets, modes, runs, rparams,
+                                               log)
             engine.enable_speculation(None)
     finally:
         result["engine_stats"] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in engine.stats.items()}
@@ -380,6 +398,11 @@ def add_bench_spec_parser(subparsers) -> argparse.ArgumentParser:
                    help="replayed requests sample at this temperature (default 0: greedy); the recorded token still wins")
     p.add_argument("--replay-top-p", type=float, default=1.0, help="their top_p (default 1)")
     p.add_argument("--results-dir", default="results", help="where the JSON goes (default results)")
+    g = p.add_argument_group("sampled rows: plain and each synthetic configuration measured greedy, then sampled")
+    g.add_argument("--temperature", type=float, default=None, help="> 0: sampled rows at this temperature")
+    g.add_argument("--top-p", type=float, default=None, help="their nucleus mass (default off)")
+    g.add_argument("--top-k", type=int, default=None, help="their top-k (default off)")
+    g.add_argument("--min-p", type=float, default=None, help="their min-p (default off)")
     p.set_defaults(func=run_bench_spec)
     return p
 
@@ -409,13 +432,17 @@ def run_bench_spec(args) -> int:
                       + (f", acceptance length {run_['acceptance_length']:.2f}" if run_["acceptance_length"] else "")
                       + (f", {run_['speedup_vs_plain']:.2f}x plain" if run_.get("speedup_vs_plain") else ""))
             return 0
+        try:
+            sampling = sampling_settings(args)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         widths = [w.strip() for w in args.widths.split(",") if w.strip()]
         if not widths or any(w not in ("auto", "full") for w in widths):
             raise ConfigError(f"--widths takes auto and/or full, got {args.widths!r}")
         r = bench_spec(args.model, args.batch_sizes, args.k, sc, args.input_len, args.output_len, args.pattern_len,
                        args.prompt_sets, args.runs, args.backend, args.dummy_weights, not args.no_oracle, args.results_dir,
                        log=lambda m: print(f"[peregrine] {m}", file=sys.stderr, flush=True),
-                       acceptance_lengths=args.acceptance_lengths, widths=widths)
+                       acceptance_lengths=args.acceptance_lengths, widths=widths, sampling=sampling)
     except json.JSONDecodeError as e:
         print(f"error: --speculative-config is not valid JSON: {e.msg}", file=sys.stderr)
         return 2
