@@ -182,7 +182,6 @@ def test_non_stream_disconnect_aborts(srv):
 BAD = [
     (b"{not json", "not valid JSON"),
     (b"[1, 2]", "JSON object"),
-    ({"model": "other", "prompt": "a"}, "does not exist"),
     ({"model": NAME, "prompt": 5}, "prompt"),
     ({"model": NAME, "prompt": ""}, "empty"),
     ({"model": NAME, "prompt": ["a", "b"]}, "one prompt"),
@@ -252,8 +251,18 @@ def test_openai_client_sees_bad_request(srv):
     with pytest.raises(openai.BadRequestError) as ei:
         srv.client.completions.create(model=NAME, prompt="a", max_tokens=0)
     assert "max_tokens" in str(ei.value)
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.NotFoundError):
         srv.client.completions.create(model="nope", prompt="a", max_tokens=1)
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"model": "other", "prompt": "a"}),
+                                       ("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "a"}]})])
+def test_unknown_model_is_404_model_not_found(srv, path, body):
+    """As OpenAI and vLLM answer it: 404, code model_not_found, OpenAI's error body."""
+    r = _post(srv, path, body)
+    assert r.status_code == 404, r.text
+    assert r.json() == {"error": {"message": "The model `other` does not exist: this server serves `tiny`",
+                                  "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
 
 
 # ---------------------------------------------------------------- metrics

@@ -16,6 +16,13 @@ tokens inside the step from StepInput.sampling, keyed by seed and position like 
 add_request/abort may come from other threads (the server's event loop) while step()
 runs in the engine thread: they only touch a lock-guarded pending queue, drained at the
 start of step() (or at once by abort() when no step is running).
+
+One request's fault fails that request alone (finish_reason "error", RequestOutput.error says what): its
+settings are checked when it is added (SamplingParams.validate), and an error raised while preparing its
+row of a step (the batch's sampling and penalty tensors: the rows are then checked one by one, _drop_faulty),
+drawing its token (the batch's draw is then redone row by row, _sample_each: a row's draw never depends on
+its batch) or matching its stops and text (_accept_all) finishes it and the rest of the batch goes on. The
+normal path pays nothing for this (try blocks only). An error no one row explains still raises from step().
 """
 from __future__ import annotations
 
@@ -118,7 +125,7 @@ class LLMEngine:
         self._unreturned: list[RequestOutput] = []        # abort outputs made outside step()
         self.last_step: StepInfo | None = None
         self.stats = {"steps_by_path": Counter(), "fallback_reasons": {}, "prompt_tokens": 0,
-                      "generation_tokens": 0, "finished_requests": 0, "aborted_requests": 0,
+                      "generation_tokens": 0, "finished_requests": 0, "aborted_requests": 0, "failed_requests": 0,
                       "lookahead_steps": 0, "lookahead_discarded_tokens": 0,
                       "prefix_cache": self.prefix_cache.stats,
                       "step_kinds": {}}  # decode / prefill / mixed: steps, host seconds, prompt tokens
@@ -263,6 +270,31 @@ class LLMEngine:
                 log.exception("on_token callback of request %s raised", seq.request_id)
         return out
 
+    def _fail(self, seq: Sequence, exc: BaseException) -> RequestOutput:
+        """Finish one request because serving it raised (its own fault): its cache back, an output with
+        finish_reason "error" (returned by this step), the rest of the batch untouched."""
+        log.error("request %s failed: %s: %s", seq.request_id, type(exc).__name__, exc, exc_info=exc)
+        seq.finish_reason, seq.error = "error", f"{type(exc).__name__}: {exc}"
+        self.stats["failed_requests"] += 1
+        if not self._in_flight(seq):  # a chunk in flight gives its cache back after its last piece
+            self.scheduler.remove(seq)
+        if self.spec is not None:
+            self.spec.release(seq)
+        with self._lock:
+            self._live.pop(seq.request_id, None)
+        try:
+            out = seq.output([])
+        except Exception:  # its text or logprobs are what failed: the tokens alone
+            out = RequestOutput(seq.request_id, seq.prompt_len, [], seq.output_token_ids, True, "error")
+        out.error = seq.error
+        self._unreturned.append(out)  # returned by this step (only step-lock holders touch the list)
+        if seq.on_token is not None:
+            try:
+                seq.on_token(out)
+            except Exception:
+                log.exception("on_token callback of request %s raised", seq.request_id)
+        return out
+
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         """min_tokens: an end or stop id can be token min_tokens + 1 at the earliest, a stop string's
         last token token min_tokens."""
@@ -295,6 +327,8 @@ class LLMEngine:
             new, path = self._launch(plan)
             n_new = self._accept_all(new, outputs)
             self._account(plan, path, n_new, time.perf_counter() - t0)
+            if self._unreturned:  # requests this step failed (_fail)
+                outputs, self._unreturned = outputs + self._unreturned, []
             return outputs
 
     def _plan(self) -> StepPlan | None:
@@ -350,10 +384,15 @@ class LLMEngine:
         """Accept: each sequence's new tokens through its stops and text; -> tokens appended."""
         n_new = 0
         for seq, toks in new:
-            if seq.finished:  # stopped or aborted after this forward was launched ahead
-                self.stats["lookahead_discarded_tokens"] += len(toks)
+            if seq.finished:  # stopped or aborted after this forward was launched ahead (or failed this step)
+                if seq.finish_reason != "error":
+                    self.stats["lookahead_discarded_tokens"] += len(toks)
                 continue
-            out = self._accept(seq, toks)
+            try:
+                out = self._accept(seq, toks)
+            except Exception as e:  # its stops, text or logprobs: this request alone fails
+                self._fail(seq, e)
+                continue
             n_new += len(out.new_token_ids)
             outputs.append(out)
         return n_new
@@ -476,7 +515,13 @@ class LLMEngine:
         ahead); sample the sequences now fully cached. -> (sequence, tokens) rows and the path.
         during: called once, as early as the tokens allow (see _complete); its rows are added."""
         if ahead is None:
-            step, last, snaps = self._build_step(batch)
+            try:
+                step, last, snaps = self._build_step(batch)
+            except Exception as e:  # a row's settings the batch's tensors cannot hold: that request fails
+                batch = self._drop_faulty(batch, e)
+                if not batch:
+                    return (during() if during else []), "standard"
+                step, last, snaps = self._build_step(batch)
             logits = logprobs.split_prompt_rows(batch, self._forward(step, last[-1] + 1), last)
             if self.spec is not None:  # the drafter's setup for new requests while their prefill runs
                 self.spec.prepare([s for s, _ in batch if s.in_prefill])
@@ -627,11 +672,67 @@ class LLMEngine:
 
     @_traced("sample")
     def _sample(self, seqs: list[Sequence], logits) -> list[int]:
-        # each draw keyed by (seed, the position of the token drawn): len(token_ids) before it is appended
-        toks = sample(penalties.process(logits, seqs, self.eos_ids), [s.params for s in seqs],
-                      [s.seed for s in seqs], [len(s.token_ids) for s in seqs])
-        logprobs.record(seqs, logits, toks)  # raw logits: the model's distribution
+        """A token per row; a row whose own draw raises fails its request (its token is then -1, never
+        accepted: the request is finished)."""
+        try:
+            # each draw keyed by (seed, the position of the token drawn): len(token_ids) before it is appended
+            toks = sample(penalties.process(logits, seqs, self.eos_ids), [s.params for s in seqs],
+                          [s.seed for s in seqs], [len(s.token_ids) for s in seqs])
+            logprobs.record(seqs, logits, toks)  # raw logits: the model's distribution
+        except Exception as e:
+            return self._sample_each(seqs, logits, e)
         return toks
+
+    def _sample_each(self, seqs: list[Sequence], logits, exc: Exception) -> list[int]:
+        """After the batch's draw raised: each row drawn alone, which gives the token the batch would have
+        (a draw depends on its row's logits, settings, seed and position only) and nothing is kept from the
+        failed attempt (penalties work on a copy, logprobs are recorded after the draw). The rows that raise
+        alone fail their requests; if none does, the batch's error was nobody's: logged, and every row goes on."""
+        toks, failed = [], []
+        for i, s in enumerate(seqs):
+            row = logits[i:i + 1]
+            try:
+                t = sample(penalties.process(row, [s], self.eos_ids), [s.params], [s.seed], [len(s.token_ids)])
+                logprobs.record([s], row, t)
+                toks.append(t[0])
+            except Exception as e:
+                failed.append((s, e))
+                toks.append(-1)
+        if not failed:
+            log.error("a batch's draw raised but each of its %d rows drew alone", len(seqs), exc_info=exc)
+        for s, e in failed:
+            self._fail(s, e)
+        return toks
+
+    def _drop_faulty(self, batch, exc: Exception):
+        """After building a step's input raised: the rows whose own settings cannot be prepared fail their
+        requests (_row_fault) -> the rest of the batch, which the caller builds again (if that raises too, the
+        error is the batch's and fails the step)."""
+        faults = [(s, n, self._row_fault(s)) for s, n in batch]
+        if all(f is None for _, _, f in faults):
+            log.warning("building a step raised, and none of its %d rows alone: building it again (%s: %s)",
+                        len(batch), type(exc).__name__, exc)
+        for s, _, f in faults:
+            if f is not None:
+                self._fail(s, f)
+        return [(s, n) for s, n, f in faults if f is None]
+
+    def _row_fault(self, seq: Sequence) -> Exception | None:
+        """Why this row alone cannot be prepared for a step, or None: its settings checked again (validate, which
+        also puts equivalent spellings in their usual form) and made into the host tensors a step makes of them
+        (sampling, penalties, seed, position, tokens). Only run after a batched build raised, so it costs
+        nothing on the normal path."""
+        p = seq.params
+        try:
+            p.validate(self.model_cfg.vocab_size)
+            torch.tensor([p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty,
+                          p.presence_penalty], dtype=torch.float32)
+            torch.tensor([p.top_k], dtype=torch.int32)
+            torch.tensor([seq.seed, len(seq.token_ids), seq.prompt_len + p.min_tokens], dtype=torch.int64)
+            torch.tensor(penalties.ban_ids(p, self.eos_ids) + seq.token_ids, dtype=torch.long)
+        except Exception as e:
+            return e
+        return None
 
     @_traced("accept")
     def _accept(self, seq: Sequence, toks: list[int]) -> RequestOutput:
@@ -651,15 +752,19 @@ class LLMEngine:
         return self._emit(seq, kept)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
-        """Run the prompts to completion; their output token ids, in prompt order."""
+        """Run the prompts to completion; their output token ids, in prompt order. A request that failed
+        (finish_reason "error") raises RuntimeError once all have finished."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise RequestError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         results: dict[str, list[int]] = {}
+        errors: dict[str, str | None] = {}
 
         def done(out: RequestOutput) -> None:
             if out.finished:
                 results[out.request_id] = out.output_token_ids
+                if out.finish_reason == "error":
+                    errors[out.request_id] = out.error
 
         ids: list[str] = []
         try:
@@ -673,6 +778,9 @@ class LLMEngine:
             if not self.has_unfinished():
                 raise RuntimeError("engine has no unfinished requests but some outputs are missing")
             self.step()
+        for n, i in enumerate(ids):
+            if i in errors:
+                raise RuntimeError(f"request {n} of {len(ids)} failed: {errors[i]}")
         return [results[i] for i in ids]
 
 

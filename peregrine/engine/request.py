@@ -12,7 +12,19 @@ from .penalties import PENALTY_RANGE, needs_processing
 
 
 class RequestError(ValueError):
-    """A user mistake in a request; the message names the problem."""
+    """A user mistake in a request; the message names the problem, `param` the setting (None: no one setting)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+INT64 = (-2**63, 2**63 - 1)  # a seed is an int64 on the device (the sampler keys its draws by it)
+GREEDY_BELOW = 1e-5          # a temperature below this is greedy, as vLLM takes it (far below, logits / T overflow FP32)
+MAX_TEMPERATURE = 1e6        # the sampler divides FP32 logits by the temperature: kept far inside FP32's range
+REPETITION_RANGE = (1e-6, 1e6)  # repetition_penalty multiplies or divides FP32 logits: the same reason
+MAX_STOP_TOKEN_IDS = 64      # stop_token_ids per request: each generated token is checked against them
+MAX_STOP_CHARS = 256         # longest stop string: the text held back and searched per token grows with it
 
 
 def _is_int(x) -> bool:
@@ -51,37 +63,52 @@ class SamplingParams:
         return self.greedy and self.logprobs is None and not needs_processing(self)
 
     def validate(self, vocab_size: int) -> None:
-        if not _is_num(self.temperature) or self.temperature < 0:
-            raise RequestError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        """Every setting in the range the engine's tensors and arithmetic can carry (RequestError names the one
+        that is not); normalises equivalent spellings: top_k -1 or >= vocab_size (every token) to 0 (off), a
+        temperature below GREEDY_BELOW to 0 (greedy)."""
+        if not _is_num(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise RequestError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}",
+                               "temperature")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise RequestError(f"top_k must be an int >= 1, or 0 or -1 for off, got {self.top_k!r}")
-        if self.top_k == -1:
+            raise RequestError(f"top_k must be an int >= 1, or 0 or -1 for off, got {self.top_k!r}", "top_k")
+        if self.top_k == -1 or self.top_k >= vocab_size:
             self.top_k = 0
         if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
-            raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise RequestError(f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise RequestError(f"seed must be an int or None, got {self.seed!r}")
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
+        lo, hi = REPETITION_RANGE
+        if not _is_num(self.repetition_penalty) or not lo <= self.repetition_penalty <= hi:
+            raise RequestError(f"repetition_penalty must be a number in [{lo:g}, {hi:g}] (1 = off), got "
+                               f"{self.repetition_penalty!r}", "repetition_penalty")
+        if self.seed is not None and (not _is_int(self.seed) or not INT64[0] <= self.seed <= INT64[1]):
+            raise RequestError(f"seed must be an int in [-2^63, 2^63 - 1] or None, got {self.seed!r}", "seed")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+            raise RequestError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}", "max_tokens")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestError(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids")
         bad = [t for t in self.stop_token_ids if not _is_int(t) or not 0 <= t < vocab_size]
         if bad:
-            raise RequestError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {bad[:5]}")
+            raise RequestError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {bad[:5]}", "stop_token_ids")
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) and x for x in self.stop):
-            raise RequestError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+            raise RequestError(f"stop must be a list of non-empty strings, got {self.stop!r}", "stop")
+        long = [x for x in self.stop if len(x) > MAX_STOP_CHARS]
+        if long:
+            raise RequestError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {len(long[0])}",
+                               "stop")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise RequestError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+            raise RequestError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
+                               "min_tokens")
         for k in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, k)
             if not _is_num(v) or not PENALTY_RANGE[0] <= v <= PENALTY_RANGE[1]:
-                raise RequestError(f"{k} must be a number in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}], got {v!r}")
+                raise RequestError(f"{k} must be a number in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}], got {v!r}", k)
         for k in ("logprobs", "prompt_logprobs"):
             v = getattr(self, k)
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
-                raise RequestError(f"{k} must be an int in [0, {MAX_LOGPROBS}] or None, got {v!r}")
+                raise RequestError(f"{k} must be an int in [0, {MAX_LOGPROBS}] or None, got {v!r}", k)
 
 
 @dataclass
@@ -91,12 +118,13 @@ class RequestOutput:
     new_token_ids: list[int]        # produced in this step
     output_token_ids: list[int]     # all produced so far (a stop/eos token is included)
     finished: bool
-    finish_reason: str | None       # "stop" | "length" | "abort"
+    finish_reason: str | None       # "stop" | "length" | "abort" | "error" (serving it failed: `error` says why)
     text_delta: str | None = None   # output text made final by this step (None: the engine has no tokenizer)
     text: str | None = None         # the whole output text, once finished (cut before a stop string)
     stop_str: str | None = None     # the stop string that ended it
     logprobs: list | None = None    # TokenLogprob of each of new_token_ids (when asked for)
     prompt_logprobs: list | None = None  # TokenLogprob of each prompt token (None first), with the first output
+    error: str | None = None        # finish_reason "error": what failed while serving this request
 
 
 @dataclass
@@ -127,6 +155,7 @@ class Sequence:
         self.prompt_hashes: list[int] | None = None  # the prompt's chain hashes as far as a lookup needed them
         self.decode_snap: tuple[int, int] | None = None  # (snapshot, block) of its latest decode-time snapshot
         self.finish_reason: str | None = None
+        self.error: str | None = None     # finish_reason "error": what failed (engine._fail)
         self.text = None                  # stops.TextState when the engine detokenizes
         self.pending_logprobs: list = []  # logprobs of sampled tokens not emitted yet
         self.prompt_logprobs: list | None = [None] * len(prompt) if params.prompt_logprobs is not None else None

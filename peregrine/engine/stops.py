@@ -59,6 +59,7 @@ class TextState:
         self.detok = Detokenizer(tokenizer)
         self.stops = tuple(stop)
         self.keep = max((len(s) for s in self.stops), default=1) - 1  # tail chars a stop string may start in
+        self.firsts = frozenset(s[0] for s in self.stops)
         self.window = ""        # the last `keep` chars of the text: matches across token boundaries
         self.pending = ""       # text not handed out yet; its first `ready` chars are final
         self.ready = 0
@@ -100,11 +101,13 @@ class TextState:
         return best
 
     def _held(self) -> int:
-        """Length of the longest tail of the text that begins some stop string: it may yet become one."""
+        """Length of the longest tail of the text that begins some stop string: it may yet become one. Only
+        tails starting with some stop string's first character are compared (a scan per character, not a
+        comparison with every stop string)."""
         t = self.window
-        for n in range(min(self.keep, len(t)), 0, -1):
-            if any(s.startswith(t[-n:]) for s in self.stops):
-                return n
+        for i in range(max(0, len(t) - self.keep), len(t)):
+            if t[i] in self.firsts and any(s.startswith(t[i:]) for s in self.stops):
+                return len(t) - i
         return 0
 
     def finish(self) -> None:

@@ -2,8 +2,11 @@
 streaming with usage), /v1/models, /health, /metrics.
 
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}:
-400 malformed or unsupported request, 429 queue full (--max-queue waiting
-requests), 500 engine failure (the server keeps serving), 503 engine thread dead.
+400 malformed or unsupported request (param: the field), 404 unknown model
+(code "model_not_found"), 413 body over --max-body-bytes, 429 queue full
+(--max-queue waiting requests), 500 engine failure (the server keeps serving:
+a failure the engine pins on one request fails that request alone, one it
+cannot fails the requests in flight), 503 engine thread dead.
 A client that disconnects aborts its request, which frees its slot and blocks.
 Text excludes the final eos/stop token (usage and token_ids count it) and is cut
 before a stop string. n > 1: n engine requests, one per choice, on one queue.
@@ -25,11 +28,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..engine.request import RequestError
 from .async_engine import AsyncEngine, EngineStepError
 from .chat import ChatTemplate
-from .limits import DEFAULT_MAX_QUEUE
+from .limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 from .metrics import CONTENT_TYPE, Metrics
 from .logprob_format import LogprobFormatter, prompt_entries
 from .protocol import (DEFAULT_COMPLETION_TOKENS, APIError, completion_prompt_ids, error_body, new_id, now,
-                       parse_common, usage)
+                       parse_common, parse_json, usage)
 
 log = logging.getLogger(__name__)
 REPLACEMENT = "\ufffd"   # what a cut multi-byte character decodes to: held back until complete
@@ -68,8 +71,9 @@ class Tracker:
         self.ids = list(out.output_token_ids)
         if out.finished:
             self.finish_reason = out.finish_reason
-            m.success(out.finish_reason or "unknown")
-            if out.finish_reason != "abort":
+            if out.finish_reason != "error":  # answered as an error (counted there)
+                m.success(out.finish_reason or "unknown")
+            if out.finish_reason not in ("abort", "error"):
                 m.e2e.observe(stamp - self.arrival)
         self.logprobs += getattr(out, "logprobs", None) or []
         if getattr(out, "prompt_logprobs", None) is not None:
@@ -94,9 +98,10 @@ class Tracker:
 
 class ServerState:
     def __init__(self, engine, tokenizer, served_model_name: str, max_queue: int, chat_template: ChatTemplate,
-                 defaults=None):
+                 defaults=None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.engine, self.tokenizer, self.name = engine, tokenizer, served_model_name
         self.max_queue, self.chat_template, self.defaults = max_queue, chat_template, defaults
+        self.max_body_bytes = max_body_bytes
         self.metrics = Metrics(engine, served_model_name)
         self.aeng = AsyncEngine(engine, on_step_error=lambda e: self.metrics.engine_errors.inc())
         self.max_model_len = engine.max_model_len
@@ -117,9 +122,11 @@ def sse(obj) -> str:
 
 
 def create_app(engine, tokenizer, served_model_name: str, max_queue: int = DEFAULT_MAX_QUEUE,
-               chat_template: ChatTemplate | None = None, defaults=None) -> FastAPI:
+               chat_template: ChatTemplate | None = None, defaults=None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """defaults: the model's GenerationConfig (sampling defaults for requests that set none)."""
-    st = ServerState(engine, tokenizer, served_model_name, max_queue, chat_template or ChatTemplate(), defaults)
+    st = ServerState(engine, tokenizer, served_model_name, max_queue, chat_template or ChatTemplate(), defaults,
+                     max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -168,15 +175,27 @@ def _echo_text(st: ServerState, body: dict, ids: list[int]) -> str:
     return p if isinstance(p, str) else st.tokenizer.decode(ids)
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 as soon as it is known to pass `limit` bytes (by its Content-Length, or while read)."""
+    def too_big(n: str) -> APIError:
+        return APIError(413, f"request body is {n} bytes; this server takes at most {limit} (--max-body-bytes)")
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise too_big(size)
+    parts, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise too_big(f"more than {limit}")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 async def handle(st: ServerState, request: Request, chat: bool):
     arrival = time.perf_counter()
     rids: list[str] = []
     try:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(400, f"request body is not valid JSON: {e}") from None
+        body = parse_json(await read_body(request, st.max_body_bytes))
         if chat:
             if not isinstance(body, dict):
                 raise APIError(400, "request body must be a JSON object")
@@ -204,7 +223,7 @@ async def handle(st: ServerState, request: Request, chat: bool):
             for r in rids[:-1]:  # all choices or none
                 st.aeng.abort(r)
                 st.aeng.release(r)
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), e.param) from None
     except APIError as e:
         return err(st, e)
     st.metrics.prompt_tokens.inc(len(req.prompt_ids) * req.n)
@@ -265,6 +284,11 @@ async def stream(st, q, trs: dict, req, base, chat, echo: str | None):
             tr = trs.get(out.request_id)
             if tr is None or out.request_id in done:
                 continue
+            if out.finish_reason == "error":  # this request's own failure: the others in the batch go on
+                st.metrics.error(500)
+                failed = True
+                yield sse(error_body(_failed(out), "server_error"))
+                break
             first = out.request_id not in started
             started.add(out.request_id)
             n_lp = len(tr.logprobs)
@@ -287,6 +311,10 @@ async def stream(st, q, trs: dict, req, base, chat, echo: str | None):
         yield "data: [DONE]\n\n"
     finally:  # runs on normal end, on error and when the client disconnects (task cancelled)
         _cleanup(st, trs, done, failed)
+
+
+def _failed(out) -> str:
+    return f"request failed in the engine: {out.error}"
 
 
 def _cleanup(st, trs: dict, done: set, failed: bool) -> None:
@@ -321,6 +349,9 @@ async def collect(st, request, q, trs: dict, req, base, chat, echo: str | None):
             tr = trs.get(out.request_id)
             if tr is None or out.request_id in done:
                 continue
+            if out.finish_reason == "error":  # this request's own failure: the others in the batch go on
+                failed = True
+                return err(st, APIError(500, _failed(out), type_="server_error"))
             tr.update(stamp, out)
             if out.finished:
                 done.add(out.request_id)

@@ -3,8 +3,10 @@
 The thread steps while any request is unfinished and otherwise sleeps on an
 Event that add() sets. Tokens travel back through the engine's on_token
 callback, which hands (timestamp, output) to the request's asyncio.Queue with
-loop.call_soon_threadsafe. A step that raises fails every in-flight request
-with an EngineStepError (logged with its traceback) and the thread keeps serving.
+loop.call_soon_threadsafe. A failure the engine pins on one request arrives as
+that request's output (finish_reason "error"); a step that still raises fails
+every in-flight request with an EngineStepError (logged with its traceback) and
+the thread keeps serving.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import sys
 
 from ..bench.cli import int_list  # one parser for comma lists
 from ..engine_args import add_engine_args, engine_config
-from .limits import DEFAULT_DRAIN_S, DEFAULT_MAX_QUEUE
+from .limits import DEFAULT_DRAIN_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -25,6 +25,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=None, help="model name clients use (default: the --model value)")
     g.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help=f"waiting requests beyond which new ones get 429 (default {DEFAULT_MAX_QUEUE})")
+    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest request body; a larger one gets 413 (default {DEFAULT_MAX_BODY_BYTES >> 20} MiB)")
     g.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_S,
                    help=f"seconds SIGTERM waits for in-flight requests (default {DEFAULT_DRAIN_S:g})")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -44,6 +46,8 @@ def cmd_serve(args) -> int:
 
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_body_bytes < 1:
+        raise ConfigError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     if args.drain_timeout < 0:
@@ -64,7 +68,8 @@ def cmd_serve(args) -> int:
         f"end ids {list(engine.model_cfg.eos_token_ids)}, max queue {args.max_queue})")
     if (gen.temperature, gen.top_p, gen.top_k) != (None, None, None):
         log(f"sampling defaults from generation_config.json: temperature {gen.temperature}, top_p {gen.top_p}, top_k {gen.top_k}")
-    app = create_app(engine, tok, name, max_queue=args.max_queue, chat_template=tmpl, defaults=gen)
+    app = create_app(engine, tok, name, max_queue=args.max_queue, chat_template=tmpl, defaults=gen,
+                     max_body_bytes=args.max_body_bytes)
     # uvicorn turns SIGTERM into a graceful shutdown (stop accepting, finish in-flight requests), then
     # re-raises it to the handler that was there before: a no-op one makes a clean drain exit 0
     signal.signal(signal.SIGTERM, lambda *_: None)

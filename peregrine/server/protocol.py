@@ -16,16 +16,22 @@ best_of other than n, suffix, logit_bias, tools / tool_choice /
 functions, response_format other than text, echo in chat, more than one prompt.
 Any other unknown field (user, metadata, store, service_tier, ...) is ignored.
 Every string of the request must be valid Unicode: a lone surrogate (JSON "\\ud800") is a 400.
+Every number must be one the engine can carry: a float field that is not finite (NaN and Infinity, which
+Python's JSON parser accepts, or 1e400) or whose integer overflows a float, an integer outside its range
+(seed: int64, and seed + n - 1 too), is a 400 naming the field. An unknown model is a 404
+(code "model_not_found"), as OpenAI and vLLM answer it.
 """
 from __future__ import annotations
 
+import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
 
 from ..engine.logprobs import MAX_LOGPROBS
 from ..engine.penalties import PENALTY_RANGE
-from ..engine.request import SamplingParams
+from ..engine.request import INT64, MAX_STOP_TOKEN_IDS, RequestError, SamplingParams
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 DEFAULT_TEMPERATURE = 1.0       # OpenAI's default: clients wanting greedy pass temperature=0
@@ -60,13 +66,71 @@ def _is_num(x) -> bool:
     return _is_int(x) or isinstance(x, float)
 
 
+def _number(body: dict, key: str, default: float) -> float:
+    """A float setting: a JSON number that is finite as a float (not NaN / Infinity / 1e400, nor an integer
+    too large for a float)."""
+    v = body.get(key)
+    if v is None:
+        return float(default)
+    if not _is_num(v):
+        raise bad(f"'{key}' is out of range: {v!r}" if isinstance(v, HugeInt) else f"'{key}' must be a number, got {v!r}",
+                  key)
+    try:
+        f = float(v)
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):
+        raise bad(f"'{key}' must be a finite number, got {_short(v)}", key)
+    return f
+
+
+def _short(v) -> str:
+    """A value for a message: a huge integer by its size, not its digits."""
+    if _is_int(v) and abs(v) > 10**30:
+        return f"an integer of {len(str(abs(v)))} digits"
+    return repr(v)
+
+
 def _get(body: dict, key: str, check, what: str, default=None):
     v = body.get(key)
     if v is None:
         return default
     if not check(v):
-        raise bad(f"'{key}' must be {what}, got {v!r}", key)
+        raise bad(f"'{key}' is out of range: {v!r}" if isinstance(v, HugeInt) else f"'{key}' must be {what}, got {v!r}",
+                  key)
     return v
+
+
+class HugeInt:
+    """What parse_json puts where the body has an integer too long for Python to convert (4300+ digits):
+    any field that is one answers a 400 naming it; an ignored field may be one."""
+    MAX_DIGITS = 4000
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"an integer of {self.digits} digits"
+
+
+def _int_or_huge(s: str):
+    return int(s) if len(s) <= HugeInt.MAX_DIGITS else HugeInt(len(s.lstrip("-")))
+
+
+def parse_json(raw: bytes):
+    """The request body as JSON, or a 400: not JSON, or nested deeper than the parser can go. NaN and
+    Infinity (which Python's parser accepts) come through as floats: the fields refuse them by name."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise bad("request body is nested too deeply to parse") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"request body is not valid JSON: {e}") from None
+    except ValueError as e:  # an integer past Python's conversion limit: parse again, marking it
+        try:
+            return json.loads(raw, parse_int=_int_or_huge)
+        except (ValueError, RecursionError):
+            raise bad(f"request body is not valid JSON: {e}") from None
 
 
 def _reject_unsupported(body: dict, chat: bool) -> None:
@@ -88,21 +152,28 @@ def _reject_unsupported(body: dict, chat: bool) -> None:
     off("response_format", lambda v: isinstance(v, dict) and v.get("type") == "text")
 
 
+_NUMBERS = frozenset((int, float, bool, type(None)))  # JSON values with no string inside
+
+
 def check_unicode(v, path: str = "") -> None:
-    """Every string in the body must encode as UTF-8: JSON lets a lone surrogate through ("\\ud800")."""
-    if isinstance(v, str):
-        try:
-            v.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise bad(f"'{path or 'body'}' is not valid Unicode text: it holds a lone surrogate "
-                      f"U+{ord(v[e.start]):04X} at character {e.start}", path.split(".")[0].split("[")[0] or None) from None
-    elif isinstance(v, dict):
-        for k, x in v.items():
-            check_unicode(k, path)
-            check_unicode(x, f"{path}.{k}" if path else str(k))
-    elif isinstance(v, list):
-        for i, x in enumerate(v):
-            check_unicode(x, f"{path}[{i}]")
+    """Every string in the body must encode as UTF-8: JSON lets a lone surrogate through ("\\ud800").
+    A walk with its own stack: a body nested as deep as the parser allows cannot overflow Python's."""
+    todo = [(v, path)]
+    while todo:
+        v, path = todo.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad(f"'{path or 'body'}' is not valid Unicode text: it holds a lone surrogate "
+                          f"U+{ord(v[e.start]):04X} at character {e.start}",
+                          path.split(".")[0].split("[")[0] or None) from None
+        elif isinstance(v, dict):
+            for k, x in reversed(v.items()):
+                todo.append((x, f"{path}.{k}" if path else str(k)))
+                todo.append((k, path))
+        elif isinstance(v, list) and not _NUMBERS.issuperset(map(type, v)):  # a prompt of token ids: no look
+            todo.extend((x, f"{path}[{i}]") for i, x in reversed(list(enumerate(v))) if isinstance(x, (str, dict, list)))
 
 
 @dataclass
@@ -150,7 +221,7 @@ def _logprobs(body, chat: bool) -> tuple[bool, int]:
             raise bad(f"'logprobs' must be an integer (alternatives per token) or null, got {lp!r}", "logprobs")
         on, k, key = lp is not None, lp or 0, "logprobs"
     if not 0 <= k <= MAX_LOGPROBS:
-        raise bad(f"'{key}' must be in [0, {MAX_LOGPROBS}], got {k}", key)
+        raise bad(f"'{key}' must be in [0, {MAX_LOGPROBS}], got {_short(k)}", key)
     return on, k
 
 
@@ -163,12 +234,12 @@ def parse_common(body, served_model: str, max_model_len: int, vocab_size: int,
     check_unicode(body)
     model = _get(body, "model", lambda v: isinstance(v, str), "a string", served_model)
     if model != served_model:
-        raise APIError(400, f"model '{model}' does not exist: this server serves '{served_model}'", "model",
+        raise APIError(404, f"The model `{model}` does not exist: this server serves `{served_model}`", "model",
                        code="model_not_found")
     _reject_unsupported(body, chat)
     n = _get(body, "n", _is_int, "an integer", 1)
     if not 1 <= n <= MAX_N:
-        raise bad(f"'n' must be in [1, {MAX_N}], got {n}", "n")
+        raise bad(f"'n' must be in [1, {MAX_N}], got {_short(n)}", "n")
     echo = False if chat else _get(body, "echo", lambda v: isinstance(v, bool), "true or false", False)
     logprobs_on, top_k_lp = _logprobs(body, chat)
     stream = _get(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
@@ -177,14 +248,15 @@ def parse_common(body, served_model: str, max_model_len: int, vocab_size: int,
     if not isinstance(include_usage, bool):
         raise bad(f"'stream_options.include_usage' must be true or false, got {include_usage!r}", "stream_options")
     ids = prompt_ids_fn(body)
+    pkey = "messages" if chat else "prompt"  # where the prompt came from
     if not ids:
-        raise bad("prompt is empty: at least one token is needed", "prompt")
+        raise bad("prompt is empty: at least one token is needed", pkey)
     bad_ids = [t for t in ids if not 0 <= t < vocab_size]
     if bad_ids:
-        raise bad(f"prompt token ids must be in [0, {vocab_size}), got {bad_ids[:5]}", "prompt")
+        raise bad(f"prompt token ids must be in [0, {vocab_size}), got [{', '.join(map(_short, bad_ids[:5]))}]", pkey)
     if len(ids) >= max_model_len:
-        raise bad(f"prompt is {len(ids)} tokens but the model's limit is {max_model_len} tokens "
-                  "(prompt plus at least one generated token)", "prompt")
+        raise bad(f"prompt{' (the messages)' if chat else ''} is {len(ids)} tokens but the model's limit is "
+                  f"{max_model_len} tokens (prompt plus at least one generated token)", pkey)
     mt_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _get(body, mt_key, _is_int, "an integer", None)
     if max_tokens is None:
@@ -193,41 +265,52 @@ def parse_common(body, served_model: str, max_model_len: int, vocab_size: int,
     if echo_only:
         max_tokens = 1  # the engine samples one token, which the answer leaves out
     if max_tokens <= 0:
-        raise bad(f"'{mt_key}' must be >= 1 (0 only with echo), got {max_tokens}", mt_key)
+        raise bad(f"'{mt_key}' must be >= 1 (0 only with echo), got {_short(max_tokens)}", mt_key)
     if len(ids) + max_tokens > max_model_len:
-        raise bad(f"prompt ({len(ids)} tokens) plus {mt_key} ({max_tokens}) exceeds the model's limit of "
+        raise bad(f"prompt ({len(ids)} tokens) plus {mt_key} ({_short(max_tokens)}) exceeds the model's limit of "
                   f"{max_model_len} tokens", mt_key)
     dflt = lambda key, fallback: fallback if defaults is None or getattr(defaults, key) is None else getattr(defaults, key)  # noqa: E731
     top_k = _get(body, "top_k", _is_int, "an integer (0 or -1 = off)", dflt("top_k", 0))
     stop_ids = _get(body, "stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(t) for t in v),
                     "a list of token ids", [])
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad(f"'stop_token_ids' has {len(stop_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are supported",
+                  "stop_token_ids")
+    seed = _get(body, "seed", _is_int, "an integer", None)
+    if seed is not None and not INT64[0] <= seed <= INT64[1] - (n - 1):
+        why = "" if n == 1 else f" (choice i samples with seed + i: seed + {n - 1} must fit too)"
+        raise bad(f"'seed' must be in [-2^63, 2^63 - 1]{why}, got {_short(seed)}", "seed")
     min_tokens = _get(body, "min_tokens", _is_int, "an integer", 0)
     if not 0 <= min_tokens <= max_tokens:
-        raise bad(f"'min_tokens' must be in [0, {mt_key}={max_tokens}], got {min_tokens}", "min_tokens")
+        raise bad(f"'min_tokens' must be in [0, {mt_key}={max_tokens}], got {_short(min_tokens)}", "min_tokens")
     pen = {}
     for k in ("presence_penalty", "frequency_penalty"):
-        pen[k] = float(_get(body, k, _is_num, "a number", 0.0))
+        pen[k] = _number(body, k, 0.0)
         if not PENALTY_RANGE[0] <= pen[k] <= PENALTY_RANGE[1]:
             raise bad(f"'{k}' must be in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}], got {pen[k]:g}", k)
-    min_p = float(_get(body, "min_p", _is_num, "a number", 0.0))
+    min_p = _number(body, "min_p", 0.0)
     if not 0 <= min_p <= 1:
         raise bad(f"'min_p' must be in [0, 1], got {min_p:g}", "min_p")
-    rep = float(_get(body, "repetition_penalty", _is_num, "a number", 1.0))
+    rep = _number(body, "repetition_penalty", 1.0)
     if rep <= 0:
         raise bad(f"'repetition_penalty' must be > 0 (1 = off), got {rep:g}", "repetition_penalty")
     if top_k < -1:
-        raise bad(f"'top_k' must be >= 1, or 0 or -1 for off, got {top_k}", "top_k")
+        raise bad(f"'top_k' must be >= 1, or 0 or -1 for off, got {_short(top_k)}", "top_k")
     params = SamplingParams(
-        temperature=float(_get(body, "temperature", _is_num, "a number", dflt("temperature", DEFAULT_TEMPERATURE))),
-        top_p=float(_get(body, "top_p", _is_num, "a number", dflt("top_p", 1.0))),
+        temperature=_number(body, "temperature", dflt("temperature", DEFAULT_TEMPERATURE)),
+        top_p=_number(body, "top_p", dflt("top_p", 1.0)),
         top_k=0 if top_k == -1 else top_k, min_p=min_p, repetition_penalty=rep,
-        seed=_get(body, "seed", _is_int, "an integer", None),
+        seed=seed,
         max_tokens=max_tokens,
         stop_token_ids=list(stop_ids),
         ignore_eos=_get(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False),
         stop=_stop_strings(body), min_tokens=min_tokens, **pen,
         logprobs=top_k_lp if logprobs_on else None,
         prompt_logprobs=top_k_lp if (echo and logprobs_on) else None)
+    try:  # the engine's own ranges (the one place they are kept), answered here with the field's name
+        params.validate(vocab_size)
+    except RequestError as e:
+        raise bad(str(e), e.param) from None
     return ParsedRequest(ids, params, stream, include_usage,
                          _get(body, "return_token_ids", lambda v: isinstance(v, bool), "true or false", False), model,
                          n=n, echo=echo, echo_only=echo_only, logprobs=logprobs_on, top_logprobs=top_k_lp)
