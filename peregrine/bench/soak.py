@@ -10,8 +10,14 @@ on the same prefixes, which must finish. /metrics is scraped every --sample-ever
 the server's resident memory (process_resident_memory_bytes) and, on a GPU, its device memory;
 after the load the server must come back to no running, waiting or cached-in-use work.
 
-Warm-up is the reference pass (every kind of request once, one at a time) and, with --warmup-load S, S
-seconds of the same load (first batched steps, graph variants, pinned buffers: one-time host memory);
+The load runs for --duration seconds or, with --requests N, until N requests have been answered (then
+--duration, if given, only bounds the time, and reaching the bound first fails the soak). Request i's kind
+(fresh or pool, streamed, dropped) and body depend on the seed and i alone, never on timing, so a run by
+request count sends the same mix on any machine, fast or slow.
+
+Warm-up is the reference pass (every kind of request once, one at a time) and, with --warmup-load S (or
+--warmup-requests N), S seconds (N requests) of the same load (first batched steps, graph variants, pinned
+buffers: one-time host memory);
 growth is the resident memory once idle after the load minus the same at rest after the warm-up: what
 an operator sees between two quiet moments. The samples taken under load are in the result too.
 
@@ -212,9 +218,27 @@ async def at_rest(client: httpx.AsyncClient) -> dict:
     return min(reads, key=lambda r: r["rss"] if r["rss"] is not None else 0)
 
 
-async def soak(base_url: str, duration: float, concurrency: int, sample_every: float,
+def draw(phase: str, seed: int, i: int, pool: list[Template], prefixes: list[str], max_tokens: int):
+    """Request i of a load phase ("warmup" or "load"): (fresh, template, stream, drop), from the seed and i alone."""
+    r = random.Random(f"{phase}:{seed}:{i}")
+    # half the requests are fresh (a new tail on a shared prefix, sizes that keep changing: what makes an
+    # allocator fragment); they must succeed, and only the pool's answers are compared
+    fresh = r.random() < FRESH_SHARE
+    t = make_templates(1, r.randrange(2**31), max_tokens, prefixes, tail=800)[0] if fresh else r.choice(pool)
+    stream = r.random() < 0.5
+    drop = stream and r.random() < DROP_SHARE
+    return fresh, t, stream, drop
+
+
+async def soak(base_url: str, duration: float | None, concurrency: int, sample_every: float,
                templates: int = 24, max_tokens: int = 24, seed: int = 0, model: str | None = None,
-               log=print, warmup_load: float = 0.0, answers: str = "exact") -> dict:
+               log=print, warmup_load: float = 0.0, answers: str = "exact", requests: int | None = None,
+               warmup_requests: int | None = None) -> dict:
+    """duration: seconds of load (None: no bound; then `requests` must be given); requests: end the load after
+    this many requests (duration then only bounds it). warmup_load / warmup_requests: the same for the warm-up
+    (neither: the reference pass only)."""
+    if duration is None and not requests:
+        raise ValueError("soak needs a duration or a request count")
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
         model = model or (await client.get("/v1/models")).json()["data"][0]["id"]
@@ -228,16 +252,10 @@ async def soak(base_url: str, duration: float, concurrency: int, sample_every: f
             if t.want is None or (answers == "top5" and t.body.get("temperature", 1.0) == 0 and t.top is None):
                 raise RuntimeError(f"the idle server failed a reference request: {idle.errors}")
 
-        async def user(k: int, tally: Tally):
-            r = random.Random(seed * 1000 + k)
-            while time.monotonic() < stop_at:
-                # half the requests are fresh (a new tail on a shared prefix, sizes that keep changing: what
-                # makes an allocator fragment); they must succeed, and only the pool's answers are compared
-                fresh = r.random() < FRESH_SHARE
-                t = make_templates(1, r.randrange(2**31), max_tokens, prefixes, tail=800)[0] if fresh else r.choice(pool)
-                stream = r.random() < 0.5
-                drop = stream and r.random() < DROP_SHARE
-                got = await _call(client, t, stream, drop, model, tally)
+        async def user(phase: str, tally: Tally, stop_at: float, budget: int | None):
+            while time.monotonic() < stop_at and (budget is None or tally.sent < budget):
+                fresh, t, stream, drop = draw(phase, seed, tally.sent, pool, prefixes, max_tokens)
+                got = await _call(client, t, stream, drop, model, tally)  # counts it sent before its first await
                 if got is None:
                     continue
                 tally.ok += 1
@@ -261,32 +279,42 @@ async def soak(base_url: str, duration: float, concurrency: int, sample_every: f
 
         prefixes = [t.body.get("prompt") or t.body["messages"][0]["content"] for t in pool]
         tally = Tally()
-        if warmup_load > 0:
-            log(f"soak: {warmup_load:.0f} s of warm-up load from {concurrency} clients")
-            stop_at = time.monotonic() + warmup_load
+
+        def until(seconds: float | None) -> float:
+            return time.monotonic() + seconds if seconds else float("inf")
+
+        def amount(seconds: float | None, budget: int | None) -> str:
+            return " and at most ".join(([f"{budget} requests"] if budget else [])
+                                        + ([f"{seconds:.0f} s"] if seconds else []))
+
+        if warmup_load > 0 or warmup_requests:
+            log(f"soak: warm-up load of {amount(warmup_load, warmup_requests)} from {concurrency} clients")
             warm = Tally()
-            await asyncio.gather(*(user(k, warm) for k in range(concurrency)))
+            stop_at = until(warmup_load)
+            await asyncio.gather(*(user("warmup", warm, stop_at, warmup_requests) for _ in range(concurrency)))
             log(f"soak: warm-up: {warm.sent} sent, {len(warm.mismatched)} wrong, {sum(warm.errors.values())} errors")
             tally.errors, tally.mismatched = dict(warm.errors), list(warm.mismatched)  # they count all the same
         await asyncio.sleep(IDLE_SETTLE_S)
         samples = []
         start = dict(await at_rest(client), t=0.0)
         t0 = time.monotonic()
-        log(f"soak: at rest after the warm-up: rss {start['rss'] / 2**20:.0f} MB; {duration:.0f} s of load from "
-            f"{concurrency} clients")
-        stop_at = t0 + duration
+        log(f"soak: at rest after the warm-up: rss {start['rss'] / 2**20:.0f} MB; load of {amount(duration, requests)} "
+            f"from {concurrency} clients")
+        stop_at = until(duration)
 
         s_task = asyncio.create_task(sampler())
-        await asyncio.gather(*(user(k, tally) for k in range(concurrency)))
+        await asyncio.gather(*(user("load", tally, stop_at, requests) for _ in range(concurrency)))
+        load_s = time.monotonic() - t0
         await asyncio.sleep(IDLE_SETTLE_S)
         s_task.cancel()
         end = await at_rest(client)
         end["t"] = round(time.monotonic() - t0, 2)
     during = [s["rss"] for s in samples]
     mb = lambda b: round(b / 2**20, 1)  # noqa: E731
-    res = {"base_url": base_url, "model": model, "duration_s": duration, "concurrency": concurrency,
+    res = {"base_url": base_url, "model": model, "duration_s": duration, "requests": requests,
+           "load_s": round(load_s, 2), "concurrency": concurrency,
            "templates": len(pool), "requests_sent": tally.sent, "requests_ok": tally.ok, "checked": tally.checked,
-           "answers": answers, "warmup_load_s": warmup_load,
+           "answers": answers, "warmup_load_s": warmup_load, "warmup_requests": warmup_requests,
            "mismatched": len(tally.mismatched), "mismatch_examples": tally.mismatched[:3],
            "differed": len(tally.differed),
            "first_divergence_median": statistics.median(d) if (d := [a for a in tally.differed if a is not None]) else None,
@@ -304,6 +332,8 @@ async def soak(base_url: str, duration: float, concurrency: int, sample_every: f
 def verdict(res: dict, max_growth_mb: float) -> list[str]:
     """What failed, in words (empty: the soak passed)."""
     bad = []
+    if res.get("requests") and res["requests_sent"] < res["requests"]:
+        bad.append(f"only {res['requests_sent']} of {res['requests']} requests sent within the {res['duration_s']:.0f} s bound")
     if res["rss_growth_mb"] > max_growth_mb:
         bad.append(f"resident memory at rest grew {res['rss_growth_mb']:.1f} MB over the load (bound {max_growth_mb} MB)")
     if res["mismatched"]:
@@ -322,7 +352,10 @@ def add_bench_soak_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("soak", help="mixed traffic against a running server; memory growth, lost or wrong answers")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to drive (default http://127.0.0.1:8000)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first /v1/models entry)")
-    p.add_argument("--duration", type=float, default=120.0, help="seconds of load after the warm-up (default 120)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="seconds of load after the warm-up (default 120); with --requests, a time bound (default none)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="end the load after this many requests instead (the same mix on any machine)")
     p.add_argument("--concurrency", type=int, default=8, help="clients at once (default 8)")
     p.add_argument("--sample-every", type=float, default=10.0, help="seconds between /metrics samples (default 10)")
     p.add_argument("--max-tokens", type=int, default=24, help="largest max_tokens of a request (default 24)")
@@ -330,6 +363,8 @@ def add_bench_soak_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--warmup-load", type=float, default=0.0,
                    help="seconds of the same load before memory at rest is first read (default 0: the one-at-a-time "
                         "reference pass only); one-time allocations of batched steps then do not count as growth")
+    p.add_argument("--warmup-requests", type=int, default=None,
+                   help="warm-up of this many requests instead (with --warmup-load, whichever ends first)")
     p.add_argument("--answers", choices=("exact", "top5"), default="exact",
                    help="exact: greedy and seeded answers equal the idle server's (FP32); top5: greedy answers equal "
                         "up to a first divergence inside the idle top 5, seeded ones checked for shape (BF16 on a GPU)")
@@ -339,15 +374,18 @@ def add_bench_soak_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_bench_soak(args) -> int:
-    if args.duration <= 0 or args.concurrency < 1 or args.sample_every <= 0 or args.max_tokens < 4 \
-            or args.warmup_load < 0:
-        print("error: --duration and --sample-every must be > 0, --concurrency >= 1, --max-tokens >= 4, "
-              "--warmup-load >= 0", file=sys.stderr)
+    if args.duration is None and args.requests is None:
+        args.duration = 120.0
+    if (args.duration is not None and args.duration <= 0) or args.concurrency < 1 or args.sample_every <= 0 \
+            or args.max_tokens < 4 or args.warmup_load < 0 or (args.requests is not None and args.requests < 1) \
+            or (args.warmup_requests is not None and args.warmup_requests < 1):
+        print("error: --duration and --sample-every must be > 0, --concurrency, --requests and --warmup-requests "
+              ">= 1, --max-tokens >= 4, --warmup-load >= 0", file=sys.stderr)
         return 2
     try:
         res = asyncio.run(soak(args.base_url, args.duration, args.concurrency, args.sample_every,
                                max_tokens=args.max_tokens, model=args.model, warmup_load=args.warmup_load,
-                               answers=args.answers))
+                               answers=args.answers, requests=args.requests, warmup_requests=args.warmup_requests))
     except httpx.HTTPError as e:
         print(f"error: cannot reach the server at {args.base_url}: {e}", file=sys.stderr)
         return 1
