@@ -5,7 +5,9 @@ Latencies are observed by the server as tokens arrive; engine-side counters
 read from the engine at scrape time. Memory, so growth shows before it is an outage:
 the process's resident size as every Prometheus client exports it
 (process_resident_memory_bytes, the series vLLM's dashboards read), the host
-allocator's trims (host_memory.py), and on a GPU the device memory in use.
+allocator's trims (host_memory.py), and on a GPU the device memory in use (the GPU families are
+declared on every host, with samples only on a GPU, so a dashboard reads one schema everywhere:
+deploy/grafana/peregrine.json, checked against this exposition by tests/test_dashboard.py).
 """
 from __future__ import annotations
 
@@ -115,22 +117,23 @@ class EngineCollector:
         c.add_metric([], hm.get("seconds", 0.0))
         yield c
         dev = getattr(e, "device", None)
-        if dev is not None and dev.type == "cuda":
-            yield from _gpu_memory(dev)
+        yield from _gpu_memory(dev if dev is not None and dev.type == "cuda" else None)
 
 
 def _gpu_memory(dev):
     """This process's device memory: what PyTorch's tensors hold, what its caching allocator reserved,
-    and the device's whole use (other processes, CUDA graphs, NCCL and the context included)."""
-    free, total = torch.cuda.mem_get_info(dev)
-    for name, doc, v in (("gpu_memory_allocated_bytes", "Device memory held by live tensors",
-                          torch.cuda.memory_allocated(dev)),
-                         ("gpu_memory_reserved_bytes", "Device memory reserved by PyTorch's caching allocator",
-                          torch.cuda.memory_reserved(dev)),
-                         ("gpu_memory_used_bytes", "Device memory in use on the GPU, by anybody", total - free),
-                         ("gpu_memory_total_bytes", "Device memory of the GPU", total)):
+    and the device's whole use (other processes, CUDA graphs, NCCL and the context included).
+    Without a GPU (dev None) the families are declared with no samples."""
+    if dev is not None:
+        free, total = torch.cuda.mem_get_info(dev)
+        values = (torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev), total - free, total)
+    for i, (name, doc) in enumerate((("gpu_memory_allocated_bytes", "Device memory held by live tensors"),
+                                     ("gpu_memory_reserved_bytes", "Device memory reserved by PyTorch's caching allocator"),
+                                     ("gpu_memory_used_bytes", "Device memory in use on the GPU, by anybody"),
+                                     ("gpu_memory_total_bytes", "Device memory of the GPU"))):
         g = GaugeMetricFamily(f"peregrine:{name}", doc, labels=["device"])
-        g.add_metric([str(dev)], v)
+        if dev is not None:
+            g.add_metric([str(dev)], values[i])
         yield g
 
 
