@@ -83,3 +83,38 @@ def test_cli_prints_the_table_last(tmp_path, capsys):
     assert out[-1].startswith("| synthetic, any length") and "4200 GB/s" in out[0]
     assert json.loads((tmp_path / "v.json").read_text())["rows"]
     assert check.main([str(tmp_path / "nothing")]) == 2
+
+
+def _agent(tpot, ttft, itl99, spec: bool, sampled: bool = False, forced: bool = True, errors: int = 0,
+           lookahead: float = 0.0):
+    """A `bench serve --workload agent` result at c = 8 (and a c = 1 level the verdict ignores)."""
+    server = {"lookahead_steps": lookahead, "engine_steps": 100.0, "acceptance_length": 3.1 if spec else None}
+    if spec:
+        server |= {"drafts": 10.0, "draft_tokens": 70.0, "accepted_tokens": 21.0}
+    lv = lambda c: {"concurrency": c, "errors": errors, "completed": 64 - errors, "tpot_ms": {"p50": tpot},  # noqa: E731
+                    "ttft_ms": {"p50": ttft}, "itl_ms": {"p99": itl99}, "server": server}
+    return {"kind": "serve_agent", "model": "kimi-linear-48b-a3b", "meta": {"gpu": "NVIDIA H200", "commit": "abc"},
+            "sampling": {"temperature": 0.6, "top_p": 0.95} if sampled else None, "agent": {"forced": forced},
+            "label": "x", "levels": [lv(1), lv(8)]}
+
+
+def test_agent_serving_targets_pair_the_speculative_server_with_the_plain_one(tmp_path):
+    v = _verdicts(tmp_path, _agent(4.0, 100.0, 20.0, spec=True), _agent(6.0, 97.0, 12.0, spec=False, lookahead=900),
+                  _agent(5.0, 104.0, 26.0, spec=True, sampled=True, errors=1), _agent(6.0, 100.0, 12.0, False, True),
+                  _agent(5.9, 96.0, 12.0, spec=False, forced=False, lookahead=950))
+    g = lambda t: v[f"agent c=8 greedy: {t}"]  # noqa: E731
+    s = lambda t: v[f"agent c=8 sampled: {t}"]  # noqa: E731
+    assert g("TPOT p50 spec / plain")["verdict"] == "met" and g("TPOT p50 spec / plain")["figure"] == 0.667
+    assert "acceptance length 3.10" in g("TPOT p50 spec / plain")["note"]
+    assert g("TTFT p50 spec / plain")["verdict"] == "met"        # 100 / 97 = 1.031 <= 1.05
+    assert g("ITL p99 spec (ms)")["verdict"] == "met"
+    assert s("TPOT p50 spec / plain")["verdict"] == "short"      # 5 / 6 = 0.833 > 0.8
+    assert s("TTFT p50 spec / plain")["verdict"] == "met"        # 1.04
+    assert s("ITL p99 spec (ms)")["verdict"] == "short"          # 26 > 25
+    assert v["agent c=8 spec sampled: errors"]["verdict"] == "short"
+    assert v["agent c=8 plain greedy unforced: errors"]["verdict"] == "met"
+    lb = v["agent c=8 greedy: TPOT p50 plain forced / unforced"]
+    assert lb["verdict"] == "n/a" and lb["figure"] == 1.017 and "lookahead steps 900 vs 950" in lb["note"]
+    (tmp_path / "alone").mkdir()
+    v = _verdicts(tmp_path / "alone", _agent(4.0, 100.0, 20.0, spec=True))
+    assert v["agent c=8 greedy: spec vs plain"]["verdict"] == "n/a"  # a pair needs both servers' runs

@@ -1,6 +1,7 @@
 """The head check's verdict (scripts/gpu_check.sh, issue #57): each real-traffic target against the figure a
 `bench decode` (greedy, sampled, sampled + logprobs, one engine) and a `bench spec` (synthetic acceptance)
-run measured, met or short, as one table.
+run measured, met or short, as one table. `bench serve --workload agent` runs (scripts/gpu_agent_serve.sh) are
+judged too: a server with speculation against one without, each mode (greedy, sampled) and concurrency paired.
 
     python -m peregrine.bench.check RESULTS_DIR [--out check.json]
 
@@ -23,6 +24,10 @@ FLOOR_FROM_LENGTH = 1.5
 GREEDY_DRIFT_PCT = 1.0       # greedy B = 1 within this of the last record on the same GPU and model
 # the last greedy B = 1 records, ms: (GPU name fragment, model) -> (low, high), results/README.md
 GREEDY_RECORDS = {("H200", "kimi-linear-48b-a3b"): (2.344, 2.357)}
+AGENT_TPOT_MAX = 0.8         # agent sessions at c = 8: TPOT p50 with speculation / without
+AGENT_TTFT_MAX = 1.05        # TTFT p50 with speculation / without: within 5 % (no worse than 1.05x)
+AGENT_ITL_P99_MS = 25.0      # ITL p99 with speculation, ms
+AGENT_CONCURRENCY = 8
 
 
 def _row(target: str, figure, limit: str, met: bool | None, note: str = "") -> dict:
@@ -90,6 +95,54 @@ def spec_rows(d: dict) -> list[dict]:
     return rows
 
 
+def _agent_level(d: dict, c: int) -> dict | None:
+    return next((lv for lv in d.get("levels", []) if lv.get("concurrency") == c), None)
+
+
+def agent_rows(runs: list[dict], c: int = AGENT_CONCURRENCY) -> list[dict]:
+    """`bench serve --workload agent` runs: a speculative server's (its /metrics counted drafts) against a plain one's,
+    paired by mode (greedy or sampled) with forced replies; 0 errors in every run; the plain server's forced run
+    beside its unforced one (the model's own replies) for the record."""
+    rows, by = [], {}
+    for d in runs:
+        lv = _agent_level(d, c)
+        if lv is None:
+            continue
+        spec = "drafts" in (lv.get("server") or {})
+        mode = "sampled" if d.get("sampling") else "greedy"
+        forced = d.get("agent", {}).get("forced", True)
+        by[(spec, mode, forced)] = (d, lv)
+        rows.append(_row(f"agent c={c} {'spec' if spec else 'plain'} {mode}{'' if forced else ' unforced'}: errors",
+                         lv["errors"], "0", lv["errors"] == 0, f"{lv['completed']} turns answered ({d.get('label')})"))
+    for mode in ("greedy", "sampled"):
+        s, p = by.get((True, mode, True)), by.get((False, mode, True))
+        if s is None or p is None:
+            if s is not None or p is not None:
+                rows.append(_row(f"agent c={c} {mode}: spec vs plain", None, "both runs", None,
+                                 f"only the {'spec' if s else 'plain'} run"))
+            continue
+        (sd, sl), (_, pl) = s, p
+        acc = (sl.get("server") or {}).get("acceptance_length")
+        tp, tt = sl["tpot_ms"]["p50"] / pl["tpot_ms"]["p50"], sl["ttft_ms"]["p50"] / pl["ttft_ms"]["p50"]
+        rows.append(_row(f"agent c={c} {mode}: TPOT p50 spec / plain", round(tp, 3), f"<= {AGENT_TPOT_MAX}",
+                         tp <= AGENT_TPOT_MAX, f"{sl['tpot_ms']['p50']:.2f} vs {pl['tpot_ms']['p50']:.2f} ms; "
+                         + (f"acceptance length {acc:.2f}" if acc else "no drafts")))
+        rows.append(_row(f"agent c={c} {mode}: TTFT p50 spec / plain", round(tt, 3), f"<= {AGENT_TTFT_MAX}",
+                         tt <= AGENT_TTFT_MAX, f"{sl['ttft_ms']['p50']:.1f} vs {pl['ttft_ms']['p50']:.1f} ms"))
+        itl = sl["itl_ms"]["p99"]
+        rows.append(_row(f"agent c={c} {mode}: ITL p99 spec (ms)", round(itl, 2), f"<= {AGENT_ITL_P99_MS:g}",
+                         itl <= AGENT_ITL_P99_MS, f"plain {pl['itl_ms']['p99']:.2f} ms"))
+    f, u = by.get((False, "greedy", True)), by.get((False, "greedy", False))
+    if f is not None and u is not None:  # forced rows keep decode lookahead: the plain forced run costs what it would
+        (_, fl), (_, ul) = f, u
+        r = fl["tpot_ms"]["p50"] / ul["tpot_ms"]["p50"]
+        la = lambda lv: (lv.get("server") or {}).get("lookahead_steps")  # noqa: E731
+        rows.append(_row(f"agent c={c} greedy: TPOT p50 plain forced / unforced", round(r, 3), "record", None,
+                         f"{fl['tpot_ms']['p50']:.2f} vs {ul['tpot_ms']['p50']:.2f} ms"
+                         + (f"; lookahead steps {la(fl):.0f} vs {la(ul):.0f}" if None not in (la(fl), la(ul)) else "")))
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| target | figure | limit | verdict | note |", "|---|---:|---|---|---|"]
     lines += [f"| {r['target']} | {'' if r['figure'] is None else r['figure']} | {r['limit']} | {r['verdict']} "
@@ -98,20 +151,24 @@ def table(rows: list[dict]) -> str:
 
 
 def check(results_dir: str | Path) -> dict:
-    """Every decode and spec_decode JSON under results_dir, read; one verdict row per target."""
-    out = {"runs": [], "rows": []}
+    """Every decode, spec_decode and serve_agent JSON under results_dir, read; one verdict row per target."""
+    out, agent = {"runs": [], "rows": []}, []
     for p in sorted(Path(results_dir).rglob("*.json")):
         try:
             d = json.loads(p.read_text())
         except (OSError, ValueError):
             continue
         kind = d.get("kind") if isinstance(d, dict) else None
-        if kind not in ("decode", "spec_decode"):
+        if kind not in ("decode", "spec_decode", "serve_agent"):
             continue
-        md = d.get("metadata", {})
+        md = d.get("metadata") or d.get("meta") or {}
         out["runs"].append({"file": str(p), "kind": kind, "model": d.get("model"), "gpu": md.get("gpu"),
                             "commit": md.get("commit"), "copy_gbps": (d.get("copy_bandwidth") or {}).get("gbps")})
+        if kind == "serve_agent":
+            agent.append(d)
+            continue
         out["rows"] += decode_rows(d) if kind == "decode" else spec_rows(d)
+    out["rows"] += agent_rows(agent)
     return out
 
 
@@ -122,7 +179,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     r = check(a.results_dir)
     if not r["runs"]:
-        print(f"error: no decode or spec_decode results under {a.results_dir}", file=sys.stderr)
+        print(f"error: no decode, spec_decode or serve_agent results under {a.results_dir}", file=sys.stderr)
         return 2
     for run in r["runs"]:
         gb = f"{run['copy_gbps']:.0f} GB/s" if run["copy_gbps"] else "n/a"

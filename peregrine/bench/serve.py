@@ -7,12 +7,23 @@ as a Poisson process of R requests/s (seeded), so prefills land among running de
 token), ITL (gaps between token chunks), TPOT ((e2e - TTFT) / (tokens - 1)).
 Per level: P50/P90/P99 of each, tok/s/user (1000 / median TPOT ms),
 throughput per GPU (output tokens / level wall time / --num-gpus), errors.
+
+--workload agent: coding-agent sessions instead (speculative/replay.py's, from this package's source), each a
+loop of turns, every turn re-sending the whole conversation so far (the last turn's prompt + its reply + the
+new file and tool output), a turn sent when the session's previous one ended, at most `concurrency` sessions
+in flight. Each reply is sent as forced_tokens (a server started with --allow-forced-replies emits exactly
+those, so speculation is accepted on real agent text at the engine's real cost; --unforced: the model's own
+replies, same prompts and max_tokens). Per level also: per-turn context lengths and latencies, and the server's
+speculative acceptance and decode lookahead steps over the level (/metrics deltas).
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -43,10 +54,11 @@ def make_requests(n: int, input_len: int, output_len: int, ratio: float, lo: int
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int,
-                      timeout: float, sampling: dict | None = None) -> dict:
-    """sampling: request fields over the greedy default (temperature, top_p, top_k, min_p, logprobs)."""
+                      timeout: float, sampling: dict | None = None, extra: dict | None = None) -> dict:
+    """sampling: request fields over the greedy default (temperature, top_p, top_k, min_p, logprobs); extra: more
+    fields (forced_tokens)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, **(sampling or {})}
+            "stream": True, "stream_options": {"include_usage": True}, **(sampling or {}), **(extra or {})}
     t0 = time.perf_counter()
     stamps, n_out, err = [], None, None
     try:
@@ -102,14 +114,19 @@ async def run_level(base_url: str, model: str, concurrency: int, reqs: list[tupl
         t0 = time.perf_counter()
         res = await asyncio.gather(*(go(at, p, m) for at, (p, m) in zip(sched, reqs)))
         wall = time.perf_counter() - t0
+    return {"concurrency": concurrency, "request_rate": rate, "arrivals_s": sched, "sent_s": sorted(sent),
+            "num_prompts": len(reqs), **level_stats(res, wall)}
+
+
+def level_stats(res: list[dict], wall: float) -> dict:
+    """A level's figures from its requests' records (one_request's) and its wall time."""
     ok = [r for r in res if "error" not in r]
     errors = [r["error"] for r in res if "error" in r]
     ms = lambda xs: [x * 1e3 for x in xs]  # noqa: E731
     tpot = ms([r["tpot"] for r in ok if r["tpot"] is not None])
     out_tokens = sum(r["n_out"] for r in ok)
     med_tpot = percentile(tpot, 50)
-    return {"concurrency": concurrency, "request_rate": rate, "arrivals_s": sched, "sent_s": sorted(sent),
-            "num_prompts": len(reqs), "completed": len(ok), "errors": len(errors),
+    return {"completed": len(ok), "errors": len(errors),
             "error_samples": errors[:5], "wall_s": wall, "output_tokens": out_tokens,
             "ttft_ms": summary(ms([r["ttft"] for r in ok])), "tpot_ms": summary(tpot),
             "itl_ms": summary(ms([x for r in ok for x in r["itl"]])), "e2e_ms": summary(ms([r["e2e"] for r in ok])),
@@ -117,10 +134,168 @@ async def run_level(base_url: str, model: str, concurrency: int, reqs: list[tupl
             "output_tok_s": out_tokens / wall if wall > 0 else float("nan")}
 
 
-def server_model(base_url: str) -> str:
+def server_card(base_url: str) -> dict:
+    """The server's first /v1/models entry (peregrine's carries max_model_len and vocab_size)."""
     r = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30)
     r.raise_for_status()
-    return r.json()["data"][0]["id"]
+    return r.json()["data"][0]
+
+
+def server_model(base_url: str) -> str:
+    return server_card(base_url)["id"]
+
+
+# ---- the agent workload (--workload agent) ----
+AGENT_TURNS = 8                # turns per session (sessions per level: the level's concurrency)
+AGENT_CONTEXT_CHARS = 120_000  # replay.agent_sessions' max_chars: the 48B's last turns reach ~19-25K tokens (pieces)
+# the /metrics counters a level's deltas are taken of (server-wide: the level's own requests only run meanwhile)
+COUNTERS = {"peregrine:spec_drafts": "drafts", "peregrine:spec_draft_tokens": "draft_tokens",
+            "peregrine:spec_accepted_tokens": "accepted_tokens", "peregrine:decode_lookahead_steps": "lookahead_steps",
+            "peregrine:decode_steps": "engine_steps", "peregrine:prefix_cache_hits": "prefix_cache_hit_tokens",
+            "peregrine:prefix_cache_queries": "prefix_cache_query_tokens"}
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*?)(?:_total)?(?:\{[^}]*\})? ([-+0-9.eEinfNa]+)$")
+
+
+def agent_turns(n_sessions: int, turns: int, context_chars: int, vocab_size: int, seed: int = 0, salt: str = "",
+                max_reply_tokens: int | None = None) -> tuple[list[list[tuple[list[int], list[int]]]], str]:
+    """Agent-shaped sessions (speculative/replay.py: agent_sessions) as token ids -> (per session, per turn
+    (prompt, reply); the token kind). Turn t's prompt is turn t-1's prompt + its reply + the turn's new text (a
+    file, a tool's output, the user's ask): the whole conversation re-sent, token for token. Tokens are pieces
+    (replay.PieceTokenizer: a large BPE's granularity, where a dummy model's byte-level stand-in would be 3-4x
+    finer) on a large vocabulary, UTF-8 bytes on a small one. max_reply_tokens cuts each reply (and the
+    conversation carries it cut). salt: each session opens with 4 tokens hashed from it and a line naming the
+    session (encoded after everything else), so runs with different salts share no cached prefix and the same
+    token ids otherwise."""
+    from ..config import ConfigError
+    from ..speculative.replay import FIRST_PIECE_ID, PieceTokenizer, agent_sessions
+    if vocab_size > 4 * FIRST_PIECE_ID:
+        enc, kind = PieceTokenizer(vocab_size).encode, "pieces"
+    elif vocab_size >= 256:
+        enc, kind = (lambda t: list(t.encode("utf-8"))), "bytes"  # noqa: E731
+    else:
+        raise ConfigError(f"the agent workload needs a vocabulary of at least 256 tokens, the server's has {vocab_size}")
+    try:
+        out = []
+        for pairs in agent_sessions(n_sessions, turns, seed, context_chars):
+            rows, prev, done = [], [], ""
+            for ctx, reply in pairs:
+                assert ctx.startswith(done), "agent_sessions: a context that does not extend the last one"
+                prompt = prev + enc(ctx[len(done):])
+                r = enc(reply)[:max_reply_tokens] if max_reply_tokens else enc(reply)
+                rows.append((prompt, r))
+                prev, done = prompt + r, ctx + reply
+            out.append(rows)
+        if salt:  # ids hashed from the salt (pieces take ids in order of appearance, the same for any salt)
+            lo, span = (vocab_size // 2, vocab_size // 2 - FIRST_PIECE_ID) if kind == "pieces" else (32, 95)
+            h = hashlib.sha256(salt.encode()).digest()
+            head = [lo + int.from_bytes(h[4 * j:4 * j + 4], "big") % span for j in range(4)]
+            out = [[(head + enc(f" session {i}.\n") + p, r) for p, r in rows] for i, rows in enumerate(out)]
+    except ValueError as e:  # too many distinct pieces for the vocabulary, or no file fits the context
+        raise ConfigError(f"the agent workload: {e}") from None
+    return out, kind
+
+
+def server_counters(base_url: str) -> dict:
+    """The COUNTERS now (summed over labels), from /metrics; {} when it cannot be read."""
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/metrics", timeout=30)
+        r.raise_for_status()
+    except httpx.HTTPError:
+        return {}
+    out: dict = {}
+    for line in r.text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and m.group(1) in COUNTERS:
+            out[COUNTERS[m.group(1)]] = out.get(COUNTERS[m.group(1)], 0.0) + float(m.group(2))
+    return out
+
+
+def counter_deltas(before: dict, after: dict) -> dict:
+    """A level's counters (after - before) and the speculative acceptance they give (None without drafts)."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    drafts, toks, acc = d.get("drafts", 0), d.get("draft_tokens", 0), d.get("accepted_tokens", 0)
+    d["acceptance_length"] = 1 + acc / drafts if drafts else None  # tokens per verified draft, the bonus counted
+    d["acceptance_rate"] = acc / toks if toks else None
+    return d
+
+
+async def run_agent_level(base_url: str, model: str, concurrency: int, sessions: list, timeout: float,
+                          sampling: dict | None = None, forced: bool = True) -> dict:
+    """Every session a loop of its turns (a turn sent when the one before ended), at most `concurrency` sessions
+    in flight; a failed turn is counted and the session goes on with its next (recorded) turn."""
+    url = base_url.rstrip("/") + "/v1/completions"
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(limits=limits) as client:
+        async def session(si, rows):
+            out = []
+            async with sem:
+                for ti, (prompt, reply) in enumerate(rows):
+                    r = await one_request(client, url, model, prompt, len(reply), timeout, sampling,
+                                          {"forced_tokens": reply} if forced else None)
+                    out.append({**r, "session": si, "turn": ti, "input_tokens": len(prompt), "output_tokens": len(reply)})
+            return out
+        t0 = time.perf_counter()
+        res = [r for rs in await asyncio.gather(*(session(i, rows) for i, rows in enumerate(sessions))) for r in rs]
+        wall = time.perf_counter() - t0
+    ms = lambda xs: [x * 1e3 for x in xs]  # noqa: E731
+    per_turn = []
+    for t in range(max(len(rows) for rows in sessions)):
+        rs = [r for r in res if r["turn"] == t]
+        ok = [r for r in rs if "error" not in r]
+        per_turn.append({"turn": t, "requests": len(rs), "errors": len(rs) - len(ok),
+                         "input_tokens": summary([r["input_tokens"] for r in rs]) | {"max": max(r["input_tokens"] for r in rs)},
+                         "output_tokens": summary([r["output_tokens"] for r in rs]),
+                         "ttft_ms": summary(ms([r["ttft"] for r in ok])),
+                         "tpot_ms": summary(ms([r["tpot"] for r in ok if r["tpot"] is not None]))})
+    requests = [{k: r.get(k) for k in ("session", "turn", "input_tokens", "output_tokens", "ttft", "tpot", "e2e",
+                                        "n_out", "error")} for r in res]
+    return {"concurrency": concurrency, "sessions": len(sessions), "num_prompts": len(res), **level_stats(res, wall),
+            "turns": per_turn, "requests": requests}
+
+
+def run_agent(base_url: str, concurrencies: list[int], model: str | None = None, num_gpus: int = 1,
+              sessions: int | None = None, turns: int | None = None,
+              context_chars: int | None = None, vocab_size: int | None = None, forced: bool = True,
+              max_reply_tokens: int | None = None, salt: str | None = None, warmup: int = 2, timeout: float = 600.0,
+              seed: int = 0, log=print, sampling: dict | None = None) -> dict:
+    """--workload agent: per concurrency c, `sessions` (default c) agent sessions of `turns` turns (agent_turns)."""
+    from ..config import ConfigError
+    turns, context_chars = turns or AGENT_TURNS, context_chars or AGENT_CONTEXT_CHARS
+    card = server_card(base_url)
+    model = model or card["id"]
+    vocab_size = vocab_size or card.get("vocab_size")
+    if not vocab_size:
+        raise ConfigError("the server's /v1/models entry has no vocab_size: give --vocab-size")
+    salt = os.urandom(4).hex() if salt is None else salt
+    if warmup:
+        asyncio.run(run_level(base_url, model, warmup, make_requests(warmup, 64, 8, 0, 32, 127, seed + 999), timeout))
+    levels = []
+    for i, c in enumerate(concurrencies):
+        work, kind = agent_turns(sessions or c, turns, context_chars, vocab_size, seed + i, salt, max_reply_tokens)
+        longest = max(len(p) + len(r) for rows in work for p, r in rows)
+        if card.get("max_model_len") and longest > card["max_model_len"]:
+            raise ConfigError(f"the agent sessions reach {longest} tokens, past the server's max_model_len "
+                              f"{card['max_model_len']}: lower --context-chars or --turns, or serve a longer --max-model-len")
+        before = server_counters(base_url)
+        lv = asyncio.run(run_agent_level(base_url, model, c, work, timeout, sampling, forced))
+        lv["server"] = counter_deltas(before, server_counters(base_url)) if before else None
+        lv["throughput_per_gpu"] = lv["output_tok_s"] / num_gpus
+        levels.append(lv)
+        acc = (lv["server"] or {}).get("acceptance_length")
+        last = lv["turns"][-1]["input_tokens"]
+        log(f"concurrency {c:3d}: {lv['sessions']} sessions x {turns} turns, {lv['completed']}/{lv['num_prompts']} ok, "
+            f"{lv['errors']} errors; last turn's context {last['p50']:.0f} tokens (max {last['max']}); "
+            f"TTFT p50 {lv['ttft_ms']['p50']:.1f} ms, TPOT p50 {lv['tpot_ms']['p50']:.2f} ms, "
+            f"ITL p99 {lv['itl_ms']['p99']:.2f} ms; {lv['tok_s_user']:.1f} tok/s/user"
+            + (f"; acceptance length {acc:.2f}" if acc else "")
+            + (f"; first error: {lv['error_samples'][0]}" if lv["errors"] else ""))
+    return {"kind": "serve_agent", "model": model, "base_url": base_url, "workload": "agent", "num_gpus": num_gpus,
+            "sampling": sampling,
+            "agent": {"sessions": sessions, "turns": turns, "context_chars": context_chars, "vocab_size": vocab_size,
+                      "tokens": kind, "forced": forced, "max_reply_tokens": max_reply_tokens, "salt": salt,
+                      "seed": seed},
+            "levels": levels}
 
 
 def run(base_url: str, concurrencies: list[int], input_len: int, output_len: int, num_prompts: int | None = None,
@@ -162,7 +337,11 @@ def plot(payload: dict | list[dict], path) -> None:
             ax.annotate(f"c={v['concurrency']}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xlabel("interactivity (tok/s/user)")
     ax.set_ylabel("throughput per GPU (output tok/s)")
-    ax.set_title(f"{payload['model']}: ISL {payload['input_len']} / OSL {payload['output_len']}")
+    if payload.get("workload") == "agent":
+        a = payload["agent"]
+        ax.set_title(f"{payload['model']}: agent sessions, {a['turns']} turns")
+    else:
+        ax.set_title(f"{payload['model']}: ISL {payload['input_len']} / OSL {payload['output_len']}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -197,16 +376,33 @@ def run_cli(args) -> int:
     if not 0 <= lo < hi:
         raise ConfigError(f"--token-range needs 0 <= LO < HI, got {args.token_range!r}")
     log = lambda m: print(f"[bench serve] {m}", file=sys.stderr, flush=True)  # noqa: E731
+    agent = getattr(args, "workload", "random") == "agent"
+    if agent:
+        if rate is not None or args.num_prompts is not None:
+            raise ConfigError("--request-rate and --num-prompts describe the random workload; the agent workload's "
+                              "requests are its sessions' turns (--sessions, --turns)")
+        for name in ("sessions", "turns", "context_chars", "vocab_size", "max_reply_tokens"):
+            v = getattr(args, name, None)
+            if v is not None and v < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    elif getattr(args, "unforced", False):
+        raise ConfigError("--unforced is an option of --workload agent")
     try:
-        payload = run(args.base_url, args.max_concurrency, args.input_len, args.output_len, args.num_prompts, args.model,
-                      args.num_gpus, args.range_ratio, (lo, hi), args.warmup, args.timeout, args.seed, log, rate,
-                      _sampling(args))
+        if agent:
+            payload = run_agent(args.base_url, args.max_concurrency, args.model, args.num_gpus, args.sessions,
+                                args.turns, args.context_chars, args.vocab_size, not args.unforced,
+                                args.max_reply_tokens, args.salt, args.warmup, args.timeout, args.seed, log,
+                                _sampling(args))
+        else:
+            payload = run(args.base_url, args.max_concurrency, args.input_len, args.output_len, args.num_prompts,
+                          args.model, args.num_gpus, args.range_ratio, (lo, hi), args.warmup, args.timeout, args.seed,
+                          log, rate, _sampling(args))
     except httpx.HTTPError as e:
         raise ConfigError(f"cannot reach the server at {args.base_url}: {e}") from None
     payload["label"] = args.label
     payload["meta"] = run_metadata()
     slug = payload["model"].replace("/", "_")
-    what = "serve" + (f"-{args.label}" if args.label else "")
+    what = ("serve-agent" if agent else "serve") + (f"-{args.label}" if args.label else "")
     path = write_result(result_path(slug, what, args.results_dir), payload)
     log(f"wrote {path}")
     if not args.no_plot:

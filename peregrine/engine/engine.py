@@ -44,7 +44,7 @@ from ..host_memory import Trimmer
 from ..prefix_cache import PrefixCache
 from . import logprobs, penalties
 from .penalties import needs_processing
-from .lookahead import Ahead, Readback, next_decode_input
+from .lookahead import Ahead, Readback, forced_input, next_decode_input
 from .request import RequestError, RequestOutput, SamplingParams, Sequence, StepInfo
 from .sampling import sample
 from .scheduler import Scheduler
@@ -132,7 +132,8 @@ class LLMEngine:
         # lookahead needs a runner whose argmax stays on the device and can feed the next step's ids
         self.lookahead = bool(getattr(engine_cfg, "decode_lookahead", True) and getattr(runner, "lookahead", False))
         # replay (benchmarks only): request id -> the tokens it must emit, whatever the model says; the model still
-        # runs every step, so a drafter's acceptance on recorded text is measured at the engine's real cost
+        # runs every step, so a drafter's acceptance on recorded text is measured at the engine's real cost. An
+        # entry is dropped when its request ends (finished, aborted or failed: _finish, _fail)
         self.forced: dict[str, list[int]] = {}
         # sampled rows drawn inside the runner's step (its tokens stay on the device, so lookahead serves them
         # too); not yet under tensor parallel, whose other ranks would need the rows' settings sent along
@@ -170,7 +171,9 @@ class LLMEngine:
 
     # ---- requests (any thread) ----
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    on_token: Callable[[RequestOutput], None] | None = None) -> str:
+                    on_token: Callable[[RequestOutput], None] | None = None, forced: list[int] | None = None) -> str:
+        """forced (benchmarks only): the tokens this request emits, whatever the model says (self.forced; at most
+        max_tokens, each in the vocabulary); dropped when the request ends, however it ends."""
         V = self.model_cfg.vocab_size
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -186,6 +189,12 @@ class LLMEngine:
         if len(prompt) >= self.max_model_len:
             raise RequestError(f"prompt of {len(prompt)} tokens is too long: max_model_len is {self.max_model_len} "
                                "(prompt plus at least one generated token)")
+        if forced is not None:
+            forced = list(forced)
+            if not forced or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V for t in forced):
+                raise RequestError(f"forced tokens must be a non-empty list of ints in [0, {V})", "forced_tokens")
+            if len(forced) > params.max_tokens:
+                raise RequestError(f"{len(forced)} forced tokens but max_tokens is {params.max_tokens}", "forced_tokens")
         with self._lock:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -202,6 +211,8 @@ class LLMEngine:
                 raise RequestError(f"request needs {self.scheduler.blocks_needed(seq)} cache blocks but the cache has "
                                    f"{self.cache.num_blocks} in total: lower max_tokens or the prompt length")
             self._live[rid] = seq
+            if forced is not None:
+                self.forced[rid] = forced
             self._pending_add.append(seq)
         return rid
 
@@ -259,6 +270,7 @@ class LLMEngine:
             self.spec.release(seq)
         with self._lock:
             self._live.pop(seq.request_id, None)
+            self.forced.pop(seq.request_id, None)
         return self._emit(seq, new)
 
     def _emit(self, seq: Sequence, new: list[int]) -> RequestOutput:
@@ -282,6 +294,7 @@ class LLMEngine:
             self.spec.release(seq)
         with self._lock:
             self._live.pop(seq.request_id, None)
+            self.forced.pop(seq.request_id, None)
         try:
             out = seq.output([])
         except Exception:  # its text or logprobs are what failed: the tokens alone
@@ -647,8 +660,8 @@ class LLMEngine:
         inside the blocks they own: then it may be launched before this step's tokens are read."""
         if not self.lookahead or self.spec is not None or self.scheduler.admits_now():
             return False  # (a request that cannot start yet does not stop it)
-        if self.forced and any(s.request_id in self.forced for s in seqs):
-            return False  # replay: the next input is the recorded token, not the one on the device
+        if self.forced and self.engine_cfg.tensor_parallel_size > 1 and any(s.request_id in self.forced for s in seqs):
+            return False  # replay under TP: every rank takes its own argmax as the next input, not the recorded token
         if len(seqs) != len(self.scheduler.running) or any(s.finished for s in seqs):
             return False  # a sequence stopped or was aborted since this step was launched
         with self._lock:
@@ -663,7 +676,12 @@ class LLMEngine:
 
     def _launch_ahead(self, seqs: list[Sequence], greedy) -> Ahead:
         step = next_decode_input(seqs, greedy, self.cache.block_size, self.device)
-        planned = self._device_plan(step, seqs)
+        if self.forced:  # replay: a forced row's next input is its recorded token, written over the device's
+            rows = [(i, f[at]) for i, s in enumerate(seqs) if (f := self.forced.get(s.request_id)) is not None
+                    and (at := len(s.token_ids) - s.prompt_len) < len(f)]
+            if rows:
+                step.input_ids = forced_input(greedy, rows)
+        planned = self._device_plan(step, seqs)  # (penalties count step.input_ids: the forced tokens)
         logits = self._forward(step, len(seqs))
         self.stats["lookahead_steps"] += 1
         return Ahead([(s, 1) for s in seqs], logits, getattr(self.runner, "greedy_tokens", None),

@@ -8,6 +8,10 @@ overlaps the GPU running the next step. Stop checks therefore run one step late:
 lookahead step made for a sequence that had already stopped (or was aborted) is dropped. It wrote
 only past the sequence's end, inside the blocks and slot the sequence still owned at launch; the
 stream runs it before any later owner's first write, and a reused KDA slot is zeroed on allocation.
+
+Replay (engine.forced, benchmarks only) keeps lookahead on one GPU: a forced row's next input is its recorded
+token, copied over the device's token (forced_input); under tensor parallel, where every rank takes its own
+argmax as the next input, forced rows run without lookahead.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decode.batch import StepInput
+from ..decode.batch import StepInput, _to_device
 
 
 @dataclass
@@ -62,3 +66,11 @@ def next_decode_input(seqs, greedy: torch.Tensor, block_size: int, device) -> St
     step.input_ids = greedy  # device to device (a graph copies it into its static input): no host sync
     step.ids_from_greedy = True  # host keeps placeholder ids: other TP ranks take their own (equal) argmax
     return step
+
+
+def forced_input(greedy: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
+    """The next step's input ids: the device's tokens with rows[i] = (row, token) written over them, without a
+    host sync (the recorded tokens go up through pinned memory). A copy: greedy may be a graph's static output."""
+    idx = _to_device(torch.tensor([r for r, _ in rows], dtype=torch.long), greedy.device)
+    val = _to_device(torch.tensor([t for _, t in rows], dtype=greedy.dtype), greedy.device)
+    return greedy.clone().index_copy_(0, idx, val)

@@ -98,8 +98,9 @@ class Tracker:
 
 class ServerState:
     def __init__(self, engine, tokenizer, served_model_name: str, max_queue: int, chat_template: ChatTemplate,
-                 defaults=None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 defaults=None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allow_forced_replies: bool = False):
         self.engine, self.tokenizer, self.name = engine, tokenizer, served_model_name
+        self.allow_forced_replies = allow_forced_replies  # benchmarks only: requests may carry forced_tokens
         self.max_queue, self.chat_template, self.defaults = max_queue, chat_template, defaults
         self.max_body_bytes = max_body_bytes
         self.metrics = Metrics(engine, served_model_name)
@@ -123,10 +124,11 @@ def sse(obj) -> str:
 
 def create_app(engine, tokenizer, served_model_name: str, max_queue: int = DEFAULT_MAX_QUEUE,
                chat_template: ChatTemplate | None = None, defaults=None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """defaults: the model's GenerationConfig (sampling defaults for requests that set none)."""
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allow_forced_replies: bool = False) -> FastAPI:
+    """defaults: the model's GenerationConfig (sampling defaults for requests that set none);
+    allow_forced_replies (benchmarks only): /v1/completions takes forced_tokens, the reply the engine emits."""
     st = ServerState(engine, tokenizer, served_model_name, max_queue, chat_template or ChatTemplate(), defaults,
-                     max_body_bytes)
+                     max_body_bytes, allow_forced_replies)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -151,7 +153,7 @@ def create_app(engine, tokenizer, served_model_name: str, max_queue: int = DEFAU
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": st.name, "object": "model", "created": now(), "owned_by": "peregrine",
-                                            "max_model_len": st.max_model_len}]}
+                                            "max_model_len": st.max_model_len, "vocab_size": st.vocab_size}]}
 
     @app.get("/metrics")
     async def metrics():
@@ -205,7 +207,7 @@ async def handle(st: ServerState, request: Request, chat: bool):
             ids_fn = lambda b: completion_prompt_ids(b, st.tokenizer.encode)  # noqa: E731
             default_max = lambda n: DEFAULT_COMPLETION_TOKENS  # noqa: E731
         req = parse_common(body, st.name, st.max_model_len, st.vocab_size, ids_fn, default_max, chat=chat,
-                           defaults=st.defaults)
+                           defaults=st.defaults, allow_forced=st.allow_forced_replies)
         if not st.aeng.alive:
             raise APIError(503, "engine thread is not running", type_="server_error")
         if st.engine.num_waiting >= st.max_queue:
@@ -218,7 +220,7 @@ async def handle(st: ServerState, request: Request, chat: bool):
                 p = req.params if req.n == 1 else dataclasses.replace(
                     req.params, seed=None if req.params.seed is None else req.params.seed + i)
                 rids.append(rid if req.n == 1 else f"{rid}-{i}")
-                st.aeng.add(rids[-1], req.prompt_ids, p, queue=q)
+                st.aeng.add(rids[-1], req.prompt_ids, p, queue=q, forced=req.forced_tokens)
         except RequestError as e:
             for r in rids[:-1]:  # all choices or none
                 st.aeng.abort(r)

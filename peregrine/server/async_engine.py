@@ -42,9 +42,11 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def add(self, request_id: str, prompt_ids: list[int], params, queue: asyncio.Queue | None = None) -> asyncio.Queue:
+    def add(self, request_id: str, prompt_ids: list[int], params, queue: asyncio.Queue | None = None,
+            forced: list[int] | None = None) -> asyncio.Queue:
         """Queue a request; its outputs arrive on the returned queue (`queue`: one shared by several
-        requests, e.g. the n choices of one API call; outputs carry their request_id). Raises RequestError."""
+        requests, e.g. the n choices of one API call; outputs carry their request_id). forced (benchmarks
+        only): the tokens it emits (engine.forced). Raises RequestError."""
         loop, q = asyncio.get_running_loop(), queue if queue is not None else asyncio.Queue()
         with self._lock:
             self._queues[request_id] = (loop, q)
@@ -55,7 +57,10 @@ class AsyncEngine:
             except RuntimeError:  # loop closed: nobody listens any more
                 pass
         try:
-            self.engine.add_request(prompt_ids, params, request_id=request_id, on_token=on_token)
+            if forced is None:
+                self.engine.add_request(prompt_ids, params, request_id=request_id, on_token=on_token)
+            else:
+                self.engine.add_request(prompt_ids, params, request_id=request_id, on_token=on_token, forced=forced)
         except BaseException:
             self.release(request_id)
             raise

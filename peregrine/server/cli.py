@@ -31,6 +31,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"seconds SIGTERM waits for in-flight requests (default {DEFAULT_DRAIN_S:g})")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server and access log detail (default info)")
+    g.add_argument("--allow-forced-replies", action="store_true",
+                   help="benchmarks only: /v1/completions takes \"forced_tokens\" (token ids), the reply the engine "
+                        "emits whatever the model says, so speculation is measured on recorded text at the engine's "
+                        "real cost (`bench serve --workload agent`); off: a request carrying it is a 400")
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -66,10 +70,12 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or args.model
     log(f"serving '{name}' on http://{args.host}:{args.port} (tokenizer: {tok.kind}, chat template: {tmpl.kind}, "
         f"end ids {list(engine.model_cfg.eos_token_ids)}, max queue {args.max_queue})")
+    if args.allow_forced_replies:
+        log("--allow-forced-replies: requests may carry forced_tokens, replies the model did not choose (benchmarks only)")
     if (gen.temperature, gen.top_p, gen.top_k) != (None, None, None):
         log(f"sampling defaults from generation_config.json: temperature {gen.temperature}, top_p {gen.top_p}, top_k {gen.top_k}")
     app = create_app(engine, tok, name, max_queue=args.max_queue, chat_template=tmpl, defaults=gen,
-                     max_body_bytes=args.max_body_bytes)
+                     max_body_bytes=args.max_body_bytes, allow_forced_replies=args.allow_forced_replies)
     # uvicorn turns SIGTERM into a graceful shutdown (stop accepting, finish in-flight requests), then
     # re-raises it to the handler that was there before: a no-op one makes a clean drain exit 0
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -101,6 +107,24 @@ def add_bench_serve_parser(bench_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     from ..bench.cli import add_sampling_args
     add_sampling_args(p, "sampled requests (default: greedy, temperature 0)")
+    g = p.add_argument_group("workload (docs/benchmarks.md §3d)")
+    g.add_argument("--workload", choices=["random", "agent"], default="random",
+                   help="random: random token-id prompts (default); agent: coding-agent sessions, every turn re-sending "
+                        "the conversation, each reply sent as forced_tokens (the server needs --allow-forced-replies)")
+    g.add_argument("--sessions", type=int, default=None,
+                   help="agent: sessions per level (default: the level's --max-concurrency)")
+    g.add_argument("--turns", type=int, default=None, help="agent: turns per session (default 8)")
+    g.add_argument("--context-chars", type=int, default=None,
+                   help="agent: characters of source a session shows over its turns (default 120000: with a 163K "
+                        "vocabulary the last turns' contexts are ~19-25K tokens)")
+    g.add_argument("--max-reply-tokens", type=int, default=None, help="agent: cut each reply to this many tokens")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="agent: the model's vocabulary (default: the server's /v1/models vocab_size)")
+    g.add_argument("--unforced", action="store_true",
+                   help="agent: no forced_tokens (the model's own replies; same prompts and max_tokens)")
+    g.add_argument("--salt", default=None,
+                   help="agent: text each session opens with, so runs share no cached prefix (default: random, "
+                        "recorded in the JSON)")
     p.set_defaults(func=cmd_bench_serve)
     return p
 

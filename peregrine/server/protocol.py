@@ -14,6 +14,9 @@ return_token_ids (adds choices[].token_ids).
 Rejected with 400 because ignoring them would change what the client gets:
 best_of other than n, suffix, logit_bias, tools / tool_choice /
 functions, response_format other than text, echo in chat, more than one prompt.
+Benchmarks only: forced_tokens (completions; a server started with --allow-forced-replies), the token ids the
+reply must be, whatever the model says (bench serve --workload agent); without that flag a request carrying it
+is a 400 naming it.
 Any other unknown field (user, metadata, store, service_tier, ...) is ignored.
 Every string of the request must be valid Unicode: a lone surrogate (JSON "\\ud800") is a 400.
 Every number must be one the engine can carry: a float field that is not finite (NaN and Infinity, which
@@ -189,6 +192,7 @@ class ParsedRequest:
     echo_only: bool = False       # echo with max_tokens 0: the prompt (and its logprobs), nothing generated
     logprobs: bool = False        # choices carry logprobs
     top_logprobs: int = 0
+    forced_tokens: list[int] | None = None  # benchmarks only: the reply's tokens (--allow-forced-replies)
 
 
 def _stop_strings(body) -> list[str]:
@@ -225,10 +229,34 @@ def _logprobs(body, chat: bool) -> tuple[bool, int]:
     return on, k
 
 
+def _forced_tokens(body, vocab_size: int, max_tokens: int, mt_key: str, logprobs_on: bool) -> list[int] | None:
+    """The benchmark-only field forced_tokens (taken when _reject_unsupported let it through): None when absent,
+    else its token ids, or a 400 naming it."""
+    v = body.get("forced_tokens")
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v or not all(_is_int(t) for t in v):
+        what = next((x for x in v if not _is_int(x)), None) if isinstance(v, list) and v else v
+        raise bad(f"'forced_tokens' must be a non-empty list of integer token ids, got {_short(what)}"
+                  f"{' in the list' if isinstance(v, list) and v else ''}", "forced_tokens")
+    out = [t for t in v if not 0 <= t < vocab_size]
+    if out:
+        raise bad(f"'forced_tokens' ids must be in [0, {vocab_size}), got [{', '.join(map(_short, out[:5]))}]",
+                  "forced_tokens")
+    if len(v) > max_tokens:
+        raise bad(f"'forced_tokens' has {len(v)} tokens but {mt_key} is {max_tokens}", "forced_tokens")
+    if logprobs_on:
+        raise bad("'forced_tokens' cannot be combined with logprobs (they would describe the model's draws, not "
+                  "the forced tokens)", "forced_tokens")
+    return list(v)
+
+
 def parse_common(body, served_model: str, max_model_len: int, vocab_size: int,
-                 prompt_ids_fn, default_max_tokens, chat: bool = False, defaults=None) -> ParsedRequest:
+                 prompt_ids_fn, default_max_tokens, chat: bool = False, defaults=None,
+                 allow_forced: bool = False) -> ParsedRequest:
     """prompt_ids_fn(body) -> token ids; default_max_tokens(prompt_len) -> int;
-    defaults: the model's GenerationConfig (temperature / top_p / top_k for requests that set none)."""
+    defaults: the model's GenerationConfig (temperature / top_p / top_k for requests that set none);
+    allow_forced: the benchmark-only field forced_tokens is taken (serve --allow-forced-replies)."""
     if not isinstance(body, dict):
         raise bad("request body must be a JSON object")
     check_unicode(body)
@@ -237,6 +265,10 @@ def parse_common(body, served_model: str, max_model_len: int, vocab_size: int,
         raise APIError(404, f"The model `{model}` does not exist: this server serves `{served_model}`", "model",
                        code="model_not_found")
     _reject_unsupported(body, chat)
+    if body.get("forced_tokens") is not None and (chat or not allow_forced):
+        raise bad("'forced_tokens' is taken by /v1/completions only" if allow_forced else
+                  "'forced_tokens' is a benchmark-only field: this server was not started with --allow-forced-replies",
+                  "forced_tokens")
     n = _get(body, "n", _is_int, "an integer", 1)
     if not 1 <= n <= MAX_N:
         raise bad(f"'n' must be in [1, {MAX_N}], got {_short(n)}", "n")
@@ -269,6 +301,7 @@ def parse_common(body, served_model: str, max_model_len: int, vocab_size: int,
     if len(ids) + max_tokens > max_model_len:
         raise bad(f"prompt ({len(ids)} tokens) plus {mt_key} ({_short(max_tokens)}) exceeds the model's limit of "
                   f"{max_model_len} tokens", mt_key)
+    forced = _forced_tokens(body, vocab_size, 0 if echo_only else max_tokens, mt_key, logprobs_on)
     dflt = lambda key, fallback: fallback if defaults is None or getattr(defaults, key) is None else getattr(defaults, key)  # noqa: E731
     top_k = _get(body, "top_k", _is_int, "an integer (0 or -1 = off)", dflt("top_k", 0))
     stop_ids = _get(body, "stop_token_ids", lambda v: isinstance(v, list) and all(_is_int(t) for t in v),
@@ -313,7 +346,8 @@ def parse_common(body, served_model: str, max_model_len: int, vocab_size: int,
         raise bad(str(e), e.param) from None
     return ParsedRequest(ids, params, stream, include_usage,
                          _get(body, "return_token_ids", lambda v: isinstance(v, bool), "true or false", False), model,
-                         n=n, echo=echo, echo_only=echo_only, logprobs=logprobs_on, top_logprobs=top_k_lp)
+                         n=n, echo=echo, echo_only=echo_only, logprobs=logprobs_on, top_logprobs=top_k_lp,
+                         forced_tokens=forced)
 
 
 def completion_prompt_ids(body: dict, encode) -> list[int]:
