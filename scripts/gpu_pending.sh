@@ -1,6 +1,25 @@
 #!/usr/bin/env bash
 # The GPU work still waiting, as one device call on the two-GPU kind (~3 min):
 #   run (kind nvidia-h200-x2, carry .commit and .whl):  bash scripts/gpu_pending.sh
+# - #57 (session 30: no device could be started: eight tries over 50 minutes, H100 and H200, all refused or failed).
+#   In this order, one H100 or H200 each (carry .commit; none of it has run on a GPU):
+#   1. the head check, at most 9 min; commit results/check/ and the table it prints last:
+#        bash scripts/gpu_check.sh
+#      (bench decode greedy / sampled 0.6/0.95 / sampled + logprobs 5 on one engine at B = 1, 2, 4, 8; bench spec
+#      synthetic 1.5 / 3.78 / 6 at k = 7, B = 1 and 8, width auto, greedy then sampled; every -m gpu test of the
+#      kernels, the fast step, the verify step and PDL in the time left; peregrine.bench.check judges each target)
+#   2. the agent turn over HTTP, at most 9 min (c = 8 agent sessions, replies forced, suffix server against plain,
+#      greedy and sampled, plus plain unforced; targets: TPOT p50 <= 0.8x, TTFT p50 within 5 %, ITL p99 <= 25 ms, 0 errors):
+#        bash scripts/gpu_agent_serve.sh
+#   3. the agent turn in-process, sampled beside greedy, on an H200 (the BF16 48B), ~9 min each:
+#        PARTS=replay bash scripts/gpu_drafters.sh
+#        REPLAY_ARGS="--replay-temperature 0.6 --replay-top-p 0.95" PARTS=replay bash scripts/gpu_drafters.sh
+#   4. the drafter inside the verify graph (#43's entry below): PARTS="tests tiny" METHODS=dspark bash scripts/gpu_drafters.sh
+#   5. the soak with warm-up under load (~13 min: start it detached, collect it in a second call; now by request
+#      count or duration: DURATION keeps the old behaviour): (OUT=/tmp/soak DURATION=600 CONC=8 setsid nohup bash
+#      scripts/gpu_soak.sh > /tmp/soak.log 2>&1 < /dev/null &)
+#   Then: where a figure is short, the step timeline (STEPS=profile bash scripts/gpu_run.sh) before any change;
+#   README's sampled and speculative rows from these runs (date, commit, GPU).
 # - the TP teardown after CUDA graph replays (hung at 1571ff5; reordered and bounded since, not re-run):
 #   the FP32 TP = 2 check with --graphs must now finish and write its JSON well inside its limit
 # - k3-slice at all 6 layers, FP32, TP = 2 vs TP = 1 (its first 4 layers passed at 1571ff5)
