@@ -16,6 +16,10 @@ reused (an evicted and re-registered block id gets a new one, so stale children 
 Eviction: blocks nobody reads wait in an LRU (a finished sequence's tail first, so a chain shrinks from
 its end); allocation takes never-registered free blocks first, then evicts the least recently used.
 A snapshot goes with its block, or alone (LRU) when the snapshot pool is full.
+
+A listener (kv_events.BlockEvents, `serve --kv-events-config`) hears of each registration, of each block whose
+prefix becomes reusable (a snapshot attached; every registration without KDA layers) or stops being so (its
+snapshot dropped or evicted), and of each eviction, by registration id.
 """
 from __future__ import annotations
 
@@ -70,6 +74,7 @@ class PrefixCache:
         self.block_of: dict[int, int] = {}        # snapshot slot -> block
         self.snap_lru: OrderedDict[int, None] = OrderedDict()
         self.free_snaps = list(range(num_snapshots - 1, -1, -1)) if enabled else []
+        self.listener = None  # kv_events.BlockEvents, or None
         self.stats = {"queries": 0, "query_tokens": 0, "hit_tokens": 0, "evicted_blocks": 0, "snapshots": 0,
                       "evicted_snapshots": 0}
 
@@ -122,6 +127,8 @@ class PrefixCache:
         m = self.meta.pop(b, None)
         if m is None:
             return
+        if self.listener is not None:
+            self.listener.unregistered(m.uid)
         cands = self.by_hash.get(m.hash, [])
         if b in cands:
             cands.remove(b)
@@ -156,6 +163,8 @@ class PrefixCache:
             self._uid += 1
             self.meta[b] = _Meta(self._uid, parent.uid if parent else ROOT_UID, h, toks)
             self.by_hash.setdefault(h, []).append(b)
+            if self.listener is not None:
+                self.listener.registered(self._uid, parent.uid if parent else None, toks)
 
     def _find(self, h: int, toks: tuple[int, ...], parent_uid: int) -> int | None:
         for b in self.by_hash.get(h, ()):
@@ -209,8 +218,11 @@ class PrefixCache:
             if not self.snap_lru:
                 return None
             s, _ = self.snap_lru.popitem(last=False)
-            self.snap_of.pop(self.block_of.pop(s), None)
+            b = self.block_of.pop(s)
+            self.snap_of.pop(b, None)
             self.stats["evicted_snapshots"] += 1
+            if self.listener is not None and b in self.meta:
+                self.listener.unreusable(self.meta[b].uid)
             return s
         return self.free_snaps.pop()
 
@@ -227,6 +239,8 @@ class PrefixCache:
         self.snap_lru[s] = None
         self.snap_lru.move_to_end(s)
         self.stats["snapshots"] += 1
+        if old is None and self.listener is not None:
+            self.listener.reusable(self.meta[block].uid)
         return True
 
     def unplan(self, s: int) -> None:
@@ -239,6 +253,8 @@ class PrefixCache:
         if self.block_of.get(s) == block:
             del self.snap_of[block]
             self._free_snap(s)
+            if self.listener is not None and block in self.meta:
+                self.listener.unreusable(self.meta[block].uid)
 
     def _free_snap(self, s: int) -> None:
         self.block_of.pop(s, None)

@@ -1,5 +1,12 @@
 """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE
-streaming with usage), /v1/models, /health, /metrics.
+streaming with usage), /v1/models, /health, /metrics; for a router in front of several replicas
+(vllm-router) vLLM's /v1/completions/render, /v1/chat/completions/render, /tokenize, /detokenize,
+/get_server_info and /kv_event_sources.
+
+Readiness (Lifecycle): with a loader the server listens at once and builds the engine on a thread; until
+it is ready /health and every other endpoint answer 503 (vLLM's error body). SIGTERM (serve's server)
+starts a drain: /health and new requests get 503 while the requests in flight finish; those still running
+after --drain-timeout end with a 503 error, then the process exits.
 
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}:
 400 malformed or unsupported request (param: the field), 404 unknown model
@@ -26,7 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.request import RequestError
-from .async_engine import AsyncEngine, EngineStepError
+from .async_engine import AsyncEngine, EngineStepError, ShutdownError
 from .chat import ChatTemplate
 from .limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 from .metrics import CONTENT_TYPE, Metrics
@@ -98,19 +105,105 @@ class Tracker:
 
 class ServerState:
     def __init__(self, engine, tokenizer, served_model_name: str, max_queue: int, chat_template: ChatTemplate,
-                 defaults=None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allow_forced_replies: bool = False):
+                 defaults=None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allow_forced_replies: bool = False,
+                 kv_events=None, model_path: str | None = None):
         self.engine, self.tokenizer, self.name = engine, tokenizer, served_model_name
+        self.model_path = model_path or served_model_name
         self.allow_forced_replies = allow_forced_replies  # benchmarks only: requests may carry forced_tokens
         self.max_queue, self.chat_template, self.defaults = max_queue, chat_template, defaults
         self.max_body_bytes = max_body_bytes
         self.metrics = Metrics(engine, served_model_name)
-        self.aeng = AsyncEngine(engine, on_step_error=lambda e: self.metrics.engine_errors.inc())
+        self.kv_events = kv_events  # kv_events.KVEventPublisher: the prefix cache's blocks, published per step
+        after_step = None
+        if kv_events is not None:
+            from ..kv_events import BlockEvents
+            pc = engine.prefix_cache
+            tracker = BlockEvents(needs_state=pc.needs_state)
+            pc.listener = tracker
+            kv_events.block_size = engine.cache.block_size
+            after_step = lambda: kv_events.publish(tracker.take())  # noqa: E731
+        self.aeng = AsyncEngine(engine, on_step_error=lambda e: self.metrics.engine_errors.inc(), after_step=after_step)
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_cfg.vocab_size
         self.eos = set(engine.model_cfg.eos_token_ids)
         self.fmt = LogprobFormatter(tokenizer)
         if getattr(engine, "tokenizer", None) is None:  # outputs then carry text, and stop strings work
             engine.tokenizer = tokenizer
+
+
+def unavailable(message: str) -> dict:
+    """vLLM's error body for a 503."""
+    return {"error": {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}}
+
+
+class Lifecycle:
+    """The server's phase: loading (the model loads, warm-up captures graphs), ready, draining (after SIGTERM:
+    in-flight requests finish, new ones and /health get 503), failed (the model did not load). inflight counts
+    the requests being served (/v1/..., /tokenize, /detokenize), streams until their last byte."""
+
+    def __init__(self, phase: str = "loading", drain_timeout: float = 60.0):
+        self.phase, self.drain_timeout = phase, drain_timeout
+        self.detail = "the model is loading"
+        self.st: ServerState | None = None
+        self.error: BaseException | None = None
+        self.inflight = 0
+        self.force = False            # a second signal while draining: cut the requests now
+        self.on_drained = None        # serve's server: exit once drained
+        self.on_failed = None         # serve's server: exit when the model failed to load
+
+    def begin_drain(self) -> None:
+        if self.phase == "ready":
+            self.phase, self.detail = "draining", "the server is shutting down: it takes no new requests"
+            log.warning("draining: %d request(s) in flight; /health and new requests answer 503; exit when they "
+                        "are done or after %g s (--drain-timeout)", self.inflight, self.drain_timeout)
+
+
+class _Gate:
+    """Pure ASGI middleware: 503 (vLLM's body) for everything but a ready server (/metrics also while draining);
+    counts the requests in flight."""
+    COUNTED = ("/v1/", "/tokenize", "/detokenize")
+
+    def __init__(self, app, life: Lifecycle):
+        self.app, self.life = app, life
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        life, path = self.life, scope["path"]
+        if life.phase != "ready" and not (life.phase == "draining" and path == "/metrics"):
+            body = json.dumps(unavailable(life.detail)).encode()
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        counted = path.startswith(self.COUNTED)
+        if counted:
+            life.inflight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if counted:
+                life.inflight -= 1
+
+
+async def _drain_watch(life: Lifecycle) -> None:
+    """Once draining: wait for the in-flight requests (at most drain_timeout), fail what is left with a 503,
+    then hand over to the server's exit (life.on_drained)."""
+    while life.phase != "draining":
+        await asyncio.sleep(0.05)
+    deadline = time.monotonic() + life.drain_timeout
+    while life.inflight > 0 and time.monotonic() < deadline and not life.force:
+        await asyncio.sleep(0.05)
+    if life.inflight > 0 and life.st is not None:
+        n = life.st.aeng.cut(f"the server shut down before this request finished (it waited "
+                             f"{life.drain_timeout:g} s, --drain-timeout)")
+        log.warning("drain: %d request(s) still running after %g s end with a 503", n, life.drain_timeout)
+        end = time.monotonic() + 5.0
+        while life.inflight > 0 and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+    log.warning("drained: exiting")
+    if life.on_drained is not None:
+        life.on_drained()
 
 
 def err(st: ServerState, e: APIError) -> JSONResponse:
@@ -122,52 +215,172 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def create_app(engine, tokenizer, served_model_name: str, max_queue: int = DEFAULT_MAX_QUEUE,
+def create_app(engine=None, tokenizer=None, served_model_name: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
                chat_template: ChatTemplate | None = None, defaults=None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allow_forced_replies: bool = False) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allow_forced_replies: bool = False,
+               loader=None, kv_events=None, drain_timeout: float = 60.0, model_path: str | None = None) -> FastAPI:
     """defaults: the model's GenerationConfig (sampling defaults for requests that set none);
-    allow_forced_replies (benchmarks only): /v1/completions takes forced_tokens, the reply the engine emits."""
-    st = ServerState(engine, tokenizer, served_model_name, max_queue, chat_template or ChatTemplate(), defaults,
-                     max_body_bytes, allow_forced_replies)
+    allow_forced_replies (benchmarks only): /v1/completions takes forced_tokens, the reply the engine emits.
+    loader (instead of engine and tokenizer): called on a thread once the server listens, it returns a dict of
+    this function's engine, tokenizer, served_model_name, chat_template, defaults, model_path; every endpoint
+    answers 503 until it returns. kv_events: a kv_events.KVEventPublisher fed the prefix cache's block events."""
+    life = Lifecycle("loading" if loader is not None else "ready", drain_timeout)
+    opts = dict(max_queue=max_queue, max_body_bytes=max_body_bytes, allow_forced_replies=allow_forced_replies,
+                kv_events=kv_events)
+
+    def make_state(engine, tokenizer, served_model_name, chat_template=None, defaults=None, model_path=None):
+        return ServerState(engine, tokenizer, served_model_name, chat_template=chat_template or ChatTemplate(),
+                           defaults=defaults, model_path=model_path, **opts)
+
+    if loader is None:
+        life.st = make_state(engine, tokenizer, served_model_name, chat_template, defaults, model_path)
+
+    def load() -> None:
+        try:
+            st = make_state(**loader())
+            st.aeng.start()
+            life.st = app.state.peregrine = st
+            life.phase, life.detail = "ready", ""
+        except BaseException as e:  # noqa: BLE001  (reported by serve, which exits)
+            life.error, life.phase, life.detail = e, "failed", f"the model failed to load: {e}"
+            if life.on_failed is not None:
+                life.on_failed(e)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        st.aeng.start()
+        if loader is None:
+            life.st.aeng.start()
+        else:
+            threading.Thread(target=load, name="peregrine-load", daemon=True).start()
+        watch = asyncio.ensure_future(_drain_watch(life))
         yield
-        st.aeng.stop()
+        watch.cancel()
+        if life.st is not None:
+            life.st.aeng.stop()
+        if kv_events is not None:
+            kv_events.close()
 
     app = FastAPI(title="peregrine", lifespan=lifespan)
-    app.state.peregrine = st
+    app.state.life = life
+    app.state.peregrine = life.st  # the ServerState (tests read it); set when a loader finishes
+    app.add_middleware(_Gate, life=life)
+
+    def state() -> ServerState:
+        return life.st
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception):  # a bug must answer, not hang or kill the server
         log.exception("unhandled error on %s", request.url.path)
-        return err(st, APIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error"))
+        return err(state(), APIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error"))
 
     @app.get("/health")
     async def health():
-        if not st.aeng.alive:
+        if not state().aeng.alive:
             return JSONResponse(error_body("engine thread is not running", "server_error"), status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models():
+        st = state()
         return {"object": "list", "data": [{"id": st.name, "object": "model", "created": now(), "owned_by": "peregrine",
-                                            "max_model_len": st.max_model_len, "vocab_size": st.vocab_size}]}
+                                            "root": st.model_path, "max_model_len": st.max_model_len,
+                                            "vocab_size": st.vocab_size}]}
 
     @app.get("/metrics")
     async def metrics():
-        return Response(st.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(state().metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await handle(st, request, chat=False)
+        return await handle(state(), request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await handle(st, request, chat=True)
+        return await handle(state(), request, chat=True)
+
+    # ---- what a router needs from a worker, in vLLM's spelling ----
+    @app.post("/v1/completions/render")
+    async def render_completion(request: Request):
+        st = state()
+        try:
+            _, req = await _parse(st, request, chat=False)
+        except APIError as e:
+            return err(st, e)
+        return [{"request_id": new_id("cmpl"), "model": st.name, "token_ids": req.prompt_ids}]
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(request: Request):
+        st = state()
+        try:
+            _, req = await _parse(st, request, chat=True)
+        except APIError as e:
+            return err(st, e)
+        return {"request_id": new_id("chatcmpl"), "model": st.name, "token_ids": req.prompt_ids}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        st = state()
+        try:
+            body = parse_json(await read_body(request, st.max_body_bytes))
+            if not isinstance(body, dict):
+                raise APIError(400, "request body must be a JSON object")
+            chat = "messages" in body
+            if body.get("model", st.name) != st.name:
+                raise APIError(404, f"The model `{body.get('model')}` does not exist: this server serves `{st.name}`",
+                               "model", code="model_not_found")
+            if chat:
+                ids = st.tokenizer.encode(st.chat_template.render(body.get("messages")))
+            else:
+                ids = completion_prompt_ids(body, st.tokenizer.encode)
+        except APIError as e:
+            return err(st, e)
+        except (ValueError, TypeError) as e:
+            return err(st, APIError(400, f"cannot tokenize: {e}", "messages" if "messages" in body else "prompt"))
+        return {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        st = state()
+        try:
+            body = parse_json(await read_body(request, st.max_body_bytes))
+            ids = body.get("tokens") if isinstance(body, dict) else None
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                    and 0 <= t < st.vocab_size for t in ids):
+                raise APIError(400, f"'tokens' must be a list of token ids in [0, {st.vocab_size})", "tokens")
+        except APIError as e:
+            return err(st, e)
+        return {"prompt": st.tokenizer.decode(ids)}
+
+    @app.get("/get_server_info")
+    async def server_info():
+        st = state()
+        bs = st.engine.cache.block_size
+        return {"model_id": st.name, "model_path": st.model_path, "served_model_name": st.name,
+                "kv_block_size": bs, "effective_attention_block_size": bs, "max_model_len": st.max_model_len,
+                "enable_prefix_caching": st.engine.prefix_cache.enabled,
+                "kv_events": st.kv_events is not None}
+
+    @app.get("/kv_event_sources")
+    async def kv_event_sources():
+        st = state()
+        return st.kv_events.sources() if st.kv_events is not None else {}
 
     return app
+
+
+async def _parse(st: ServerState, request: Request, chat: bool):
+    """(body, ParsedRequest): a completions or chat request checked and tokenized (serving and render alike)."""
+    body = parse_json(await read_body(request, st.max_body_bytes))
+    if chat:
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object")
+        ids_fn = lambda b: st.tokenizer.encode(st.chat_template.render(b.get("messages")))  # noqa: E731
+        default_max = lambda n: st.max_model_len - n  # noqa: E731  chat: the rest of the context
+    else:
+        ids_fn = lambda b: completion_prompt_ids(b, st.tokenizer.encode)  # noqa: E731
+        default_max = lambda n: DEFAULT_COMPLETION_TOKENS  # noqa: E731
+    return body, parse_common(body, st.name, st.max_model_len, st.vocab_size, ids_fn, default_max, chat=chat,
+                              defaults=st.defaults, allow_forced=st.allow_forced_replies)
 
 
 def _echo_text(st: ServerState, body: dict, ids: list[int]) -> str:
@@ -197,17 +410,7 @@ async def handle(st: ServerState, request: Request, chat: bool):
     arrival = time.perf_counter()
     rids: list[str] = []
     try:
-        body = parse_json(await read_body(request, st.max_body_bytes))
-        if chat:
-            if not isinstance(body, dict):
-                raise APIError(400, "request body must be a JSON object")
-            ids_fn = lambda b: st.tokenizer.encode(st.chat_template.render(b.get("messages")))  # noqa: E731
-            default_max = lambda n: st.max_model_len - n  # noqa: E731  chat: the rest of the context
-        else:
-            ids_fn = lambda b: completion_prompt_ids(b, st.tokenizer.encode)  # noqa: E731
-            default_max = lambda n: DEFAULT_COMPLETION_TOKENS  # noqa: E731
-        req = parse_common(body, st.name, st.max_model_len, st.vocab_size, ids_fn, default_max, chat=chat,
-                           defaults=st.defaults, allow_forced=st.allow_forced_replies)
+        body, req = await _parse(st, request, chat)
         if not st.aeng.alive:
             raise APIError(503, "engine thread is not running", type_="server_error")
         if st.engine.num_waiting >= st.max_queue:
@@ -279,9 +482,13 @@ async def stream(st, q, trs: dict, req, base, chat, echo: str | None):
         while len(done) < len(trs):
             stamp, out = await q.get()
             if isinstance(out, EngineStepError):
-                st.metrics.error(500)
                 failed = True
-                yield sse(error_body(str(out), "server_error"))
+                if isinstance(out, ShutdownError):
+                    st.metrics.error(503)
+                    yield sse(unavailable(str(out)))
+                else:
+                    st.metrics.error(500)
+                    yield sse(error_body(str(out), "server_error"))
                 break
             tr = trs.get(out.request_id)
             if tr is None or out.request_id in done:
@@ -347,6 +554,9 @@ async def collect(st, request, q, trs: dict, req, base, chat, echo: str | None):
             stamp, out = get.result()
             if isinstance(out, EngineStepError):
                 failed = True
+                if isinstance(out, ShutdownError):
+                    st.metrics.error(503)
+                    return JSONResponse(unavailable(str(out)), status_code=503)
                 return err(st, APIError(500, str(out), type_="server_error"))
             tr = trs.get(out.request_id)
             if tr is None or out.request_id in done:

@@ -6,7 +6,9 @@ callback, which hands (timestamp, output) to the request's asyncio.Queue with
 loop.call_soon_threadsafe. A failure the engine pins on one request arrives as
 that request's output (finish_reason "error"); a step that still raises fails
 every in-flight request with an EngineStepError (logged with its traceback) and
-the thread keeps serving.
+the thread keeps serving. after_step (if given) runs on the thread after each step: the KV event
+publisher takes the step's cache events there. cut(message) fails every in-flight request with a
+ShutdownError (a drain that ran out of time).
 """
 from __future__ import annotations
 
@@ -23,10 +25,15 @@ class EngineStepError(RuntimeError):
     """Put on a request's queue when the engine step serving it raised."""
 
 
+class ShutdownError(EngineStepError):
+    """Put on a request's queue when the server stops before the request finished (a 503)."""
+
+
 class AsyncEngine:
-    def __init__(self, engine, on_step_error=None):
+    def __init__(self, engine, on_step_error=None, after_step=None):
         self.engine = engine
         self.on_step_error = on_step_error
+        self.after_step = after_step
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -99,6 +106,30 @@ class AsyncEngine:
             except Exception as e:
                 log.exception("engine step failed; failing the in-flight requests")
                 self._fail_all(e)
+            if self.after_step is not None:
+                try:
+                    self.after_step()
+                except Exception:
+                    log.exception("after-step hook failed")
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._queues)
+
+    def cut(self, message: str) -> int:
+        """Fail every in-flight request with a ShutdownError and abort it; -> how many."""
+        with self._lock:
+            items = list(self._queues.items())
+        err = ShutdownError(message)
+        for rid, (loop, q) in items:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, (time.perf_counter(), err))
+            except RuntimeError:
+                pass
+            self.engine.abort(rid)
+        self._wake.set()
+        return len(items)
 
     def _fail_all(self, exc: Exception) -> None:
         if self.on_step_error is not None:

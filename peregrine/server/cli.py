@@ -28,7 +28,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"largest request body; a larger one gets 413 (default {DEFAULT_MAX_BODY_BYTES >> 20} MiB)")
     g.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_S,
-                   help=f"seconds SIGTERM waits for in-flight requests (default {DEFAULT_DRAIN_S:g})")
+                   help=f"seconds SIGTERM waits for in-flight requests (default {DEFAULT_DRAIN_S:g}); while it waits "
+                        "/health and new requests answer 503, after it the requests still running end with a 503")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish the prefix cache's blocks as vLLM's KV cache events for a KV-aware router, in vLLM's "
+                        "spelling, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                        "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' (fields: "
+                        "enable_kv_cache_events, publisher, endpoint, replay_endpoint, buffer_steps, hwm, "
+                        "max_queue_size, topic; needs pip install 'peregrine[fleet]'; docs/serving.md)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server and access log detail (default info)")
     g.add_argument("--allow-forced-replies", action="store_true",
@@ -40,13 +47,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_serve(args) -> int:
+    """Every option is checked first; then the server listens at once (/health answers 503) while the model
+    loads and warm-up captures its graphs on a thread, and serves when that is done. SIGTERM drains."""
     import uvicorn
 
     from ..config import ConfigError, resolve_model
-    from ..engine.build import build_engine, warm_up
-    from ..generation_config import GenerationConfig
+    from ..kv_events import parse_kv_events_config
     from .app import create_app
-    from .chat import ChatTemplate
 
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
@@ -57,31 +64,77 @@ def cmd_serve(args) -> int:
     if args.drain_timeout < 0:
         raise ConfigError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
     ecfg = engine_config(args)  # every engine option checked before the model loads
+    events_cfg = parse_kv_events_config(args.kv_events_config)
+    if events_cfg is not None and not ecfg.enable_prefix_caching:
+        raise ConfigError("--kv-events-config: KV cache events report the prefix cache, which "
+                          "--no-enable-prefix-caching turns off")
+    _, folder = resolve_model(args.model)  # an unknown model is an error before anything listens
     logging.basicConfig(level=args.log_level.upper(), format="[peregrine] %(levelname)s %(name)s: %(message)s")
     log = lambda m: print(f"[peregrine] {m}", file=sys.stderr, flush=True)  # noqa: E731
-    from .. import compile_log
-    compile_log.install(log)  # PEREGRINE_LOG_COMPILES=1: kernels the warm-up misses are named when they compile
-    engine, tok = build_engine(args.model, ecfg, dummy_weights=args.dummy_weights, log=log)
-    warm_up(engine, log)  # graphs captured and plans built now, not at a request's first prompt of each size
-    compile_log.serving()
-    _, folder = resolve_model(args.model)
-    tmpl = ChatTemplate(folder)
-    gen = GenerationConfig.from_folder(folder)
+    publisher = None
+    if events_cfg is not None:
+        from ..kv_events import KVEventPublisher
+        publisher = KVEventPublisher(events_cfg, say=log)  # binds now: a busy address fails before the model loads
     name = args.served_model_name or args.model
-    log(f"serving '{name}' on http://{args.host}:{args.port} (tokenizer: {tok.kind}, chat template: {tmpl.kind}, "
-        f"end ids {list(engine.model_cfg.eos_token_ids)}, max queue {args.max_queue})")
-    if args.allow_forced_replies:
-        log("--allow-forced-replies: requests may carry forced_tokens, replies the model did not choose (benchmarks only)")
-    if (gen.temperature, gen.top_p, gen.top_k) != (None, None, None):
-        log(f"sampling defaults from generation_config.json: temperature {gen.temperature}, top_p {gen.top_p}, top_k {gen.top_k}")
-    app = create_app(engine, tok, name, max_queue=args.max_queue, chat_template=tmpl, defaults=gen,
-                     max_body_bytes=args.max_body_bytes, allow_forced_replies=args.allow_forced_replies)
-    # uvicorn turns SIGTERM into a graceful shutdown (stop accepting, finish in-flight requests), then
-    # re-raises it to the handler that was there before: a no-op one makes a clean drain exit 0
+
+    def load() -> dict:
+        from .. import compile_log
+        from ..engine.build import build_engine, warm_up
+        from ..generation_config import GenerationConfig
+        from .chat import ChatTemplate
+        compile_log.install(log)  # PEREGRINE_LOG_COMPILES=1: kernels the warm-up misses are named when they compile
+        engine, tok = build_engine(args.model, ecfg, dummy_weights=args.dummy_weights, log=log)
+        warm_up(engine, log)  # graphs captured and plans built now, not at a request's first prompt of each size
+        compile_log.serving()
+        tmpl = ChatTemplate(folder)
+        gen = GenerationConfig.from_folder(folder)
+        log(f"ready: serving '{name}' on http://{args.host}:{args.port} (tokenizer: {tok.kind}, chat template: "
+            f"{tmpl.kind}, end ids {list(engine.model_cfg.eos_token_ids)}, max queue {args.max_queue}, "
+            f"KV block size {engine.cache.block_size})")
+        if args.allow_forced_replies:
+            log("--allow-forced-replies: requests may carry forced_tokens, replies the model did not choose (benchmarks only)")
+        if (gen.temperature, gen.top_p, gen.top_k) != (None, None, None):
+            log(f"sampling defaults from generation_config.json: temperature {gen.temperature}, top_p {gen.top_p}, top_k {gen.top_k}")
+        return dict(engine=engine, tokenizer=tok, served_model_name=name, chat_template=tmpl, defaults=gen,
+                    model_path=str(args.model))
+
+    app = create_app(loader=load, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                     allow_forced_replies=args.allow_forced_replies, kv_events=publisher,
+                     drain_timeout=args.drain_timeout)
+    life = app.state.life
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5.0)  # the drain ran before: only closing connections is left
+    server = _DrainingServer(config, life)
+    life.on_drained = lambda: setattr(server, "should_exit", True)
+    life.on_failed = lambda e: setattr(server, "should_exit", True)
+    log(f"listening on http://{args.host}:{args.port}: /health answers 503 until the model is loaded and warm")
+    # uvicorn re-raises a caught SIGTERM to the handler that was there before once it has shut down: a no-op one
+    # makes a clean drain exit 0
     signal.signal(signal.SIGTERM, lambda *_: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.drain_timeout)
+    server.run()
+    if life.error is not None:
+        raise life.error
     return 0
+
+
+class _DrainingServer:
+    """uvicorn's Server whose first SIGTERM / SIGINT starts the app's drain (Lifecycle) instead of closing the
+    listening socket at once: /health answers 503 while the requests in flight finish; a second signal ends
+    them now (503). While the model loads a signal exits at once."""
+
+    def __new__(cls, config, life):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                if life.phase == "ready":
+                    self._captured_signals.append(sig)
+                    life.begin_drain()
+                elif life.phase == "draining":
+                    life.force = True
+                else:
+                    super().handle_exit(sig, frame)
+        return Server(config)
 
 
 def add_bench_serve_parser(bench_subparsers) -> argparse.ArgumentParser:
