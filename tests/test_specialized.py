@@ -406,6 +406,18 @@ def test_sampled_rows_drawn_in_the_step_keep_lookahead(model_dir):
     assert len({tuple(g) for g in got}) == 3
 
 
+def assert_same_top(a, b):
+    """Top-N logprobs (token, logprob) lists agree rank by rank: the logprobs within TOL, and the tokens too unless
+    the rank is a tie within TOL (in BF16 the host's and the device's logprobs round apart, so the third of two
+    near-equal tokens may go either way: seen on the H100, ranks 3 and 4 apart by less than TOL)."""
+    assert len(a) == len(b)
+    for (ta, la), (tb, lb) in zip(a, b):
+        assert abs(la - lb) < TOL, (a, b)
+        if ta != tb:  # a tie: the other list holds the same value for its token at this rank
+            assert DEVICE != "cpu", (a, b)  # in FP32 the order is exact
+            assert abs(la - lb) < TOL and dict(a).get(tb, la) - la < TOL, (a, b)
+
+
 def test_standard_runner_draws_sampled_rows_on_the_device(model_dir, monkeypatch):
     """#41: the standard runner (the default backend) draws sampled, penalised and logprobs decode rows inside its
     step on the GPU (its graphs get the same variants); forced on here under the interpreter: the same tokens and
@@ -435,7 +447,7 @@ def test_standard_runner_draws_sampled_rows_on_the_device(model_dir, monkeypatch
         assert len(a_row) == len(b_row)
         for a, b in zip(a_row, b_row):
             assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < TOL
-            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert_same_top(a.top, b.top)
     assert [len(x) for x in lps] == [n, 0, 0] and len({tuple(g) for g in got}) == 3
 
 
