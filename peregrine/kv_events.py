@@ -160,11 +160,15 @@ class BlockEvents:
 
     def reusable(self, uid: int) -> None:
         """A snapshot now ends at this block."""
+        if not self.needs_state:  # every registered block is announced already
+            return
         with self._lock:
             self._announce(uid)
 
     def unreusable(self, uid: int) -> None:
         """The block lost its snapshot (it stays registered)."""
+        if not self.needs_state:
+            return
         with self._lock:
             a = self.ann.get(uid)
             if a is not None:
