@@ -251,14 +251,15 @@ def run_all(base: str, specs: list[dict], **kw) -> dict[str, list[str]]:
         return {k: f.result(timeout=10 * LIMIT) for k, f in futs.items()}
 
 
-@pytest.fixture(scope="module")
-def fleet():
+def test_fleet_behind_vllm_router():
+    """One test, so that one worker of the test command starts the four replicas (once)."""
     single = Replica("single", events=False)
     reps = [Replica(n, events=True) for n in "ABC"]
     try:
         with ThreadPoolExecutor(4) as ex:
             list(ex.map(lambda r: r.start(), [single, *reps]))
-        yield single, reps
+        policies_hit_rate_and_answers((single, reps))
+        kill_restart_and_drain((single, reps))
     finally:
         for r in [single, *reps]:
             r.stop()
@@ -269,7 +270,7 @@ def hit_rate(q0, h0, q1, h1) -> float:
     return (h1 - h0) / (q1 - q0)
 
 
-def test_policies_hit_rate_and_answers(fleet):
+def policies_hit_rate_and_answers(fleet):
     """kv_aware >= 97 % of one replica's prefix-cache hit rate, cache_aware >= 90 %, round_robin lower; every
     answer equal to the single replica's."""
     single, reps = fleet
@@ -300,7 +301,7 @@ def test_policies_hit_rate_and_answers(fleet):
     assert rates["round_robin"] < min(rates["kv_aware"], rates["cache_aware"]), report
 
 
-def test_kill_restart_and_drain(fleet):
+def kill_restart_and_drain(fleet):
     """A replica killed mid-load; restarted (503 while it loads), it rejoins; SIGTERM drains it."""
     single, reps = fleet
     specs = [session_spec(f"kill-{random.Random(7).randrange(10**6)}", i) for i in range(SESSIONS)]
@@ -386,6 +387,8 @@ def test_kill_restart_and_drain(fleet):
             time.sleep(0.02)
         t.join()
         assert 503 in draining and 200 not in draining, f"/health while draining: {draining}"
+        print(f"restart: /health answered 503 {trace.count(503)} times, then 200; drain: /health 503 "
+              f"{draining.count(503)} times while its request finished")
         r = box["r"]
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 600, r.text[:300]
         for i in range(3):  # the router answers while (and after) the replica is gone
