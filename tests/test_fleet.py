@@ -209,7 +209,8 @@ def run_session(base: str, spec: dict, stream: bool = False, retries: int = 0, l
                 sent = time.monotonic()
                 ok, text = _ask(c, base, body, stream)
                 if log is not None:
-                    log.append({"ok": ok, "sent": sent, "done": time.monotonic(), "session": spec["salt"], "turn": t})
+                    log.append({"ok": ok, "sent": sent, "done": time.monotonic(), "session": spec["salt"], "turn": t,
+                                "error": None if ok else text[:200]})
                 if ok:
                     break
             assert ok, f"turn {t} of {spec['salt']} failed {retries + 1} time(s): {text}"
@@ -329,7 +330,7 @@ def kill_restart_and_drain(fleet):
         assert after and all(a["ok"] for a in after), \
             f"requests sent after the kill failed: {[a for a in after if not a['ok']]}"
         in_flight = [a for a in attempts if a["sent"] <= killed_at < a["done"]]
-        print(f"kill: {len(in_flight)} in flight (failed: {sum(not a['ok'] for a in in_flight)}), "
+        print(f"kill: {len(in_flight)} in flight (errors: {[a['error'] for a in in_flight if not a['ok']]}), "
               f"{len(after)} sent after it, all answered")
 
         # restart: /health answers 503 while the model loads; the router keeps it out until then

@@ -17,7 +17,11 @@ from .limits import DEFAULT_DRAIN_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
-                              description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.")
+                              description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, and for a "
+                                          "router in front of several replicas vLLM's /v1/completions/render, "
+                                          "/v1/chat/completions/render, /tokenize, /detokenize, /get_server_info and "
+                                          "/kv_event_sources. /health answers 503 while the model loads and while "
+                                          "SIGTERM drains.")
     add_engine_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
