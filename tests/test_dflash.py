@@ -417,11 +417,13 @@ def test_drafter_in_the_engine_keeps_greedy_exact_and_reads_the_targets_taps(tmp
 
 
 @pytest.mark.gpu
-def test_the_fast_path_drafts_the_next_block_inside_the_verify_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_fast_path_drafts_the_next_block_inside_the_verify_step(tmp_path, monkeypatch, sampled):
     """On the fast path the verify step ends by drafting each row's next block from the accepted prefix it counted
     on the device (dflash_graphs.in_verify, in the verify graph on a GPU); a propose takes those blocks. Each taken
     block (and its confidences) equals the block a separate propose drafts for the same sequence at that point;
-    answers equal plain greedy; a method switch leaves no drafter hooks on the target."""
+    answers equal plain greedy (sampled: plain sampling, the rows' tokens drawn inside the verify step, so its
+    count is the host's and their blocks are taken too); a method switch leaves no drafter hooks on the target."""
     from peregrine.config import EngineConfig
     from peregrine.engine import SamplingParams
     from peregrine.engine.build import build_engine
@@ -455,7 +457,7 @@ def test_the_fast_path_drafts_the_next_block_inside_the_verify_step(tmp_path, mo
     spec = engine({"method": "dspark", "model": folder})
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (9, 23)]
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, **(dict(temperature=0.7, seed=2) if sampled else {}))
     assert spec.generate(prompts, params) == plain.generate(prompts, params)
     st = spec.spec.drafter.stats
     assert st["drafted_in_verify"] > 0 and len(pairs) == st["drafted_in_verify"], st

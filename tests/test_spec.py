@@ -355,6 +355,71 @@ def test_sampled_requests_speculate_and_keep_their_tokens():
     assert st["num_drafts"] == dr.n > 0 and st["num_accepted_tokens"] == dr.expected > 0
 
 
+def _device_draw_run(params, prompts, want, monkeypatch):
+    """A speculative run on the standard runner with its device draws forced on (under the interpreter here; on
+    by itself on one GPU) and scripted drafts of `want`: (tokens, each verify step's (B, T, rows of its
+    StepInput.sampling or None), the sampled rows the host drew after a verify step (_draw_sampled))."""
+    from peregrine.speculative.decoder import SpecDecoder
+    e = tiny(NGRAM)
+    e.runner.device_sampler = e.device_sampling = True
+    host, seen = [], []
+    real = SpecDecoder._draw_sampled
+    monkeypatch.setattr(SpecDecoder, "_draw_sampled", lambda *a: (lambda d: host.append(len(d)) or d)(real(*a)))
+    fwd = e.runner.forward
+    e.runner.forward = lambda st: (st.spec_tokens and seen.append(
+        (st.num_seqs, st.spec_tokens, None if st.sampling is None else [int(x.shape[0]) for x in st.sampling]))) or fwd(st)
+    dr = ScriptedDrafter({tuple(p): w for p, w in zip(prompts, want)}, [1, 3, 0, 2], 320)
+    e.enable_speculation(NGRAM, drafter=dr)
+    got = e.generate(prompts, params)
+    st = e.stats["spec"]
+    assert st["num_drafts"] == dr.n > 0 and st["num_accepted_tokens"] == dr.expected > 0
+    return got, seen, [n for n in host if n]
+
+
+def test_verify_steps_draw_sampled_rows_on_the_device(monkeypatch):
+    """#57: where the runner draws on the device, a pure verify step whose rows all speculate carries their
+    settings a row per token (StepInput.sampling, B·T rows) and the runner draws every position's token in the
+    step, keyed by (seed, position), so no sampled row is drawn on the host after it (_draw_sampled): the outputs
+    equal plain sampling's token for token. A batch with a logprobs or penalised row (undrafted, drawn on the host
+    from its first position) keeps the host draws after the step, with the same tokens, and once those rows have
+    finished the others' verify steps draw on the device again."""
+    ps = repetitive(8)
+    params = [greedy(20, temperature=0.9, seed=11), greedy(20, temperature=0.7, top_p=0.8, top_k=20, seed=12),
+              greedy(20)]
+    want = tiny().generate(ps, params)
+    got, seen, host = _device_draw_run(params, ps, want, monkeypatch)
+    assert got == want and not host
+    assert seen and all(rows == [B * T] * 5 for B, T, rows in seen), seen
+    mixed = [greedy(40, temperature=0.9, seed=11), greedy(6, temperature=1.0, seed=13, logprobs=2),
+             greedy(8, temperature=0.8, seed=14, repetition_penalty=1.3)]
+    want = tiny().generate(ps, mixed)
+    got, seen, host = _device_draw_run(mixed, ps, want, monkeypatch)
+    assert got == want and host
+    assert any(rows is None for _, _, rows in seen) and any(rows is not None for _, _, rows in seen), seen
+    assert all(rows is None for B, _, rows in seen if B > 1) and all(rows == [T] * 5 for B, T, rows in seen if rows)
+
+
+def test_synthetic_acceptance_with_sampled_rows_drawn_on_the_device(monkeypatch):
+    """bench spec --temperature's synthetic runs: sampled rows verify their whole room and accept the drawn count,
+    the token after the accepted drafts drawn inside the verify step: the same outputs and acceptance as with the
+    draws on the host after the step."""
+    from peregrine.speculative.decoder import SpecDecoder
+    real = SpecDecoder._draw_sampled
+    host = []
+    monkeypatch.setattr(SpecDecoder, "_draw_sampled", lambda *a: (lambda d: host.append(len(d)) or d)(real(*a)))
+    params = [greedy(24, temperature=0.6, top_p=0.95, seed=s) for s in (1, 2)] + [greedy(24)]
+    runs = {}
+    for device in (False, True):
+        e = tiny(dict(SYNTH, num_speculative_tokens=3, synthetic_acceptance_length=2.5))
+        e.runner.device_sampler = e.device_sampling = device
+        host.clear()
+        outs = e.generate([[5, 6, 7], [1, 2], [9] * 6], params)
+        runs[device] = (outs, {k: e.stats["spec"][k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")})
+        assert any(host) != device
+    assert runs[True] == runs[False]
+    assert [len(o) for o in runs[True][0]] == [24] * 3 and runs[True][1]["num_accepted_tokens"] > 0
+
+
 def test_speculative_sampling_rule_matches_its_definition():
     """The rule on one row of a small vocabulary over 20 000 seeds: a draft x is accepted with probability
     min(1, p(x) / q(x)) = p(x) (q one-hot), and a rejected position's token follows the residual (p - q)+

@@ -120,3 +120,136 @@ def test_greedy_equals_plain_with_rollback(fused, seed, k):
     if graphs:
         used = {T: sum(g.uses.values()) for T, g in graphs.items()}
         assert sum(used.values()) > 0, f"no verify graph replayed: {used}"
+
+
+SAMPLED = {  # a sampled row beside a greedy one; two sampled rows, one with top-k (the sampler's top-k levels)
+    "top_p+greedy": [dict(temperature=0.8, top_p=0.9, seed=3), dict()],
+    "top_k+min_p": [dict(temperature=0.7, top_k=20, seed=4), dict(temperature=1.0, min_p=0.05, seed=5)],
+}
+
+
+def _sampled_run(e, ps, params, want, k, monkeypatch, device: bool = True):
+    """Speculative run of `params` with scripted drafts of `want` (rejections included) -> (tokens, the verify
+    steps' (B, T, rows of step.sampling or None), stats). device: the verify steps must draw on the device
+    (SpecDecoder._draw_sampled, the host path, raises)."""
+    from peregrine.speculative.decoder import SpecDecoder
+    if device:
+        real = SpecDecoder._draw_sampled
+
+        def host(*a, **kw):
+            drawn = real(*a, **kw)
+            assert not drawn, "a sampled verify row was drawn on the host"
+            return drawn
+        monkeypatch.setattr(SpecDecoder, "_draw_sampled", host)
+    seen = []
+    fwd = e.runner.forward
+
+    def forward(st):
+        if st.spec_tokens:
+            seen.append((st.num_seqs, st.spec_tokens, None if st.sampling is None else
+                         [int(x.shape[0]) for x in st.sampling]))
+        return fwd(st)
+    dr = ScriptedDrafter({tuple(p): w for p, w in zip(ps, want)}, [2, 0, 9, 1], e.model_cfg.vocab_size,
+                         strict=DEVICE == "cpu")
+    e.enable_speculation({"method": "ngram", "num_speculative_tokens": k}, drafter=dr)
+    e.runner.forward = forward
+    try:
+        got = e.generate(ps, params)
+        st = dict(e.stats["spec"])
+    finally:
+        e.runner.forward = fwd
+        monkeypatch.undo()
+    return got, seen, st, dr
+
+
+@pytest.mark.parametrize("which", list(SAMPLED))
+def test_sampled_rows_are_drawn_inside_the_verify_step(fused, which, monkeypatch):
+    """#57: a verify step of sampled requests carries their settings a row per token (StepInput.sampling, B·T
+    rows) and the runner draws every position's token in the step, keyed by (seed, position), as a plain step
+    draws its token: the host draw after the step (SpecDecoder._draw_sampled) is never called, and the outputs
+    equal plain sampling's token for token (CPU, FP32). On the GPU each (B, T)'s sampled verify graph is captured
+    when speculation is enabled and replayed, and the tokens equal the same run's with the draws on the host
+    (the greedy verify graph's logits, _draw_sampled): bitwise, the logits being the same kernels'."""
+    e, k = fused, 3
+    ps = prompts(7)
+    params = [SamplingParams(max_tokens=TOKENS, ignore_eos=True, **kw) for kw in SAMPLED[which]]
+    want = e.generate(ps, params)  # plain sampling: drawn inside the plain step (its sampled graph on the GPU)
+    assert e.device_sampling
+    graphs = None
+    try:
+        got, seen, st, dr = _sampled_run(e, ps, params, want, k, monkeypatch)
+        graphs = e.runner.verify_graphs
+        if graphs:  # captured at enable: every (B, T) has its sampled graph (top-k's: at first use)
+            for T, g in graphs.items():
+                assert {(B, g.fixed_blocks, "sampled") for B in range(1, g.max_batch + 1)} <= set(g.graphs), T
+            used = sum(n for g in graphs.values() for key, n in g.uses.items() if "sampled" in key)
+            assert used > 0, {T: g.uses for T, g in graphs.items()}
+    finally:
+        e.enable_speculation(None)
+    assert seen and st["verify_steps"] >= 2 and st["num_accepted_tokens"] > 0
+    # a row per token in every verify step with a sampled row (a greedy row left alone: none)
+    assert all(rows in (None, [B * T] * 5) for B, T, rows in seen) and seen[0][2] is not None, seen
+    assert all(rows is not None for _, _, rows in seen) or any(not p.temperature for p in params), seen
+    if DEVICE == "cpu":
+        assert got == want
+        assert st["num_accepted_tokens"] == dr.expected
+        return
+    e.device_sampling = False  # the same run, the sampled rows drawn on the host after the greedy verify graph
+    try:
+        host, host_seen, _, _ = _sampled_run(e, ps, params, want, k, monkeypatch, device=False)
+    finally:
+        e.device_sampling = True
+        e.enable_speculation(None)
+    assert all(rows is None for _, _, rows in host_seen)
+    assert got == host
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the GPU captures real graphs (test_sampled_rows_are_drawn_inside_the_verify_step)")
+def test_sampled_verify_graphs_are_captured_at_enable_and_replayed(model_dir, monkeypatch):
+    """The sampled verify graphs' plumbing without a GPU, a graph emulated by running its step again on the static
+    inputs it was captured on and copying the results into the captured outputs: enable_speculation captures each
+    (B, T)'s sampled verify graph beside the greedy one, its sampling buffers a row per token (B·T); a verify step
+    of sampled requests takes the graph key with "sampled", that graph is replayed (the step's settings and
+    positions copied into its buffers) and its tokens are plain sampling's."""
+    import types
+
+    import peregrine.decode.standard as standard
+
+    def capture(fn, pool):
+        out = fn()
+
+        @torch.inference_mode()  # the outputs are inference tensors, as a real graph's
+        def replay():
+            for o, n in zip(out, fn()):
+                o.copy_(n)
+        return types.SimpleNamespace(replay=replay), out
+    monkeypatch.setattr(standard, "capture", capture)
+    for name, fake in (("graph_pool_handle", lambda: None), ("synchronize", lambda: None),
+                       ("memory_allocated", lambda: 0)):
+        monkeypatch.setattr(torch.cuda, name, fake)
+    e, _ = build_engine(model_dir, EngineConfig(decode_backend="latency_specialized", max_num_seqs=2, max_decode_batch=2,
+                                                max_model_len=256, block_size=16), log=lambda m: None)
+    ps = prompts(8)
+    params = [SamplingParams(max_tokens=TOKENS, ignore_eos=True, temperature=0.9, top_p=0.95, seed=6),
+              SamplingParams(max_tokens=TOKENS, ignore_eos=True, temperature=0.6, seed=7)]
+    want = e.generate(ps, params)  # plain sampling (eager: no plain graphs here)
+    e.runner._graph_args = (True, e.runner._graph_args[1])  # verify graphs "on the GPU"
+    from peregrine.speculative.decoder import SpecDecoder
+    real = SpecDecoder._draw_sampled
+    monkeypatch.setattr(SpecDecoder, "_draw_sampled",
+                        lambda *a: (lambda d: d if not d else pytest.fail("drawn on the host"))(real(*a)))
+    dr = ScriptedDrafter({tuple(p): w for p, w in zip(ps, want)}, [2, 0, 9, 1], e.model_cfg.vocab_size)
+    e.enable_speculation({"method": "ngram", "num_speculative_tokens": 2}, drafter=dr)
+    graphs = e.runner.verify_graphs
+    assert sorted(graphs) == [2, 3]
+    for T, g in graphs.items():
+        nb = g.fixed_blocks
+        assert set(g.graphs) == {(B, nb) for B in (1, 2)} | {(B, nb, "sampled") for B in (1, 2)}, T
+        for B in (1, 2):
+            assert g.graphs[(B, nb)][1].sampling is None
+            assert [x.shape[0] for x in g.graphs[(B, nb, "sampled")][1].sampling] == [B * T] * 5
+    assert e.generate(ps, params) == want
+    st = e.stats["spec"]
+    assert st["verify_steps"] >= 2 and st["num_accepted_tokens"] == dr.expected > 0
+    used = {(T, key): n for T, g in graphs.items() for key, n in g.uses.items()}
+    assert any("sampled" in key for _, key in used) and all(len(key) == 3 for _, key in used), used

@@ -11,11 +11,15 @@ from ..kernels.sampling import argmax, sample, token_logprobs
 def draw(logits: torch.Tensor, step) -> tuple[torch.Tensor, tuple | None]:
     """[B, V] FP32 logits -> ([B] int64 tokens, (chosen, top ids, top logprobs) or None). step.sampling: each
     row's draw (greedy rows the argmax), after step.penalties; else the argmax. step.logprobs: the raw
-    logprobs (before penalties, as the host path reports them)."""
+    logprobs (before penalties, as the host path reports them).
+    Each draw is keyed by (seed, the position of the token drawn): a decode step's row draws token
+    context_lens (the sequence's length); a verify step's rows (step.spec_tokens = T, B·T rows, the sampling
+    settings repeated T times) each draw the token after their input, at step.positions + 1."""
     if step.sampling is not None:
         t, k, p, mp, seeds = step.sampling
         x = apply_device(logits, *step.penalties, step.context_lens_t) if step.penalties is not None else logits
-        ids = sample(x, t, k, p, seeds, step.context_lens_t, mp, top_k_any=step.sample_top_k)
+        at = step.positions + 1 if step.spec_tokens else step.context_lens_t
+        ids = sample(x, t, k, p, seeds, at, mp, top_k_any=step.sample_top_k)
     else:
         ids = argmax(logits)
     return ids, (token_logprobs(logits, ids) if step.logprobs else None)

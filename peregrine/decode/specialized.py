@@ -7,7 +7,7 @@ sequence: the GEMMs take B·T rows, the KDA decode runs the T positions in one p
 writes the state after each into the step's checkpoint buffers, and MLA gives each query
 position the sequence's block table and the length up to itself (causal within the draft),
 one row a program by default (PEREGRINE_MLA_VERIFY_ROWS=2: two rows share each latent tile it
-reads). One graph per (B, T).
+reads). One graph per (B, T), and one more that also draws the sampled rows' tokens at every position.
 
 It reads the model's parameters in place — the model already stores them fused
 (one input projection per attention layer, stacked experts), so the standard runner
@@ -203,15 +203,17 @@ class SpecializedRunner:
         return g.replay_time(B, iters, ids)
 
     def enable_speculation(self, k: int, kda_ckpt, max_blocks: int) -> None:
-        """Serve verify steps of T = 2 .. k+1 tokens per sequence; on the GPU capture one graph per
-        (B, T) now, with block tables of max_blocks (room for k tokens past max_model_len)."""
+        """Serve verify steps of T = 2 .. k+1 tokens per sequence; on the GPU capture two graphs per (B, T) now,
+        with block tables of max_blocks (room for k tokens past max_model_len): the greedy one and the sampled one,
+        which draws every row's token from StepInput.sampling (B·T rows, keyed by position) so that a verify step
+        of sampled requests reads its tokens back with the greedy rows' (each T's graphs share one memory pool)."""
         on, fixed = self._graph_args
         self.verify_graphs = {}
         if not on or self.unavailable:
             return
         for T in range(2, k + 2):
             g = GraphCache(self._pdl_step, self.cache, self.max_batch, self.log, fixed_blocks=max_blocks,
-                           tokens_per_seq=T, static_extra={"spec_tokens": T, "kda_ckpt": kda_ckpt})
+                           tokens_per_seq=T, static_extra={"spec_tokens": T, "kda_ckpt": kda_ckpt}, samples=True)
             if fixed is not None:
                 g.capture_all()
             self.verify_graphs[T] = g

@@ -32,7 +32,8 @@ class GraphCache:
         """fixed_blocks: one graph per B whose block tables span that many blocks (kernels whose grid
         does not depend on the context length); None: one graph per (B, power-of-two bucket).
         tokens_per_seq: T query tokens per sequence (speculative verify steps); static_extra: StepInput
-        fields set on the static inputs (buffers the captured step reads in place)."""
+        fields set on the static inputs (buffers the captured step reads in place). samples: fn draws a step's
+        tokens with its StepInput.sampling (a row per token: B·T in a verify step), in graphs of their own."""
         self.fn, self.cache, self.max_batch, self.log = fn, cache, max_batch, log
         self.fixed_blocks = fixed_blocks
         self.T, self.static_extra = tokens_per_seq, static_extra or {}
@@ -54,10 +55,12 @@ class GraphCache:
             context_lens_t=torch.full((B,), T, dtype=torch.int32, device=dev), max_context=nb * c.block_size)
         for k, v in self.static_extra.items():
             setattr(st, k, v)
-        f = lambda v, dt: torch.full((B,), v, dtype=dt, device=dev)  # noqa: E731
-        if sampled:  # temperature, top_k, top_p, min_p, seed: every row greedy until run() copies a step's
-            st.sampling = (f(0.0, torch.float32), f(0, torch.int32), f(1.0, torch.float32), f(0.0, torch.float32),
-                           f(0, torch.int64))
+        f = lambda v, dt, n=B: torch.full((n,), v, dtype=dt, device=dev)  # noqa: E731
+        if sampled:  # temperature, top_k, top_p, min_p, seed a token row (B·T: a verify step draws every position's
+            # token, keyed by its position): every row greedy until run() copies a step's
+            st.sampling = tuple(f(v, dt, B * T) for v, dt in ((0.0, torch.float32), (0, torch.int32),
+                                                              (1.0, torch.float32), (0.0, torch.float32),
+                                                              (0, torch.int64)))
         if like is not None and like.penalties is not None:  # the engine's count buffers, read in place; rows: scratch
             ban = like.penalties[6]
             st.penalties = like.penalties[:2] + (long(c.scratch_slot), f(1.0, torch.float32), f(0.0, torch.float32),
@@ -120,7 +123,8 @@ class GraphCache:
     def capture_all(self) -> None:
         """Capture every batch size's graph now (fixed_blocks only), with progress output; with samples, also its
         sampled graph (the server's default temperature is 1.0: most requests sample, and a capture in the middle
-        of serving would stall every running request). Logprobs and penalties graphs are captured at first use."""
+        of serving would stall every running request; a verify cache's draws all B·T rows' tokens). Logprobs and
+        penalties graphs are captured at first use."""
         import time as _time
         t0 = _time.time()
         for B in range(1, self.max_batch + 1):
@@ -222,9 +226,10 @@ class StandardRunner:
 
     @torch.inference_mode()
     def _forward(self, step: StepInput):
-        """The logits, or (logits, tokens[, logprobs]) for a decode step the engine planned to draw here."""
+        """The logits, or (logits, tokens[, logprobs]) for a decode step the engine planned to draw here (and a
+        pure verify step whose sampled rows the speculative decoder planned to draw here: a token each row)."""
         logits = self.model(step, self.cache)
-        if self.device_sampler and step.is_decode and (step.sampling is not None or step.logprobs):
+        if self.device_sampler and (step.is_decode or step.spec_tokens) and (step.sampling is not None or step.logprobs):
             ids, lp = draw(logits, step)
             return (logits, ids) if lp is None else (logits, ids, lp)
         return logits

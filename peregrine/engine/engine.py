@@ -138,7 +138,9 @@ class LLMEngine:
         # sampled rows drawn inside the runner's step (its tokens stay on the device, so lookahead serves them
         # too); not yet under tensor parallel, whose other ranks would need the rows' settings sent along
         self.device_sampling = bool(getattr(runner, "device_sampler", False)) and getattr(engine_cfg, "tensor_parallel_size", 1) == 1
-        self._sampling_key, self._sampling = None, None  # the last batch's sampling tensors, reused while it lasts
+        # the last batch's sampling tensors, reused while it lasts: {T: tensors} (T = 1 a decode step's; a verify
+        # step's each row's settings T times)
+        self._sampling_key, self._sampling = None, {}
         self._sampling_top_k = False  # whether a sampled row of that batch uses top-k
         self._penalties: penalties.DevicePenalties | None = None  # made at the first penalised row served on the device
         self._ahead: Ahead | None = None  # the forward the last step launched for the next one
@@ -508,20 +510,26 @@ class LLMEngine:
         step.logprobs = any(p.logprobs is not None for p in ps)
         return True
 
-    def _sampling_for(self, seqs: list[Sequence]):
+    def _sampling_for(self, seqs: list[Sequence], T: int = 1):
         """StepInput.sampling for these rows, made once per batch composition (no per-step copies in steady
-        decode)."""
+        decode); T > 1: a speculative verify step's, each sequence's settings repeated for its T token rows (made
+        once per composition and T: the width chooser moves T from step to step)."""
         ps = [s.params for s in seqs]
         key = tuple(seqs)  # the sequences themselves (identity), so a reused id() cannot match a gone one
         if key != self._sampling_key:
-            col = lambda vals, dt: _to_device(torch.tensor(vals, dtype=dt), self.device)  # noqa: E731
-            self._sampling = (col([p.temperature for p in ps], torch.float32), col([p.top_k for p in ps], torch.int32),
-                              col([p.top_p for p in ps], torch.float32), col([p.min_p for p in ps], torch.float32),
-                              col([s.seed for s in seqs], torch.int64))
+            self._sampling = {}
             V = self.model_cfg.vocab_size  # does a sampled row use top-k (the sampler's top-k levels)?
             self._sampling_top_k = any(0 < p.top_k < V and not p.greedy for p in ps)
             self._sampling_key = key
-        return self._sampling
+        made = self._sampling.get(T)
+        if made is None:
+            col = lambda vals, dt: _to_device(torch.tensor([v for v in vals for _ in range(T)], dtype=dt),  # noqa: E731
+                                              self.device)
+            made = self._sampling[T] = (
+                col([p.temperature for p in ps], torch.float32), col([p.top_k for p in ps], torch.int32),
+                col([p.top_p for p in ps], torch.float32), col([p.min_p for p in ps], torch.float32),
+                col([s.seed for s in seqs], torch.int64))
+        return made
 
     def _plain_step(self, batch, ahead: Ahead | None = None, during=None) -> tuple[list[tuple[Sequence, list[int]]], str]:
         """One forward with each sequence's scheduled tokens (or the one the last step launched

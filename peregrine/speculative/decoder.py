@@ -9,6 +9,13 @@ same with the token each position draws (keyed by seed and position, as a plain 
 speculative sampling for a deterministic drafter, and their tokens equal non-speculative sampling's.
 Rows with logprobs or penalties get no drafts; they sample from their first position.
 
+Where the runner draws on the device (engine.device_sampling: one GPU; the specialized runner) a pure verify
+step whose rows all speculate carries StepInput.sampling with a row per token (each sequence's settings T
+times): the runner draws every position's token inside the step (its graph), keyed by (seed, the input's
+position + 1), and they come back in the one read of runner.greedy_tokens with the greedy rows' argmax. Any
+other verify step with sampled rows (a logprobs or penalised row in the batch, a prefill row beside, tensor
+parallel, the host sampler) draws them after the step from the logits (_draw_sampled): the same tokens.
+
 Synthetic acceptance (config.py; benchmarking only): every greedy row drafts its full room (the drafter's
 tokens, padded with its last token) and accepts a count drawn from the configured per-position rates with
 one uniform keyed by (the request's seed, its length), so a request's draws do not depend on its batch;
@@ -214,7 +221,8 @@ class SpecDecoder:
         """Sampled rows with drafts: the token each verify position draws, keyed by (seed, the position of the
         token drawn) as a plain step would draw it (engine/sampling.py). Accepting drafts while they equal these
         draws is speculative sampling for a deterministic drafter (q one-hot): draft x survives with probability
-        p(x) = min(1, p(x) / q(x)), and a rejected position's draw is p without x, renormalised: the residual."""
+        p(x) = min(1, p(x) / q(x)), and a rejected position's draw is p without x, renormalised: the residual.
+        The host path: a verify step whose runner drew these tokens itself takes them from it (_device_draws)."""
         rows, params, seeds, positions, who = [], [], [], [], []
         pos = 0
         for i, (seq, n) in enumerate(batch):
@@ -295,16 +303,45 @@ class SpecDecoder:
         step.logits_idx = torch.tensor(idx, dtype=torch.long, device=e.device)
         step.spec_tokens = T if len(dec) == len(batch) else 0
         step.kda_ckpt = self.ckpt
+        self._plan_draws(batch, step, T)
         return step, drafts, T
+
+    def _plan_draws(self, batch, step, T: int) -> bool:
+        """Let the runner draw a pure verify step's sampled rows inside the step (its graph), as a plain step's:
+        step.sampling a row per token, each sequence's settings repeated T times (made once per batch composition
+        and T: engine._sampling_for), keyed by the input's position + 1 (decode/head.py draw). Only where every row
+        speculates: a logprobs or penalised row keeps the step's draws on the host. -> whether planned."""
+        e = self.engine
+        if not step.spec_tokens or not getattr(e, "device_sampling", False):
+            return False
+        seqs = [s for s, _ in batch]
+        if all(s.params.greedy for s in seqs) or not all(speculates(s.params) for s in seqs):
+            return False
+        step.sampling = e._sampling_for(seqs, T)
+        step.sample_top_k = e._sampling_top_k
+        return True
+
+    def _device_draws(self, batch, drafts, T, tokens: list[int]) -> dict[int, list[int]]:
+        """A verify step whose runner drew every row's token (_plan_draws): each sampled row's tokens at its
+        positions 0..len(drafts), as _draw_sampled draws them (a row without drafts: its first position's, the token
+        a plain step draws)."""
+        out = {}
+        for i, (seq, _) in enumerate(batch):
+            if not seq.params.greedy:
+                out[i] = tokens[i * T:i * T + len(drafts.get(i, [])) + 1]
+        return out
 
     def finish(self, batch, step, drafts, T, logits):
         """Accept, roll back, and return [(seq, new tokens)] for every row that produced tokens."""
         e, c = self.engine, self.cache
         greedy = getattr(e.runner, "greedy_tokens", None)
         if greedy is None or greedy.shape[0] != logits.shape[0]:
-            greedy = logits.argmax(-1)
-        tgt = greedy.tolist()
-        drawn = self._draw_sampled(batch, drafts, T, logits)
+            greedy = None
+        # the runner drew the sampled rows in the step (step.sampling: _plan_draws), unless it fell back to a path
+        # that only returns logits (no greedy_tokens)
+        on_device = step.sampling is not None and greedy is not None
+        tgt = (logits.argmax(-1) if greedy is None else greedy).tolist()
+        drawn = self._device_draws(batch, drafts, T, tgt) if on_device else self._draw_sampled(batch, drafts, T, logits)
         out, sample_rows, sample_seqs = [], [], []
         restore_rows, restore_slots, restore_pos, dead = [], [], [], []
         extras = getattr(e.runner, "verify_extras", None)  # a block drafted inside this verify step's graph
@@ -331,8 +368,9 @@ class SpecDecoder:
                 else:
                     while a < len(d) and d[a] == t[a]:
                         a += 1
-                if predraft is not None and f is None and self.rates is None and i not in drawn:
-                    predraft.append((i, seq, a))  # its in-verify block is kept where the device counted a too
+                if predraft is not None and f is None and self.rates is None and (on_device or i not in drawn):
+                    predraft.append((i, seq, a))  # its in-verify block is kept where the device counted a too:
+                    # from the tokens the step took (sampled rows' too when it drew them), as the host did here
                 out.append((i, seq, d[:a] + [t[a]]))
             else:
                 a = 0

@@ -81,8 +81,9 @@ class DFlashDrafter:
 
     def predrafted(self, extras: dict, rows: list[tuple[int, object, int]]) -> None:
         """After a verify step whose graph drafted on (dflash_graphs.in_verify): rows (verify row, sequence, drafts
-        the host accepted) of greedy rows; a row's block is kept for its next propose where the device counted
-        the same, so it was anchored on the token the host appended and read the context through it."""
+        the host accepted) of greedy rows (and of sampled rows whose tokens the step drew); a row's block is kept for
+        its next propose where the device counted the same, so it was anchored on the token the host appended and
+        read the context through it."""
         self.ready.clear()
         if not rows:
             return

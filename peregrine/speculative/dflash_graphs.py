@@ -107,7 +107,8 @@ class DrafterGraphs:
         accepted drafts as the host counts a greedy row's (the fed drafts equal to the target's tokens, in order),
         and from there the next block: anchored on the target's token after them, over the context through it.
         -> {"accepted" [B], "drafts" [B, k], "confs" [B, k] or None}, on the device. The host uses a row's block
-        only where its own count agrees (DFlashDrafter.predrafted): sampled, forced or synthetic rows fall back."""
+        only where its own count agrees (DFlashDrafter.predrafted): forced or synthetic rows fall back, and sampled
+        rows unless the step drew their tokens too (tokens: each row's draw then, speculative/decoder.py)."""
         T = step.spec_tokens
         B = tokens.shape[0] // T
         got, fed = tokens.view(B, T).long(), step.input_ids.view(B, T)
