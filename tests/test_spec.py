@@ -235,6 +235,34 @@ def test_synthetic_draws_follow_the_rates(rates):
     assert d.synthetic_accepted(SimpleNamespace(seed=1, token_ids=[0] * 5), 2) <= 2  # never past the drafts
 
 
+def test_synthetic_drafts_route_like_distinct_tokens(monkeypatch):
+    """Synthetic verify rows carry ids keyed by (seed, length, position), not the drafter's proposals: each
+    step's drafts are spread over the vocabulary (a MoE verify reads the union of its rows' experts, so drafts
+    repeating a looping model's few tokens would time a cheaper step than text's), the same for a request
+    whatever its batch, and the drafter still proposes (its host time is a real step's)."""
+    from peregrine.speculative.decoder import SpecDecoder
+    seen, proposed = [], []
+    real = SpecDecoder.synthetic_drafts
+    monkeypatch.setattr(SpecDecoder, "synthetic_drafts",
+                        lambda self, seq, k: seen.append((seq.seed, len(seq.token_ids), real(self, seq, k))) or seen[-1][2])
+    e = tiny(dict(SYNTH, num_speculative_tokens=7, synthetic_acceptance_length=2.0))
+    own = e.spec.drafter.propose
+    e.spec.drafter.propose = lambda seqs, ks: proposed.append(len(seqs)) or own(seqs, ks)
+    ps = [[5] * 8, [7, 7, 7, 7], [1, 2, 1, 2, 1, 2]]  # prompts whose n-gram proposals repeat one or two tokens
+    e.generate(ps, [greedy(24, seed=s) for s in (1, 2, 3)])
+    V = e.model_cfg.vocab_size
+    assert seen and len(proposed) > 0
+    for _, _, d in seen:
+        assert 1 <= len(d) <= 7 and all(0 <= t < V for t in d) and len(set(d)) >= len(d) - 2, d  # the room, near the end
+    assert sum(len(d) == 7 for _, _, d in seen) > len(seen) // 2
+    assert len({tuple(d) for _, _, d in seen}) == len(seen)  # a new key every step
+    alone = tiny(dict(SYNTH, num_speculative_tokens=7, synthetic_acceptance_length=2.0))
+    seen_batch = {(s, n): d for s, n, d in seen}
+    seen.clear()
+    alone.generate(ps[1:2], [greedy(24, seed=2)])
+    assert seen and all(seen_batch.get((s, n)) == d for s, n, d in seen)  # keyed by the request, not the batch
+
+
 def test_synthetic_acceptance_in_the_engine():
     """Every greedy row verifies its whole room and accepts the drawn count: the engine's measured mean acceptance
     length matches the configured one (the drafts themselves are never compared), outputs keep their lengths, the

@@ -11,7 +11,7 @@ acceptance (drafts, accepted, mean acceptance length), distinct routed experts p
 equal the plain ones. JSON (and a Markdown table) under results/.
 
 --acceptance-lengths: per k, the same engine with synthetic acceptance at each mean acceptance length
-(vLLM's rejection_sample_method "synthetic": every greedy row drafts its whole room and accepts a drawn
+(vLLM's rejection_sample_method "synthetic": every row drafts its whole room (ids that route like text) and accepts a drawn
 count; outputs are not the model's), once per --widths mode: "auto" (the verify width chosen per step
 from the costs timed at enable, GPU graphs only: elsewhere it verifies every draft) and "full" (every
 draft, the seed's "DL7" protocol). Reported beside the rest: rows verified per request a step and the

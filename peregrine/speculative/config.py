@@ -12,8 +12,8 @@ by speculative sampling, decoder.py); requests with logprobs or penalties ride a
 Synthetic acceptance, for benchmarking only (vLLM's keys and meaning):
   {"method": "ngram", "num_speculative_tokens": 7, "rejection_sample_method": "synthetic",
    "synthetic_acceptance_length": 3.78}          (or "synthetic_acceptance_rates": [1, 1, 0.78, 0, 0, 0, 0])
-Every greedy row then verifies k drafts a step and accepts a count drawn from the rates, whatever the
-drafts say: the speed of a drafter with that acceptance, with output that is not the model's.
+Every row then verifies k drafts a step (ids that route like text: decoder.py) and accepts a count drawn from
+the rates: the speed of a drafter with that acceptance, with output that is not the model's.
 """
 from __future__ import annotations
 

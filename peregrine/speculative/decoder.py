@@ -16,10 +16,13 @@ position + 1), and they come back in the one read of runner.greedy_tokens with t
 other verify step with sampled rows (a logprobs or penalised row in the batch, a prefill row beside, tensor
 parallel, the host sampler) draws them after the step from the logits (_draw_sampled): the same tokens.
 
-Synthetic acceptance (config.py; benchmarking only): every greedy row drafts its full room (the drafter's
-tokens, padded with its last token) and accepts a count drawn from the configured per-position rates with
-one uniform keyed by (the request's seed, its length), so a request's draws do not depend on its batch;
-the token after the accepted drafts is the target's there, as in a real verify.
+Synthetic acceptance (config.py; benchmarking only): every row drafts its full room and accepts a count drawn
+from the configured per-position rates with one uniform keyed by (the request's seed, its length), so a
+request's draws do not depend on its batch; the token after the accepted drafts is the target's there, as in a
+real verify. The drafter still proposes (its host time is a real step's), but the drafts verified are ids keyed
+by (seed, length, position) (synthetic_drafts): on a MoE a verify step's cost follows the union of experts its
+rows route to, and text routes like distinct tokens, while a drafter's proposals over a dummy model's looping
+output repeat a few tokens (session 30, the 48B at B = 8, T = 2 and 4: 80 experts a layer where distinct rows read ~100 and ~163).
 
 Verify width (width.py): with a cost table measured at start-up (measure_costs, on the GPU), each pure
 decode step verifies only as many drafts a request as maximise expected tokens per millisecond, down to a
@@ -53,6 +56,7 @@ def speculates(p) -> bool:
 
 
 SYNTHETIC_SEED = 0x5EED  # the synthetic acceptance draws' key, beside each request's seed and length
+DRAFT_SALT = 0xD2AF7  # synthetic drafts' ids drawn apart from the acceptance draws
 M64 = 2**64 - 1
 
 
@@ -246,6 +250,13 @@ class SpecDecoder:
             out[i], at = toks[at:at + n], at + n
         return out
 
+    def synthetic_drafts(self, seq, k: int) -> list[int]:
+        """k drafts for synthetic acceptance: ids keyed by (the request's seed, its length, the position), spread
+        over the vocabulary as distinct tokens are, and independent of the batch."""
+        V = self.engine.model_cfg.vocab_size
+        key = _mix(_mix(_mix(SYNTHETIC_SEED ^ DRAFT_SALT) ^ (seq.seed & M64)) ^ len(seq.token_ids))
+        return [_mix(key + j) % V for j in range(k)]
+
     def synthetic_accepted(self, seq, drafted: int) -> int:
         """Drafts accepted under synthetic acceptance: position j is accepted when u < rates[j] (non-increasing,
         so the accepted ones are a prefix and P(more than j) = rates[j]); u keyed by the request and its length."""
@@ -270,8 +281,8 @@ class SpecDecoder:
         if not ask:
             return None
         props = self.drafter.propose([batch[i][0] for i, _ in ask], [k for _, k in ask])
-        if self.rates is not None:  # synthetic: every row verifies its whole room, whatever was proposed
-            props = [list(p[:k]) + [batch[i][0].token_ids[-1]] * (k - len(p[:k])) for (i, k), p in zip(ask, props)]
+        if self.rates is not None:  # synthetic: every row verifies its whole room, of tokens that route like text
+            props = [self.synthetic_drafts(batch[i][0], k) for i, k in ask]
         drafts = {i: list(p[:k]) for (i, k), p in zip(ask, props) if p}
         if not drafts:
             return None
