@@ -38,7 +38,7 @@ for p in ${PARTS:-decode spec tests}; do
         --temperature 0.6 --top-p 0.95 --also-logprobs 5 --results-dir $R 2>&1 \
         | tee "$OUT/decode.log" | grep -E "B=|copy bandwidth|WARN|Error|error" | grep -v captur || rc=1 ;;
     spec)
-      timeout "${T_spec:-190}" python3 -m peregrine bench spec --model $M --dummy-weights --batch-sizes 1,8 --k 7 \
+      timeout "${T_spec:-260}" python3 -m peregrine bench spec --model $M --dummy-weights --batch-sizes 1,8 --k 7 \
         --input-len 256 --output-len 128 --no-oracle --acceptance-lengths 1.5,3.78,6 --widths auto \
         --temperature 0.6 --top-p 0.95 --results-dir $R 2>&1 \
         | tee "$OUT/spec.log" | grep -E "B=|WARN|Error|error|table" | grep -v captur || rc=1 ;;

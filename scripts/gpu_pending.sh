@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
 # The GPU work still waiting, as one device call on the two-GPU kind (~3 min):
 #   run (kind nvidia-h200-x2, carry .commit and .whl):  bash scripts/gpu_pending.sh
-# - #57 (session 30: no device could be started: eight tries over 50 minutes, H100 and H200, all refused or failed).
-#   In this order, one H100 or H200 each (carry .commit; none of it has run on a GPU):
-#   1. the head check, at most 9 min; commit results/check/ and the table it prints last:
+# - #57 after session 30 (its head check ran on an H100 at ddec246: results/2026-12-06-session30, results/README.md
+#   "Session 30"; since then, not run on a GPU: sampled verify rows drawn inside the verify graphs (71fbf14, a sampled
+#   graph per (B, T) captured at enable: ~+0.8 GiB and twice the verify capture time, estimated), synthetic drafts as
+#   keyed ids that route like text (f0f8a64: the synthetic figures of session 30 read too few experts), the agent
+#   turn over HTTP (9aa6de7). In this order, one H100 or H200 each (carry .commit):
+#   0. first, the new verify path's GPU tests (~2 min):
+#        source scripts/device_env.sh; python3 -m pytest -m gpu -v -p no:cacheprovider -rf tests/test_spec_specialized.py \
+#          tests/test_dflash.py -k "sampled_rows_are_drawn or greedy_equals_plain or fast_path"
+#   1. the head check, at most 9 min; commit results/check/ and the table it prints last (the spec part's log shows the
+#      verify graphs' GiB against session 30's 34.6):
 #        bash scripts/gpu_check.sh
+#      then the sampler's launches on flat and peaked rows, to find the sampled step's +0.19-0.77 ms over greedy:
+#        python3 -m peregrine.bench.kernels_sampling --results-dir results
 #      (bench decode greedy / sampled 0.6/0.95 / sampled + logprobs 5 on one engine at B = 1, 2, 4, 8; bench spec
 #      synthetic 1.5 / 3.78 / 6 at k = 7, B = 1 and 8, width auto, greedy then sampled; every -m gpu test of the
 #      kernels, the fast step, the verify step and PDL in the time left; peregrine.bench.check judges each target)
