@@ -266,17 +266,23 @@ class LLMEngine:
         return self._inflight is not None and id(seq) in self._inflight.seqs
 
     def _finish(self, seq: Sequence, new: list[int], release: bool = True) -> RequestOutput:
-        if release:
+        self._release(seq, release)
+        return self._emit(seq, new)
+
+    def _release(self, seq: Sequence, cache: bool = True) -> None:
+        """An ended request's cache (unless a chunk in flight still needs it), drafter state and entries given back."""
+        if cache:
             self.scheduler.remove(seq)
         if self.spec is not None:
             self.spec.release(seq)
         with self._lock:
             self._live.pop(seq.request_id, None)
             self.forced.pop(seq.request_id, None)
-        return self._emit(seq, new)
 
     def _emit(self, seq: Sequence, new: list[int]) -> RequestOutput:
-        out = seq.output(new)
+        return self._notify(seq, seq.output(new))
+
+    def _notify(self, seq: Sequence, out: RequestOutput) -> RequestOutput:
         if seq.on_token is not None:
             try:
                 seq.on_token(out)
@@ -290,25 +296,14 @@ class LLMEngine:
         log.error("request %s failed: %s: %s", seq.request_id, type(exc).__name__, exc, exc_info=exc)
         seq.finish_reason, seq.error = "error", f"{type(exc).__name__}: {exc}"
         self.stats["failed_requests"] += 1
-        if not self._in_flight(seq):  # a chunk in flight gives its cache back after its last piece
-            self.scheduler.remove(seq)
-        if self.spec is not None:
-            self.spec.release(seq)
-        with self._lock:
-            self._live.pop(seq.request_id, None)
-            self.forced.pop(seq.request_id, None)
+        self._release(seq, cache=not self._in_flight(seq))  # a chunk in flight gives its cache back after its last piece
         try:
             out = seq.output([])
         except Exception:  # its text or logprobs are what failed: the tokens alone
             out = RequestOutput(seq.request_id, seq.prompt_len, [], seq.output_token_ids, True, "error")
         out.error = seq.error
         self._unreturned.append(out)  # returned by this step (only step-lock holders touch the list)
-        if seq.on_token is not None:
-            try:
-                seq.on_token(out)
-            except Exception:
-                log.exception("on_token callback of request %s raised", seq.request_id)
-        return out
+        return self._notify(seq, out)
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         """min_tokens: an end or stop id can be token min_tokens + 1 at the earliest, a stop string's
