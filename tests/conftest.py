@@ -100,9 +100,11 @@ def start_server(args: list[str], timeout: float = 120.0, env: dict | None = Non
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
+    env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the test command's workers fill the cores: a server with torch's
+        env.setdefault("OMP_NUM_THREADS", "1")  # default threads beside them ran its soak 4x slower (oversubscribed)
     proc = subprocess.Popen([sys.executable, "-m", "peregrine.server", "serve", *args, "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"})
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     deadline = time.time() + timeout
     while True:
         try:
