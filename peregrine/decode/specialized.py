@@ -187,11 +187,13 @@ class SpecializedRunner:
     def routed_experts_per_step(self):
         return self.standard.routed_experts_per_step()
 
-    def graph_replay_time(self, B: int, iters: int = 100, T: int = 1, distinct: bool = False) -> float | None:
+    def graph_replay_time(self, B: int, iters: int = 100, T: int = 1, distinct: bool = False,
+                          sampled: bool = False) -> float | None:
         """Median ms of B's (verify: B·T rows') graph replayed on scratch inputs. distinct: every row a different
         random token, so the MoE reads the union of experts a real step's rows route to; else the capture's
         tokens, alike in every row (8 experts a layer whatever B·T: a 48B verify at T = 8 then timed ~3 ms under
-        its real cost on an H200, results/2026-12-05-session29)."""
+        its real cost on an H200, results/2026-12-05-session29). sampled: the graph that draws the rows (its
+        most-used variant: sampled, logprobs, ...), else the greedy one."""
         g = self.graphs if T == 1 else self.verify_graphs.get(T)
         if not g:
             return None
@@ -200,7 +202,7 @@ class SpecializedRunner:
             dev = self.cache.latent.device
             gen = torch.Generator(device=dev).manual_seed(DISTINCT_SEED + 64 * B + T)
             ids = torch.randint(0, self.cfg.vocab_size, (B * T,), generator=gen, device=dev)
-        return g.replay_time(B, iters, ids)
+        return g.replay_time(B, iters, ids, sampled)
 
     def enable_speculation(self, k: int, kda_ckpt, max_blocks: int) -> None:
         """Serve verify steps of T = 2 .. k+1 tokens per sequence; on the GPU capture two graphs per (B, T) now,

@@ -187,10 +187,10 @@ class GraphCache:
             st.input_ids.copy_(input_ids)
         return g.replay
 
-    def replay_time(self, B: int, iters: int = 100, input_ids=None) -> float | None:
+    def replay_time(self, B: int, iters: int = 100, input_ids=None, sampled: bool = False) -> float | None:
         """Median ms of `iters` replays of B's most-used graph, timed with CUDA events, on scratch inputs
-        (input_ids: the rows' tokens, as scratch_replay)."""
-        replay = self.scratch_replay(B, input_ids)
+        (input_ids: the rows' tokens, as scratch_replay; sampled: its most-used sampling variant)."""
+        replay = self.scratch_replay(B, input_ids, sampled)
         if replay is None:
             return None
         from ..bench.gpu import time_fn
@@ -282,5 +282,5 @@ class StandardRunner:
     def routed_experts_per_step(self) -> list[list[int]]:
         return self._routing
 
-    def graph_replay_time(self, B: int, iters: int = 100) -> float | None:
-        return self.graphs.replay_time(B, iters) if self.graphs is not None else None
+    def graph_replay_time(self, B: int, iters: int = 100, sampled: bool = False) -> float | None:
+        return self.graphs.replay_time(B, iters, sampled=sampled) if self.graphs is not None else None

@@ -32,9 +32,9 @@ class TPDriver:
         self._record = bool(on)
         self.inner.record_routing = self._record
 
-    def graph_replay_time(self, B: int, iters: int = 100):
-        control.send_obj(self.tp, ("replay", B, iters))  # the graphs hold collectives: every rank replays
-        return self.inner.graph_replay_time(B, iters)
+    def graph_replay_time(self, B: int, iters: int = 100, sampled: bool = False):
+        control.send_obj(self.tp, ("replay", B, iters, sampled))  # the graphs hold collectives: every rank replays
+        return self.inner.graph_replay_time(B, iters, sampled=sampled)
 
     def __getattr__(self, name):  # last_path, greedy_tokens, fallback_reasons, routing counts, ...
         return getattr(self.inner, name)

@@ -59,7 +59,8 @@ def _serve(tp) -> None:
         elif cmd == "cache_ops":
             cache.apply(args[0])
         elif cmd == "replay":
-            runner.graph_replay_time(*args)
+            B, iters, sampled = args
+            runner.graph_replay_time(B, iters, sampled=sampled)
         else:
             raise RuntimeError(f"rank {tp.rank}: unknown command {cmd!r}")
 
