@@ -217,12 +217,8 @@ def _keeps_reference_set(x, t, k, p, mp, key, where):
         assert abs(before - p) < 1e-6, (where, float(before))
 
 
-@pytest.mark.parametrize("search", ["candidates", "radix", "bisect"])
-def test_threshold_searches_keep_the_reference_set(search, device):
-    """Each search's threshold key keeps exactly the reference's set (ref_dist > 0, FP64, by sorting): rows the
-    candidates settle (peaked heads) and rows they hand to the whole-row descent (a chunk over CAND_CAP
-    candidates, a k-th token or nucleus below the cut, min-p below the cut). FP32 sums may move a nucleus
-    boundary by its one token only where the reference's mass before that token is within 1e-6 of top_p."""
+def _search_rows():
+    """Rows every threshold search must get right: peaked heads, top-k, min-p, a nucleus in the tail, a flat row."""
     b, v = 10, 5000  # > SMALL_VOCAB: one row a program, two vocab chunks
     g = torch.Generator().manual_seed(11)
     x = torch.randn(b, v, generator=g) * 2 - 40
@@ -232,6 +228,17 @@ def test_threshold_searches_keep_the_reference_set(search, device):
     k = torch.tensor([0, 40, 0, 5, 100, 0, 0, 20, 0, 0])  # row 4: the 100th token is below the cut
     p = torch.tensor([0.95, 1.0, 0.9, 0.8, 1.0, 1.0, 0.999999, 0.95, 0.9, 1.0])  # row 6: the nucleus in the tail
     mp = torch.tensor([0.0, 0.0, 0.1, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.0])
+    return x, t, k, p, mp
+
+
+@pytest.mark.parametrize("search", ["candidates", "radix", "bisect"])
+def test_threshold_searches_keep_the_reference_set(search, device):
+    """Each search's threshold key keeps exactly the reference's set (ref_dist > 0, FP64, by sorting): rows the
+    candidates settle (peaked heads) and rows they hand to the whole-row descent (a chunk over CAND_CAP
+    candidates, a k-th token or nucleus below the cut, min-p below the cut). FP32 sums may move a nucleus
+    boundary by its one token only where the reference's mass before that token is within 1e-6 of top_p."""
+    x, t, k, p, mp = _search_rows()
+    b = x.shape[0]
     dev = lambda z: z.to(device)  # noqa: E731
     keys, need = thresholds(dev(x), dev(t), dev(k), dev(p), dev(mp), 1, search)
     keys = keys.cpu()
@@ -243,6 +250,19 @@ def test_threshold_searches_keep_the_reference_set(search, device):
         assert need[0] == need[2] == need[3] == need[7] == 0, need  # peaked rows settle on their candidates
         assert need[4] == 1 and need[8] == 1, need  # the 100th token below the cut; overflowing chunks
         assert 60 < CAND_CAP * 2  # (the peaked rows fit: 60 candidates in two chunks)
+
+
+@pytest.mark.parametrize("nb,stages", [(8, 1), (16, 3)])
+def test_descent_pivots_and_pipelining_keep_the_reference_set(nb, stages, device, monkeypatch):
+    """The descent with fewer pivots a level (more levels, each step a wider tile) and its level loop pipelined
+    (PEREGRINE_SAMPLE_DESCENT_NB / _STAGES, the A/B switches) keeps the reference's set on every row."""
+    monkeypatch.setenv(sampling.DESCENT_NB_ENV, str(nb))
+    monkeypatch.setenv(sampling.DESCENT_STAGES_ENV, str(stages))
+    x, t, k, p, mp = _search_rows()
+    dev = lambda z: z.to(device)  # noqa: E731
+    keys, _ = thresholds(dev(x), dev(t), dev(k), dev(p), dev(mp), 1, "radix")
+    for i in range(x.shape[0] - 1):  # the last row is greedy
+        _keeps_reference_set(x[i], float(t[i]), int(k[i]), float(p[i]), float(mp[i]), keys.cpu()[i], (nb, stages, i))
 
 
 # the interpreter also reduces masked-off lanes (-inf - -inf in a 5 000 row's last slice); their results are unused

@@ -2,7 +2,8 @@
 sample at the Kimi vocabulary (163 840 FP32 logits a row), B = 1..16, per setting (greedy rows through
 sample, temperature only, top-p 0.95 as chat clients send it, top-k 50 + top-p, min-p; where a search runs,
 the default (the candidates, then the descent for rows they cannot settle) against the descent alone at 64,
-32 and 128 pivots a level and the one-program bisection, on random logits x3, where few rows settle, and
+32, 128, 16 and 8 pivots a level (each level's tile 4096 / pivots wide), its loop pipelined 2-4 deep, and the
+one-program bisection, on random logits x3, where few rows settle, and
 on a peaked head, where all do), against the path it
 replaces (engine/sampling.py before #41: full sort, softmax, cumsum, scatter, one multinomial a row) where
 that is timeable in a graph, timed as CUDA graphs. GB/s counts one read of the logits.
@@ -32,7 +33,9 @@ SETTINGS = {  # name: (temperature, top_k, top_p, min_p)
 
 
 SEARCH_AB = {"radix": dict(search="radix"), "radix_nb32": dict(search="radix", nb=32),
-             "radix_nb128": dict(search="radix", nb=128), "bisect": dict(search="bisect")}
+             "radix_nb128": dict(search="radix", nb=128), "radix_nb16": dict(search="radix", nb=16),
+             "radix_nb8": dict(search="radix", nb=8), "bisect": dict(search="bisect")}
+DESCENT_STAGES = (2, 3, 4)  # a level's loop pipelined this deep (the default loads in order: 1)
 DESCENT_BLOCKS = (1024, 2048, 4096)  # the descent's slice a program weighs, fixed for every B (default: by B)
 
 
@@ -48,6 +51,7 @@ def _env(name: str, value: str):
         else:
             os.environ[name] = old
 PEAK = 4.0  # logits x 3 x 4: the top tokens stand ~20 / T above the rest, as on real text
+FLAT = 0.1  # logits x 3 x 0.1: the whole row within CUT of its max, as dummy weights give: every row takes the descent
 
 
 def _sorted_sampler(logits, t, p):
@@ -95,9 +99,17 @@ def run(copy_gbps: float, full: bool = True, iters: int = 50) -> list[dict]:
                     with _env(K.DESCENT_BLOCK_ENV, str(blk)):
                         row[f"radix_block{blk}_ms"] = graph_time(
                             [lambda: sample(logits, *args, out=out, search="radix", **kw0)], iters)[0]
+                for st in DESCENT_STAGES:
+                    with _env(K.DESCENT_STAGES_ENV, str(st)):
+                        row[f"radix_stages{st}_ms"] = graph_time(
+                            [lambda: sample(logits, *args, out=out, search="radix", **kw0)], iters)[0]
+                        row[f"radix_nb16_stages{st}_ms"] = graph_time(
+                            [lambda: sample(logits, *args, out=out, search="radix", nb=16, **kw0)], iters)[0]
                 if k == 0:  # what skipping top-k's levels saves
                     row["radix_topk_levels_ms"] = graph_time(
                         [lambda: sample(logits, *args, out=out, search="radix", top_k_any=True)], iters)[0]
+                flat = logits * FLAT  # every token within the cut of the max (dummy weights' rows): the descent
+                row["flat_ms"] = graph_time([lambda: sample(flat, *args, out=out, **kw0)], iters)[0]
                 peaked = logits * PEAK  # a head the candidates hold: what they save where they settle
                 row["peaked_ms"] = graph_time([lambda: sample(peaked, *args, out=out, **kw0)], iters)[0]
                 row["peaked_radix_ms"] = graph_time([lambda: sample(peaked, *args, out=out, search="radix", **kw0)],
@@ -137,7 +149,7 @@ def compile_check() -> list[dict]:
             nc=n(nc), nd=n(nd), topk_ptr=p("*i64"), topp_ptr=p("*fp32"), minp_ptr=p("*fp32"), cmax_ptr=p("*fp32"),
             need_ptr=p("*i32"), prev_part_ptr=p("*fp32"), prev_brk_ptr=p("*i64"), p0_part_ptr=p("*fp32"),
             part_ptr=p("*fp32"), brk_ptr=p("*i64"), key_ptr=p("*i32"), MASS=c(mass), START=c(start), FIRST=c(0),
-            FINAL=c(0), HAS_NEED=c(1), BLOCK=c(block), NB=c(K.RADIX_NB), TILE=c(K.RADIX_TILE), CB=c(cb),
+            FINAL=c(0), HAS_NEED=c(1), BLOCK=c(block), NB=c(K.RADIX_NB), TILE=c(K.RADIX_TILE), CB=c(cb), STAGES=c(1),
             CBD=c(max(16, 1 << (nd - 1).bit_length()))), 4, 1))
     return out
 
