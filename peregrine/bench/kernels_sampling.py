@@ -1,10 +1,10 @@
 """The sampler's microbenchmark (issue #41, docs/benchmarks.md §2): kernels/sampling.py's argmax and sort-free
 sample at the Kimi vocabulary (163 840 FP32 logits a row), B = 1..16, per setting (greedy rows through
 sample, temperature only, top-p 0.95 as chat clients send it, top-k 50 + top-p, min-p; where a search runs,
-the default (the candidates, then the descent for rows they cannot settle) against the descent alone at 64,
-32, 128, 16 and 8 pivots a level (each level's tile 4096 / pivots wide), its loop pipelined 2-4 deep, and the
-one-program bisection, on random logits x3, where few rows settle, and
-on a peaked head, where all do), against the path it
+the default (the candidates, then the descent for rows they cannot settle) against the descent alone at 16
+(the default), 64, 32, 128 and 8 pivots a level (a level's tile 4096 / pivots wide), its loop pipelined 2-4
+deep, and the one-program bisection, on random logits x3 (the candidates settle them), on flat rows (x0.3:
+every row takes the descent, as dummy weights' rows do) and on a peaked head, against the path it
 replaces (engine/sampling.py before #41: full sort, softmax, cumsum, scatter, one multinomial a row) where
 that is timeable in a graph, timed as CUDA graphs. GB/s counts one read of the logits.
     python -m peregrine.bench.kernels_sampling [--quick]
@@ -33,7 +33,7 @@ SETTINGS = {  # name: (temperature, top_k, top_p, min_p)
 
 
 SEARCH_AB = {"radix": dict(search="radix"), "radix_nb32": dict(search="radix", nb=32),
-             "radix_nb128": dict(search="radix", nb=128), "radix_nb16": dict(search="radix", nb=16),
+             "radix_nb128": dict(search="radix", nb=128), "radix_nb64": dict(search="radix", nb=64),
              "radix_nb8": dict(search="radix", nb=8), "bisect": dict(search="bisect")}
 DESCENT_STAGES = (2, 3, 4)  # a level's loop pipelined this deep (the default loads in order: 1)
 DESCENT_BLOCKS = (1024, 2048, 4096)  # the descent's slice a program weighs, fixed for every B (default: by B)
@@ -103,8 +103,6 @@ def run(copy_gbps: float, full: bool = True, iters: int = 50) -> list[dict]:
                     with _env(K.DESCENT_STAGES_ENV, str(st)):
                         row[f"radix_stages{st}_ms"] = graph_time(
                             [lambda: sample(logits, *args, out=out, search="radix", **kw0)], iters)[0]
-                        row[f"radix_nb16_stages{st}_ms"] = graph_time(
-                            [lambda: sample(logits, *args, out=out, search="radix", nb=16, **kw0)], iters)[0]
                 if k == 0:  # what skipping top-k's levels saves
                     row["radix_topk_levels_ms"] = graph_time(
                         [lambda: sample(logits, *args, out=out, search="radix", top_k_any=True)], iters)[0]

@@ -14,7 +14,7 @@ max, collected in one pass over many programs (_chunk_max, _collect, _select:
 exact whenever they hold the answer, which _select can tell), and only the rows
 they cannot settle (flat rows: high temperature, a wide nucleus) take the descent
 over the whole row (_descend: a launch a level, the row's chunks in parallel, each
-level testing RADIX_NB pivots, so 6 levels settle the 32 bits). _threshold, the
+level testing RADIX_NB pivots, so 8 levels settle the 32 bits). _threshold, the
 same search in one program a row (32 passes a bit), serves small vocabularies.
 Then one draw with the exponential race (Gumbel-max): token = argmax over kept i
 of x_i - log E_i, E_i ~ Exp(1) from Philox keyed by (seed, token id,
@@ -44,7 +44,7 @@ CUT = tl.constexpr(12.0)  # candidates: logit/T within this of the row's max (p 
 CAND_CAP = 128  # candidates one vocab chunk may hold (40 chunks at 163 840: 5 120 per row); past it, the full search
 SEARCH_ENV = "PEREGRINE_SAMPLE_SEARCH"  # "candidates" (default), "radix" or "bisect": the threshold search, for A/B runs
 SEARCHES = ("candidates", "radix", "bisect")
-RADIX_NB = 64  # pivots a descent level tests: 6 of the key's 32 bits a pass, 6 levels (a launch each) a search
+RADIX_NB = 16  # pivots a level: 8 levels of [256, 16] steps; 64 (6 of [64, 64]) took 4x as long at B = 8 (H100, session 31)
 RADIX_ACC = 4096  # a level's [tile, nb] register accumulator (32 a thread at 4 warps): tile = RADIX_ACC // nb
 RADIX_TILE = RADIX_ACC // RADIX_NB  # elements a step of a level takes at the default pivots
 DESCENT_NB_ENV = "PEREGRINE_SAMPLE_DESCENT_NB"  # pivots a level, for A/B runs (fewer: wider steps, more levels)
