@@ -515,6 +515,66 @@ def test_one_slow_step_does_not_turn_the_width_chooser_to_plain_for_good():
     assert abs(d.excess["verify"] - 0.1) < 1e-9 and choose_width(surv, d.effective_costs(1)) == 2
 
 
+def test_a_stale_plain_excess_is_measured_again():
+    """Session 31 (48B, B = 8, acceptance 1.5): eager steps recording routing had left the plain excess ~10 ms high,
+    so the chooser verified T = 2 on every step (0.84x plain), though its table said plain pays, and verify steps
+    never measure a plain one again. Once the plain steps seen are EXCESS_STALE steps old the chooser takes a plain
+    step, and from then on judges plain steps by what that one cost."""
+    from peregrine.speculative.decoder import EXCESS_STALE, SpecDecoder
+    from peregrine.speculative.width import choose_width
+    d = SpecDecoder.__new__(SpecDecoder)
+    d.costs = {8: {1: 5.73, 2: 9.11}}
+    d.reset_excess()
+    surv = [[0.5]] * 8
+    for _ in range(15):
+        d.observe(8, 1, 16.0)  # the outlier: +10.3 ms a plain step
+    assert not d.plain_stale() and choose_width(surv, d.effective_costs(8)) == 1  # 12 / 19.4 > 8 / 16.0
+    for _ in range(EXCESS_STALE):
+        d.observe(8, 2, 10.58)  # verifies at their real cost
+    assert d.plain_stale()  # the plain steps seen are all too old: the next step is plain
+    d.observe(8, 1, 5.92)  # that plain step
+    assert not d.plain_stale() and abs(d.excess["plain"] - 0.19) < 1e-9
+    assert choose_width(surv, d.effective_costs(8)) == 0  # 8 / 5.92 = 1.35 against 12 / 10.58 = 1.13
+
+
+def test_the_engine_explores_a_plain_step_when_its_excess_is_stale():
+    """In the engine: with the plain steps seen all stale and verifies chosen, one plain step is taken and counted
+    (width_explore_steps), and greedy output stays the plain engine's."""
+    from peregrine.speculative.decoder import EXCESS_STALE
+    ps = repetitive(4)
+    want = tiny().generate(ps, greedy(24))
+    e = tiny(NGRAM)
+    e.enable_speculation(NGRAM, drafter=ScriptedDrafter({tuple(p): w for p, w in zip(ps, want)}, [1, 3], 320))
+    e.spec.costs = {B: {1: 1e3, 2: 1e-3, 3: 1e-3, 4: 1e-3} for B in range(1, 5)}  # plain looks dear: verify
+    e.spec.excess_seen["plain"].append((-EXCESS_STALE, 0.0))  # one plain step seen, long ago
+    real = e.spec.observe
+    e.spec.observe = lambda B, T, ms: T > 1 and real(B, T, ms)  # plain steps never seen again: it stays stale
+    assert e.spec.plain_stale()
+    assert e.generate(ps, greedy(24)) == want
+    st = e.spec.stats
+    assert st["width_explore_steps"] >= 1 and st["width_steps"][0] >= st["width_explore_steps"]
+    assert sum(st["width_steps"][1:]) == 0  # each verify the table asked for became a plain step
+
+
+def test_steps_recording_routing_do_not_teach_the_width_chooser():
+    """Benchmarks record routing with eager steps (no graphs): far slower than the table, they must not move the
+    chooser's excess."""
+    ps = repetitive(4)
+    e = tiny(NGRAM)
+    e.spec.costs = {B: {1: 1e-3, 2: 1e-3, 3: 1e-3, 4: 1e-3} for B in range(1, 5)}
+    seen = []
+    real = e.spec.observe
+    e.spec.observe = lambda B, T, ms: seen.append((B, T)) or real(B, T, ms)
+    e.runner.record_routing = True
+    try:
+        e.generate(ps, greedy(8))
+    finally:
+        e.runner.record_routing = False
+    assert seen == []
+    e.generate(ps, greedy(8))
+    assert seen  # the same steps without recording do
+
+
 def test_engine_feeds_the_width_chooser_its_step_times():
     """Each pure decode step's wall time reaches observe: on this CPU every step takes far longer than the 1 ms
     injected for a plain step, so the plain excess grows above zero."""

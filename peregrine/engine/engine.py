@@ -420,7 +420,9 @@ class LLMEngine:
         kind = "decode" if not plan.n_prefill else ("prefill" if not plan.n_decode else "mixed")
         if plan.piece:
             kind = "decode + prefill piece" if plan.n_decode else "prefill pieces"
-        if self.spec is not None and kind == "decode" and plan.n_decode == len(plan.batch):  # the width chooser learns
+        # the width chooser learns from pure decode steps, but not from eager ones that record routing (benchmarks)
+        if (self.spec is not None and kind == "decode" and plan.n_decode == len(plan.batch)
+                and not getattr(self.runner, "record_routing", False)):
             self.spec.observe(len(plan.batch), plan.verify_width, 1e3 * duration_s)
         k = self.stats["step_kinds"].setdefault(kind, {"steps": 0, "seconds": 0.0, "prefill_tokens": 0})
         k["steps"] += 1

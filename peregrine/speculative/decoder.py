@@ -110,6 +110,7 @@ class SpecDecoder:
         self.stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "verify_steps": 0,
                       "accepted_per_pos": [0] * self.k}
         self.stats["width_steps"] = [0] * (self.k + 1)  # pure decode steps by chosen width (0: plain, by choice)
+        self.stats["width_explore_steps"] = 0  # plain steps taken to measure their excess again (plain_stale)
         self.tracker = AcceptanceTracker(self.k)
         self.costs: dict[int, dict[int, float]] = {}  # B -> {T: step ms}: the width chooser's table (empty: full)
         self.reset_excess()
@@ -191,17 +192,27 @@ class SpecDecoder:
         self.excess_seen: dict[str, deque] = {k: deque(maxlen=EXCESS_WINDOW) for k in ("plain", "verify")}
         self.decode_steps = 0
 
+    def _fresh(self, kind: str) -> list[float]:
+        return [x for n, x in self.excess_seen[kind] if n > self.decode_steps - EXCESS_STALE]
+
     @property
     def excess(self) -> dict[str, float]:
-        """Each kind's excess ms now: the median of its recent steps (verify steps: those of the last EXCESS_STALE
-        steps; with none, the plain steps' excess); 0 before any."""
+        """Each kind's excess ms now: the median of its steps of the last EXCESS_STALE (plain ones: with none that
+        recent, of the last EXCESS_WINDOW, and plain_stale() asks for a plain step to measure it anew; verify
+        ones: with none that recent, the plain steps' excess); 0 before any."""
         def med(xs):
             xs = sorted(xs)
             return xs[len(xs) // 2] if xs else None
-        plain = med(x for _, x in self.excess_seen["plain"])
-        verify = med(x for n, x in self.excess_seen["verify"] if n > self.decode_steps - EXCESS_STALE)
+        plain = med(self._fresh("plain")) if not self.plain_stale() else med(x for _, x in self.excess_seen["plain"])
+        verify = med(self._fresh("verify"))
         plain = 0.0 if plain is None else plain
         return {"plain": plain, "verify": plain if verify is None else verify}
+
+    def plain_stale(self) -> bool:
+        """Plain steps were measured once but none in the last EXCESS_STALE: their excess may be an old outlier
+        (eager steps, a burst of host work) that keeps the chooser verifying where plain steps pay, and verifying
+        never measures them again; so the chooser takes one plain step."""
+        return bool(self.excess_seen["plain"]) and not self._fresh("plain")
 
     def observe(self, B: int, T: int, wall_ms: float) -> None:
         """A pure decode step of B sequences at T tokens each (1: plain) took wall_ms: note its excess."""
@@ -289,6 +300,9 @@ class SpecDecoder:
         costs = self.effective_costs(len(batch)) if len(dec) == len(batch) and self.width_mode == "auto" else None
         if costs is not None:  # a pure decode step at a measured B: verify the width that pays best
             w = choose_width([self._survival(batch[i][0], drafts.get(i, [])) for i in dec], costs)
+            if w and self.plain_stale():  # measure a plain step again (one in EXCESS_STALE at most)
+                w = 0
+                self.stats["width_explore_steps"] += 1
             self.stats["width_steps"][w] += 1
             drafts = {i: d[:w] for i, d in drafts.items() if w}
             if not drafts:
