@@ -1,34 +1,39 @@
 #!/usr/bin/env bash
 # The GPU work still waiting, as one device call on the two-GPU kind (~3 min):
 #   run (kind nvidia-h200-x2, carry .commit and .whl):  bash scripts/gpu_pending.sh
-# - #57 after session 30 (its head check ran on an H100 at ddec246: results/2026-12-06-session30, results/README.md
-#   "Session 30"; since then, not run on a GPU: sampled verify rows drawn inside the verify graphs (71fbf14, a sampled
-#   graph per (B, T) captured at enable: ~+0.8 GiB and twice the verify capture time, estimated), synthetic drafts as
-#   keyed ids that route like text (f0f8a64: the synthetic figures of session 30 read too few experts), the agent
-#   turn over HTTP (9aa6de7). In this order, one H100 or H200 each (carry .commit):
-#   0. first, the new verify path's GPU tests (~2 min):
-#        source scripts/device_env.sh; python3 -m pytest -m gpu -v -p no:cacheprovider -rf tests/test_spec_specialized.py \
-#          tests/test_dflash.py -k "sampled_rows_are_drawn or greedy_equals_plain or fast_path"
-#   1. the head check, at most 9 min; commit results/check/ and the table it prints last (the spec part's log shows the
-#      verify graphs' GiB against session 30's 34.6):
+# - #57 after session 31 (its head check ran on an H100 at 1b89fb0: results/2026-12-06-session31, results/README.md
+#   "Session 31": sampled 1.065-1.131x greedy, all of it the descent over dummy weights' flat rows; 16 pivots a
+#   level measured 1.031 / 1.034x at B = 1 / 8 in the step and is the default since 5f5dbaf; synthetic 3.78 met
+#   at B = 1 and 8; 1.5 at B = 8 0.84x, the chooser's stale plain excess, fixed in 025641a, not re-measured).
+#   In this order, one H100 or H200 each (carry .commit):
+#   1. the head check, at most 9 min (now with 16 pivots and the chooser's fix; commit results/check/ and the table
+#      it prints last; B = 2 and 4 of the spec targets are not in it: add them if time allows):
 #        bash scripts/gpu_check.sh
-#      then the sampler's launches on flat and peaked rows, to find the sampled step's +0.19-0.77 ms over greedy:
-#        python3 -m peregrine.bench.kernels_sampling --results-dir results
-#      (bench decode greedy / sampled 0.6/0.95 / sampled + logprobs 5 on one engine at B = 1, 2, 4, 8; bench spec
-#      synthetic 1.5 / 3.78 / 6 at k = 7, B = 1 and 8, width auto, greedy then sampled; every -m gpu test of the
-#      kernels, the fast step, the verify step and PDL in the time left; peregrine.bench.check judges each target)
+#      then the spec targets at B = 2 and 4 (1.5 / 1.3x at 3.78), ~3 min:
+#        python3 -m peregrine bench spec --model <the check's model> --dummy-weights --batch-sizes 2,4 --k 7 \
+#          --input-len 256 --output-len 128 --no-oracle --acceptance-lengths 1.5,3.78 --widths auto \
+#          --temperature 0.6 --top-p 0.95 --results-dir results
 #   2. the agent turn over HTTP, at most 9 min (c = 8 agent sessions, replies forced, suffix server against plain,
 #      greedy and sampled, plus plain unforced; targets: TPOT p50 <= 0.8x, TTFT p50 within 5 %, ITL p99 <= 25 ms, 0 errors):
 #        bash scripts/gpu_agent_serve.sh
 #   3. the agent turn in-process, sampled beside greedy, on an H200 (the BF16 48B), ~9 min each:
 #        PARTS=replay bash scripts/gpu_drafters.sh
 #        REPLAY_ARGS="--replay-temperature 0.6 --replay-top-p 0.95" PARTS=replay bash scripts/gpu_drafters.sh
-#   4. the drafter inside the verify graph (#43's entry below): PARTS="tests tiny" METHODS=dspark bash scripts/gpu_drafters.sh
-#   5. the soak with warm-up under load (~13 min: start it detached, collect it in a second call; now by request
+#   4. the drafter inside the verify graph, its tiny eval (its GPU test passed in session 31):
+#        PARTS="tests tiny" METHODS=dspark bash scripts/gpu_drafters.sh
+#   5. the soak with warm-up under load (~13 min: start it detached, collect it in a second call; by request
 #      count or duration: DURATION keeps the old behaviour): (OUT=/tmp/soak DURATION=600 CONC=8 setsid nohup bash
 #      scripts/gpu_soak.sh > /tmp/soak.log 2>&1 < /dev/null &)
-#   Then: where a figure is short, the step timeline (STEPS=profile bash scripts/gpu_run.sh) before any change;
-#   README's sampled and speculative rows from these runs (date, commit, GPU).
+#   6. the GPU tests the head check's time cut (from tests/test_kernels_mla_prefill.py on), ~4 min:
+#        python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels_mla_prefill.py tests/test_kernels_moe*.py \
+#          tests/test_kernels_norm.py tests/test_kernels_sampling.py tests/test_specialized.py tests/test_k3_specialized.py \
+#          tests/test_spec_specialized.py tests/test_pdl.py
+#   Then: README's sampled and speculative rows from these runs (date, commit, GPU).
+# - #60 after session 31 (the persistent layer's first run since its rewrite, H100, 3c409e8: dense chain B = 1 and
+#   MoE block B = 1 passed, the whole KDA + MoE layer B = 1 failed, its row truncated; no hang, 6 s): build .cute
+#   (bash scripts/build_cute_gpu.sh), carry .commit and .cute, ~2 min; the test now prints the failing row whole:
+#     timeout 100 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_cute_gpu.py
+#   then #46's entry below (kernels_cute, gpu_persistent_layer.sh) once it passes.
 # - the TP teardown after CUDA graph replays (hung at 1571ff5; reordered and bounded since, not re-run):
 #   the FP32 TP = 2 check with --graphs must now finish and write its JSON well inside its limit
 # - k3-slice at all 6 layers, FP32, TP = 2 vs TP = 1 (its first 4 layers passed at 1571ff5)
