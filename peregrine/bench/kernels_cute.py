@@ -42,7 +42,7 @@ def weight_stream_rows(lib_dir: str) -> list[dict]:
             row["ms"] = statistics.median(time_fn(lambda: lib.run(w, x, y), iters=50))
             row["torch_ms"] = statistics.median(time_fn(lambda: torch.mv(w, x), iters=50))
         except Exception as e:  # noqa: BLE001 - reported, not fatal
-            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            row["error"] = f"{type(e).__name__}: {str(e)[:1000]}"
         rows.append(row)
     return rows
 
@@ -98,8 +98,15 @@ def persistent_case(path: str, timed: bool = True) -> dict:
             run.step(act)
             torch.cuda.synchronize()
             errs.append(float((act - want).norm() / want.norm()))
+            parts = {"act": errs[-1]}
             if kda is not None:
                 errs += [float((kda[k] - want_kda[k]).norm() / want_kda[k].norm()) for k in ("state", "conv_state")]
+                parts.update(state=errs[-2], conv_state=errs[-1])
+            row.setdefault("errs", []).append(parts)  # per step: which output is off
+            if step == 0:  # and which op's columns (a failure names the op to look at)
+                row["op_errs"] = [[type(o).__name__, lo, hi, float((act[:, lo:hi] - want[:, lo:hi]).norm()
+                                                                   / want[:, lo:hi].norm().clamp_min(1e-30))]
+                                  for o in ops for lo, hi in tb._io(o, B)[1]]
             topk = next((o for o in ops if isinstance(o, tb.TopK)), None)
             if topk is not None:  # the router's choice, exactly
                 sel = topk.dst
@@ -116,8 +123,10 @@ def persistent_case(path: str, timed: bool = True) -> dict:
             row["bytes"] = fixed + row["experts"] * per_expert
             row["bytes_streamed"] = tb.streamed_blocks(t, act) * tb.BN * tb.BK * 2 + t.params.numel() * 4
         if not (row["rel_err"] < TOL and row["error_word"] == 0 and all(row.get("ids_equal", [True]))):
+            worst = max(row["op_errs"], key=lambda e: e[3] if e[3] == e[3] else float("inf"))  # NaN first
             raise ValueError(f"relative error {row['rel_err']:.2e} (tolerance {TOL}), error word "
-                             f"{row['error_word']}, ids equal {row.get('ids_equal')}")
+                             f"{row['error_word']}, ids equal {row.get('ids_equal')}; per step {row['errs']}; worst op "
+                             f"{worst[0]} columns {worst[1]}:{worst[2]} at {worst[3]:.2e}")
         bad = tb.Table(**{**t.__dict__, "tasks": t.tasks.clone()})
         victim = int((bad.tasks[:, tb.SIGNAL] == len(ops) - 1).nonzero()[0])
         bad.tasks[victim, tb.COUNT0] += 1  # one task more than its input op has: never met
@@ -144,7 +153,7 @@ def persistent_case(path: str, timed: bool = True) -> dict:
                     return F.linear(y[:, :w[3].shape[1]], w[3])
                 row["torch_ms"] = statistics.median(time_fn(chain, iters=50))
     except Exception as e:  # noqa: BLE001 - reported, not fatal
-        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        row["error"] = f"{type(e).__name__}: {str(e)[:1000]}"
     return row
 
 
