@@ -344,6 +344,8 @@ def reference(ops: list, act: torch.Tensor, kda: dict | None = None) -> torch.Te
             flags = (NORM if op.norm is not None else 0) | (GATED if op.gated else 0)
             y = _gemv(act[:, op.src:op.src + K], folded(op), flags)
             act[:, op.dst:op.dst + N] = y + (act[:, op.resid:op.resid + N] if op.resid is not None else 0)
+            P = _padded(op)  # the op owns its columns up to whole tiles: zero rows' outputs (plus the residual's)
+            act[:, op.dst + N:op.dst + P] = act[:, op.resid + N:op.resid + P] if op.resid is not None else 0.0
         elif isinstance(op, TopK):
             ids, w = _select(act[:, op.src:op.src + op.E], act[:, op.bias:op.bias + op.E + 1], op.k)
             act[:, op.dst:op.dst + op.k], act[:, op.dst + op.k:op.dst + 2 * op.k] = ids.float(), w
