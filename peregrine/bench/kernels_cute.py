@@ -15,6 +15,7 @@ import statistics
 
 import torch
 
+WATCHDOG_S = 20.0  # a correctness launch not done by then is hung: the process ends (bounded waits end in ~1 s)
 TOL = 1e-2  # relative RMS error against the FP32 reference: BF16 inputs, FP32 accumulation in another order
 
 
@@ -95,7 +96,7 @@ def persistent_case(path: str, timed: bool = True) -> dict:
             tb.load_consts(act, consts)
             act[:, :d_in] = torch.randn(B, d_in, device="cuda", generator=g)
             want = tb.reference(ops, act, want_kda)
-            run.step(act)
+            run.step(act, WATCHDOG_S)
             torch.cuda.synchronize()
             errs.append(float((act - want).norm() / want.norm()))
             parts = {"act": errs[-1]}
@@ -112,7 +113,7 @@ def persistent_case(path: str, timed: bool = True) -> dict:
                 sel = topk.dst
                 row.setdefault("ids_equal", []).append(bool(torch.equal(act[:, sel:sel + topk.k],
                                                                          want[:, sel:sel + topk.k])))
-        row["rel_err"], row["error_word"] = max(errs), run.error()
+        row["rel_err"], row["error_word"], row["error_detail"] = max(errs), run.error(), run.error_detail()
         if topk is not None:  # the floor: every other weight once, each chosen expert once
             experts = [o for o in ops if isinstance(o, tb.Experts)]
             E, I2, D = experts[0].w.shape
@@ -132,9 +133,10 @@ def persistent_case(path: str, timed: bool = True) -> dict:
         bad.tasks[victim, tb.COUNT0] += 1  # one task more than its input op has: never met
         t0 = time.perf_counter()
         stuck = tg.Runner(path, bad, B, compiled, None if kda is None else {k: v.clone() for k, v in kda.items()})
-        stuck.step(act)
+        stuck.step(act, WATCHDOG_S)
         torch.cuda.synchronize()
-        row["missing_dep"] = {"error_word": stuck.error(), "want": victim + 1, "s": time.perf_counter() - t0}
+        row["missing_dep"] = {"error_word": stuck.error(), "want": victim + 1, "s": time.perf_counter() - t0,
+                              "detail": stuck.error_detail(), "want_waited_on_op": int(bad.tasks[victim, tb.WAIT0])}
         del stuck
         if row["missing_dep"]["error_word"] != victim + 1:
             raise ValueError(f"a wait never met gave error word {row['missing_dep']['error_word']}, not {victim + 1}")

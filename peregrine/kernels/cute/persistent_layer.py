@@ -9,7 +9,9 @@ counter per op) for B tokens:
   reads (ld.acquire.gpu, wrapped difference against epoch x tiles, nanosleep between polls, at most MAX_POLLS);
   a bar.sync among the 128 lets the others read the inputs; each stage is reduced against x for the B tokens and
   freed; the rows are stored, a second bar.sync, and one thread adds 1 to the op's counter (fence, red.release.gpu).
-  A wait that runs out writes task id + 1 to the error word (first one wins) and goes on, so nothing hangs.
+  A wait that runs out writes task id + 1 to the error word (first one wins; with the counter, its target and the
+  value seen) and goes on, and every wait after it gives up at once, so nothing hangs: a deadlock ends in one
+  MAX_POLLS with what it waited for.
 - no queue, no atomics to claim work, nothing zeroed between steps: the epoch (a device int32 the caller adds 1 to
   before each launch, inside a CUDA graph if it likes) moves the counters' targets.
 
@@ -27,6 +29,7 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232
 THREADS = 256             # two warpgroups: producer, consumers
 CONSUMER_BARRIER = 1      # named barrier among the 128 consumer threads (0 is __syncthreads)
 MAX_POLLS = 1 << 20       # ~0.1-1 s of polling before a wait gives up and writes the error word
+ERR_FIELDS = 4            # the error record: first failed task + 1, the counter it waited on, its target, the value seen
 SLEEP_NS = 100            # between polls: leaves the memory system to the loads that matter
 UNROLL = 8                # a block's K loop unrolled this far
 HEAD_DIM = 128            # a KDA head's width: one consumer thread a channel and a column of its state
@@ -52,14 +55,22 @@ def build(B: int, max_experts: int = 256, conv: int = 4):
     def wait(counters: cute.Tensor, err: cute.Tensor, ctr: Int32, target: Int32, task: Int32):
         if ctr >= 0:
             ptr = (counters.iterator + ctr).llvm_ptr
+            eptr = err.iterator.llvm_ptr
             v = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+            failed = cute.arch.load(eptr, Int32, sem="relaxed", scope="gpu")
             polls = Int32(0)
-            while (v - target < 0) & (polls < MAX_POLLS):
+            # once any wait has run out, every other gives up at once: a deadlock costs one MAX_POLLS, not one a task
+            while (v - target < 0) & (polls < MAX_POLLS) & (failed == 0):
                 nanosleep()
                 v = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+                failed = cute.arch.load(eptr, Int32, sem="relaxed", scope="gpu")
                 polls += 1
             if v - target < 0:
-                cute.arch.atomic_cas(err.iterator.llvm_ptr, cmp=Int32(0), val=task + 1, sem="relaxed", scope="gpu")
+                first = cute.arch.atomic_cas(eptr, cmp=Int32(0), val=task + 1, sem="relaxed", scope="gpu")
+                if first == 0:  # the first failed wait: what it waited for
+                    err[1] = ctr
+                    err[2] = target
+                    err[3] = v
 
     @cute.jit
     def consumer_sum(v: Float32, red: cute.Tensor, slot: cutlass.Constexpr, c: Int32) -> Float32:
@@ -381,7 +392,7 @@ def build(B: int, max_experts: int = 256, conv: int = 4):
 def fake_args(B: int, blocks: int, width: int, n_tasks: int, ctas: int, per_cta: int, n_counters: int,
               n_params: int = 1, kda_slots: int = 1, kda_heads: int = 1, conv: int = 4, channels: int = 3 * 128):
     """Shape-only arguments for an ahead-of-time compile: the pool [blocks x BN, BK] BF16, act [B, width] FP32,
-    tasks [n_tasks, FIELDS], lists [ctas, per_cta], counters [n_counters], epoch [1], err [1] int32, params
+    tasks [n_tasks, FIELDS], lists [ctas, per_cta], counters [n_counters], epoch [1], err [ERR_FIELDS] int32, params
     [n_params] FP32, the KDA state [kda_slots, kda_heads, HEAD_DIM, HEAD_DIM] and conv state [kda_slots, conv - 1,
     channels] FP32, slots [B] int32 (a table without KDA tasks takes the smallest)."""
     import math
@@ -395,7 +406,7 @@ def fake_args(B: int, blocks: int, width: int, n_tasks: int, ctas: int, per_cta:
                                 assumed_align=align)
     i32, f32 = cutlass.Int32, cutlass.Float32
     return (t(cutlass.BFloat16, blocks * BN, BK, align=16), t(f32, B, width, align=16), t(i32, n_tasks, FIELDS),
-            t(i32, ctas, per_cta), t(i32, n_counters), t(i32, 1), t(i32, 1), t(f32, n_params),
+            t(i32, ctas, per_cta), t(i32, n_counters), t(i32, 1), t(i32, ERR_FIELDS), t(f32, n_params),
             t(f32, kda_slots, kda_heads, HEAD_DIM, HEAD_DIM), t(f32, kda_slots, conv - 1, channels), t(i32, B))
 
 
@@ -419,7 +430,8 @@ def shape_args(table, B: int, kda=None, kda_slots: int = 1) -> dict:
 class Runner:
     """A built library (aot.build_shared over fake_args(**shape_args(...))) with its table on the GPU: step(act)
     adds 1 to the epoch and launches; the counters live across steps and are never zeroed; `error()` reads the
-    error word (0, or the id + 1 of the first task whose wait ran out). kda: the state, conv_state and slots
+    error word (0, or the id + 1 of the first task whose wait ran out), `error_detail()` what it waited for. kda:
+    the state, conv_state and slots
     tensors of a table with KDA tasks (else placeholders of the compiled shapes)."""
 
     def __init__(self, path: str, table, B: int, compiled: dict, kda: dict | None = None):
@@ -431,12 +443,13 @@ class Runner:
         if want != compiled:
             raise ValueError(f"{path} was compiled for {compiled}, this table needs {want}")
         dev = "cuda"
-        self.lib = CuteLibrary(path)
+        self.lib, self.path, self.launches = CuteLibrary(path), path, 0
         self.pool, self.params = table.pool.to(dev), table.params.to(dev, torch.float32)
         self.tasks, self.lists = table.tasks.to(dev), table.lists.to(dev)
         self.counters = torch.zeros(table.n_counters, dtype=torch.int32, device=dev)
         self.epoch = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.err = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.err = torch.zeros(ERR_FIELDS, dtype=torch.int32, device=dev)
+        self.table = table
         if kda is None:
             S, H, W, C = (compiled.get(k, v) for k, v in (("kda_slots", 1), ("kda_heads", 1), ("conv", 4),
                                                            ("channels", 3 * HEAD_DIM)))
@@ -445,11 +458,41 @@ class Runner:
                    "slots": torch.zeros(B, dtype=torch.int32, device=dev)}
         self.kda = kda
 
-    def step(self, act) -> None:
+    def step(self, act, watchdog_s: float | None = None) -> None:
+        """One launch. watchdog_s: wait for it that long at most, then end the process (exit 124): a hang the bounded waits cannot end (an mbarrier of the weight ring) must not cost the
+        device call its whole limit, and a hung kernel cannot be interrupted any other way. The message names the
+        library and the launch."""
         self.epoch.add_(1)
+        self.launches += 1  # counted on the host: a hung kernel's device memory cannot be read
         k = self.kda
         self.lib.run(self.pool, act, self.tasks, self.lists, self.counters, self.epoch, self.err, self.params,
                      k["state"], k["conv_state"], k["slots"])
+        if watchdog_s is not None:
+            import os
+            import sys
+            import time
+
+            import torch
+            done, t0 = torch.cuda.Event(), time.monotonic()
+            done.record()
+            while not done.query():
+                if time.monotonic() - t0 > watchdog_s:
+                    sys.stderr.write(f"persistent kernel {self.path}: launch {self.launches} not done after "
+                                     f"{watchdog_s:.0f} s: hung (the weight ring's mbarriers are not bounded); "
+                                     f"ending the process\n")
+                    sys.stderr.flush()
+                    os._exit(124)
+                time.sleep(0.001)
 
     def error(self) -> int:
-        return int(self.err.item())
+        return int(self.err[0].item())
+
+    def error_detail(self) -> dict | None:
+        """The first failed wait: its task, the op it computes, the counter (the op it waited for), the target and
+        the value it saw (targets are epoch x tasks of that op); None without one."""
+        e = [int(v) for v in self.err.tolist()]
+        if not e[0]:
+            return None
+        task = e[0] - 1
+        return {"task": task, "op": int(self.table.tasks[task, SIGNAL]), "waited_on_op": e[1], "target": e[2],
+                "seen": e[3], "epoch": int(self.epoch.item())}
