@@ -459,9 +459,9 @@ class Runner:
         self.kda = kda
 
     def step(self, act, watchdog_s: float | None = None) -> None:
-        """One launch. watchdog_s: wait for it that long at most, then end the process (exit 124): a hang the bounded waits cannot end (an mbarrier of the weight ring) must not cost the
-        device call its whole limit, and a hung kernel cannot be interrupted any other way. The message names the
-        library and the launch."""
+        """One launch. watchdog_s: wait for it that long at most, then end the process (exit 124), naming the
+        library and the launch: a hang the bounded waits cannot end (an mbarrier of the weight ring) must not cost
+        the device call its whole limit, and a hung kernel cannot be interrupted any other way."""
         self.epoch.add_(1)
         self.launches += 1  # counted on the host: a hung kernel's device memory cannot be read
         k = self.kda
