@@ -44,7 +44,7 @@ CUT = tl.constexpr(12.0)  # candidates: logit/T within this of the row's max (p 
 CAND_CAP = 128  # candidates one vocab chunk may hold (40 chunks at 163 840: 5 120 per row); past it, the full search
 SEARCH_ENV = "PEREGRINE_SAMPLE_SEARCH"  # "candidates" (default), "radix" or "bisect": the threshold search, for A/B runs
 SEARCHES = ("candidates", "radix", "bisect")
-RADIX_NB = 16  # pivots a level: 8 levels of [256, 16] steps; 64 (6 of [64, 64]) took 4x as long at B = 8 (H100, session 31)
+RADIX_NB = 16  # pivots a level: 8 levels of [256, 16] steps; 64 (6 of [64, 64]) took 4x as long at B = 8 (H100)
 RADIX_ACC = 4096  # a level's [tile, nb] register accumulator (32 a thread at 4 warps): tile = RADIX_ACC // nb
 RADIX_TILE = RADIX_ACC // RADIX_NB  # elements a step of a level takes at the default pivots
 DESCENT_NB_ENV = "PEREGRINE_SAMPLE_DESCENT_NB"  # pivots a level, for A/B runs (fewer: wider steps, more levels)
