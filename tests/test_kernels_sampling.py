@@ -252,17 +252,15 @@ def test_threshold_searches_keep_the_reference_set(search, device):
         assert 60 < CAND_CAP * 2  # (the peaked rows fit: 60 candidates in two chunks)
 
 
-@pytest.mark.parametrize("nb,stages", [(8, 1), (16, 3)])
-def test_descent_pivots_and_pipelining_keep_the_reference_set(nb, stages, device, monkeypatch):
-    """The descent with fewer pivots a level (more levels, each step a wider tile) and its level loop pipelined
-    (PEREGRINE_SAMPLE_DESCENT_NB / _STAGES, the A/B switches) keeps the reference's set on every row."""
-    monkeypatch.setenv(sampling.DESCENT_NB_ENV, str(nb))
-    monkeypatch.setenv(sampling.DESCENT_STAGES_ENV, str(stages))
+@pytest.mark.parametrize("nb", [8, 64])
+def test_descent_at_other_pivot_counts_keeps_the_reference_set(nb, device):
+    """The descent at other pivots a level than the default (more or fewer levels; on the GPU each step a tile
+    4096 / nb wide; kernels_sampling times them) keeps the reference's set on every row."""
     x, t, k, p, mp = _search_rows()
     dev = lambda z: z.to(device)  # noqa: E731
-    keys, _ = thresholds(dev(x), dev(t), dev(k), dev(p), dev(mp), 1, "radix")
+    keys, _ = thresholds(dev(x), dev(t), dev(k), dev(p), dev(mp), 1, "radix", nb=nb)
     for i in range(x.shape[0] - 1):  # the last row is greedy
-        _keeps_reference_set(x[i], float(t[i]), int(k[i]), float(p[i]), float(mp[i]), keys.cpu()[i], (nb, stages, i))
+        _keeps_reference_set(x[i], float(t[i]), int(k[i]), float(p[i]), float(mp[i]), keys.cpu()[i], (nb, i))
 
 
 # the interpreter also reduces masked-off lanes (-inf - -inf in a 5 000 row's last slice); their results are unused

@@ -2,8 +2,8 @@
 sample at the Kimi vocabulary (163 840 FP32 logits a row), B = 1..16, per setting (greedy rows through
 sample, temperature only, top-p 0.95 as chat clients send it, top-k 50 + top-p, min-p; where a search runs,
 the default (the candidates, then the descent for rows they cannot settle) against the descent alone at 16
-(the default), 64, 32, 128 and 8 pivots a level (a level's tile 4096 / pivots wide), its loop pipelined 2-4
-deep, and the one-program bisection, on random logits x3 (the candidates settle them), on flat rows (x0.3:
+(the default), 64, 32, 128 and 8 pivots a level (a level's tile 4096 / pivots wide) and the one-program
+bisection, on random logits x3 (the candidates settle them), on flat rows (x0.3:
 every row takes the descent, as dummy weights' rows do) and on a peaked head, against the path it
 replaces (engine/sampling.py before #41: full sort, softmax, cumsum, scatter, one multinomial a row) where
 that is timeable in a graph, timed as CUDA graphs. GB/s counts one read of the logits.
@@ -35,7 +35,6 @@ SETTINGS = {  # name: (temperature, top_k, top_p, min_p)
 SEARCH_AB = {"radix": dict(search="radix"), "radix_nb32": dict(search="radix", nb=32),
              "radix_nb128": dict(search="radix", nb=128), "radix_nb64": dict(search="radix", nb=64),
              "radix_nb8": dict(search="radix", nb=8), "bisect": dict(search="bisect")}
-DESCENT_STAGES = (2, 3, 4)  # a level's loop pipelined this deep (the default loads in order: 1)
 DESCENT_BLOCKS = (1024, 2048, 4096)  # the descent's slice a program weighs, fixed for every B (default: by B)
 
 
@@ -99,10 +98,6 @@ def run(copy_gbps: float, full: bool = True, iters: int = 50) -> list[dict]:
                     with _env(K.DESCENT_BLOCK_ENV, str(blk)):
                         row[f"radix_block{blk}_ms"] = graph_time(
                             [lambda: sample(logits, *args, out=out, search="radix", **kw0)], iters)[0]
-                for st in DESCENT_STAGES:
-                    with _env(K.DESCENT_STAGES_ENV, str(st)):
-                        row[f"radix_stages{st}_ms"] = graph_time(
-                            [lambda: sample(logits, *args, out=out, search="radix", **kw0)], iters)[0]
                 if k == 0:  # what skipping top-k's levels saves
                     row["radix_topk_levels_ms"] = graph_time(
                         [lambda: sample(logits, *args, out=out, search="radix", top_k_any=True)], iters)[0]
@@ -147,7 +142,7 @@ def compile_check() -> list[dict]:
             nc=n(nc), nd=n(nd), topk_ptr=p("*i64"), topp_ptr=p("*fp32"), minp_ptr=p("*fp32"), cmax_ptr=p("*fp32"),
             need_ptr=p("*i32"), prev_part_ptr=p("*fp32"), prev_brk_ptr=p("*i64"), p0_part_ptr=p("*fp32"),
             part_ptr=p("*fp32"), brk_ptr=p("*i64"), key_ptr=p("*i32"), MASS=c(mass), START=c(start), FIRST=c(0),
-            FINAL=c(0), HAS_NEED=c(1), BLOCK=c(block), NB=c(K.RADIX_NB), TILE=c(K.RADIX_TILE), CB=c(cb), STAGES=c(1),
+            FINAL=c(0), HAS_NEED=c(1), BLOCK=c(block), NB=c(K.RADIX_NB), TILE=c(K.RADIX_TILE), CB=c(cb),
             CBD=c(max(16, 1 << (nd - 1).bit_length()))), 4, 1))
     return out
 

@@ -47,8 +47,6 @@ SEARCHES = ("candidates", "radix", "bisect")
 RADIX_NB = 16  # pivots a level: 8 levels of [256, 16] steps; 64 (6 of [64, 64]) took 4x as long at B = 8 (H100)
 RADIX_ACC = 4096  # a level's [tile, nb] register accumulator (32 a thread at 4 warps): tile = RADIX_ACC // nb
 RADIX_TILE = RADIX_ACC // RADIX_NB  # elements a step of a level takes at the default pivots
-DESCENT_NB_ENV = "PEREGRINE_SAMPLE_DESCENT_NB"  # pivots a level, for A/B runs (fewer: wider steps, more levels)
-DESCENT_STAGES_ENV = "PEREGRINE_SAMPLE_DESCENT_STAGES"  # a level's loop pipelined this deep (1: loads in order), A/B
 RADIX_TILE_INTERPRET = 1024  # the interpreter pays per step, not per element
 DESCENT_MIN_BLOCK = 1024  # smallest row slice a descent program weighs: B = 1 gets 160 programs at 163 840
 DESCENT_PROGRAMS = 256  # descent programs a level aims for (about two per SM) before slices grow
@@ -281,8 +279,7 @@ def _pick(part_ptr, row, nc, lo, hi, target, NB: tl.constexpr, CB: tl.constexpr)
 def _descend(x_ptr, stride_x, V, nc, nd, temp_ptr, topk_ptr, topp_ptr, minp_ptr, cmax_ptr, need_ptr, prev_part_ptr,
              prev_brk_ptr, p0_part_ptr, part_ptr, brk_ptr, key_ptr, MASS: tl.constexpr, START: tl.constexpr,
              FIRST: tl.constexpr, FINAL: tl.constexpr, HAS_NEED: tl.constexpr, BLOCK: tl.constexpr,
-             NB: tl.constexpr, TILE: tl.constexpr, CB: tl.constexpr, CBD: tl.constexpr, STAGES: tl.constexpr = 1,
-             USE_PDL: tl.constexpr = False):
+             NB: tl.constexpr, TILE: tl.constexpr, CB: tl.constexpr, CBD: tl.constexpr, USE_PDL: tl.constexpr = False):
     """The whole-row threshold search spread over the row's nd chunks of BLOCK: a level per launch, each narrowing
     the row's key bracket [lo, hi) NB-fold (_pick, from the last level's per-chunk counts or masses), then counting
     (top-k: MASS = 0) or weighing (top-p: MASS = 1) this chunk's keys at the new bracket's NB pivots. top-k's
@@ -334,7 +331,7 @@ def _descend(x_ptr, stride_x, V, nc, nd, temp_ptr, topk_ptr, topp_ptr, minp_ptr,
                 # a [TILE, NB] register accumulator, reduced once after the loop: a reduction across the
                 # tile's rows every step (shuffles and shared memory) would sit in the loop's critical path
                 acc = tl.zeros((TILE, NB), tl.float32)
-                for s in tl.range(0, BLOCK, TILE, num_stages=STAGES):
+                for s in range(0, BLOCK, TILE):
                     pos = c * BLOCK + s + tl.arange(0, TILE)
                     ok = pos < V
                     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + pos, mask=ok, other=float("-inf"))
@@ -375,8 +372,7 @@ def _descent(logits, temp, top_k, top_p, min_p, cmax, keys, need, nb: int = 0, t
     (need None) or the rows need marks; keys: [B] int32, written for those rows. top_k_any False: the caller
     vouches that every row's top_k is 0 (off) or >= V, so top-k's levels are not launched at all."""
     B, V = logits.shape
-    nb = nb or int(os.environ.get(DESCENT_NB_ENV) or RADIX_NB)
-    stages = int(os.environ.get(DESCENT_STAGES_ENV) or 1)
+    nb = nb or RADIX_NB
     nc = cmax.shape[1]
     L = descent_levels(nb)
     block = block or descent_block(B, V)
@@ -388,7 +384,6 @@ def _descent(logits, temp, top_k, top_p, min_p, cmax, keys, need, nb: int = 0, t
     brk = torch.empty((n, B, 2), dtype=torch.int64, device=dev)
     tile = min(block, RADIX_TILE_INTERPRET if interpreting() else max(16, RADIX_ACC // nb))
     common = dict(HAS_NEED=need is not None, BLOCK=block, NB=nb, TILE=tile, CB=max(triton.next_power_of_2(nc), 16),
-                  STAGES=stages,
                   CBD=max(triton.next_power_of_2(nd), 16), num_warps=4, **launch_kwargs(dev))
     args = (logits, logits.stride(0), V, nc, nd, temp, top_k, top_p, min_p, cmax, need if need is not None else keys)
     p0 = n - L  # top-p's first level
