@@ -13,7 +13,8 @@ import torch
 from peregrine.cache import ModelCache
 from peregrine.decode.batch import StepInput
 from peregrine.engine.penalties import apply_device
-from peregrine.kernels.sampling import sample_ref, token_logprobs
+from peregrine.kernels.logprobs import token_logprobs
+from peregrine.kernels.sampling import sample_ref
 
 HASH_MOD = 65521       # prime < 2**16: the running hash stays exact in the FP32 KDA state
 LOGIT_SCALE = 4.0      # peaky enough that greedy is a clear choice, flat enough to sample

@@ -6,7 +6,8 @@ the default (the candidates, then the descent for rows they cannot settle) again
 bisection, on random logits x3 (the candidates settle them), on flat rows (x0.3:
 every row takes the descent, as dummy weights' rows do) and on a peaked head, against the path it
 replaces (engine/sampling.py before #41: full sort, softmax, cumsum, scatter, one multinomial a row) where
-that is timeable in a graph, timed as CUDA graphs. GB/s counts one read of the logits.
+that is timeable in a graph, timed as CUDA graphs; and the step's logprobs (kernels/logprobs.py) against
+torch's logsumexp + topk. GB/s counts one read of the logits.
     python -m peregrine.bench.kernels_sampling [--quick]
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from peregrine.bench.gpu import graph_time
 from peregrine.kernels.pdl import pdl
 from peregrine.kernels import sampling as K
+from peregrine.kernels.logprobs import token_logprobs, token_logprobs_ref
 from peregrine.kernels.sampling import argmax, sample
 
 VOCAB = 163840
@@ -77,6 +79,10 @@ def run(copy_gbps: float, full: bool = True, iters: int = 50) -> list[dict]:
         t_arg, _ = graph_time([lambda: argmax(logits)], iters)
         rows.append({"kernel": "argmax", "B": B, "time_ms": t_arg, "gbps": nbytes / t_arg / 1e6,
                      "pct_of_copy": nbytes / t_arg / 1e6 / copy_gbps})
+        t_lp, lp_samples = graph_time([lambda: token_logprobs(logits, out)], iters)  # out: argmax's ids will do
+        rows.append({"kernel": "logprobs", "B": B, "time_ms": t_lp, "samples_ms": lp_samples,
+                     "gbps": nbytes / t_lp / 1e6, "pct_of_copy": nbytes / t_lp / 1e6 / copy_gbps,
+                     "torch_ms": graph_time([lambda: token_logprobs_ref(logits, out)], iters)[0]})
         for name, (t, k, p, mp) in SETTINGS.items() if full else list(SETTINGS.items())[1:3]:
             f = lambda v, dt: torch.full((B,), v, device="cuda", dtype=dt)  # noqa: E731
             args = (f(t, torch.float32), f(k, torch.int32), f(p, torch.float32), seeds, pos, f(mp, torch.float32))
@@ -144,6 +150,15 @@ def compile_check() -> list[dict]:
             part_ptr=p("*fp32"), brk_ptr=p("*i64"), key_ptr=p("*i32"), MASS=c(mass), START=c(start), FIRST=c(0),
             FINAL=c(0), HAS_NEED=c(1), BLOCK=c(block), NB=c(K.RADIX_NB), TILE=c(K.RADIX_TILE), CB=c(cb),
             CBD=c(max(16, 1 << (nd - 1).bit_length()))), 4, 1))
+    from peregrine.kernels import logprobs as L
+    top, KP, nlp = L.LOGPROBS_TOP, 32, VOCAB // L.BLOCK_V
+    out.append({"kernel": "logprobs chunk_top"} | compile_sm90(L._chunk_top, dict(
+        x_ptr=p("*fp32"), stride_x=n(VOCAB), V=n(VOCAB), cmax_ptr=p("*fp32"), csum_ptr=p("*fp32"), cval_ptr=p("*fp32"),
+        cidx_ptr=p("*i32"), BLOCK=c(L.BLOCK_V), K=c(top), KP=c(KP)), 8, 1))
+    out.append({"kernel": "logprobs row_merge"} | compile_sm90(L._row_merge, dict(
+        x_ptr=p("*fp32"), stride_x=n(VOCAB), tok_ptr=p("*i64"), nc=n(nlp), cmax_ptr=p("*fp32"), csum_ptr=p("*fp32"),
+        cval_ptr=p("*fp32"), cidx_ptr=p("*i32"), chosen_ptr=p("*fp32"), topi_ptr=p("*i64"), topv_ptr=p("*fp32"),
+        K=c(top), KP=c(KP), CB=c(64)), 4, 1))
     return out
 
 
@@ -152,8 +167,9 @@ def main():
     family_main("sampling", run, lambda r: f"{r['kernel']:>28} B={r['B']:>2} {1e3 * r['time_ms']:>8.1f} us "
                 f"{r['gbps']:>7.0f} GB/s {100 * r['pct_of_copy']:>5.1f}%"
                 + (f" (sorted sampler {1e3 * r['sorted_ms']:.1f} us)" if "sorted_ms" in r else "")
+                + (f" (torch logsumexp + topk {1e3 * r['torch_ms']:.1f} us)" if "torch_ms" in r else "")
                 + "".join(f" ({k[:-3]} {1e3 * r[k]:.1f} us)" for k in r if k.endswith("_ms") and k not in
-                          ("time_ms", "samples_ms", "sorted_ms")), doc=__doc__)
+                          ("time_ms", "samples_ms", "sorted_ms", "torch_ms")), doc=__doc__)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..engine.penalties import apply_device
-from ..kernels.sampling import argmax, sample, token_logprobs
+from ..kernels.logprobs import token_logprobs
+from ..kernels.sampling import argmax, sample
 
 
 def draw(logits: torch.Tensor, step) -> tuple[torch.Tensor, tuple | None]:

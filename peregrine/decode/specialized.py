@@ -32,7 +32,8 @@ from ..kernels.moe_mxfp4 import moe_mxfp4_experts
 from ..kernels.moe_mxfp4_v4 import moe_mxfp4_experts_v4, on_hopper
 from ..kernels.norm import add_rms_norm, rms_norm
 from ..kernels.pdl import pdl as kernels_pdl
-from ..kernels.sampling import argmax, token_logprobs
+from ..kernels.logprobs import token_logprobs
+from ..kernels.sampling import argmax
 from ..models.layers import swiglu
 from ..parallel.group import SINGLE
 from .head import draw

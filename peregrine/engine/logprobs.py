@@ -49,7 +49,7 @@ def record(seqs, logits: torch.Tensor, toks: list[int]) -> None:
 
 
 def record_device(seqs, toks: list[int], chosen: list[float], top_ids: list[list[int]], top_vals: list[list[float]]) -> None:
-    """The same, from logprobs the runner took inside the step (kernels/sampling.token_logprobs), read back."""
+    """The same, from logprobs the runner took inside the step (kernels/logprobs.token_logprobs), read back."""
     for i, s in enumerate(seqs):
         k = s.params.logprobs
         if k is not None:

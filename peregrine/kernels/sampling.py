@@ -527,18 +527,6 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     return out
 
 
-LOGPROBS_TOP = 20  # alternatives computed in the step: the most a request may ask for (engine/logprobs.py)
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Raw log-probabilities on the device, capturable: each row's chosen token's, and the top LOGPROBS_TOP
-    (ids, values), = log_softmax(logits) without materialising it: logits - logsumexp (torch.topk selects
-    without a full sort)."""
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    top_v, top_i = logits.topk(min(LOGPROBS_TOP, logits.shape[-1]), dim=-1)
-    return (logits.gather(-1, tokens.view(-1, 1))[:, 0] - lse[:, 0]), top_i, top_v - lse
-
-
 def filtered_probs_ref(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                        min_p: float = 0.0) -> torch.Tensor:
     """FP64 reference of one row's sampling distribution, by sorting: temperature, min-p (against the
