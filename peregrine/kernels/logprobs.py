@@ -4,8 +4,9 @@ Each row's chosen token's log-probability and its top LOGPROBS_TOP alternatives,
 materialising it. Pass 1, many programs a row (one vocab chunk each): the chunk's max, its sum of exp(x - max)
 and its own top K (K rounds of max, the lowest index on ties). Pass 2, one program a row: the row's logsumexp
 from the chunks' (max, sum) pairs, the top K of the chunks' candidates (a token of the row's top K is in its
-chunk's top K), the chosen token's logit. torch.topk over a 163 840 row is one block a row at small batch,
-the reason this exists (its reference, token_logprobs_ref, is that torch form). NaN logits are not supported.
+chunk's top K), the chosen token's logit. It replaces torch's logsumexp + topk + gather (token_logprobs_ref,
+also its reference), which with logprobs 5 cost the 48B's step ~0.11 ms at B = 1 on an H100 (not broken down by
+launch). NaN logits are not supported.
 """
 from __future__ import annotations
 
