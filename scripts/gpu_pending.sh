@@ -5,10 +5,13 @@
 #   "Session 31": sampled 1.065-1.131x greedy, all of it the descent over dummy weights' flat rows; 16 pivots a
 #   level measured 1.031 / 1.034x at B = 1 / 8 in the step and is the default since 5f5dbaf; synthetic 3.78 met
 #   at B = 1 and 8; 1.5 at B = 8 0.84x, the chooser's stale plain excess, fixed in 025641a, not re-measured).
+#   Since: logprobs in the step by two Triton launches (kernels/logprobs.py, in place of torch's logsumexp + topk,
+#   which cost ~0.11 ms at B = 1), not run on a GPU.
 #   In this order, one H100 or H200 each (carry .commit):
-#   1. the head check, at most 9 min (now with 16 pivots and the chooser's fix; commit results/check/ and the table
-#      it prints last; B = 2 and 4 of the spec targets are not in it: add them if time allows):
+#   1. the head check, at most 9 min (now with 16 pivots, the logprobs kernels and the chooser's fix; commit
+#      results/check/ and the table it prints last), then the sampler's and logprobs' launches (~1 min):
 #        bash scripts/gpu_check.sh
+#        python3 -m peregrine.bench.kernels_sampling --quick --results-dir results
 #      then the spec targets at B = 2 and 4 (1.5 / 1.3x at 3.78), ~3 min:
 #        python3 -m peregrine bench spec --model <the check's model> --dummy-weights --batch-sizes 2,4 --k 7 \
 #          --input-len 256 --output-len 128 --no-oracle --acceptance-lengths 1.5,3.78 --widths auto \
