@@ -4,11 +4,13 @@
 #    (temperature 0.6, top-p 0.95) and sampled with logprobs 5, all on one engine (same-run ratios)
 # 2. spec: `bench spec` synthetic acceptance (vLLM's "synthetic" method) 1.5, 3.78 and 6.0, k = 7, B = 1 and 8,
 #    width auto, against plain on the same engine; greedy, then sampled rows (0.6 / 0.95: rejection sampling)
-# 3. tests: every `-m gpu` test of the kernels, the fast step and the sampler, in the time left
+# 3. kernels: the sampler's and the step logprobs' launches on flat and peaked rows (kernels_sampling --quick, ~45 s):
+#    what a sampled step's cost over greedy is made of
+# 4. tests: every `-m gpu` test of the kernels, the fast step and the sampler, in the time left
 # Then one table: each target, the figure, met or short (python -m peregrine.bench.check).
 # An H200 runs the BF16 48B; an H100 (80 GB: the BF16 48B does not fit) the 48B with MXFP4 experts.
 # JSON (with GPU, commit, same-run copy bandwidth) under results/check/ and in $OUT/check-results.tgz.
-#   run (carry .commit):  bash scripts/gpu_check.sh      PARTS (default "decode spec tests"), BUDGET_S (530)
+#   run (carry .commit):  bash scripts/gpu_check.sh      PARTS (default "decode spec kernels tests"), BUDGET_S (530)
 source "$(dirname "$0")/device_env.sh"
 start=$(date +%s); budget=${BUDGET_S:-530}
 left() { echo $(( budget - ($(date +%s) - start) )); }
@@ -29,7 +31,7 @@ TESTS="tests/test_kernels_*.py tests/test_specialized.py tests/test_k3_specializ
   tests/test_pdl.py"
 TO=""; python3 -c "import pytest_timeout" 2>/dev/null && TO="--timeout=120"
 rc=0
-for p in ${PARTS:-decode spec tests}; do
+for p in ${PARTS:-decode spec kernels tests}; do
   echo "=== $p ($(date -u +%T), $(left) s left)"
   case $p in
     decode)
@@ -42,6 +44,9 @@ for p in ${PARTS:-decode spec tests}; do
         --input-len 256 --output-len 128 --no-oracle --acceptance-lengths 1.5,3.78,6 --widths auto \
         --temperature 0.6 --top-p 0.95 --results-dir $R 2>&1 \
         | tee "$OUT/spec.log" | grep -E "B=|WARN|Error|error|table" | grep -v captur || rc=1 ;;
+    kernels)
+      timeout "${T_kernels:-90}" python3 -m peregrine.bench.kernels_sampling --quick --results-dir $R > "$OUT/kernels.log" 2>&1 \
+        || rc=1; grep -E "copy|argmax|logprobs|top_p" "$OUT/kernels.log" | cut -c1-400 ;;
     tests)
       t=$(( $(left) - 10 )); [ $t -lt 30 ] && { echo "tests skipped: $t s left"; continue; }
       # one process (each file's own would cost ~5 s of imports); -v prints each verdict as it comes
@@ -49,7 +54,7 @@ for p in ${PARTS:-decode spec tests}; do
       trc=$?; [ $trc = 124 ] && echo "pytest cut at $t s" | tee -a "$OUT/pytest-gpu.log"
       [ $trc != 0 ] && rc=1
       grep -E "^FAILED|^ERROR|passed|failed" "$OUT/pytest-gpu.log" | tail -25 ;;
-    *) echo "unknown part $p (decode spec tests)"; rc=1 ;;
+    *) echo "unknown part $p (decode spec kernels tests)"; rc=1 ;;
   esac
 done
 tar czf "$OUT/check-results.tgz" $R
