@@ -8,10 +8,9 @@
 #   Since: logprobs in the step by two Triton launches (kernels/logprobs.py, in place of torch's logsumexp + topk,
 #   which cost ~0.11 ms at B = 1), not run on a GPU.
 #   In this order, one H100 or H200 each (carry .commit):
-#   1. the head check, at most 9 min (now with 16 pivots, the logprobs kernels and the chooser's fix; commit
-#      results/check/ and the table it prints last), then the sampler's and logprobs' launches (~1 min):
+#   1. the head check, at most 9 min (now with 16 pivots, the logprobs kernels and the chooser's fix, and a part
+#      timing the sampler's and logprobs' launches; commit results/check/ and the table it prints last):
 #        bash scripts/gpu_check.sh
-#        python3 -m peregrine.bench.kernels_sampling --quick --results-dir results
 #      then the spec targets at B = 2 and 4 (1.5 / 1.3x at 3.78), ~3 min:
 #        python3 -m peregrine bench spec --model <the check's model> --dummy-weights --batch-sizes 2,4 --k 7 \
 #          --input-len 256 --output-len 128 --no-oracle --acceptance-lengths 1.5,3.78 --widths auto \
