@@ -6,7 +6,8 @@
 #   level measured 1.031 / 1.034x at B = 1 / 8 in the step and is the default since 5f5dbaf; synthetic 3.78 met
 #   at B = 1 and 8; 1.5 at B = 8 0.84x, the chooser's stale plain excess, fixed in 025641a, not re-measured).
 #   Since: logprobs in the step by two Triton launches (kernels/logprobs.py, in place of torch's logsumexp + topk,
-#   which cost ~0.11 ms at B = 1), not run on a GPU.
+#   which cost ~0.11 ms at B = 1); the candidates' searches skipped for rows whose chunks overflowed (flat rows:
+#   30 / 37 us of candidate passes at B = 1 / 8 beyond the descent); neither run on a GPU.
 #   In this order, one H100 or H200 each (carry .commit):
 #   1. the head check, at most 9 min (now with 16 pivots, the logprobs kernels and the chooser's fix, and a part
 #      timing the sampler's and logprobs' launches; commit results/check/ and the table it prints last):
