@@ -203,7 +203,7 @@ class SpecDecoder:
         def med(xs):
             xs = sorted(xs)
             return xs[len(xs) // 2] if xs else None
-        plain = med(self._fresh("plain")) if not self.plain_stale() else med(x for _, x in self.excess_seen["plain"])
+        plain = med(self._fresh("plain") or [x for _, x in self.excess_seen["plain"]])
         verify = med(self._fresh("verify"))
         plain = 0.0 if plain is None else plain
         return {"plain": plain, "verify": plain if verify is None else verify}
