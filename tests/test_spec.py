@@ -556,15 +556,21 @@ def test_the_engine_explores_a_plain_step_when_its_excess_is_stale():
     assert sum(st["width_steps"][1:]) == 0  # each verify the table asked for became a plain step
 
 
-def test_steps_recording_routing_do_not_teach_the_width_chooser():
-    """Benchmarks record routing with eager steps (no graphs): far slower than the table, they must not move the
-    chooser's excess."""
-    ps = repetitive(4)
+def _watched_chooser():
+    """An n-gram engine with a 1 us cost table injected, and the (B, T) of every step its chooser observes."""
     e = tiny(NGRAM)
     e.spec.costs = {B: {1: 1e-3, 2: 1e-3, 3: 1e-3, 4: 1e-3} for B in range(1, 5)}
     seen = []
     real = e.spec.observe
     e.spec.observe = lambda B, T, ms: seen.append((B, T)) or real(B, T, ms)
+    return e, seen
+
+
+def test_steps_recording_routing_do_not_teach_the_width_chooser():
+    """Benchmarks record routing with eager steps (no graphs): far slower than the table, they must not move the
+    chooser's excess."""
+    ps = repetitive(4)
+    e, seen = _watched_chooser()
     e.runner.record_routing = True
     try:
         e.generate(ps, greedy(8))
@@ -579,11 +585,7 @@ def test_engine_feeds_the_width_chooser_its_step_times():
     """Each pure decode step's wall time reaches observe: on this CPU every step takes far longer than the 1 ms
     injected for a plain step, so the plain excess grows above zero."""
     ps = repetitive(4)
-    e = tiny(NGRAM)
-    e.spec.costs = {B: {1: 1e-3, 2: 1e-3, 3: 1e-3, 4: 1e-3} for B in range(1, 5)}
-    seen = []
-    real = e.spec.observe
-    e.spec.observe = lambda B, T, ms: seen.append((B, T)) or real(B, T, ms)
+    e, seen = _watched_chooser()
     e.generate(ps, greedy(8))
     assert seen and all(B == 3 for B, _ in seen) and e.spec.excess["plain"] + e.spec.excess["verify"] > 0
 
