@@ -68,6 +68,16 @@ def write_dummy_model(d, raw: dict, seed: int | None) -> str:
 
 
 @pytest.fixture
+def no_build(monkeypatch):
+    """CLI tests of bad arguments: building the model before checking them fails the test."""
+    import peregrine.engine.build as build
+
+    def built(*a, **k):
+        raise AssertionError("the model was built before the arguments were checked")
+    monkeypatch.setattr(build, "build_engine", built)
+
+
+@pytest.fixture
 def device():
     return DEVICE
 

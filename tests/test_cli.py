@@ -11,15 +11,6 @@ from peregrine import cli
 from peregrine.config import preset_names
 
 
-@pytest.fixture
-def no_build(monkeypatch):
-    import peregrine.engine.build as build
-
-    def built(*a, **k):
-        raise AssertionError("the model was built before the arguments were checked")
-    monkeypatch.setattr(build, "build_engine", built)
-
-
 @pytest.mark.parametrize("argv,names", [
     (["generate", "--max-tokens", "-1"], "max-tokens"),
     (["generate", "--max-tokens", "0"], "max-tokens"),

@@ -52,15 +52,6 @@ def free_port() -> int:
 
 
 # ---- configuration ----
-@pytest.fixture
-def no_build(monkeypatch):
-    import peregrine.engine.build as build
-
-    def built(*a, **k):
-        raise AssertionError("the model was built before the arguments were checked")
-    monkeypatch.setattr(build, "build_engine", built)
-
-
 @pytest.mark.parametrize("value,names", [
     ("{bad", "not valid JSON"),
     ("[1]", "JSON object"),
