@@ -34,9 +34,11 @@
 #   Then: README's sampled and speculative rows from these runs (date, commit, GPU).
 # - #58 / #59 after session 31 (request isolation and validation in the engine and server, KV events and readiness:
 #   CPU-tested; sampled + greedy decode and spec ran at 1b89fb0 with them, the whole turn did not): one H200, ~9 min,
-#   carry .commit: the turn against session 18's record (c55ca27), events off as served by default, then with
-#   --kv-events-config on (the prefix cache announces blocks):
+#   carry .commit: the turn against session 18's record (c55ca27), events off as served by default, then serving
+#   sampled and with KV events published (the prefix cache announces blocks):
 #     STEPS="ttft serve" LENGTHS=1024,8192,32768 RUNS=3 CONC=8 RATE=4 BACKENDS="latency_specialized@6" bash scripts/gpu_prefill.sh
+#     SAMPLING="--temperature 0.6 --top-p 0.95" SERVE_FLAGS="--kv-events-config {\"enable_kv_cache_events\":true}" \
+#       STEPS=serve CONC=8 RATE=4 BACKENDS="latency_specialized@6" bash scripts/gpu_prefill.sh
 # - #60 after session 31 (the persistent layer's first run since its rewrite, H100, 3c409e8: dense chain B = 1 and
 #   MoE block B = 1 passed, the whole KDA + MoE layer B = 1 failed, its row truncated; no hang, 6 s): build .cute
 #   (bash scripts/build_cute_gpu.sh), carry .commit and .cute, ~2 min; the test now prints the failing row whole:

@@ -5,6 +5,7 @@
 #   MODEL (kimi-linear-48b-a3b, dummy weights), BACKENDS, CONC (1,2,4,8), ISL (1024), OSL (128),
 #   NP (requests per level; default 5 x concurrency), RATE (Poisson arrivals/s), PORT, READY_TIMEOUT (s),
 #   SAMPLING (bench serve's sampling flags, e.g. "--temperature 0.6 --top-p 0.95"; its runs are labelled -sampled).
+#   SERVE_FLAGS: more server flags, no spaces inside one (e.g. --kv-events-config '{"enable_kv_cache_events":true}').
 #   A BACKENDS entry "backend@N" also sets prefill_piece_layers N (label backend-piecesN): same-run A/B;
 #   a ":nographs" suffix turns prefill graphs off (label ...-nographs); "backend@N+T" prefills at most T tokens
 #   per step beside running decodes (--max-prefill-tokens-while-decoding, label ...-whiledecodingT),
@@ -28,7 +29,7 @@ for spec in $BACKENDS; do
   if [[ $spec == *+* ]]; then flags="--max-prefill-tokens-while-decoding ${spec#*+}"; label="-whiledecoding${spec#*+}$label"; spec=${spec%+*}; fi
   be=${spec%@*}
   if [[ $spec == *@* ]]; then extra="$extra, \"prefill_piece_layers\": ${spec#*@}"; label="$be-pieces${spec#*@}$label"; else label=$be$label; fi
-  PEREGRINE_LOG_COMPILES=1 $PY -m peregrine serve --model "$MODEL" --dummy-weights --port "$PORT" --max-num-seqs 8 $flags \
+  PEREGRINE_LOG_COMPILES=1 $PY -m peregrine serve --model "$MODEL" --dummy-weights --port "$PORT" --max-num-seqs 8 $flags ${SERVE_FLAGS:-} \
       --additional-config "{\"decode_backend\": \"$be\"$extra}" > "$OUT/serve-$label.log" 2>&1 &
   pid=$!
   for _ in $(seq 1 "${READY_TIMEOUT:-300}"); do
