@@ -35,7 +35,8 @@
 # - #58 / #59 after session 31 (request isolation and validation in the engine and server, KV events and readiness:
 #   CPU-tested; sampled + greedy decode and spec ran at 1b89fb0 with them, the whole turn did not): one H200, ~9 min,
 #   carry .commit: the turn against session 18's record (c55ca27), events off as served by default, then serving
-#   sampled and with KV events published (the prefix cache announces blocks):
+#   sampled and with KV events published (the prefix cache announces blocks; the fleet extra's pyzmq and msgpack
+#   wheels in a carried .whl if the image lacks them):
 #     STEPS="ttft serve" LENGTHS=1024,8192,32768 RUNS=3 CONC=8 RATE=4 BACKENDS="latency_specialized@6" bash scripts/gpu_prefill.sh
 #     SAMPLING="--temperature 0.6 --top-p 0.95" SERVE_FLAGS="--kv-events-config {\"enable_kv_cache_events\":true}" \
 #       STEPS=serve CONC=8 RATE=4 BACKENDS="latency_specialized@6" bash scripts/gpu_prefill.sh
