@@ -79,10 +79,11 @@ def run(copy_gbps: float, full: bool = True, iters: int = 50) -> list[dict]:
         t_arg, _ = graph_time([lambda: argmax(logits)], iters)
         rows.append({"kernel": "argmax", "B": B, "time_ms": t_arg, "gbps": nbytes / t_arg / 1e6,
                      "pct_of_copy": nbytes / t_arg / 1e6 / copy_gbps})
-        t_lp, lp_samples = graph_time([lambda: token_logprobs(logits, out)], iters)  # out: argmax's ids will do
+        ids = argmax(logits)  # the chosen tokens logprobs gathers: in range (out is uninitialised until a sample)
+        t_lp, lp_samples = graph_time([lambda: token_logprobs(logits, ids)], iters)
         rows.append({"kernel": "logprobs", "B": B, "time_ms": t_lp, "samples_ms": lp_samples,
                      "gbps": nbytes / t_lp / 1e6, "pct_of_copy": nbytes / t_lp / 1e6 / copy_gbps,
-                     "torch_ms": graph_time([lambda: token_logprobs_ref(logits, out)], iters)[0]})
+                     "torch_ms": graph_time([lambda: token_logprobs_ref(logits, ids)], iters)[0]})
         for name, (t, k, p, mp) in SETTINGS.items() if full else list(SETTINGS.items())[1:3]:
             f = lambda v, dt: torch.full((B,), v, device="cuda", dtype=dt)  # noqa: E731
             args = (f(t, torch.float32), f(k, torch.int32), f(p, torch.float32), seeds, pos, f(mp, torch.float32))
