@@ -121,6 +121,12 @@ class ModelCache:
             else:
                 raise ValueError(f"unknown cache op {kind!r}")
 
+    def save_checkpoint(self, ckpt, row: int, position: int, snap: int) -> None:
+        """Snapshot snap := a verify step's state and conv window of step row `row` after `position` (restore_kda's
+        checkpoint layout): a block end passed inside the step. One rank only (speculation runs without TP)."""
+        self.snap_state[:, snap] = ckpt[0][:, row, position]
+        self.snap_conv[:, snap] = ckpt[1][:, row, position]
+
     # ---- speculative rollback ----
     def restore_kda(self, slots: list[int], ckpt, rows: list[int], positions: list[int]) -> None:
         """Every KDA layer's state and conv window of slots[j] := the checkpoint of step row rows[j]

@@ -9,6 +9,11 @@ recurrent state and conv window are taken at block ends (chosen prefill position
 decodes past a block end) and attached to the block they end. A prompt reuses its prefix up to the
 deepest matched block that carries a snapshot; that block's snapshot is copied into its own slot.
 
+Forks: a prompt computed beside a registered twin of its prefix (the same tokens under the same parent, computed
+again because no snapshot lay at the fork) keeps its own blocks, but the chain goes on through the twin: its
+later blocks register as the twin's children, and a snapshot it takes inside the shared part attaches to the
+twin (the state at a block end depends on the tokens only), so the next prompt of that fork reuses up to it.
+
 Never a wrong reuse: a hash only nominates candidates. A block is reused only if its stored tokens
 equal the prompt's and its parent is the block just matched, named by a registration id that is never
 reused (an evicted and re-registered block id gets a new one, so stale children stop matching).
@@ -51,6 +56,7 @@ class Match:
     blocks: list[int] = field(default_factory=list)
     snapshot: int | None = None
     hashes: list[int] = field(default_factory=list)
+    depth: int = 0  # blocks whose content matched, with or without a snapshot at their end (>= len(blocks))
 
     @property
     def num_blocks(self) -> int:
@@ -69,6 +75,7 @@ class PrefixCache:
         self.meta: dict[int, _Meta] = {}
         self.by_hash: dict[int, list[int]] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.twin: dict[int, tuple[int, int]] = {}  # an unregistered block -> (block, uid) registered with its content
         self._uid = 0
         self.snap_of: dict[int, int] = {}         # block -> snapshot slot at its end
         self.block_of: dict[int, int] = {}        # snapshot slot -> block
@@ -121,6 +128,7 @@ class PrefixCache:
             if b in self.meta:
                 self.evictable[b] = None  # appended in reverse: the LRU's front (evicted first) gets the tail
             else:
+                self.twin.pop(b, None)
                 self.alloc.free([b])
 
     def _unregister(self, b: int) -> None:
@@ -155,16 +163,31 @@ class PrefixCache:
             b = blocks[i]
             if b in self.meta:  # a block this sequence reused
                 continue
-            parent = self.meta.get(blocks[i - 1]) if i else None
-            if i and parent is None:
-                continue  # its parent is not registered (a duplicate of another chain): nobody can reach it
-            if self._find(h, toks, parent.uid if parent else ROOT_UID) is not None:
-                continue  # the same content is registered already (computed side by side): keep one
+            parent_uid = self._uid_of(blocks[i - 1]) if i else ROOT_UID
+            if parent_uid is None:
+                continue  # its parent is neither registered nor a registered block's twin: nobody can reach it
+            twin = self._find(h, toks, parent_uid)
+            if twin is not None:  # the same content is registered already (a fork recomputed, or side by side):
+                self.twin[b] = (twin, self.meta[twin].uid)  # keep one; the chain goes on through it
+                continue
             self._uid += 1
-            self.meta[b] = _Meta(self._uid, parent.uid if parent else ROOT_UID, h, toks)
+            self.meta[b] = _Meta(self._uid, parent_uid, h, toks)
             self.by_hash.setdefault(h, []).append(b)
             if self.listener is not None:
-                self.listener.registered(self._uid, parent.uid if parent else None, toks)
+                self.listener.registered(self._uid, None if parent_uid == ROOT_UID else parent_uid, toks)
+
+    def _registered(self, b: int) -> int | None:
+        """The registered block holding b's content: b itself, or its twin while that registration lasts."""
+        if b in self.meta:
+            return b
+        t = self.twin.get(b)
+        if t is not None and t[0] in self.meta and self.meta[t[0]].uid == t[1]:
+            return t[0]
+        return None
+
+    def _uid_of(self, b: int) -> int | None:
+        r = self._registered(b)
+        return None if r is None else self.meta[r].uid
 
     def _find(self, h: int, toks: tuple[int, ...], parent_uid: int) -> int | None:
         for b in self.by_hash.get(h, ()):
@@ -187,7 +210,7 @@ class PrefixCache:
             return Match()
         bs, parent_uid = self.bs, ROOT_UID
         hs = hashes if hashes is not None else []
-        blocks, best = [], (0, None)
+        blocks, best = [], (0, None)  # matched blocks; (blocks reusable, the snapshot at their end)
         for i in range(limit // bs):
             toks = tuple(token_ids[i * bs:(i + 1) * bs])
             if i == len(hs):
@@ -200,7 +223,7 @@ class PrefixCache:
             if not self.needs_state or b in self.snap_of:
                 best = (len(blocks), self.snap_of.get(b))
         n = best[0]
-        return Match(blocks[:n], best[1], list(hs[:n]))
+        return Match(blocks[:n], best[1], list(hs[:n]), depth=len(blocks))
 
     def note_query(self, prompt_len: int, hit: Match) -> None:
         self.stats["queries"] += 1
@@ -210,6 +233,10 @@ class PrefixCache:
             self.snap_lru.move_to_end(hit.snapshot)
 
     # ---- snapshots ----
+    @property
+    def can_snapshot(self) -> bool:
+        return self.enabled and bool(self.free_snaps or self.snap_lru)
+
     def new_snapshot(self) -> int | None:
         """A snapshot slot to write (evicting the least recently used one), or None without a pool."""
         if not self.enabled:
@@ -227,8 +254,10 @@ class PrefixCache:
         return self.free_snaps.pop()
 
     def attach(self, s: int, block: int) -> bool:
-        """The snapshot s holds the state at `block`'s end: keep it if the block is registered (else free it)."""
-        if block not in self.meta:
+        """The snapshot s holds the state at `block`'s end: keep it at the registered block of that content
+        (the block, or its twin) if there is one, else free it."""
+        block = self._registered(block)
+        if block is None:
             self.free_snaps.append(s)
             return False
         old = self.snap_of.get(block)

@@ -384,7 +384,7 @@ class LLMEngine:
         self.spec.prepare([s for s, _ in plan.batch if s.in_prefill])  # prefill rows beside the verify rows
         path = getattr(self.runner, "last_path", "standard")
         new = self.spec.finish(plan.batch, step, drafts, T, logits)
-        self._after_forward(plan.batch, {})
+        self._after_forward(plan.batch, {}, {id(s): t[:-1] for s, t in new})  # t[:-1]: accepted drafts, now cached
         plan.verify_width = T
         plan.drafted = self.spec.stats["num_draft_tokens"] - d0[0]
         plan.accepted = self.spec.stats["num_accepted_tokens"] - d0[1]
@@ -432,8 +432,8 @@ class LLMEngine:
     # ---- prefill pieces: a chunk beside running decodes, a few layers per step ----
     def _pieces_wanted(self, batch) -> bool:
         """Whether this step's prefill rows should run in pieces: somebody decodes, and the rows'
-        forward may be split (not a speculative step, a runner that can)."""
-        if not self.piece_layers or self._inflight is not None or self.spec is not None:
+        forward may be split (a runner that can). With speculation the decodes between pieces verify."""
+        if not self.piece_layers or self._inflight is not None:
             return False
         return any(s.in_prefill for s, _ in batch) and any(not s.in_prefill for s, _ in batch)
 
@@ -595,9 +595,10 @@ class LLMEngine:
 
     # ---- prefix caching: which block ends get a KDA snapshot, and the bookkeeping after a step ----
     def _plan_snapshots(self, batch, step: StepInput) -> dict:
-        """Snapshot slots for this step's prefill rows: at every block-aligned chunk end, and at the
+        """Snapshot slots for this step's prefill rows: at every block-aligned chunk end, at the
         prompt's last block ends (floor(P/bs) and floor((P-1)/bs) blocks: what a longer or a repeated
-        prompt can reuse). Ends inside a chunk are taken by the KDA layers as they pass them
+        prompt can reuse) and where another prompt parts from this one (seq.snap_points: a fork point, or a
+        prompt waiting to reuse this one's prefix, scheduler.py). Ends inside a chunk are taken by the KDA layers as they pass them
         (step.kda_snapshots); a chunk's own end after the forward. -> {row: [(position, snapshot)]}."""
         pc, bs = self.prefix_cache, self.cache.block_size
         plan, mid = {}, {}
@@ -607,7 +608,7 @@ class LLMEngine:
             if not seq.in_prefill:
                 continue
             s, e, P = seq.num_cached, seq.num_cached + n, seq.prompt_len
-            want = {p for p in (e, P // bs * bs, (P - 1) // bs * bs) if s < p <= e and p % bs == 0}
+            want = {p for p in (e, P // bs * bs, (P - 1) // bs * bs, *seq.snap_points) if s < p <= e and p % bs == 0}
             for p in sorted(want):
                 snap = pc.new_snapshot()
                 if snap is None:
@@ -619,10 +620,13 @@ class LLMEngine:
         return plan
 
     @_traced("after_forward")
-    def _after_forward(self, batch, plan: dict) -> None:
+    def _after_forward(self, batch, plan: dict, accepted: dict | None = None) -> None:
         """Register the full blocks the step completed and keep the KDA snapshots taken at block ends:
         the planned prefill ones, and one per decoding sequence as it passes a block end (replacing its
-        previous one). Runs before the next forward is launched, so the copies see this step's state."""
+        previous one). Runs before the next forward is launched, so the copies see this step's state.
+        accepted (a verify step): per sequence (id), the drafts it accepted, cached by this step but not yet
+        in its token_ids; a block end passed before the last of them is snapshotted from the verify's checkpoint
+        of that position (the slot holds the state after the last)."""
         pc, bs = self.prefix_cache, self.cache.block_size
         if not pc.enabled:
             return
@@ -632,7 +636,11 @@ class LLMEngine:
                 for _, snap in plan.get(i, []):
                     pc.unplan(snap)
                 continue
-            pc.register(seq.blocks, seq.block_hashes, seq.token_ids, seq.num_cached, seq.prompt_hashes or ())
+            acc = accepted.get(id(seq), ()) if accepted else ()
+            toks = seq.token_ids
+            if acc and (len(seq.block_hashes) + 1) * bs <= seq.num_cached:  # a block completed: its tokens whole
+                toks = toks + list(acc)
+            pc.register(seq.blocks, seq.block_hashes, toks, seq.num_cached, seq.prompt_hashes or ())
             if not pc.needs_state:
                 continue
             for p, snap in plan.get(i, []):
@@ -640,15 +648,19 @@ class LLMEngine:
                     saves.append(("save", seq.kda_slot, snap))
                 pc.attach(snap, seq.blocks[p // bs - 1])
             p = seq.num_cached
-            if i not in plan and p % bs == 0 and p > seq.prompt_len - 1:  # a decode step ended on a block end
-                snap = pc.new_snapshot()
-                if snap is None:
-                    continue
-                if seq.decode_snap is not None:
-                    pc.drop(*seq.decode_snap)
+            q, start = p // bs * bs, p - (1 + len(acc) if accepted else n)
+            if i in plan or q <= start or p < seq.prompt_len:
+                continue  # a prefill row (its snapshots are planned), or no block end passed by this decode step
+            snap = pc.new_snapshot()
+            if snap is None:
+                continue
+            if seq.decode_snap is not None:
+                pc.drop(*seq.decode_snap)
+            if q == p:
                 saves.append(("save", seq.kda_slot, snap))
-                block = seq.blocks[p // bs - 1]
-                seq.decode_snap = (snap, block) if pc.attach(snap, block) else None
+            else:  # inside a verify step: the state after that position, from the rollback checkpoint
+                self.cache.save_checkpoint(self.spec.ckpt, i, q - start - 1, snap)
+            seq.decode_snap = (snap, pc.block_of[snap]) if pc.attach(snap, seq.blocks[q // bs - 1]) else None
         self._cache_ops(saves)
 
     def _cache_ops(self, ops) -> None:

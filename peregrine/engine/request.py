@@ -154,6 +154,7 @@ class Sequence:
         self.block_hashes: list[int] = []  # prefix-cache chain hash of each full cached block, in order
         self.prompt_hashes: list[int] | None = None  # the prompt's chain hashes as far as a lookup needed them
         self.decode_snap: tuple[int, int] | None = None  # (snapshot, block) of its latest decode-time snapshot
+        self.snap_points: set[int] = set()  # prompt positions (block ends) whose KDA state another prompt will reuse
         self.finish_reason: str | None = None
         self.error: str | None = None     # finish_reason "error": what failed (engine._fail)
         self.text = None                  # stops.TextState when the engine detokenizes

@@ -13,10 +13,17 @@ A request is admitted (FIFO) when a KDA slot and the MLA blocks for its whole li
 runs out of cache mid-generation and nothing is ever preempted. Admission stops at the first request
 that does not fit, so a large early request is not starved by later small ones. With prefix caching
 (peregrine/prefix_cache.py) an admitted prompt starts after its longest cached prefix.
+
+Prompts that share a prefix and arrive together (agent sessions opening on one system prompt) compute it
+once: a request whose prompt shares at least a block more than its cached prefix with a prompt still
+prefilling waits until that prefill has passed the shared part, which then takes a KDA snapshot where the
+two part (snap_points), and starts from there. A recomputed fork (a prompt that matches cached blocks past
+its deepest snapshot) takes a snapshot at its fork point too, so the next prompt of that fork reuses it.
 """
 from __future__ import annotations
 
 from collections import deque
+from typing import Sequence as Tokens
 
 from ..cache import ModelCache
 from ..config import PREFILL_STEP_TOKENS
@@ -63,6 +70,24 @@ class Scheduler:
     def fits_now(self, seq: Sequence) -> bool:
         return self._plan(seq) is not None
 
+    def _wait_for_prefill(self, seq: Sequence, hit: Match) -> bool:
+        """Whether seq should wait for a running prefill of the same prefix (see the module's note): that
+        prefill is asked for a snapshot where their prompts part (a block end), and seq is admitted once it is
+        there. Prompts are compared only where their first blocks are equal."""
+        bs = self.cache.block_size
+        if not self.pc.enabled or (self.pc.needs_state and not self.pc.can_snapshot):
+            return False
+        have = hit.num_blocks * bs
+        first = seq.token_ids[have:have + bs]
+        for other in self.running:
+            if not other.in_prefill or other.token_ids[have:have + bs] != first:
+                continue
+            p = common_prefix(seq.token_ids, other.token_ids, min(seq.prompt_len - 1, other.prompt_len)) // bs * bs
+            if p - have >= bs and other.num_cached < p:
+                other.snap_points.add(p)
+                return True
+        return False
+
     def admits_now(self) -> bool:
         """Whether schedule() would start the first waiting request now (decode steps use no token budget)."""
         return bool(self.waiting) and len(self.running) < self.max_num_seqs and self.fits_now(self.waiting[0])
@@ -73,6 +98,8 @@ class Scheduler:
         seq.kda_slot = self.cache.allocate_slot()
         seq.block_hashes = list(hit.hashes)
         seq.num_cached = hit.num_blocks * self.cache.block_size
+        if hit.depth > hit.num_blocks:  # a fork recomputed past its last snapshot: one at the fork point next time
+            seq.snap_points.add(hit.depth * self.cache.block_size)
         if hit.snapshot is not None:
             self.loads.append((hit.snapshot, seq.kda_slot))
         self.pc.note_query(seq.prompt_len, hit)
@@ -100,7 +127,7 @@ class Scheduler:
         while self.waiting and room() > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit = self._plan(seq)
-            if hit is None:
+            if hit is None or self._wait_for_prefill(seq, hit):
                 break
             self.waiting.popleft()
             self._admit(seq, hit)
@@ -125,3 +152,19 @@ class Scheduler:
         if seq.blocks:
             self.pc.release(seq.blocks)
             seq.blocks = []
+
+
+def common_prefix(a: Tokens[int], b: Tokens[int], limit: int) -> int:
+    """Length of the common prefix of a and b, at most limit: a binary search of slice compares (C speed; a
+    Python loop over a 12K-token prompt would cost milliseconds a step)."""
+    hi = min(limit, len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    lo, hi = 0, hi - 1  # a[:lo] == b[:lo]; they differ before hi + 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,8 +1,9 @@
 """One speculative engine step: draft, verify k + 1 query tokens per sequence, accept, roll back.
 
-Every decoding row of a step with at least one draft becomes a verify row of T = 1 + k_step
+Every row of a pure decode step with at least one draft becomes a verify row of T = 1 + k_step
 tokens (its last sampled token, its drafts, then filler up to the longest draft of the step),
-so a pure-decode step is uniform and the specialized path serves it from one graph per (B, T).
+so the step is uniform and the specialized path serves it from one graph per (B, T). A step with a
+prompt chunk is a plain one (the engine runs a chunk beside decodes in pieces; the steps between verify).
 Greedy rows accept the longest prefix of drafts that equals the target's argmax and append the
 target's token after it, so greedy output equals non-speculative greedy output. Sampled rows do the
 same with the token each position draws (keyed by seed and position, as a plain step draws it): that is
@@ -13,8 +14,7 @@ Where the runner draws on the device (engine.device_sampling: one GPU; the speci
 step whose rows all speculate carries StepInput.sampling with a row per token (each sequence's settings T
 times): the runner draws every position's token inside the step (its graph), keyed by (seed, the input's
 position + 1), and they come back in the one read of runner.greedy_tokens with the greedy rows' argmax. Any
-other verify step with sampled rows (a logprobs or penalised row in the batch, a prefill row beside, tensor
-parallel, the host sampler) draws them after the step from the logits (_draw_sampled): the same tokens.
+other verify step with sampled rows (a logprobs or penalised row in the batch, the host sampler) draws them after the step from the logits (_draw_sampled): the same tokens.
 
 Synthetic acceptance (config.py; benchmarking only): every row drafts its full room and accepts a count drawn
 from the configured per-position rates with one uniform keyed by (the request's seed, its length), so a
@@ -241,9 +241,6 @@ class SpecDecoder:
         rows, params, seeds, positions, who = [], [], [], [], []
         pos = 0
         for i, (seq, n) in enumerate(batch):
-            if seq.in_prefill:
-                pos += 1
-                continue
             d = drafts.get(i, [])
             if d and not seq.params.greedy:
                 L = len(seq.token_ids)
@@ -283,10 +280,13 @@ class SpecDecoder:
         return max(0, min(self.k, seq.prompt_len + seq.params.max_tokens - n - 1, self.engine.max_model_len - n - 1))
 
     def step(self, batch):
-        """-> (StepInput, [(seq, new tokens)], info) for a verify step, or None: run a plain step."""
-        if not self.enabled:
+        """-> (StepInput, [(seq, new tokens)], info) for a verify step, or None: run a plain step. Rows still
+        prefilling do not verify: a step with a prompt chunk is a plain one, so the chunk keeps the prefill kernels
+        and the KDA snapshots a prompt takes (beside running decodes the engine runs a chunk in pieces, and the
+        decode steps between the pieces verify)."""
+        if not self.enabled or any(s.in_prefill for s, _ in batch):
             return None
-        dec = [i for i, (s, _) in enumerate(batch) if not s.in_prefill]
+        dec = range(len(batch))
         ask = [(i, self.room(batch[i][0])) for i in dec if speculates(batch[i][0].params)]
         ask = [(i, k) for i, k in ask if k > 0]
         if not ask:
@@ -297,8 +297,8 @@ class SpecDecoder:
         drafts = {i: list(p[:k]) for (i, k), p in zip(ask, props) if p}
         if not drafts:
             return None
-        costs = self.effective_costs(len(batch)) if len(dec) == len(batch) and self.width_mode == "auto" else None
-        if costs is not None:  # a pure decode step at a measured B: verify the width that pays best
+        costs = self.effective_costs(len(batch)) if self.width_mode == "auto" else None
+        if costs is not None:  # a measured B: verify the width that pays best
             w = choose_width([self._survival(batch[i][0], drafts.get(i, [])) for i in dec], costs)
             if w and self.plain_stale():  # measure a plain step again (one in EXCESS_STALE at most)
                 w = 0
@@ -313,20 +313,16 @@ class SpecDecoder:
         rows, idx, flat = [], [], 0
         for i, (seq, n) in enumerate(batch):
             start = seq.num_cached
-            toks = seq.token_ids[start:start + n]
-            if seq.in_prefill:
-                idx.append(flat + n - 1)
-            else:
-                d = drafts.get(i, [])
-                toks = toks + d + [toks[-1]] * (T - 1 - len(d))  # filler: never accepted
-                idx.extend(range(flat, flat + T))
+            d = drafts.get(i, [])
+            toks = seq.token_ids[start:start + n] + d + [seq.token_ids[-1]] * (T - 1 - len(d))  # filler: never accepted
+            idx.extend(range(flat, flat + T))
             flat += len(toks)
             need = -(-(start + len(toks)) // bs)
             own = seq.blocks[:need]
             rows.append((toks, start, seq.kda_slot, own + [c.scratch_block] * (need - len(own))))
         step = StepInput.build(rows, bs, e.device)
         step.logits_idx = torch.tensor(idx, dtype=torch.long, device=e.device)
-        step.spec_tokens = T if len(dec) == len(batch) else 0
+        step.spec_tokens = T
         step.kda_ckpt = self.ckpt
         self._plan_draws(batch, step, T)
         return step, drafts, T
@@ -337,7 +333,7 @@ class SpecDecoder:
         and T: engine._sampling_for), keyed by the input's position + 1 (decode/head.py draw). Only where every row
         speculates: a logprobs or penalised row keeps the step's draws on the host. -> whether planned."""
         e = self.engine
-        if not step.spec_tokens or not getattr(e, "device_sampling", False):
+        if not getattr(e, "device_sampling", False):
             return False
         seqs = [s for s, _ in batch]
         if all(s.params.greedy for s in seqs) or not all(speculates(s.params) for s in seqs):
@@ -373,13 +369,6 @@ class SpecDecoder:
         predraft = [] if extras is not None and hasattr(self.drafter, "predrafted") else None
         pos = 0
         for i, (seq, n) in enumerate(batch):
-            if seq.in_prefill:
-                seq.num_cached += n
-                if seq.num_cached == len(seq.token_ids):
-                    sample_rows.append(pos)
-                    sample_seqs.append((i, seq))
-                pos += 1
-                continue
             d = drafts.get(i, [])
             if seq.params.plain_greedy or i in drawn:  # the target's tokens: argmax, or keyed draws per position
                 t = drawn[i] if i in drawn else tgt[pos:pos + len(d) + 1]
