@@ -37,6 +37,22 @@ ROOT_HASH = 0x9E3779B97F4A7C15  # chain hash "before" the first block (any fixed
 ROOT_UID = -1                   # parent of a sequence's first block
 
 
+def common_prefix(a: list[int], b: list[int], limit: int | None = None) -> int:
+    """Length of the common prefix of a and b (at most limit): a bisection of C-speed slice compares (a Python
+    loop over a 12K-token prompt would cost milliseconds)."""
+    hi = min(len(a), len(b)) if limit is None else min(limit, len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    lo, hi = 0, hi - 1  # a[:lo] == b[:lo]; they differ before hi + 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
     """Hash of a block given its parent's: Python's tuple hash (ints hash the same in every process)."""
     return hash((parent, tokens))

@@ -68,7 +68,7 @@ def drive(eng, runner, sessions, concurrency: int | None = None) -> list[tuple[l
 
 
 def test_common_prefix_and_the_perfect_cache_against_loops():
-    from peregrine.engine.scheduler import common_prefix
+    from peregrine.prefix_cache import common_prefix
 
     def loop(a, b, limit):
         n = 0

@@ -8,7 +8,7 @@ it is the share of the possible reuse a run got.
 """
 from __future__ import annotations
 
-from ..engine.scheduler import common_prefix
+from ..prefix_cache import common_prefix
 
 
 def theoretical_hits(requests: list[tuple[list[int], list[int]]], block_size: int) -> list[int]:

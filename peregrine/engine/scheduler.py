@@ -23,11 +23,10 @@ its deepest snapshot) takes a snapshot at its fork point too, so the next prompt
 from __future__ import annotations
 
 from collections import deque
-from typing import Sequence as Tokens
 
 from ..cache import ModelCache
 from ..config import PREFILL_STEP_TOKENS
-from ..prefix_cache import Match, PrefixCache
+from ..prefix_cache import Match, PrefixCache, common_prefix
 from .request import Sequence
 
 
@@ -153,18 +152,3 @@ class Scheduler:
             self.pc.release(seq.blocks)
             seq.blocks = []
 
-
-def common_prefix(a: Tokens[int], b: Tokens[int], limit: int) -> int:
-    """Length of the common prefix of a and b, at most limit: a binary search of slice compares (C speed; a
-    Python loop over a 12K-token prompt would cost milliseconds a step)."""
-    hi = min(limit, len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    lo, hi = 0, hi - 1  # a[:lo] == b[:lo]; they differ before hi + 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
+from ..prefix_cache import common_prefix
+
 DEFAULTS = {"suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 10000,
             "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1}  # vLLM's
 # The tries are uncompressed: about 5-6 KiB of host memory per token at depth 24 (measured with tracemalloc
@@ -193,18 +195,6 @@ class _Request:
 
     def match(self) -> tuple[int | None, int]:
         return (self.matches() or [(None, 0)])[-1]
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of a and b's common prefix, by bisection over C-speed slice comparisons."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def follow(trie: SuffixTrie, node: int, limit: int, min_prob: float) -> tuple[list[int], list[float]]:
