@@ -309,3 +309,38 @@ def test_config_key_and_tp_driver():
     # under TP a lookahead step's ids are each rank's own argmax: the driver looks ahead where its inner runner does
     assert TPDriver(FakeRunner(eng.cache, V, greedy=True), None).lookahead is True
     assert TPDriver(FakeRunner(eng.cache, V, greedy=False), None).lookahead is False
+
+
+class _Silent:
+    """A host drafter with nothing to propose (an n-gram lookup that never matches)."""
+    host_only = True
+
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, seqs, ks):
+        self.calls += 1
+        return [[] for _ in seqs]
+
+    def verified(self, seq, drafted, accepted):
+        pass
+
+    def release(self, seq):
+        pass
+
+
+def test_speculation_that_proposes_nothing_keeps_lookahead():
+    """Speculation on, a host drafter that proposes nothing: every step is the plain one, launched ahead as without
+    speculation (the drafter asked while the step before runs), and the tokens are the same."""
+    ps = prompts([5, 3, 8], seed=4)
+    runs = {}
+    for spec in (False, True):
+        eng, runner, cache = make_engine(True, max_num_seqs=4)
+        if spec:
+            dr = _Silent()
+            eng.enable_speculation({"method": "ngram", "num_speculative_tokens": 3}, drafter=dr)
+        runner.prompts = [tuple(p) for p in ps]
+        runs[spec] = eng.generate(ps, SamplingParams(max_tokens=20, ignore_eos=True)), eng.stats["lookahead_steps"]
+        check_clean(eng, runner, cache)
+    assert runs[True] == runs[False] and runs[True][1] > 15
+    assert dr.calls > runs[True][1]  # asked before every launch ahead

@@ -122,6 +122,35 @@ def test_greedy_equals_plain_with_rollback(fused, seed, k):
         assert sum(used.values()) > 0, f"no verify graph replayed: {used}"
 
 
+class _Intermittent(ScriptedDrafter):
+    """Scripted drafts from a host drafter (the engine may ask it ahead of a step) for two outputs in five: the
+    steps between are plain ones launched ahead (decode lookahead), then verify steps again."""
+    host_only = True
+
+    def propose(self, seqs, ks):
+        out = super().propose(seqs, ks)
+        return [d if (len(s.token_ids) - s.prompt_len) % 5 < 2 else [] for s, d in zip(seqs, out)]
+
+
+def test_lookahead_between_verify_steps_keeps_greedy_tokens(fused):
+    """Speculation whose drafter falls silent at times: the quiet stretches run as plain steps launched ahead, the
+    rest verify, and the tokens equal the plain run's (CPU: identical; GPU: near ties aside)."""
+    ps, e = prompts(3), fused
+    want = e.generate(ps, greedy(TOKENS + 8))
+    dr = _Intermittent({tuple(p): w for p, w in zip(ps, want)}, [2, 0, 9, 1], e.model_cfg.vocab_size,
+                       strict=False)
+    e.enable_speculation({"method": "ngram", "num_speculative_tokens": 2}, drafter=dr)
+    la0 = e.stats["lookahead_steps"]
+    try:
+        got = e.generate(ps, greedy(TOKENS + 8))
+        st = dict(e.stats["spec"])
+    finally:
+        e.enable_speculation(None)
+    assert st["verify_steps"] >= 2 and e.stats["lookahead_steps"] - la0 >= 2
+    if DEVICE == "cpu":
+        assert got == want
+
+
 SAMPLED = {  # a sampled row beside a greedy one; two sampled rows, one with top-k (the sampler's top-k levels)
     "top_p+greedy": [dict(temperature=0.8, top_p=0.9, seed=3), dict()],
     "top_k+min_p": [dict(temperature=0.7, top_k=20, seed=4), dict(temperature=1.0, min_p=0.05, seed=5)],

@@ -674,8 +674,9 @@ class LLMEngine:
 
     def _can_look_ahead(self, seqs: list[Sequence]) -> bool:
         """Whether the next step is certainly these sequences again, one greedy decode token each,
-        inside the blocks they own: then it may be launched before this step's tokens are read."""
-        if not self.lookahead or self.spec is not None or self.scheduler.admits_now():
+        inside the blocks they own: then it may be launched before this step's tokens are read. With speculation,
+        only where that step would be a plain one anyway (SpecDecoder.plain_next: asked last, it costs host time)."""
+        if not self.lookahead or self.scheduler.admits_now():
             return False  # (a request that cannot start yet does not stop it)
         if self.forced and self.engine_cfg.tensor_parallel_size > 1 and any(s.request_id in self.forced for s in seqs):
             return False  # replay under TP: every rank takes its own argmax as the next input, not the recorded token
@@ -689,7 +690,7 @@ class LLMEngine:
             n = len(s.token_ids) + 1  # tokens once this step's token is appended
             if n - s.prompt_len >= s.params.max_tokens or n >= self.max_model_len or n > len(s.blocks) * bs:
                 return False  # stops at this step for length, or the next write would leave its blocks
-        return True
+        return self.spec is None or self.spec.plain_next(seqs)
 
     def _launch_ahead(self, seqs: list[Sequence], greedy) -> Ahead:
         step = next_decode_input(seqs, greedy, self.cache.block_size, self.device)

@@ -279,6 +279,42 @@ class SpecDecoder:
         n = len(seq.token_ids)
         return max(0, min(self.k, seq.prompt_len + seq.params.max_tokens - n - 1, self.engine.max_model_len - n - 1))
 
+    def _drafts(self, seqs) -> dict[int, list[int]]:
+        """Each row's drafts (rows with none left out): the drafter's, or synthetic ones (the drafter still
+        proposes: its host time is a real step's)."""
+        ask = [(i, k) for i, s in enumerate(seqs) if speculates(s.params) and (k := self.room(s)) > 0]
+        if not ask:
+            return {}
+        props = self.drafter.propose([seqs[i] for i, _ in ask], [k for _, k in ask])
+        if self.rates is not None:  # synthetic: every row verifies its whole room, of tokens that route like text
+            props = [self.synthetic_drafts(seqs[i], k) for i, k in ask]
+        return {i: list(p[:k]) for (i, k), p in zip(ask, props) if p}
+
+    def _width(self, seqs, drafts) -> int | None:
+        """Drafts a row to verify at this B (0: a plain step), or None without a cost table (verify them all)."""
+        costs = self.effective_costs(len(seqs)) if self.width_mode == "auto" else None
+        if costs is None:
+            return None
+        return choose_width([self._survival(s, drafts.get(i, [])) for i, s in enumerate(seqs)], costs)
+
+    def plain_next(self, seqs) -> bool:
+        """Whether these decoding sequences' next step would be a plain one: a drafter that runs on the host
+        (n-gram, suffix) proposes nothing for any of them at their tokens now, or the width chooser picks plain for
+        what it proposes. The engine then launches that step early (decode lookahead), so a step with speculation
+        on that proposes nothing costs what a plain step does: the drafter's host work overlaps the step before.
+        The tokens are a step old (the one being read back is not in them): a draft that appears with it waits a
+        step. Model drafters (their proposals are GPU work) never launch early."""
+        if not self.enabled or not getattr(self.drafter, "host_only", False):
+            return not self.enabled
+        drafts = self._drafts(seqs)
+        if not drafts:
+            return True
+        w = self._width(seqs, drafts)
+        if w == 0 and not self.plain_stale():  # (a stale plain excess is measured by a plain step anyway)
+            self.stats["width_steps"][0] += 1
+            return True
+        return False
+
     def step(self, batch):
         """-> (StepInput, [(seq, new tokens)], info) for a verify step, or None: run a plain step. Rows still
         prefilling do not verify: a step with a prompt chunk is a plain one, so the chunk keeps the prefill kernels
@@ -286,27 +322,17 @@ class SpecDecoder:
         decode steps between the pieces verify)."""
         if not self.enabled or any(s.in_prefill for s, _ in batch):
             return None
-        dec = range(len(batch))
-        ask = [(i, self.room(batch[i][0])) for i in dec if speculates(batch[i][0].params)]
-        ask = [(i, k) for i, k in ask if k > 0]
-        if not ask:
-            return None
-        props = self.drafter.propose([batch[i][0] for i, _ in ask], [k for _, k in ask])
-        if self.rates is not None:  # synthetic: every row verifies its whole room, of tokens that route like text
-            props = [self.synthetic_drafts(batch[i][0], k) for i, k in ask]
-        drafts = {i: list(p[:k]) for (i, k), p in zip(ask, props) if p}
+        drafts = self._drafts([s for s, _ in batch])
+        if drafts:
+            w = self._width([s for s, _ in batch], drafts)
+            if w is not None:
+                if w and self.plain_stale():  # measure a plain step again (one in EXCESS_STALE at most)
+                    w = 0
+                    self.stats["width_explore_steps"] += 1
+                self.stats["width_steps"][w] += 1
+                drafts = {i: d[:w] for i, d in drafts.items() if w}
         if not drafts:
             return None
-        costs = self.effective_costs(len(batch)) if self.width_mode == "auto" else None
-        if costs is not None:  # a measured B: verify the width that pays best
-            w = choose_width([self._survival(batch[i][0], drafts.get(i, [])) for i in dec], costs)
-            if w and self.plain_stale():  # measure a plain step again (one in EXCESS_STALE at most)
-                w = 0
-                self.stats["width_explore_steps"] += 1
-            self.stats["width_steps"][w] += 1
-            drafts = {i: d[:w] for i, d in drafts.items() if w}
-            if not drafts:
-                return None
         T = 1 + max(len(d) for d in drafts.values())
         e, c = self.engine, self.cache
         bs = c.block_size

@@ -20,6 +20,8 @@ class NgramDrafter:
     step was ~1 ms), and the search starts from the positions holding its last token (one pass over the context)
     instead of comparing every window for every n (another ~1 ms at 30K)."""
 
+    host_only = True  # proposes on the host alone: the engine may ask it ahead of a step (SpecDecoder.plain_next)
+
     def __init__(self, max_n: int, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
         self.bufs: dict[int, tuple[np.ndarray, int]] = {}  # id(seq) -> (tokens buffer, tokens in it)

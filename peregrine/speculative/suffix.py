@@ -219,6 +219,8 @@ class SuffixDrafter:
     """The drafter interface (drafters.py) over the two tries; `survival` holds each proposal's path
     probabilities (by sequence) for the width chooser."""
 
+    host_only = True  # proposes on the host alone: the engine may ask it ahead of a step (SpecDecoder.plain_next)
+
     def __init__(self, max_tree_depth: int, max_cached_requests: int, max_spec_factor: float, min_token_prob: float,
                  max_num_seqs: int = 1):
         self.depth, self.max_cached = max_tree_depth, max_cached_requests
