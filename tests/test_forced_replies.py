@@ -288,6 +288,8 @@ def test_agent_workload_completes_every_turn_resending_the_conversation(srv, tmp
     assert lv["tpot_ms"]["p50"] > 0 and lv["ttft_ms"]["p50"] > 0 and lv["itl_ms"]["p99"] > 0
     assert lv["turns"][1]["input_tokens"]["p50"] > lv["turns"][0]["input_tokens"]["p50"]
     assert lv["server"]["acceptance_length"] is None  # no speculation on this server
+    pc = lv["prefix_cache"]  # the server's hits against a perfect cache's on the requests as sent
+    assert pc["perfect_hit_tokens"] > 0 and pc["of_perfect"] >= 0.97, pc
     # what the engine received: per session, each prompt = the last prompt + its (forced) reply + new text
     assert len(srv.calls) == 4 and all(f is not None for _, f in srv.calls)
     def follows(a, b):  # b's prompt is a's prompt + a's reply + new text
@@ -325,4 +327,5 @@ def test_agent_workload_with_suffix_speculation_accepts_drafts(tmp_path):
     assert lv["errors"] == 0 and lv["completed"] == 4
     sv = lv["server"]
     assert sv["drafts"] > 0 and sv["accepted_tokens"] > 0 and sv["acceptance_length"] > 1.0, sv
+    assert lv["prefix_cache"]["of_perfect"] >= 0.97, lv["prefix_cache"]  # speculation keeps the reuse
     assert eng.forced == {}

@@ -195,6 +195,18 @@ def agent_turns(n_sessions: int, turns: int, context_chars: int, vocab_size: int
     return out, kind
 
 
+def reuse_against_perfect(level: dict, sessions: list, block_size: int | None) -> dict | None:
+    """The level's prefix-cache hit tokens (the server's counter) against a perfect cache's on the same requests
+    in the order they were sent (bench/reuse.py), at the server's block size; None without either."""
+    from .reuse import theoretical_hits
+    hits = (level.get("server") or {}).get("prefix_cache_hit_tokens")
+    if hits is None or not block_size:
+        return None
+    perfect = sum(theoretical_hits([sessions[si][ti] for si, ti in level["sent"]], block_size))
+    return {"hit_tokens": hits, "perfect_hit_tokens": perfect, "of_perfect": hits / perfect if perfect else None,
+            "prompt_tokens": sum(len(sessions[si][ti][0]) for si, ti in level["sent"]), "block_size": block_size}
+
+
 def server_counters(base_url: str) -> dict:
     """The COUNTERS now (summed over labels), from /metrics; {} when it cannot be read."""
     try:
@@ -227,10 +239,13 @@ async def run_agent_level(base_url: str, model: str, concurrency: int, sessions:
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(limits=limits) as client:
+        sent = []  # (session, turn) in the order sent: the perfect cache's order (bench/reuse.py)
+
         async def session(si, rows):
             out = []
             async with sem:
                 for ti, (prompt, reply) in enumerate(rows):
+                    sent.append((si, ti))
                     r = await one_request(client, url, model, prompt, len(reply), timeout, sampling,
                                           {"forced_tokens": reply} if forced else None)
                     out.append({**r, "session": si, "turn": ti, "input_tokens": len(prompt), "output_tokens": len(reply)})
@@ -251,7 +266,7 @@ async def run_agent_level(base_url: str, model: str, concurrency: int, sessions:
     requests = [{k: r.get(k) for k in ("session", "turn", "input_tokens", "output_tokens", "ttft", "tpot", "e2e",
                                         "n_out", "error")} for r in res]
     return {"concurrency": concurrency, "sessions": len(sessions), "num_prompts": len(res), **level_stats(res, wall),
-            "turns": per_turn, "requests": requests}
+            "turns": per_turn, "requests": requests, "sent": sent}
 
 
 def run_agent(base_url: str, concurrencies: list[int], model: str | None = None, num_gpus: int = 1,
@@ -280,6 +295,7 @@ def run_agent(base_url: str, concurrencies: list[int], model: str | None = None,
         before = server_counters(base_url)
         lv = asyncio.run(run_agent_level(base_url, model, c, work, timeout, sampling, forced))
         lv["server"] = counter_deltas(before, server_counters(base_url)) if before else None
+        lv["prefix_cache"] = reuse_against_perfect(lv, work, card.get("block_size"))
         lv["throughput_per_gpu"] = lv["output_tok_s"] / num_gpus
         levels.append(lv)
         acc = (lv["server"] or {}).get("acceptance_length")
@@ -289,6 +305,8 @@ def run_agent(base_url: str, concurrencies: list[int], model: str | None = None,
             f"TTFT p50 {lv['ttft_ms']['p50']:.1f} ms, TPOT p50 {lv['tpot_ms']['p50']:.2f} ms, "
             f"ITL p99 {lv['itl_ms']['p99']:.2f} ms; {lv['tok_s_user']:.1f} tok/s/user"
             + (f"; acceptance length {acc:.2f}" if acc else "")
+            + (f"; prefix-cache hits {lv['prefix_cache']['of_perfect']:.1%} of a perfect cache's"
+               if lv["prefix_cache"] and lv["prefix_cache"]["of_perfect"] is not None else "")
             + (f"; first error: {lv['error_samples'][0]}" if lv["errors"] else ""))
     return {"kind": "serve_agent", "model": model, "base_url": base_url, "workload": "agent", "num_gpus": num_gpus,
             "sampling": sampling,

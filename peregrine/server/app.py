@@ -284,7 +284,7 @@ def create_app(engine=None, tokenizer=None, served_model_name: str | None = None
         st = state()
         return {"object": "list", "data": [{"id": st.name, "object": "model", "created": now(), "owned_by": "peregrine",
                                             "root": st.model_path, "max_model_len": st.max_model_len,
-                                            "vocab_size": st.vocab_size}]}
+                                            "vocab_size": st.vocab_size, "block_size": st.engine.cache.block_size}]}
 
     @app.get("/metrics")
     async def metrics():
