@@ -291,6 +291,35 @@ def test_metrics_counters_move(srv):
     assert b[("peregrine:cache_usage_perc", ())] == 0.0
 
 
+def test_cached_tokens_in_usage_and_vllms_prefix_cache_series(srv):
+    """A prompt sent again: usage.prompt_tokens_details.cached_tokens (the answer's and the stream's usage chunk) says
+    what its admission reused, equal to the engine's own count; vLLM's prefix-cache counters and request gauges
+    move with peregrine's (aiperf computes its server hit rate from them); HEAD /metrics answers as GET does."""
+    wait_idle(srv)
+    bs = srv.engine.cache.block_size
+    ids = list(range(40, 40 + 2 * bs + 9))  # two whole blocks and more, different from other tests' prompts
+    kw = dict(model=NAME, prompt=ids, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    first = srv.client.completions.create(**kw)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    a, h0 = scrape(srv), srv.engine.prefix_cache.stats["hit_tokens"]
+    again = srv.client.completions.create(**kw)
+    got = again.usage.prompt_tokens_details.cached_tokens
+    assert got == srv.engine.prefix_cache.stats["hit_tokens"] - h0 == 2 * bs  # whole blocks before the last token
+    chunks = list(srv.client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 2 * bs
+    wait_idle(srv)
+    b = scrape(srv)
+    vl = (("engine", "0"),)
+    d = lambda name, labels=(): b.get((name, labels), 0) - a.get((name, labels), 0)  # noqa: E731
+    assert d("vllm:prefix_cache_hits_total", vl) == d("peregrine:prefix_cache_hits_total") == 4 * bs
+    assert d("vllm:prefix_cache_queries_total", vl) == d("peregrine:prefix_cache_queries_total") == 2 * len(ids)
+    for name in ("num_requests_running", "num_requests_waiting"):
+        assert b[(f"vllm:{name}", vl)] == b[(f"peregrine:{name}", ())] == 0
+    assert b[("vllm:kv_cache_usage_perc", vl)] == b[("peregrine:cache_usage_perc", ())]
+    head = httpx.head(srv.url + "/metrics", timeout=T)
+    assert head.status_code == 200 and head.text == "" and head.headers["content-type"].startswith("text/plain")
+
+
 # ---------------------------------------------------------------- failures
 def test_engine_error_fails_requests_and_keeps_serving(srv):
     runner = srv.engine.runner

@@ -125,6 +125,7 @@ class RequestOutput:
     logprobs: list | None = None    # TokenLogprob of each of new_token_ids (when asked for)
     prompt_logprobs: list | None = None  # TokenLogprob of each prompt token (None first), with the first output
     error: str | None = None        # finish_reason "error": what failed while serving this request
+    num_cached_tokens: int = 0      # prompt tokens reused from the prefix cache (vLLM's name; known once admitted)
 
 
 @dataclass
@@ -154,6 +155,7 @@ class Sequence:
         self.block_hashes: list[int] = []  # prefix-cache chain hash of each full cached block, in order
         self.prompt_hashes: list[int] | None = None  # the prompt's chain hashes as far as a lookup needed them
         self.decode_snap: tuple[int, int] | None = None  # (snapshot, block) of its latest decode-time snapshot
+        self.num_cached_tokens = 0         # prompt tokens its admission reused from the prefix cache
         self.snap_points: set[int] = set()  # prompt positions (block ends) whose KDA state another prompt will reuse
         self.finish_reason: str | None = None
         self.error: str | None = None     # finish_reason "error": what failed (engine._fail)
@@ -175,7 +177,7 @@ class Sequence:
 
     def output(self, new: list[int]) -> RequestOutput:
         out = RequestOutput(self.request_id, self.prompt_len, list(new), self.output_token_ids,
-                            self.finished, self.finish_reason)
+                            self.finished, self.finish_reason, num_cached_tokens=self.num_cached_tokens)
         if self.text is not None:
             if self.finished:
                 self.text.finish()

@@ -96,7 +96,7 @@ class Scheduler:
         seq.blocks = hit.blocks + self.pc.allocate(self.blocks_needed(seq) - hit.num_blocks)
         seq.kda_slot = self.cache.allocate_slot()
         seq.block_hashes = list(hit.hashes)
-        seq.num_cached = hit.num_blocks * self.cache.block_size
+        seq.num_cached = seq.num_cached_tokens = hit.num_blocks * self.cache.block_size
         if hit.depth > hit.num_blocks:  # a fork recomputed past its last snapshot: one at the fork point next time
             seq.snap_points.add(hit.depth * self.cache.block_size)
         if hit.snapshot is not None:

@@ -58,6 +58,7 @@ class Tracker:
         self.logprobs: list = []         # TokenLogprob of each output token
         self.prompt_logprobs: list | None = None
         self.offset = 0                  # text_offset of the next streamed token (completions logprobs)
+        self.cached = 0                  # prompt tokens the prefix cache served
 
     def text_ids(self) -> list[int]:
         if self.finish_reason == "stop" and self.ids and self.ids[-1] in self.stop_ids:
@@ -76,6 +77,7 @@ class Tracker:
                     m.itl.observe((stamp - self.last) / n)
             self.last = stamp
         self.ids = list(out.output_token_ids)
+        self.cached = getattr(out, "num_cached_tokens", 0)
         if out.finished:
             self.finish_reason = out.finish_reason
             if out.finish_reason != "error":  # answered as an error (counted there)
@@ -286,7 +288,7 @@ def create_app(engine=None, tokenizer=None, served_model_name: str | None = None
                                             "root": st.model_path, "max_model_len": st.max_model_len,
                                             "vocab_size": st.vocab_size, "block_size": st.engine.cache.block_size}]}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])  # HEAD: probes that check the endpoint exists
     async def metrics():
         return Response(state().metrics.render(), media_type=CONTENT_TYPE)
 
@@ -466,6 +468,11 @@ def _choice(chat: bool, text: str | None, finish, stream: bool, token_ids=None, 
     return c
 
 
+def _cached(trs) -> int:
+    """The prompt's cached tokens, counted once as the prompt is (n > 1: the first choice's)."""
+    return next(iter(trs.values())).cached
+
+
 def _n_out(req, trs) -> int:
     return 0 if req.echo_only else sum(len(t.ids) for t in trs.values())
 
@@ -516,7 +523,7 @@ async def stream(st, q, trs: dict, req, base, chat, echo: str | None):
             if out.finished:
                 done.add(out.request_id)
         if len(done) == len(trs) and req.include_usage:
-            yield sse({**base, "choices": [], "usage": usage(len(req.prompt_ids), _n_out(req, trs))})
+            yield sse({**base, "choices": [], "usage": usage(len(req.prompt_ids), _n_out(req, trs), _cached(trs))})
         yield "data: [DONE]\n\n"
     finally:  # runs on normal end, on error and when the client disconnects (task cancelled)
         _cleanup(st, trs, done, failed)
@@ -580,7 +587,7 @@ async def collect(st, request, q, trs: dict, req, base, chat, echo: str | None):
         lp = _logprobs(st, req, chat, tr, tr.logprobs, with_prompt=req.echo)
         choices.append(_choice(chat, text, fin, False, ids if req.return_token_ids else None, tr.index, lp))
     return {**base, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-            "usage": usage(len(req.prompt_ids), _n_out(req, trs))}
+            "usage": usage(len(req.prompt_ids), _n_out(req, trs), _cached(trs))}
 
 
 class BackgroundServer:

@@ -40,6 +40,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' (fields: "
                         "enable_kv_cache_events, publisher, endpoint, replay_endpoint, buffer_steps, hwm, "
                         "max_queue_size, topic; needs pip install 'peregrine[fleet]'; docs/serving.md)")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="accepted for vLLM's command lines; every answer's usage carries "
+                        "prompt_tokens_details.cached_tokens (the prompt tokens the prefix cache served) anyway")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server and access log detail (default info)")
     g.add_argument("--allow-forced-replies", action="store_true",

@@ -33,25 +33,45 @@ def _safe_copy(d) -> dict:
     return {}
 
 
+VLLM_LABELS = ["model_name", "engine"]  # vLLM's series carry these; engine: the data-parallel rank ("0")
+
+
 class EngineCollector:
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, model_name: str = ""):
+        self.engine, self.model_name = engine, model_name
+
+    def _vllm(self, kind, name: str, doc: str, value):
+        """The same figure under vLLM's name and labels: what aiperf (its server-side prefix-cache hit rate), llm-d's
+        scheduler and vLLM's dashboards read."""
+        m = kind(f"vllm:{name}", doc, labels=VLLM_LABELS)
+        m.add_metric([self.model_name, "0"], value)
+        return m
 
     def collect(self):
         e = self.engine
+        running, waiting = e.num_running, e.num_waiting
         g = GaugeMetricFamily("peregrine:num_requests_running", "Requests being decoded now")
-        g.add_metric([], e.num_running)
+        g.add_metric([], running)
         yield g
+        yield self._vllm(GaugeMetricFamily, "num_requests_running", "Requests being decoded now", running)
         g = GaugeMetricFamily("peregrine:num_requests_waiting", "Requests queued for a cache slot")
-        g.add_metric([], e.num_waiting)
+        g.add_metric([], waiting)
         yield g
+        yield self._vllm(GaugeMetricFamily, "num_requests_waiting", "Requests queued for a cache slot", waiting)
         blocks, pc = e.cache.blocks, getattr(e, "prefix_cache", None)
         free = pc.num_free if pc is not None else blocks.num_free  # cached blocks nobody reads are free to take
+        usage = 1.0 - free / max(1, blocks.num_blocks)
         g = GaugeMetricFamily("peregrine:cache_usage_perc", "Fraction of MLA cache blocks in use (0..1)")
-        g.add_metric([], 1.0 - free / max(1, blocks.num_blocks))
+        g.add_metric([], usage)
         yield g
-        if pc is not None and pc.enabled:
+        yield self._vllm(GaugeMetricFamily, "kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent usage", usage)
+        if pc is not None:
             st = _safe_copy(pc.stats)
+            yield self._vllm(CounterMetricFamily, "prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                             "queried tokens", st.get("query_tokens", 0))
+            yield self._vllm(CounterMetricFamily, "prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                             "tokens", st.get("hit_tokens", 0))
+        if pc is not None and pc.enabled:
             for key, name, doc in (("query_tokens", "queries", "Prompt tokens looked up in the prefix cache"),
                                    ("hit_tokens", "hits", "Prompt tokens reused from the prefix cache"),
                                    ("evicted_blocks", "evicted_blocks", "Cached MLA blocks evicted for new ones"),
@@ -159,7 +179,7 @@ class Metrics:
         self.engine_errors = Counter("peregrine:engine_step_errors", "Engine steps that raised", lbl,
                                      registry=r).labels(model_name)
         self.model_name = model_name
-        r.register(EngineCollector(engine))
+        r.register(EngineCollector(engine, model_name))
         for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*: as the default registry has
             r.register(c)
 

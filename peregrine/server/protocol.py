@@ -367,8 +367,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_len: int, n_out: int) -> dict:
-    return {"prompt_tokens": prompt_len, "completion_tokens": n_out, "total_tokens": prompt_len + n_out}
+def usage(prompt_len: int, n_out: int, cached: int = 0) -> dict:
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served (OpenAI
+    sends it always, vLLM with --enable-prompt-tokens-details; aiperf and agent harnesses read it)."""
+    return {"prompt_tokens": prompt_len, "completion_tokens": n_out, "total_tokens": prompt_len + n_out,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def now() -> int:
