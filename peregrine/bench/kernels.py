@@ -8,7 +8,7 @@ import traceback
 
 from . import gpu
 
-FAMILIES = ("gemm", "norm", "kda", "kda_conv", "mla", "mla_prefill", "moe", "moe_mxfp4", "moe_prefill")  # peregrine/bench/kernels_<family>.py, each with run()
+FAMILIES = ("gemm", "norm", "kda", "kda_conv", "mla", "mla_prefill", "moe", "moe_mxfp4", "moe_prefill", "moe_mxfp4_prefill")  # peregrine/bench/kernels_<family>.py, each with run()
 
 
 def markdown(rows: list[dict]) -> str:

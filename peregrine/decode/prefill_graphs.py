@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from ..models import moe
 from ..models.kda import SHORT_ROW_MAX_TOKENS
 from .batch import StepInput
 from .capture import capture
@@ -35,8 +36,8 @@ def unsupported(model) -> str | None:
         return "tensor parallel"
     if cfg.attn_res_block_size:
         return "AttnRes layers"
-    if cfg.expert_quant == "mxfp4":
-        return "MXFP4 experts (their eager path syncs on the expert list)"
+    if cfg.expert_quant == "mxfp4" and not moe.mxfp4_grouped(next(model.parameters())):
+        return "MXFP4 experts without the grouped kernel (the dequantize loop syncs on the expert list)"
     if model.dtype == torch.float32:
         return "FP32 (the grouped GEMM serves BF16; the experts' loop syncs on the expert list)"
     return None

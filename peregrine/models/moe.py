@@ -84,7 +84,8 @@ def route_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormali
     return select(logits, bias, top_k, renormalize, scaling)
 
 
-def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None, add: tuple = ()) -> torch.Tensor:
+def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None, add: tuple = (),
+                    mx: tuple | None = None) -> torch.Tensor:
     """Σ_k w[n,k]·E_ids[n,k](x[n]) with each used expert's weights read once per step; then each tensor of `add`
     ([N, D] in x's dtype) added in order, rounded after each add (the fused glue adds them in its combine pass).
 
@@ -92,13 +93,15 @@ def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None, add: t
     sync, so a decode step can be graph-captured). The routing weight scales each pair's
     activation before the down projection (linear, so the same sum; no FP32 copy of the
     [N, k, D] outputs), and the sum over k runs in FP32 in a fixed order: bitwise reproducible.
+    mx = (q13, s13, q2, s2, v4): MXFP4 experts (w13, w2 unused), through kernels/moe_mxfp4_prefill.py's grouped
+    GEMM, which decodes each expert's weights inside it and gathers the up GEMM's rows itself.
     """
     N, k = ids.shape
-    E = w13.shape[0]
+    E = (w13 if mx is None else mx[0]).shape[0]
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
     if grouped is None:  # the grouped GEMM on CUDA/BF16; its CPU fallback is slower than looping over used experts
-        grouped = hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+        grouped = mx is not None or (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16)
     w_flat = w.flatten()[order]  # each pair's routing weight, applied before the down GEMM
     fused = fused_glue(x, act)
     if fused:
@@ -106,13 +109,20 @@ def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None, add: t
         weighted = swiglu_weighted
     else:
         weighted = lambda gu, wp: (act(gu) * wp.unsqueeze(-1)).to(x.dtype)  # noqa: E731
-    xs = gather_pairs(x, order, k) if fused else x[order // k]
-    if grouped:
+    if mx is not None:
+        from ..kernels.moe_mxfp4_prefill import grouped_mm
+        q13, s13, q2, s2, v4 = mx
+        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        h = weighted(grouped_mm(x, q13, s13, counts, v4, rows=order // k), w_flat)
+        ys = grouped_mm(h, q2, s2, counts, v4)
+    elif grouped:
+        xs = gather_pairs(x, order, k) if fused else x[order // k]
         counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         offs = torch.cumsum(counts, 0).to(torch.int32)  # bincount would sync on its size
         h = weighted(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs), w_flat)
         ys = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
     else:  # older torch / other dtypes: loop over the experts actually used
+        xs = x[order // k]
         ys = torch.empty(N * k, w2.shape[1], dtype=x.dtype, device=x.device)
         sf = flat[order]
         for e in torch.unique(sf).tolist():
@@ -132,6 +142,18 @@ def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None, add: t
 
 
 MX_CHUNK = 8  # experts (or token-expert pairs) dequantized at a time: ~1 GB of BF16 temporaries at K3 widths
+MX_GROUPED: bool | None = None  # MXFP4 experts through the grouped kernel (None: where the kernels run on the GPU);
+#   switch as layers.fused. The dequantize-then-GEMM loop below syncs on the expert list and was ~1K tokens/s of
+#   prefill on the 48B (H100, #65)
+
+
+def mxfp4_grouped(x: torch.Tensor) -> bool:
+    """Whether x's MXFP4 experts take kernels/moe_mxfp4_prefill.py's grouped GEMM: on the GPU where the kernels
+    run (MX_GROUPED None), or wherever MX_GROUPED says (True: the interpreter's CPU tests)."""
+    if MX_GROUPED is not None:
+        return MX_GROUPED
+    from .. import kernels
+    return x.is_cuda and kernels.available(x.device)
 
 
 def mxfp4_experts(x, q13, s13, q2, s2, ids, w, act, chunk: int = MX_CHUNK, dequantize=mxfp4.dequantize) -> torch.Tensor:
@@ -267,11 +289,13 @@ class MoE(nn.Module):
         self.last_ids = ids
         z = x @ self.down.T if self.latent else x
         after = tuple(t for t in (self.shared(x) if self.shared is not None else None, residual) if t is not None)
-        fold = not (self.mx or self.latent)  # the experts' combine adds `after` itself
-        if self.mx:
+        mx_grouped = self.mx and mxfp4_grouped(z)
+        fold = not self.latent and (mx_grouped or not self.mx)  # the experts' combine adds `after` itself
+        if self.mx and not mx_grouped:
             y = mxfp4_experts(z, self.w13_q, self.w13_s, self.w2_q, self.w2_s, ids, w, self.act, dequantize=self.dequantize)
         else:
-            y = grouped_experts(z, self.w13, self.w2, ids, w, self.act, add=after if fold else ())
+            mx = (self.w13_q, self.w13_s, self.w2_q, self.w2_s, self.mx_layout == "v4") if self.mx else None
+            y = grouped_experts(z, self.w13, self.w2, ids, w, self.act, add=after if fold else (), mx=mx)
         if self.latent:
             lo, hi = self.tp.span(self.norm.shape[0])
             y = rms_norm(self.tp.all_reduce(y), self.norm, c.rms_norm_eps)[:, lo:hi] @ self.up.T
