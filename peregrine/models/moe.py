@@ -8,6 +8,8 @@ same way (w13_q [E, 2I, Dz/2], w13_s [E, 2I, Dz/32], w2_q [E, Dz, I/2], w2_s [E,
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -142,9 +144,10 @@ def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None, add: t
 
 
 MX_CHUNK = 8  # experts (or token-expert pairs) dequantized at a time: ~1 GB of BF16 temporaries at K3 widths
-MX_GROUPED: bool | None = None  # MXFP4 experts through the grouped kernel (None: where the kernels run on the GPU);
-#   switch as layers.fused. The dequantize-then-GEMM loop below syncs on the expert list and was ~1K tokens/s of
-#   prefill on the 48B (H100, #65)
+# MXFP4 experts through the grouped kernel (None: where the kernels run on the GPU; PEREGRINE_MXFP4_GROUPED=0 / 1 for an
+# A/B); switch as layers.fused. The dequantize-then-GEMM loop below syncs on the expert list and was ~1K tokens/s of
+# prefill on the 48B (H100, #65)
+MX_GROUPED: bool | None = {"0": False, "1": True}.get(os.environ.get("PEREGRINE_MXFP4_GROUPED", ""))
 
 
 def mxfp4_grouped(x: torch.Tensor) -> bool:
