@@ -302,9 +302,11 @@ class EngineConfig:
     # for a token while another prompt prefills (the inter-token latency tail)
     max_prefill_tokens_while_decoding: int = 2048
     # such a chunk runs in pieces of this many layers, a decode step of the running requests between two
-    # pieces, so they wait ~one piece per token instead of the whole chunk (None: the engine's default,
-    # 6; 0: off, the chunk and the decodes share one step; tensor parallel: off)
+    # pieces, so they wait ~one piece per token instead of the whole chunk (None: as many layers as fit
+    # prefill_piece_ms, measured as the chunk runs (engine/pieces.py); 0: off, the chunk and the decodes share
+    # one step; tensor parallel: off)
     prefill_piece_layers: int | None = None
+    prefill_piece_ms: float | None = None      # a piece's time budget (None: engine/pieces.py PIECE_MS, 12 ms)
     enable_prefix_caching: bool = True        # reuse cached MLA blocks + KDA snapshots of earlier prompts
     prefix_cache_snapshots: int | None = None  # KDA state snapshots kept (default: sized from memory)
     block_size: int = 64                      # tokens per MLA cache block
@@ -341,6 +343,7 @@ class EngineConfig:
         "tp_slice_replicated": "bool",
         "prefix_cache_snapshots": "int >= 0",
         "prefill_piece_layers": "int >= 0 (0: off)",
+        "prefill_piece_ms": "number > 0",
     }
 
     def apply_additional_config(self, text_or_dict) -> None:
@@ -363,6 +366,8 @@ class EngineConfig:
                 raise ConfigError(f"--additional-config: tp_allreduce must be one of {', '.join(TP_ALLREDUCE)}, got {v!r}")
             if k in ("prefix_cache_snapshots", "prefill_piece_layers") and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 raise ConfigError(f"--additional-config: {k} must be an int >= 0, got {v!r}")
+            if k == "prefill_piece_ms" and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf")):
+                raise ConfigError(f"--additional-config: prefill_piece_ms must be a number > 0, got {v!r}")
             if k in ("cuda_graphs", "prefill_graphs", "pdl", "decode_lookahead", "tp_slice_replicated") and not isinstance(v, bool):
                 raise ConfigError(f"--additional-config: {k} must be true or false, got {v!r}")
             setattr(self, k, v)

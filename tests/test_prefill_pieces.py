@@ -161,3 +161,38 @@ def test_a_piece_is_launched_before_the_decodes_tokens_are_read(monkeypatch):
             assert all(ev[i + 1] == "read" for i, e in enumerate(ev) if e == "piece"), ev
     assert outs[0] == outs[2]
     assert outs[2]["a"] == ref_generate(a, 20, ignore_eos=True)[0] and outs[2]["b"] == ref_generate(b, 6, ignore_eos=True)[0]
+
+
+def test_pieces_sized_by_a_time_budget():
+    """A piece gets as many layers as fit its time budget at the chunk's measured cost per layer and token (a fake
+    clock: every layer of a CHUNK-token chunk costs 4 ms, the budget 9 ms: one layer first, unmeasured, then 2 a
+    piece), and the tokens are those of fixed pieces."""
+    from peregrine.engine.pieces import PieceSizer
+    clock = [0.0]
+    e = engine(True, max_num_batched_tokens=256, max_prefill_tokens_while_decoding=CHUNK, prefill_piece_layers=1)
+    e.piece_sizer = PieceSizer(9.0, clock=lambda: clock[0])
+    sizes, fwd = [], e.runner.forward_pieces
+
+    def pieces(step, n):
+        adv = fwd(step, n)
+
+        def advance():
+            clock[0] += 4e-3 * step.input_ids.shape[0] / CHUNK
+            sizes[-1] += 1
+            return adv()
+        return advance
+    e.runner.forward_pieces = pieces
+    real_advance = e._advance_pieces
+    e._advance_pieces = lambda: (sizes.append(0), real_advance())[1]
+    e.add_request(A, SamplingParams(max_tokens=30, ignore_eos=True), request_id="a")
+    toks = {"a": [], "b": []}
+    while len(toks["a"]) < 4:
+        for o in e.step():
+            toks[o.request_id] += o.new_token_ids
+    e.add_request(B, SamplingParams(max_tokens=8, ignore_eos=True), request_id="b")
+    while e.has_unfinished():
+        for o in e.step():
+            toks[o.request_id] += o.new_token_ids
+    assert toks == run(PIECE)[0]
+    # tiny-kimi-linear's 5 layers a chunk; chunks of 64, 64, 30 tokens (B's 158 after its 32 reused)
+    assert sizes == [1, 2, 2] + [2, 2, 1] + [4, 1], sizes  # the last chunk (30 tokens): 9 / (4 * 30 / 64) = 4.8 layers

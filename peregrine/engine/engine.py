@@ -3,10 +3,11 @@
 With speculative decoding on (peregrine/spec), a step whose decoding sequences got drafts is a
 verify step instead: several tokens per sequence may be accepted, each checked for stops in order.
 
-With prefill pieces (prefill_piece_layers), a prefill chunk scheduled beside running decodes does not
-hold them for its whole forward: the chunk's rows run as their own forward, a few layers per engine
-step, and every step between two pieces is a decode step of the running requests (their cache
-entries are disjoint from the chunk's; the chunk's sequences are "in flight" until its last piece).
+With prefill pieces, a prefill chunk scheduled beside running decodes does not hold them for its whole
+forward: the chunk's rows run as their own forward, a few layers per engine step (as many as fit a time
+budget, engine/pieces.py, or prefill_piece_layers), and every step between two pieces is a decode step of the
+running requests (their cache entries are disjoint from the chunk's; the chunk's sequences are "in flight"
+until its last piece).
 
 With decode lookahead (engine/lookahead.py), a pure-decode step whose next step is certain launches
 that next forward before reading its own tokens; the next step() then takes that forward's results
@@ -45,6 +46,7 @@ from ..prefix_cache import PrefixCache
 from . import logprobs, penalties
 from .penalties import needs_processing
 from .lookahead import Ahead, Readback, forced_input, next_decode_input
+from .pieces import PIECE_MS, PieceSizer
 from .request import RequestError, RequestOutput, SamplingParams, Sequence, StepInfo
 from .sampling import sample
 from .scheduler import Scheduler
@@ -52,7 +54,7 @@ from .stops import TextState
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 4096  # cap when the user sets none: keeps the block reservation per request modest
-DEFAULT_PIECE_LAYERS = 6  # layers per prefill piece: the 48B's 27 layers in 5 pieces (its whole mixed step measured 132 ms)
+CPU_PIECE_LAYERS = 6  # layers a prefill piece on the CPU, where pieces are not sized by time (steps independent of speed)
 
 
 def _profiling() -> bool:
@@ -80,9 +82,11 @@ class Inflight:
     """A prefill forward run in pieces: its rows, logits rows, planned snapshots, and the runner's
     advance() (None until the last piece returns the logits)."""
 
-    def __init__(self, batch, last, snaps, advance):
+    def __init__(self, batch, last, snaps, advance, layers: int = 0):
         self.batch, self.last, self.snaps, self.advance = batch, last, snaps, advance
         self.seqs = {id(s) for s, _ in batch}
+        self.tokens = sum(n for _, n in batch)
+        self.left = layers  # layers not yet launched (a piece sized by time)
 
 
 @dataclass
@@ -146,7 +150,10 @@ class LLMEngine:
         self._ahead: Ahead | None = None  # the forward the last step launched for the next one
         pl = getattr(engine_cfg, "prefill_piece_layers", None)
         can = hasattr(runner, "forward_pieces") and getattr(engine_cfg, "tensor_parallel_size", 1) == 1
-        self.piece_layers = (DEFAULT_PIECE_LAYERS if pl is None else pl) if can else 0
+        timed = can and pl is None and self.device.type == "cuda"  # the CPU (tests) keeps a fixed size: no clock in it
+        # the forward's yields: a layer each where the sizer runs as many of them a step as fit its budget
+        self.piece_layers = (1 if timed else CPU_PIECE_LAYERS if pl is None else pl) if can else 0
+        self.piece_sizer = PieceSizer(getattr(engine_cfg, "prefill_piece_ms", None) or PIECE_MS) if timed else None
         self._inflight: Inflight | None = None  # the prefill forward being run in pieces
         self.trimmer = Trimmer()
         self.stats["host_memory"] = self.trimmer.stats
@@ -439,17 +446,24 @@ class LLMEngine:
 
     def _start_pieces(self, pre) -> Inflight:
         step, last, snaps = self._build_step(pre)
-        return Inflight(pre, last, snaps, self.runner.forward_pieces(step, self.piece_layers))
+        return Inflight(pre, last, snaps, self.runner.forward_pieces(step, self.piece_layers),
+                        len(getattr(getattr(self.runner, "model", None), "layers", ())))
 
     def _advance_pieces(self) -> list[tuple[Sequence, list[int]]]:
         """Launch the next piece (all the rest when nobody decodes any more); after the last one, the
         chunk's sequences are sampled like any step's, and aborted ones give their cache back."""
         fl = self._inflight
         decoding = any(not s.in_prefill and not s.finished for s in self.scheduler.running)
+        sizer = self.piece_sizer
+        n = sizer.layers(fl.tokens, fl.left) if sizer is not None and decoding else 1
         try:
-            out = fl.advance()
-            while out is None and not decoding:
-                out = fl.advance()
+            t0 = sizer.start(self.device) if sizer is not None else None
+            out, ran = fl.advance(), 1
+            while out is None and (ran < n or not decoding):
+                out, ran = fl.advance(), ran + 1
+            if sizer is not None:
+                sizer.stop(t0, ran, fl.tokens)
+                fl.left -= ran
         except BaseException:
             self._inflight = None  # as a failed forward of a plain step: nothing of it is kept
             raise
