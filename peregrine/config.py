@@ -293,7 +293,7 @@ PREFILL_STEP_TOKENS = (32768, 16384, 8192)
 @dataclass
 class EngineConfig:
     max_num_seqs: int = 8
-    max_model_len: int | None = None          # default: min(model limit, 4096)
+    max_model_len: int | None = None          # default: one GPU: what its memory holds (engine/parts.py); else min(model limit, 4096)
     # prompt tokens per step when nobody is decoding: long prompts in few, compute-bound steps
     # (every step of a 48B MoE reads nearly every expert once it holds ~1K tokens). None: the engine picks
     # the largest of 32K / 16K / 8K whose activations fit beside the caches (engine/build.py)

@@ -33,7 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="reuse the cached MLA blocks and KDA state snapshots of earlier prompts (default on)")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="compute every prompt from its first token")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt+output per sequence (default min(model limit, 4096))")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt+output per sequence (default on one GPU: the model's limit, or what half "
+                        "the memory left after the weights holds for --max-num-seqs such sequences, said at start; "
+                        "else min(model limit, 4096))")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"], help="MLA latent cache dtype (auto = model dtype)")
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     g.add_argument("--dtype", default=None, help="bf16 or fp32 (default: bf16 on cuda, fp32 on cpu)")

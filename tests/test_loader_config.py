@@ -232,3 +232,27 @@ def test_an_engine_built_with_the_default_budget_prefills_a_prompt_in_one_step()
     e.add_request([10 + i % 200 for i in range(500)], SamplingParams(max_tokens=1))
     e.step()
     assert e.last_step.num_prefill_tokens == 500
+
+
+def test_default_max_model_len_is_what_one_gpus_memory_holds():
+    """No --max-model-len on one GPU: the longest context (whole blocks) whose max_num_seqs sequences' MLA cache and a
+    prefill's context fit the share of the free memory, capped by the model's limit, never below the old default; the
+    CPU (no memory to size by) keeps min(limit, 4096) and says so at start."""
+    import torch
+    from peregrine.cache import ModelCache
+    from peregrine.config import EngineConfig, resolve_model
+    from peregrine.engine.build import build_engine
+    from peregrine.engine.parts import CONTEXT_MEMORY_SHARE, DEFAULT_MAX_MODEL_LEN, default_context, step_bytes
+    cfg, _ = resolve_model("kimi-linear-48b-a3b")
+    bf, ec = torch.bfloat16, EngineConfig(max_num_seqs=8)
+    cost = lambda L: ModelCache.bytes_per_token(cfg, "auto", bf) * 8 * L + step_bytes(cfg, 0, L, bf)  # noqa: E731
+    free = 50 * 2**30  # an H100 after the MXFP4 48B's weights
+    L = default_context(cfg, cfg, ec, bf, free)
+    room = free * ec.gpu_memory_utilization * CONTEXT_MEMORY_SHARE
+    assert L % ec.block_size == 0 and cost(L) <= room < cost(L + ec.block_size)
+    assert 100_000 < L < cfg.max_position_embeddings  # agent traces' 24K-150K fit; the 1M limit does not
+    assert default_context(cfg, cfg, ec, bf, 10**15) == cfg.max_position_embeddings
+    assert default_context(cfg, cfg, ec, bf, 10**6) == DEFAULT_MAX_MODEL_LEN
+    said = []
+    e, _ = build_engine("tiny-kimi-linear", EngineConfig(), dummy_weights=True, log=said.append)
+    assert e.max_model_len == 4096 and any(m.startswith("max_model_len 4096 (default") for m in said)

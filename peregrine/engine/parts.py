@@ -16,7 +16,10 @@ from ..models.loader import init_dummy_weights, load_weights
 from ..parallel.group import SINGLE
 from ..parallel.shard import describe, holdings
 
-DEFAULT_MAX_MODEL_LEN = 4096  # a cache sized for 1M-token contexts by default would waste memory
+DEFAULT_MAX_MODEL_LEN = 4096  # without a GPU's free memory to size by (the CPU; tensor parallel: ranks must agree)
+CONTEXT_MEMORY_SHARE = 0.5    # on one GPU the default max_model_len gives max_num_seqs full-length sequences' cache and
+#                               a prefill's context this share of the memory left after the weights (the rest: steps,
+#                               snapshots, prefix-cache slack); agent sessions run 24K-150K tokens (#65 item 4)
 DEFAULT_SNAPSHOTS = 64        # KDA snapshots for prefix caching: ~one per 8K-token chunk of 8 x 64K contexts
 SNAPSHOT_MEMORY_SHARE = 0.5   # at most this share of the memory left after the caches goes to snapshots
 STEP_SLACK = 1.5              # step_bytes leaves out the allocator's fragmentation and small temporaries
@@ -65,7 +68,8 @@ def build_parts(model: str, ecfg: EngineConfig, dummy_weights: bool, log, tp=SIN
     tp = tp.with_slicing(getattr(ecfg, "tp_slice_replicated", False))  # this engine's choice; same group
     dev = tp.device if tp.world > 1 else pick_device(ecfg)
     dtype = pick_dtype(ecfg, dev)
-    if ecfg.max_model_len is None:
+    auto_len = ecfg.max_model_len is None
+    if auto_len:  # provisional: on one GPU sized to its memory once the weights are in (default_context)
         ecfg.max_model_len = min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     elif ecfg.max_model_len > cfg.max_position_embeddings:
         raise ConfigError(f"max_model_len {ecfg.max_model_len} exceeds the model's limit {cfg.max_position_embeddings}")
@@ -99,6 +103,14 @@ def build_parts(model: str, ecfg: EngineConfig, dummy_weights: bool, log, tp=SIN
         log(f"weights: {gib(torch.cuda.memory_allocated(dev) - mem0)} on the GPU")
     log(f"weights ready in {time.time() - t0:.1f}s")
 
+    if auto_len and dev.type == "cuda" and tp.world == 1:
+        ecfg.max_model_len = default_context(cfg, lcfg, ecfg, dtype, torch.cuda.mem_get_info(dev)[0])
+        log(f"max_model_len {ecfg.max_model_len} (the model's limit {cfg.max_position_embeddings}; what "
+            f"{CONTEXT_MEMORY_SHARE:.0%} of the free memory holds for {ecfg.max_num_seqs} full-length sequences; "
+            "--max-model-len sets it)")
+    elif auto_len:
+        log(f"max_model_len {ecfg.max_model_len} (default {DEFAULT_MAX_MODEL_LEN} without one GPU's memory to size by; "
+            "--max-model-len sets it)")
     blocks_per_seq = math.ceil(ecfg.max_model_len / ecfg.block_size)
     num_blocks = ecfg.num_cache_blocks or ecfg.max_num_seqs * blocks_per_seq
     per_slot = ModelCache.bytes_per_slot(lcfg, dtype)
@@ -131,6 +143,16 @@ def build_parts(model: str, ecfg: EngineConfig, dummy_weights: bool, log, tp=SIN
            else "prefix caching off, ") + f"{gib(cache.nbytes())}")
     runner = make_runner(m, cache, ecfg, log)
     return cfg, m, cache, runner, folder
+
+
+def default_context(cfg, lcfg, ecfg: EngineConfig, dtype: torch.dtype, free: int) -> int:
+    """The default max_model_len on one GPU with `free` bytes after the weights: the model's limit, or the longest
+    context (whole blocks, at least DEFAULT_MAX_MODEL_LEN) whose max_num_seqs sequences' cache and a prefill's context
+    activations fit CONTEXT_MEMORY_SHARE of what gpu_memory_utilization leaves."""
+    per_token = (ModelCache.bytes_per_token(lcfg, ecfg.kv_cache_dtype, dtype) * ecfg.max_num_seqs
+                 + step_bytes(lcfg, 0, 1, dtype))
+    fit = int(free * ecfg.gpu_memory_utilization * CONTEXT_MEMORY_SHARE) // per_token // ecfg.block_size * ecfg.block_size
+    return min(cfg.max_position_embeddings, max(fit, DEFAULT_MAX_MODEL_LEN))
 
 
 def step_bytes(cfg, tokens: int, max_model_len: int, dtype: torch.dtype) -> int:
