@@ -288,6 +288,9 @@ def test_agent_workload_completes_every_turn_resending_the_conversation(srv, tmp
     assert lv["tpot_ms"]["p50"] > 0 and lv["ttft_ms"]["p50"] > 0 and lv["itl_ms"]["p99"] > 0
     assert lv["turns"][1]["input_tokens"]["p50"] > lv["turns"][0]["input_tokens"]["p50"]
     assert lv["server"]["acceptance_length"] is None  # no speculation on this server
+    import numpy as np  # InferenceX's P90 interactivity from the requests' own records
+    per_tok = [(r["e2e"] - r["ttft"]) / (r["n_out"] - 1) for r in lv["requests"] if r["n_out"] > 1]
+    assert lv["interactivity_p90"] == pytest.approx(1 / np.percentile(per_tok, 90))
     pc = lv["prefix_cache"]  # the server's hits against a perfect cache's on the requests as sent
     assert pc["perfect_hit_tokens"] > 0 and pc["of_perfect"] >= 0.97, pc
     # what the engine received: per session, each prompt = the last prompt + its (forced) reply + new text

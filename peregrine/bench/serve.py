@@ -131,6 +131,8 @@ def level_stats(res: list[dict], wall: float) -> dict:
             "ttft_ms": summary(ms([r["ttft"] for r in ok])), "tpot_ms": summary(tpot),
             "itl_ms": summary(ms([x for r in ok for x in r["itl"]])), "e2e_ms": summary(ms([r["e2e"] for r in ok])),
             "tok_s_user": 1e3 / med_tpot if tpot and med_tpot > 0 else float("nan"),
+            # InferenceX's interactivity (aiperf's): 1 / the p90 over requests of (e2e - TTFT) / (tokens - 1)
+            "interactivity_p90": 1e3 / percentile(tpot, 90) if tpot and percentile(tpot, 90) > 0 else float("nan"),
             "output_tok_s": out_tokens / wall if wall > 0 else float("nan")}
 
 
@@ -303,8 +305,8 @@ def run_agent(base_url: str, concurrencies: list[int], model: str | None = None,
         log(f"concurrency {c:3d}: {lv['sessions']} sessions x {turns} turns, {lv['completed']}/{lv['num_prompts']} ok, "
             f"{lv['errors']} errors; last turn's context {last['p50']:.0f} tokens (max {last['max']}); "
             f"TTFT p50 {lv['ttft_ms']['p50']:.1f} ms, TPOT p50 {lv['tpot_ms']['p50']:.2f} ms, "
-            f"ITL p99 {lv['itl_ms']['p99']:.2f} ms; {lv['tok_s_user']:.1f} tok/s/user"
-            + (f"; acceptance length {acc:.2f}" if acc else "")
+            f"ITL p99 {lv['itl_ms']['p99']:.2f} ms; {lv['tok_s_user']:.1f} tok/s/user, P90 interactivity "
+            f"{lv['interactivity_p90']:.1f}" + (f"; acceptance length {acc:.2f}" if acc else "")
             + (f"; prefix-cache hits {lv['prefix_cache']['of_perfect']:.1%} of a perfect cache's"
                if lv["prefix_cache"] and lv["prefix_cache"]["of_perfect"] is not None else "")
             + (f"; first error: {lv['error_samples'][0]}" if lv["errors"] else ""))
