@@ -87,6 +87,7 @@ class Inflight:
         self.seqs = {id(s) for s, _ in batch}
         self.tokens = sum(n for _, n in batch)
         self.left = layers  # layers not yet launched (a piece sized by time)
+        self.prepared = False  # the drafter's per-request setup done (after the first piece's launch)
 
 
 @dataclass
@@ -464,6 +465,9 @@ class LLMEngine:
             if sizer is not None:
                 sizer.stop(t0, ran, fl.tokens)
                 fl.left -= ran
+            if self.spec is not None and not fl.prepared:  # while the GPU runs the piece, as a plain prefill's
+                fl.prepared = True
+                self.spec.prepare([s for s, _ in fl.batch if s.in_prefill])
         except BaseException:
             self._inflight = None  # as a failed forward of a plain step: nothing of it is kept
             raise
