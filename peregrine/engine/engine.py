@@ -188,6 +188,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate(V)
+        if params.guided is not None or params.logit_bias is not None:  # engine/guided.py: being built (#66 item 3)
+            raise RequestError("structured output and logit_bias are not served by this engine yet",
+                               params.guided.field if params.guided is not None else "logit_bias")
         prompt = prompt_token_ids.tolist() if hasattr(prompt_token_ids, "tolist") else list(prompt_token_ids)
         if not prompt:
             raise RequestError("prompt is empty: at least one token is needed")

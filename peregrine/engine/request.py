@@ -25,6 +25,19 @@ MAX_TEMPERATURE = 1e6        # the sampler divides FP32 logits by the temperatur
 REPETITION_RANGE = (1e-6, 1e6)  # repetition_penalty multiplies or divides FP32 logits: the same reason
 MAX_STOP_TOKEN_IDS = 64      # stop_token_ids per request: each generated token is checked against them
 MAX_STOP_CHARS = 256         # longest stop string: the text held back and searched per token grows with it
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: a bias outside it is a 400
+MAX_LOGIT_BIAS = 1024        # biased tokens a request: OpenAI allows 300; the device table is sized by it
+GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")  # vLLM's structured_outputs keys (+ json_object)
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """Constrained output (engine/guided.py compiles it with xgrammar): kind "json" (spec: a JSON schema, dict or
+    string), "json_object" (any JSON object), "regex" (a pattern), "choice" (a list of strings), "grammar" (EBNF).
+    field: the request field it came from, named in a 400 when it cannot be compiled."""
+    kind: str
+    spec: object = None
+    field: str = "structured_outputs"
 
 
 def _is_int(x) -> bool:
@@ -52,6 +65,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output (1 → off)
     logprobs: int | None = None     # logprob of each sampled token and this many alternatives (None: off)
     prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (greedy too)
+    guided: GuidedDecoding | None = None  # the output constrained to a grammar (JSON schema, regex, choice, EBNF)
 
     @property
     def greedy(self) -> bool:
@@ -109,6 +124,23 @@ class SamplingParams:
             v = getattr(self, k)
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 raise RequestError(f"{k} must be an int in [0, {MAX_LOGPROBS}] or None, got {v!r}", k)
+        if self.logit_bias is not None:
+            lb = self.logit_bias
+            lo, hi = LOGIT_BIAS_RANGE
+            if not isinstance(lb, dict) or len(lb) > MAX_LOGIT_BIAS:
+                raise RequestError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases", "logit_bias")
+            for t, b in lb.items():
+                if not _is_int(t) or not 0 <= t < vocab_size:
+                    raise RequestError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {t!r}", "logit_bias")
+                if not _is_num(b) or not lo <= b <= hi:
+                    raise RequestError(f"logit_bias values must be numbers in [{lo:g}, {hi:g}], got {b!r} for {t}",
+                                       "logit_bias")
+            if not lb:
+                self.logit_bias = None
+        g = self.guided
+        if g is not None and (not isinstance(g, GuidedDecoding) or g.kind not in GUIDED_KINDS):
+            raise RequestError(f"guided must be a GuidedDecoding of kind {', '.join(GUIDED_KINDS)}, got {g!r}",
+                               getattr(g, "field", "structured_outputs"))
 
 
 @dataclass
