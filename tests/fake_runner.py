@@ -32,16 +32,26 @@ def device_tokens(runner, step: StepInput, logits: torch.Tensor) -> torch.Tensor
     draw (StepInput.sampling) or the argmax; logprobs of the raw logits (StepInput.logprobs) left on the runner.
     Counts on runner.{sampled,penalty,logprob}_steps."""
     runner.device_logprobs = None
+    x = logits
+    if step.logit_bias is not None or step.logit_mask is not None:  # xgrammar's own masking, not peregrine's
+        import xgrammar
+        runner.constrained_steps += 1
+        x = logits.clone()
+        if step.logit_bias is not None:
+            for i, (ids, vals) in enumerate(zip(*step.logit_bias)):
+                for t, v in zip(ids.tolist(), vals.tolist()):
+                    x[i, t] += v
+        if step.logit_mask is not None:
+            xgrammar.apply_token_bitmask_inplace(x, step.logit_mask, backend="torch_native")
     if step.sampling is not None:
         t, k, p, mp, seeds = step.sampling
         runner.sampled_steps += 1
-        x = logits
         if step.penalties is not None:
             runner.penalty_steps += 1
-            x = apply_device(logits, *step.penalties, step.context_lens_t)
+            x = apply_device(x, *step.penalties, step.context_lens_t)
         toks = sample_ref(x, t, k, p, seeds, step.context_lens_t.long(), mp)
     else:
-        toks = logits.argmax(-1)
+        toks = x.argmax(-1)
     if step.logprobs:
         runner.logprob_steps += 1
         runner.device_logprobs = token_logprobs(logits, toks)
@@ -76,6 +86,7 @@ class FakeRunner:
         self.sampled_steps = 0             # decode steps that drew their sampled rows "on the device"
         self.logprob_steps = 0             # decode steps that took their logprobs "on the device"
         self.penalty_steps = 0             # decode steps that applied penalties "on the device"
+        self.constrained_steps = 0         # decode steps that applied a grammar mask or logit_bias "on the device"
         self.device_logprobs = None
 
     def forward(self, step: StepInput) -> torch.Tensor:

@@ -62,6 +62,10 @@ class StepInput:
     # penalties inside the step (#41): (counts, seen, slots, repetition, frequency, presence, ban ids, ban until)
     # from engine/penalties.DevicePenalties; the runner applies them (apply_device) before drawing
     penalties: tuple | None = None
+    # structured output / logit_bias inside the step (#66, engine/guided.py): each row's token bitmask [S, V/32] int32
+    # (every bit set for an unconstrained row) and (bias ids [S, n] int64, values [S, n] FP32), applied before drawing
+    logit_mask: torch.Tensor | None = None
+    logit_bias: tuple | None = None
 
     def decode_rows(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """Rows of a mixed step that add one token: (rows, their token index in the flat list, the

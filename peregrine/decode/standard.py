@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from ..engine import guided
+from ..engine.request import MAX_LOGIT_BIAS
 from .batch import StepInput
 from .capture import capture
 from .head import draw
@@ -45,7 +47,8 @@ class GraphCache:
         self.broken: str | None = None
         self.failed: dict[tuple, str] = {}  # variant keys whose capture failed: their steps run eagerly
 
-    def _static(self, B: int, nb: int, sampled: bool = False, like: StepInput | None = None) -> StepInput:
+    def _static(self, B: int, nb: int, sampled: bool = False, like: StepInput | None = None,
+                constrained: bool = False) -> StepInput:
         c, dev, T = self.cache, self.cache.latent.device, self.T
         long = lambda v, n=B: torch.full((n,), v, dtype=torch.long, device=dev)  # noqa: E731
         st = StepInput(
@@ -61,6 +64,10 @@ class GraphCache:
             st.sampling = tuple(f(v, dt, B * T) for v, dt in ((0.0, torch.float32), (0, torch.int32),
                                                               (1.0, torch.float32), (0.0, torch.float32),
                                                               (0, torch.int64)))
+        if constrained:  # structured output / logit_bias (engine/guided.py): every token allowed, no bias until run()
+            st.logit_mask = torch.full((B * T, guided.words(c.cfg.vocab_size)), -1, dtype=torch.int32, device=dev)
+            st.logit_bias = (torch.zeros((B * T, MAX_LOGIT_BIAS), dtype=torch.long, device=dev),
+                             torch.zeros((B * T, MAX_LOGIT_BIAS), dtype=torch.float32, device=dev))
         if like is not None and like.penalties is not None:  # the engine's count buffers, read in place; rows: scratch
             ban = like.penalties[6]
             st.penalties = like.penalties[:2] + (long(c.scratch_slot), f(1.0, torch.float32), f(0.0, torch.float32),
@@ -73,7 +80,7 @@ class GraphCache:
         t0 = time.time()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        st = self._static(B, nb, sampled="sampled" in key[2:], like=like)
+        st = self._static(B, nb, sampled="sampled" in key[2:], like=like, constrained="constrained" in key[2:])
         st.logprobs = "logprobs" in key[2:]
         st.sample_top_k = "topk" in key[2:]
         g, out = capture(lambda: self.fn(st), self.pool)
@@ -118,7 +125,8 @@ class GraphCache:
             return key
         sampled = ("sampled",) + (("topk",) if step.sample_top_k else ()) if step.sampling is not None else ()
         return (key + sampled + (("logprobs",) if step.logprobs else ())
-                + (("penalties",) if step.penalties is not None else ()))
+                + (("penalties",) if step.penalties is not None else ())
+                + (("constrained",) if step.logit_mask is not None or step.logit_bias is not None else ()))
 
     def capture_all(self) -> None:
         """Capture every batch size's graph now (fixed_blocks only), with progress output; with samples, also its
@@ -163,6 +171,17 @@ class GraphCache:
         if st.penalties is not None:
             for dst, src in zip(st.penalties[2:], step.penalties[2:]):
                 dst.copy_(src)
+        if st.logit_mask is not None:
+            if step.logit_mask is None:
+                st.logit_mask.fill_(-1)
+            else:
+                st.logit_mask.copy_(step.logit_mask)
+            for dst in st.logit_bias:
+                dst.zero_()
+            if step.logit_bias is not None:
+                n = step.logit_bias[0].shape[1]
+                for dst, src in zip(st.logit_bias, step.logit_bias):
+                    dst[:, :n].copy_(src)
         g.replay()
         self.uses[key] = self.uses.get(key, 0) + 1
         return out

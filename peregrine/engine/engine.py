@@ -43,7 +43,7 @@ from ..config import PREFILL_STEP_TOKENS, EngineConfig, ModelConfig
 from ..decode.batch import StepInput, _to_device
 from ..host_memory import Trimmer
 from ..prefix_cache import PrefixCache
-from . import logprobs, penalties
+from . import guided, logprobs, penalties
 from .penalties import needs_processing
 from .lookahead import Ahead, Readback, forced_input, next_decode_input
 from .pieces import PIECE_MS, PieceSizer
@@ -108,6 +108,7 @@ class LLMEngine:
     def __init__(self, runner, model_cfg: ModelConfig, engine_cfg: EngineConfig, cache: ModelCache, tokenizer=None):
         self.runner, self.model_cfg, self.engine_cfg, self.cache = runner, model_cfg, engine_cfg, cache
         self.tokenizer = tokenizer  # with one, outputs carry their text and stop strings work (stops.py)
+        self.guides = None  # engine/guided.py's compiler, made at the first constrained request
         self.eos_ids = frozenset(model_cfg.eos_token_ids)  # any of them ends a generation
         if engine_cfg.max_model_len is None:
             engine_cfg.max_model_len = min(model_cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
@@ -188,9 +189,11 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate(V)
-        if params.guided is not None or params.logit_bias is not None:  # engine/guided.py: being built (#66 item 3)
-            raise RequestError("structured output and logit_bias are not served by this engine yet",
-                               params.guided.field if params.guided is not None else "logit_bias")
+        guide = None
+        if params.guided is not None:
+            if forced is not None:
+                raise RequestError("forced_tokens cannot be combined with structured output", "forced_tokens")
+            guide = self._guides().matcher(params.guided)  # compiled now: a grammar that cannot be is this request's 400
         prompt = prompt_token_ids.tolist() if hasattr(prompt_token_ids, "tolist") else list(prompt_token_ids)
         if not prompt:
             raise RequestError("prompt is empty: at least one token is needed")
@@ -214,6 +217,7 @@ class LLMEngine:
             if rid in self._live:
                 raise RequestError(f"duplicate request_id {rid!r}: a request with this id is still running")
             seq = Sequence(rid, prompt, params, on_token, seed)
+            seq.guide = guide
             if self.tokenizer is not None:
                 seq.text = TextState(self.tokenizer, params.stop)
             elif params.stop:
@@ -228,6 +232,17 @@ class LLMEngine:
                 self.forced[rid] = forced
             self._pending_add.append(seq)
         return rid
+
+    def _guides(self):
+        """The grammar compiler over this engine's vocabulary (engine/guided.py), made at the first constrained
+        request."""
+        if self.guides is None:
+            if self.tokenizer is None:
+                raise RequestError("structured output needs the model's tokenizer, and this engine has none",
+                                   "structured_outputs")
+            from .guided import Guides
+            self.guides = Guides(self.tokenizer, self.model_cfg.vocab_size, self.eos_ids)
+        return self.guides
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -321,6 +336,11 @@ class LLMEngine:
         last token token min_tokens."""
         p = seq.params
         n_out = len(seq.token_ids) - seq.prompt_len
+        if seq.guide is not None:  # the token must keep the output in its grammar; its end ends the request
+            if not seq.guide.accept_token(tok):
+                raise RuntimeError(f"token {tok} is outside the request's grammar")
+            if seq.guide.is_terminated():
+                return "stop"
         if n_out > p.min_tokens and ((not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids):
             return "stop"
         if seq.text is not None and seq.text.add(tok, may_stop=n_out >= p.min_tokens):
@@ -526,6 +546,7 @@ class LLMEngine:
         step.sampling = None if all(p.greedy for p in ps) and not penalised else self._sampling_for(seqs)
         step.sample_top_k = step.sampling is not None and self._sampling_top_k
         step.logprobs = any(p.logprobs is not None for p in ps)
+        step.logit_mask, step.logit_bias = self._constraints(seqs, self.device)
         return True
 
     def _sampling_for(self, seqs: list[Sequence], T: int = 1):
@@ -566,7 +587,9 @@ class LLMEngine:
                 self.spec.prepare([s for s, _ in batch if s.in_prefill])
             greedy = getattr(self.runner, "greedy_tokens", None)  # tokens already taken inside the step
             path = getattr(self.runner, "last_path", "standard")
-            device = (step.sampling is not None or step.logprobs, getattr(self.runner, "device_logprobs", None))
+            planned = (step.sampling is not None or step.logprobs or step.logit_mask is not None
+                       or step.logit_bias is not None)  # _device_plan set the step's draw
+            device = (planned, getattr(self.runner, "device_logprobs", None))
         else:
             logits, greedy, path, device = ahead.logits, ahead.greedy, ahead.path, ahead.device
             snaps = {}
@@ -701,8 +724,8 @@ class LLMEngine:
             return False  # (a request that cannot start yet does not stop it)
         if self.forced and self.engine_cfg.tensor_parallel_size > 1 and any(s.request_id in self.forced for s in seqs):
             return False  # replay under TP: every rank takes its own argmax as the next input, not the recorded token
-        if len(seqs) != len(self.scheduler.running) or any(s.finished for s in seqs):
-            return False  # a sequence stopped or was aborted since this step was launched
+        if len(seqs) != len(self.scheduler.running) or any(s.finished or s.guide is not None for s in seqs):
+            return False  # a sequence stopped or was aborted since this step was launched; a grammar needs its token
         with self._lock:
             if self._pending_add or self._pending_abort:  # a new request's prefill joins the next step
                 return False
@@ -733,7 +756,7 @@ class LLMEngine:
         accepted: the request is finished)."""
         try:
             # each draw keyed by (seed, the position of the token drawn): len(token_ids) before it is appended
-            toks = sample(penalties.process(logits, seqs, self.eos_ids), [s.params for s in seqs],
+            toks = sample(penalties.process(self._constrain(logits, seqs), seqs, self.eos_ids), [s.params for s in seqs],
                           [s.seed for s in seqs], [len(s.token_ids) for s in seqs])
             logprobs.record(seqs, logits, toks)  # raw logits: the model's distribution
         except Exception as e:
@@ -749,7 +772,8 @@ class LLMEngine:
         for i, s in enumerate(seqs):
             row = logits[i:i + 1]
             try:
-                t = sample(penalties.process(row, [s], self.eos_ids), [s.params], [s.seed], [len(s.token_ids)])
+                t = sample(penalties.process(self._constrain(row, [s]), [s], self.eos_ids), [s.params], [s.seed],
+                           [len(s.token_ids)])
                 logprobs.record([s], row, t)
                 toks.append(t[0])
             except Exception as e:
@@ -760,6 +784,25 @@ class LLMEngine:
         for s, e in failed:
             self._fail(s, e)
         return toks
+
+    def _constrain(self, logits, seqs):
+        """The host draw's logits with each row's logit_bias and grammar mask (engine/guided.py); the input itself
+        when no row has either."""
+        mask, bias = self._constraints(seqs, logits.device)
+        return logits if mask is None and bias is None else guided.apply(logits, mask, bias)
+
+    def _constraints(self, seqs, device) -> tuple:
+        """(the rows' token bitmasks [R, V/32] or None, their (bias ids, values) or None) on `device`: each grammar's
+        mask filled now, from the tokens accepted so far."""
+        mask = bias = None
+        if any(s.guide is not None for s in seqs):
+            host = torch.empty(len(seqs), guided.words(self.model_cfg.vocab_size), dtype=torch.int32,
+                               pin_memory=device.type == "cuda")
+            self.guides.fill([s.guide for s in seqs], host)
+            mask = host.to(device, non_blocking=True)
+        if any(s.params.logit_bias for s in seqs):
+            bias = guided.bias_tensors([s.params.logit_bias for s in seqs], device)
+        return mask, bias
 
     def _drop_faulty(self, batch, exc: Exception):
         """After building a step's input raised: the rows whose own settings cannot be prepared fail their

@@ -75,7 +75,8 @@ class SamplingParams:
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing to do with the logits: the runner's on-device argmax is the token."""
-        return self.greedy and self.logprobs is None and not needs_processing(self)
+        return (self.greedy and self.logprobs is None and not needs_processing(self) and self.guided is None
+                and self.logit_bias is None)
 
     def validate(self, vocab_size: int) -> None:
         """Every setting in the range the engine's tensors and arithmetic can carry (RequestError names the one
@@ -188,6 +189,7 @@ class Sequence:
         self.prompt_hashes: list[int] | None = None  # the prompt's chain hashes as far as a lookup needed them
         self.decode_snap: tuple[int, int] | None = None  # (snapshot, block) of its latest decode-time snapshot
         self.num_cached_tokens = 0         # prompt tokens its admission reused from the prefix cache
+        self.guide = None                  # its grammar's matcher (SamplingParams.guided; engine/guided.py)
         self.snap_points: set[int] = set()  # prompt positions (block ends) whose KDA state another prompt will reuse
         self.finish_reason: str | None = None
         self.error: str | None = None     # finish_reason "error": what failed (engine._fail)

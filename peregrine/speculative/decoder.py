@@ -51,8 +51,9 @@ from .width import AcceptanceTracker, choose_width
 
 def speculates(p) -> bool:
     """Requests that get drafts: greedy or sampled (the draws are keyed by position, so speculation keeps a sampled
-    request's tokens), without logprobs or logits processing (penalties, min_tokens), which ride along undrafted."""
-    return p.logprobs is None and not needs_processing(p)
+    request's tokens), without logprobs, logits processing (penalties, min_tokens, logit_bias) or a grammar, which
+    ride along undrafted (a grammar's mask is filled one token at a time)."""
+    return p.logprobs is None and not needs_processing(p) and p.guided is None and p.logit_bias is None
 
 
 SYNTHETIC_SEED = 0x5EED  # the synthetic acceptance draws' key, beside each request's seed and length
