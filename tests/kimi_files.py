@@ -25,6 +25,11 @@ MERGES = [("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o"), (" ", "w"), ("o",
 # Kimi's special ids sit at these offsets past the mergeable ranks (163584 + k in the published files)
 SPECIALS = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>", 10: "<|im_system|>",
             17: "<|im_middle|>", 254: "[UNK]", 255: "[PAD]"}
+# Kimi-Linear / K2's tool-call markers (163595.. in the published files)
+TOOL_SPECIALS = {11: "<|tool_calls_section_begin|>", 12: "<|tool_calls_section_end|>", 13: "<|tool_call_begin|>",
+                 14: "<|tool_call_argument_begin|>", 15: "<|tool_call_end|>"}
+# Kimi K3's specials: its XTML markup's brackets and its end of message (163584.. in K3's files)
+K3_SPECIALS = {0: "[BOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>", 254: "[UNK]", 255: "[PAD]"}
 NUM_RESERVED = 256  # ids past the ranks the model's vocabulary keeps for special tokens
 # a chat template of Kimi's shape, written for these tests
 TEMPLATE = (
@@ -50,23 +55,25 @@ def ranks() -> dict[bytes, int]:
     return r
 
 
-def write_tokenizer(folder: Path, template: bool = True, generation_eos=None) -> dict:
-    """-> {spelling: id} of the special tokens written."""
+def write_tokenizer(folder: Path, template: bool | str = True, generation_eos=None, specials: dict | None = None) -> dict:
+    """-> {spelling: id} of the special tokens written. template: True (TEMPLATE), a template's text, or False;
+    specials: {offset: spelling} (default SPECIALS; SPECIALS | TOOL_SPECIALS for Kimi-Linear's tool markers)."""
+    specials = SPECIALS if specials is None else specials
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     r = ranks()
     (folder / "tiktoken.model").write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % i for t, i in r.items()))
     n = len(r)
     atd = {str(n + k): {"content": v, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-                        "special": True} for k, v in SPECIALS.items()}
-    tc = {"added_tokens_decoder": atd, "bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]",
-          "unk_token": "[UNK]", "tokenizer_class": "TikTokenTokenizer", "model_max_length": 1048576}
+                        "special": True} for k, v in specials.items()}
+    tc = {"added_tokens_decoder": atd, "bos_token": "[BOS]", "eos_token": specials.get(1, specials.get(2)),
+          "pad_token": "[PAD]", "unk_token": "[UNK]", "tokenizer_class": "TikTokenTokenizer", "model_max_length": 1048576}
     if template:
-        tc["chat_template"] = TEMPLATE
+        tc["chat_template"] = TEMPLATE if template is True else template
     (folder / "tokenizer_config.json").write_text(json.dumps(tc, indent=1))
     if generation_eos is not None:
         (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos, "bos_token_id": n}))
-    return {v: n + k for k, v in SPECIALS.items()}
+    return {v: n + k for k, v in specials.items()}
 
 
 def vocab_size() -> int:

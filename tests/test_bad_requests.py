@@ -6,7 +6,10 @@ Two defences, tested apart:
   tensors or arithmetic cannot carry (integers past int64 / int32, floats that are NaN, infinite, 1e308 or an
   integer too large for a float, lists past their caps, bodies nested too deep or too large) is refused
   before the engine sees it, with a 400 that names the field, while a good request sent at the same
-  moment is answered as if alone, and the server stays healthy.
+  moment is answered as if alone, and the server stays healthy. The same holds for chat's tools (an empty list, a
+  tool without a name, a tool_choice naming no tool, "auto" on a server without a tool parser, a malformed
+  tool_calls history) and for constraints the engine cannot compile (a JSON schema, regex or grammar): each a 400
+  naming its field.
 - Isolation (engine.py: _drop_faulty, _sample_each, _accept_all): a fault while preparing, drawing or
   stopping one request's row fails that request alone. Validation keeps such values out, so to reach this
   code the tests plant the faults themselves, after admission: they set a sequence's seed past int64 or
@@ -211,6 +214,7 @@ def post(s, path, data, timeout=T):
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 BASE = {"completions": '"prompt": "a"', "chat": '"messages": [{"role": "user", "content": "a"}]'}
 HUGE = "9" * 5000  # an integer literal past Python's int conversion limit (4300 digits)
+TOOLS_JSON = json.dumps([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
 # (field, the value as JSON text, other fields as JSON text, endpoints): each must be a 400 naming the field
 FIELD_CASES = [
     *[("seed", v, "", "both") for v in (str(2**64), str(-2**63 - 1), HUGE, '"7"', "1.5")],
@@ -236,6 +240,26 @@ FIELD_CASES = [
     *[("prompt", v, "", "completions") for v in (f"[{2**64}]", "[-1]", f"[{HUGE}]", json.dumps([1] * MAX_LEN),
                                                    json.dumps(["a"] * 1000))],
     ("messages", json.dumps([{"role": "user", "content": "a"}] * 500), "", "chat"),
+    # tools and constraints (#66 item 5)
+    *[("tools", v, "", "chat") for v in ("[]", json.dumps([{"type": "function", "function": {"description": "x"}}]),
+                                         '{"name": "f"}')],
+    ("tools", TOOLS_JSON, "", "completions"),
+    *[("tool_choice", v, f'"tools": {TOOLS_JSON}', "chat")
+      for v in ('{"type": "function", "function": {"name": "nope"}}', '"sometimes"',
+                '"auto"')],  # auto: this server runs no --tool-call-parser
+    ("tool_choice", '"required"', "", "chat"),  # no tools to choose
+    ("parallel_tool_calls", '"no"', f'"tools": {TOOLS_JSON}, "tool_choice": "none"', "chat"),
+    *[("messages", json.dumps([{"role": "user", "content": "a"}, m]), "", "chat") for m in (
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f",
+                                                                                              "arguments": "{}"}}]},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": 1}}]},
+        {"role": "tool", "content": "result without its call id"})],
+    ("response_format", '{"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}', "",
+     "both"),
+    ("response_format", '{"type": "json_schema", "json_schema": {"name": "x"}}', "", "both"),
+    *[("structured_outputs", v, "", "both") for v in ('{"regex": "([a-"}', '{"grammar": "root ::= "}',
+                                                      '{"choice": []}', '{"json": "{", "regex": "a"}')],
+    ("guided_json", '{"type": "object"}', "", "both"),
 ]
 CASES = [(ep, *c[:3]) for c in FIELD_CASES for ep in (("completions", "chat") if c[3] == "both" else (c[3],))]
 
@@ -338,6 +362,11 @@ GOOD_HTTP = [  # (endpoint, body, stream): greedy and seeded sampling, completio
               "ignore_eos": True}, True),
     ("chat", {"messages": [{"role": "user", "content": "delta"}], "max_tokens": 100, "temperature": 0.7, "top_k": 30,
               "seed": 9, "ignore_eos": True}, False),
+    # a constrained row and a biased one in the same batch (#66)
+    ("completions", {"prompt": "eta", "max_tokens": 60, "temperature": 0, "structured_outputs": {"regex": "[a-z ]{0,200}"},
+                     "ignore_eos": True}, True),
+    ("chat", {"messages": [{"role": "user", "content": "theta"}], "max_tokens": 60, "temperature": 0.8, "seed": 4,
+              "logit_bias": {"97": 8, "98": -100}, "ignore_eos": True}, False),
 ]
 BAD_HTTP = [
     ("completions", {"prompt": "bad one", "max_tokens": 8, "stop": [MARK_STOP]}, False, "stop-matching"),

@@ -206,7 +206,7 @@ BAD = [
     ({"model": NAME, "prompt": "a", "top_k": -2}, "top_k"),
     ({"model": NAME, "prompt": "a", "temperature": -0.5}, "temperature"),
     ({"model": NAME, "prompt": "a", "top_p": 1.2}, "top_p"),
-    ({"model": NAME, "prompt": "a", "logit_bias": {"65": 5}}, "logit_bias"),
+    ({"model": NAME, "prompt": "a", "logit_bias": {"65": 500}}, "logit_bias"),  # OpenAI's range is [-100, 100]
     ({"model": NAME, "prompt": "a\ud800b"}, "lone surrogate"),
     ({"model": NAME, "prompt": "a", "stop": ["\udfff"]}, "stop[0]"),
     ({"model": NAME, "prompt": "x" * MAX_LEN}, "limit"),

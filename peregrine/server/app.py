@@ -17,6 +17,9 @@ cannot fails the requests in flight), 503 engine thread dead.
 A client that disconnects aborts its request, which frees its slot and blocks.
 Text excludes the final eos/stop token (usage and token_ids count it) and is cut
 before a stop string. n > 1: n engine requests, one per choice, on one queue.
+Chat answers go through the request's reply parser (reply.py: --reasoning-parser, --tool-call-parser, a named or
+"required" tool_choice) into reasoning_content / reasoning, content and tool_calls, streamed as OpenAI's deltas;
+finish_reason is "tool_calls" when an "auto" answer called tools or a "required" one stopped with calls.
 """
 from __future__ import annotations
 
@@ -34,7 +37,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.request import RequestError
 from .async_engine import AsyncEngine, EngineStepError, ShutdownError
-from .chat import ChatTemplate
+from . import reply as replies
+from . import structured, tools as tool_req
+from .chat import ChatTemplate, template_kwargs
 from .limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 from .metrics import CONTENT_TYPE, Metrics
 from .logprob_format import LogprobFormatter, prompt_entries
@@ -59,6 +64,8 @@ class Tracker:
         self.prompt_logprobs: list | None = None
         self.offset = 0                  # text_offset of the next streamed token (completions logprobs)
         self.cached = 0                  # prompt tokens the prefix cache served
+        self.reply = None                # reply.Reply: this choice's reasoning / content / tool-call parser
+        self.n_calls = 0                 # tool calls streamed so far
 
     def text_ids(self) -> list[int]:
         if self.finish_reason == "stop" and self.ids and self.ids[-1] in self.stop_ids:
@@ -108,8 +115,12 @@ class Tracker:
 class ServerState:
     def __init__(self, engine, tokenizer, served_model_name: str, max_queue: int, chat_template: ChatTemplate,
                  defaults=None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allow_forced_replies: bool = False,
-                 kv_events=None, model_path: str | None = None):
+                 kv_events=None, model_path: str | None = None, tool_parser: str | None = None,
+                 reasoning_parser: str | None = None, enable_auto_tool_choice: bool = False):
         self.engine, self.tokenizer, self.name = engine, tokenizer, served_model_name
+        # vLLM's --tool-call-parser / --reasoning-parser / --enable-auto-tool-choice (reply.py)
+        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
+        self.auto_tools = enable_auto_tool_choice and tool_parser is not None
         self.model_path = model_path or served_model_name
         self.allow_forced_replies = allow_forced_replies  # benchmarks only: requests may carry forced_tokens
         self.max_queue, self.chat_template, self.defaults = max_queue, chat_template, defaults
@@ -220,15 +231,19 @@ def sse(obj) -> str:
 def create_app(engine=None, tokenizer=None, served_model_name: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
                chat_template: ChatTemplate | None = None, defaults=None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allow_forced_replies: bool = False,
-               loader=None, kv_events=None, drain_timeout: float = 60.0, model_path: str | None = None) -> FastAPI:
+               loader=None, kv_events=None, drain_timeout: float = 60.0, model_path: str | None = None,
+               tool_parser: str | None = None, reasoning_parser: str | None = None,
+               enable_auto_tool_choice: bool = False) -> FastAPI:
     """defaults: the model's GenerationConfig (sampling defaults for requests that set none);
     allow_forced_replies (benchmarks only): /v1/completions takes forced_tokens, the reply the engine emits.
     loader (instead of engine and tokenizer): called on a thread once the server listens, it returns a dict of
     this function's engine, tokenizer, served_model_name, chat_template, defaults, model_path; every endpoint
-    answers 503 until it returns. kv_events: a kv_events.KVEventPublisher fed the prefix cache's block events."""
+    answers 503 until it returns. kv_events: a kv_events.KVEventPublisher fed the prefix cache's block events.
+    tool_parser ("kimi_k2" | "kimi_k3"), reasoning_parser ("kimi_k3"), enable_auto_tool_choice: vLLM's flags."""
     life = Lifecycle("loading" if loader is not None else "ready", drain_timeout)
     opts = dict(max_queue=max_queue, max_body_bytes=max_body_bytes, allow_forced_replies=allow_forced_replies,
-                kv_events=kv_events)
+                kv_events=kv_events, tool_parser=tool_parser, reasoning_parser=reasoning_parser,
+                enable_auto_tool_choice=enable_auto_tool_choice)
 
     def make_state(engine, tokenizer, served_model_name, chat_template=None, defaults=None, model_path=None):
         return ServerState(engine, tokenizer, served_model_name, chat_template=chat_template or ChatTemplate(),
@@ -331,7 +346,7 @@ def create_app(engine=None, tokenizer=None, served_model_name: str | None = None
                 raise APIError(404, f"The model `{body.get('model')}` does not exist: this server serves `{st.name}`",
                                "model", code="model_not_found")
             if chat:
-                ids = st.tokenizer.encode(st.chat_template.render(body.get("messages")))
+                ids = _chat_prompt_ids(st, body, lenient=True)[0]
             else:
                 ids = completion_prompt_ids(body, st.tokenizer.encode)
         except APIError as e:
@@ -373,16 +388,33 @@ def create_app(engine=None, tokenizer=None, served_model_name: str | None = None
 async def _parse(st: ServerState, request: Request, chat: bool):
     """(body, ParsedRequest): a completions or chat request checked and tokenized (serving and render alike)."""
     body = parse_json(await read_body(request, st.max_body_bytes))
+    ctx: dict = {}
+    guided_fn = None
     if chat:
         if not isinstance(body, dict):
             raise APIError(400, "request body must be a JSON object")
-        ids_fn = lambda b: st.tokenizer.encode(st.chat_template.render(b.get("messages")))  # noqa: E731
+
+        def ids_fn(b):
+            ids, ctx["tools"], ctx["thinking"] = _chat_prompt_ids(st, b)
+            return ids
+        guided_fn = lambda b: tool_req.guided(ctx["tools"], b, structured.guided(b))  # noqa: E731
         default_max = lambda n: st.max_model_len - n  # noqa: E731  chat: the rest of the context
     else:
         ids_fn = lambda b: completion_prompt_ids(b, st.tokenizer.encode)  # noqa: E731
         default_max = lambda n: DEFAULT_COMPLETION_TOKENS  # noqa: E731
-    return body, parse_common(body, st.name, st.max_model_len, st.vocab_size, ids_fn, default_max, chat=chat,
-                              defaults=st.defaults, allow_forced=st.allow_forced_replies)
+    req = parse_common(body, st.name, st.max_model_len, st.vocab_size, ids_fn, default_max, chat=chat,
+                       defaults=st.defaults, allow_forced=st.allow_forced_replies, guided_fn=guided_fn)
+    req.tools, req.thinking = ctx.get("tools"), ctx.get("thinking", True)
+    return body, req
+
+
+def _chat_prompt_ids(st: ServerState, body: dict, lenient: bool = False):
+    """-> (the chat prompt's token ids, its tools.ToolRequest, thinking on): the tools and the template's
+    arguments checked, the conversation rendered by the model's template. lenient (/tokenize): tool_choice "auto"
+    is not refused on a server without a tool parser (nothing is generated)."""
+    treq = tool_req.parse_tools(body, st.auto_tools or lenient, k3=st.tool_parser == "kimi_k3")
+    kw, thinking = template_kwargs(body, st.chat_template.k3, treq)
+    return st.chat_template.prompt_ids(st.tokenizer, body.get("messages"), treq.tools, **kw), treq, thinking
 
 
 def _echo_text(st: ServerState, body: dict, ids: list[int]) -> str:
@@ -436,12 +468,41 @@ async def handle(st: ServerState, request: Request, chat: bool):
     st.metrics.prompt_tokens.inc(len(req.prompt_ids) * req.n)
     stop_ids = set(req.params.stop_token_ids) | (st.eos if not req.params.ignore_eos else set())
     trs = {r: Tracker(st, arrival, stop_ids, i) for i, r in enumerate(rids)}
+    if chat:
+        for tr in trs.values():
+            tr.reply = _make_reply(st, req)
     echo = _echo_text(st, body, req.prompt_ids) if req.echo else None
     base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": now(),
             "model": st.name}
     if req.stream:
         return StreamingResponse(stream(st, q, trs, req, base, chat, echo), media_type="text/event-stream")
     return await collect(st, request, q, trs, req, base, chat, echo)
+
+
+def _make_reply(st: ServerState, req):
+    t = req.tools
+    if t is None:
+        return None
+    return replies.make_reply(st.tool_parser, st.reasoning_parser, t.choice, t.parallel, t.name, req.thinking)
+
+
+def _finish_reason(req, fin, n_calls: int):
+    """vLLM's: "tool_calls" when an "auto" answer called tools, or a "required" one stopped with calls."""
+    choice = req.tools.choice if req.tools is not None else "none"
+    if n_calls and (choice == "auto" or (choice == "required" and fin == "stop")):
+        return "tool_calls"
+    return fin
+
+
+def _message(st: ServerState, pieces: list) -> dict:
+    m = replies.join(pieces)
+    calls = [replies.tool_call_json(c) for c in m["tool_calls"]]
+    msg = {"role": "assistant", "content": None if calls and m["content"] == "" else m["content"]}
+    if st.reasoning_parser is not None:  # vLLM's old and new names
+        msg["reasoning_content"] = msg["reasoning"] = m["reasoning"]
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
 
 
 def _logprobs(st: ServerState, req, chat: bool, tr: Tracker, new: list, with_prompt: bool):
@@ -519,6 +580,20 @@ async def stream(st, q, trs: dict, req, base, chat, echo: str | None):
                 fin, new = out.finish_reason, out.new_token_ids
             lp = _logprobs(st, req, chat, tr, new_lp, with_prompt=first and req.echo)
             ids = (new or []) if req.return_token_ids else None
+            if tr.reply is not None:
+                pieces = tr.reply.feed(delta) + (tr.reply.finish() if out.finished else [])
+                tr.n_calls += sum(p[0] == "call" for p in pieces)
+                d = replies.delta(pieces)
+                if not d and not out.finished and lp is None and not ids:
+                    continue  # nothing to show yet (a marker's start held back)
+                c = {"index": tr.index, "delta": d, "logprobs": lp,
+                     "finish_reason": _finish_reason(req, fin, tr.n_calls) if out.finished else None}
+                if ids is not None:
+                    c["token_ids"] = ids
+                yield sse({**base, "choices": [c], "usage": None})
+                if out.finished:
+                    done.add(out.request_id)
+                continue
             yield sse({**base, "choices": [_choice(chat, delta, fin, True, ids, tr.index, lp)], "usage": None})
             if out.finished:
                 done.add(out.request_id)
@@ -585,7 +660,12 @@ async def collect(st, request, q, trs: dict, req, base, chat, echo: str | None):
         else:
             text, fin, ids = (echo or "") + text, tr.finish_reason, tr.ids
         lp = _logprobs(st, req, chat, tr, tr.logprobs, with_prompt=req.echo)
-        choices.append(_choice(chat, text, fin, False, ids if req.return_token_ids else None, tr.index, lp))
+        c = _choice(chat, text, fin, False, ids if req.return_token_ids else None, tr.index, lp)
+        if tr.reply is not None:
+            pieces = tr.reply.feed(text) + tr.reply.finish()
+            c["message"] = _message(st, pieces)
+            c["finish_reason"] = _finish_reason(req, fin, len(c["message"].get("tool_calls", ())))
+        choices.append(c)
     return {**base, "object": "chat.completion" if chat else "text_completion", "choices": choices,
             "usage": usage(len(req.prompt_ids), _n_out(req, trs), _cached(trs))}
 

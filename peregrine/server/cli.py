@@ -13,6 +13,7 @@ import sys
 from ..bench.cli import int_list  # one parser for comma lists
 from ..engine_args import add_engine_args, engine_config
 from .limits import DEFAULT_DRAIN_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
+from .reply import REASONING_PARSERS, TOOL_PARSERS
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -43,6 +44,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="accepted for vLLM's command lines; every answer's usage carries "
                         "prompt_tokens_details.cached_tokens (the prompt tokens the prefix cache served) anyway")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's flag: chat requests with tools (tool_choice \"auto\", the default with tools) have the "
+                        "model's tool calls read back into message.tool_calls; needs --tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
+                   help="the model's tool-call format, in vLLM's names: kimi_k2 (Kimi-Linear, Kimi-K2: "
+                        "<|tool_calls_section_begin|> ...), kimi_k3 (K3's XTML tools channel)")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="the model's reasoning format, in vLLM's names: kimi_k3 (K3's think channel, returned as "
+                        "message.reasoning_content and .reasoning)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server and access log detail (default info)")
     g.add_argument("--allow-forced-replies", action="store_true",
@@ -70,6 +80,9 @@ def cmd_serve(args) -> int:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     if args.drain_timeout < 0:
         raise ConfigError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (kimi_k2 or kimi_k3): the parser reads "
+                          "the model's tool calls")
     ecfg = engine_config(args)  # every engine option checked before the model loads
     events_cfg = parse_kv_events_config(args.kv_events_config)
     if events_cfg is not None and not ecfg.enable_prefix_caching:
@@ -89,15 +102,25 @@ def cmd_serve(args) -> int:
         from ..engine.build import build_engine, warm_up
         from ..generation_config import GenerationConfig
         from .chat import ChatTemplate
+        from .k3_chat import CONTROL
+        from .reply import check_tokens, special_id
         compile_log.install(log)  # PEREGRINE_LOG_COMPILES=1: kernels the warm-up misses are named when they compile
         engine, tok = build_engine(args.model, ecfg, dummy_weights=args.dummy_weights, log=log)
         warm_up(engine, log)  # graphs captured and plans built now, not at a request's first prompt of each size
         compile_log.serving()
-        tmpl = ChatTemplate(folder)
+        tmpl = ChatTemplate(folder, model_type=engine.model_cfg.model_type)
+        if tmpl.k3 and any(special_id(tok, t) is None for t in CONTROL):  # e.g. a config-only folder, dummy weights
+            log(f"Kimi K3's chat format needs the special tokens {', '.join(CONTROL)}, which this tokenizer "
+                f"({tok.kind}) lacks: chat requests use the simple template")
+            tmpl = ChatTemplate()
+        check_tokens(tok, args.tool_call_parser, args.reasoning_parser, tmpl.k3)
         gen = GenerationConfig.from_folder(folder)
         log(f"ready: serving '{name}' on http://{args.host}:{args.port} (tokenizer: {tok.kind}, chat template: "
             f"{tmpl.kind}, end ids {list(engine.model_cfg.eos_token_ids)}, max queue {args.max_queue}, "
             f"KV block size {engine.cache.block_size})")
+        if args.tool_call_parser or args.reasoning_parser:
+            log(f"tool-call parser {args.tool_call_parser} (auto tool choice "
+                f"{'on' if args.enable_auto_tool_choice else 'off'}), reasoning parser {args.reasoning_parser}")
         if args.allow_forced_replies:
             log("--allow-forced-replies: requests may carry forced_tokens, replies the model did not choose (benchmarks only)")
         if (gen.temperature, gen.top_p, gen.top_k) != (None, None, None):
@@ -107,7 +130,8 @@ def cmd_serve(args) -> int:
 
     app = create_app(loader=load, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                      allow_forced_replies=args.allow_forced_replies, kv_events=publisher,
-                     drain_timeout=args.drain_timeout)
+                     drain_timeout=args.drain_timeout, tool_parser=args.tool_call_parser,
+                     reasoning_parser=args.reasoning_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
     life = app.state.life
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5.0)  # the drain ran before: only closing connections is left

@@ -10,10 +10,11 @@ logprobs (completions: an int; chat: true with top_logprobs), echo (completions;
 max_tokens 0 the prompt and its logprobs only, as lm-eval's loglikelihood asks),
 presence_penalty / frequency_penalty, stream, stream_options.include_usage, and the
 extensions top_k (-1 or 0 = off), min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
-return_token_ids (adds choices[].token_ids).
+return_token_ids (adds choices[].token_ids), logit_bias, response_format / structured_outputs (structured.py:
+SamplingParams.logit_bias / .guided), and in chat tools / tool_choice / parallel_tool_calls (tools.py).
 Rejected with 400 because ignoring them would change what the client gets:
-best_of other than n, suffix, logit_bias, tools / tool_choice /
-functions, response_format other than text, echo in chat, more than one prompt.
+best_of other than n, suffix, functions, tools in /v1/completions, vLLM's old guided_* fields, echo in chat,
+more than one prompt.
 Benchmarks only: forced_tokens (completions; a server started with --allow-forced-replies), the token ids the
 reply must be, whatever the model says (bench serve --workload agent); without that flag a request carrying it
 is a 400 naming it.
@@ -35,30 +36,13 @@ from dataclasses import dataclass
 from ..engine.logprobs import MAX_LOGPROBS
 from ..engine.penalties import PENALTY_RANGE
 from ..engine.request import INT64, MAX_STOP_TOKEN_IDS, RequestError, SamplingParams
+from .errors import APIError, HugeInt, bad, error_body  # noqa: F401  (re-exported: the server's modules import them here)
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 DEFAULT_TEMPERATURE = 1.0       # OpenAI's default: clients wanting greedy pass temperature=0
 MAX_N = 16                      # choices per request: each runs as its own sequence (a slot and its blocks)
 MAX_STOP_STRINGS = 16           # OpenAI allows 4; lm-eval tasks pass a few more
 
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def bad(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param)
 
 
 def _is_int(x) -> bool:
@@ -104,18 +88,6 @@ def _get(body: dict, key: str, check, what: str, default=None):
     return v
 
 
-class HugeInt:
-    """What parse_json puts where the body has an integer too long for Python to convert (4300+ digits):
-    any field that is one answers a 400 naming it; an ignored field may be one."""
-    MAX_DIGITS = 4000
-
-    def __init__(self, digits: int):
-        self.digits = digits
-
-    def __repr__(self) -> str:
-        return f"an integer of {self.digits} digits"
-
-
 def _int_or_huge(s: str):
     return int(s) if len(s) <= HugeInt.MAX_DIGITS else HugeInt(len(s.lstrip("-")))
 
@@ -145,14 +117,10 @@ def _reject_unsupported(body: dict, chat: bool) -> None:
     if chat:
         off("echo", lambda v: v is False)
     off("suffix", lambda v: v == "")
-    v = body.get("logit_bias")
-    if v is not None and v != {}:
-        raise bad("'logit_bias' is not supported by this server: the decode step samples on the device from "
-                  "per-request settings, and a per-token bias table is not one of them yet", "logit_bias")
-    for k in ("tools", "functions"):
-        off(k, lambda v: v == [])
-    off("tool_choice", lambda v: v == "none")
-    off("response_format", lambda v: isinstance(v, dict) and v.get("type") == "text")
+    if not chat:
+        for k in ("tools", "tool_choice", "parallel_tool_calls", "functions"):
+            if body.get(k) is not None:
+                raise bad(f"'{k}' is taken by /v1/chat/completions only", k)
 
 
 _NUMBERS = frozenset((int, float, bool, type(None)))  # JSON values with no string inside
@@ -193,6 +161,8 @@ class ParsedRequest:
     logprobs: bool = False        # choices carry logprobs
     top_logprobs: int = 0
     forced_tokens: list[int] | None = None  # benchmarks only: the reply's tokens (--allow-forced-replies)
+    tools: object = None          # chat: tools.ToolRequest (tools, tool_choice, parallel_tool_calls)
+    thinking: bool = True         # chat: the template opened a think channel (Kimi K3; its reasoning parser reads it)
 
 
 def _stop_strings(body) -> list[str]:
@@ -253,10 +223,13 @@ def _forced_tokens(body, vocab_size: int, max_tokens: int, mt_key: str, logprobs
 
 def parse_common(body, served_model: str, max_model_len: int, vocab_size: int,
                  prompt_ids_fn, default_max_tokens, chat: bool = False, defaults=None,
-                 allow_forced: bool = False) -> ParsedRequest:
+                 allow_forced: bool = False, guided_fn=None) -> ParsedRequest:
     """prompt_ids_fn(body) -> token ids; default_max_tokens(prompt_len) -> int;
     defaults: the model's GenerationConfig (temperature / top_p / top_k for requests that set none);
-    allow_forced: the benchmark-only field forced_tokens is taken (serve --allow-forced-replies)."""
+    allow_forced: the benchmark-only field forced_tokens is taken (serve --allow-forced-replies);
+    guided_fn(body) -> GuidedDecoding | None: the output's constraint (default: response_format /
+    structured_outputs; chat adds tool_choice's), asked after prompt_ids_fn."""
+    from . import structured
     if not isinstance(body, dict):
         raise bad("request body must be a JSON object")
     check_unicode(body)
@@ -339,7 +312,8 @@ def parse_common(body, served_model: str, max_model_len: int, vocab_size: int,
         ignore_eos=_get(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False),
         stop=_stop_strings(body), min_tokens=min_tokens, **pen,
         logprobs=top_k_lp if logprobs_on else None,
-        prompt_logprobs=top_k_lp if (echo and logprobs_on) else None)
+        prompt_logprobs=top_k_lp if (echo and logprobs_on) else None,
+        logit_bias=structured.logit_bias(body), guided=(guided_fn or structured.guided)(body))
     try:  # the engine's own ranges (the one place they are kept), answered here with the field's name
         params.validate(vocab_size)
     except RequestError as e:
