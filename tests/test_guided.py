@@ -19,6 +19,8 @@ from peregrine.engine.build import build_engine
 from peregrine.engine.request import GuidedDecoding, RequestError
 from test_specialized import MICRO
 
+pytestmark = pytest.mark.gpu  # device-agnostic: the GPU pass runs it with the decode graphs' constrained variants
+
 SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "yz"]}, "n": {"type": "integer"},
                                            "ok": {"type": "boolean"}},
           "required": ["a", "n", "ok"], "additionalProperties": False}
