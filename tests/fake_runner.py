@@ -87,6 +87,7 @@ class FakeRunner:
         self.logprob_steps = 0             # decode steps that took their logprobs "on the device"
         self.penalty_steps = 0             # decode steps that applied penalties "on the device"
         self.constrained_steps = 0         # decode steps that applied a grammar mask or logit_bias "on the device"
+        self.deferred_steps = 0            # decode steps whose draw the engine made after them (StepInput.defer_draw)
         self.device_logprobs = None
 
     def forward(self, step: StepInput) -> torch.Tensor:
@@ -118,7 +119,8 @@ class FakeRunner:
         decode = step.is_decode
         self.last_path = "latency_specialized" if decode else "standard"
         self.greedy_tokens = self.device_logprobs = None
-        if decode and self.lookahead:
+        self.deferred_steps += bool(step.defer_draw)
+        if decode and self.lookahead and not step.defer_draw:  # (a deferred draw is the engine's, after the step)
             buf = self._greedy_out.setdefault(step.num_seqs, torch.empty(step.num_seqs, dtype=torch.long))
             self.greedy_tokens = buf.copy_(device_tokens(self, step, out))
         if not decode:

@@ -134,8 +134,9 @@ def test_logit_bias_against_the_host_arithmetic(model_dir):
 
 
 def test_on_the_device_path_and_with_lookahead():
-    """The FakeRunner's "device" draws (xgrammar's own masking, not peregrine's): a biased row keeps decode lookahead,
-    a constrained row does not, and both draw what the host path draws."""
+    """The FakeRunner's "device" draws (for the biased row xgrammar's own masking, not peregrine's): a biased row keeps
+    decode lookahead, a constrained row's draw comes after its step (its mask filled while the step runs), and both
+    draw what the host path draws."""
     from peregrine.tokenizer import ByteTokenizer
     from test_lookahead import make_engine
     outs = {}
@@ -148,9 +149,9 @@ def test_on_the_device_path_and_with_lookahead():
         runner.prompts = [(1, 2, 3), (4, 5)]
         reqs = {"bias": ([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True, logit_bias={65: 5.0, 66: -100.0})),
                 "re": ([4, 5], SamplingParams(max_tokens=20, guided=GuidedDecoding("regex", r"[a-d]{4,9}")))}
-        outs[greedy_runner] = run(e, reqs), e.stats["lookahead_steps"], runner.constrained_steps
-    (dev, la, constrained), (host, _, _) = outs[True], outs[False]
-    assert dev == host and la > 0 and constrained > 0
+        outs[greedy_runner] = run(e, reqs), e.stats["lookahead_steps"], runner.constrained_steps, runner.deferred_steps
+    (dev, la, constrained, deferred), (host, *_) = outs[True], outs[False]
+    assert dev == host and la > 0 and constrained > 0 and deferred > 0  # the grammar's draws after the step
     assert re.fullmatch(r"[a-d]{4,9}", dev["re"][0]) and 66 not in dev["bias"][2]
 
 

@@ -66,6 +66,9 @@ class StepInput:
     # (every bit set for an unconstrained row) and (bias ids [S, n] int64, values [S, n] FP32), applied before drawing
     logit_mask: torch.Tensor | None = None
     logit_bias: tuple | None = None
+    # the step returns its logits undrawn: the engine fills the grammar masks on the host while the forward runs and
+    # then draws (decode/head.py draw) itself, so the fill hides behind the step instead of preceding it
+    defer_draw: bool = False
 
     def decode_rows(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """Rows of a mixed step that add one token: (rows, their token index in the flat list, the

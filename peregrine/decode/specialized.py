@@ -268,6 +268,8 @@ class SpecializedRunner:
     def _head(self, logits, step):
         """The step's tokens from [B, V] FP32 logits: the argmax, or with step.sampling each row's draw
         (greedy rows the argmax too); vocab-parallel lm_head: gathered argmax and logits."""
+        if step.defer_draw:  # the engine draws after the step (StepInput.defer_draw)
+            return logits, None
         if self.tp.world > 1 and step.sampling is None:
             ids = self.tp.argmax(logits, argmax(logits))
             logits = self.tp.all_gather(logits, -1)

@@ -48,7 +48,7 @@ class GraphCache:
         self.failed: dict[tuple, str] = {}  # variant keys whose capture failed: their steps run eagerly
 
     def _static(self, B: int, nb: int, sampled: bool = False, like: StepInput | None = None,
-                constrained: bool = False) -> StepInput:
+                constrained: bool = False, deferred: bool = False) -> StepInput:
         c, dev, T = self.cache, self.cache.latent.device, self.T
         long = lambda v, n=B: torch.full((n,), v, dtype=torch.long, device=dev)  # noqa: E731
         st = StepInput(
@@ -64,6 +64,8 @@ class GraphCache:
             st.sampling = tuple(f(v, dt, B * T) for v, dt in ((0.0, torch.float32), (0, torch.int32),
                                                               (1.0, torch.float32), (0.0, torch.float32),
                                                               (0, torch.int64)))
+        if deferred:  # the engine draws after the step (StepInput.defer_draw): the graph ends at the logits
+            st.defer_draw = True
         if constrained:  # structured output / logit_bias (engine/guided.py): every token allowed, no bias until run()
             st.logit_mask = torch.full((B * T, guided.words(c.cfg.vocab_size)), -1, dtype=torch.int32, device=dev)
             st.logit_bias = (torch.zeros((B * T, MAX_LOGIT_BIAS), dtype=torch.long, device=dev),
@@ -80,7 +82,8 @@ class GraphCache:
         t0 = time.time()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        st = self._static(B, nb, sampled="sampled" in key[2:], like=like, constrained="constrained" in key[2:])
+        st = self._static(B, nb, sampled="sampled" in key[2:], like=like, constrained="constrained" in key[2:],
+                          deferred="deferred" in key[2:])
         st.logprobs = "logprobs" in key[2:]
         st.sample_top_k = "topk" in key[2:]
         g, out = capture(lambda: self.fn(st), self.pool)
@@ -123,6 +126,8 @@ class GraphCache:
             key = step.num_seqs, min(context_bucket(need), self.cache.num_blocks)
         if not self.samples:
             return key
+        if step.defer_draw:  # logits only: the draw's settings do not enter the graph
+            return key + ("deferred",)
         sampled = ("sampled",) + (("topk",) if step.sample_top_k else ()) if step.sampling is not None else ()
         return (key + sampled + (("logprobs",) if step.logprobs else ())
                 + (("penalties",) if step.penalties is not None else ())
@@ -248,7 +253,8 @@ class StandardRunner:
         """The logits, or (logits, tokens[, logprobs]) for a decode step the engine planned to draw here (and a
         pure verify step whose sampled rows the speculative decoder planned to draw here: a token each row)."""
         logits = self.model(step, self.cache)
-        if self.device_sampler and (step.is_decode or step.spec_tokens) and (step.sampling is not None or step.logprobs):
+        if (self.device_sampler and (step.is_decode or step.spec_tokens) and (step.sampling is not None or step.logprobs)
+                and not step.defer_draw):
             ids, lp = draw(logits, step)
             return (logits, ids) if lp is None else (logits, ids, lp)
         return logits

@@ -41,6 +41,7 @@ import torch.profiler
 from ..cache import ModelCache
 from ..config import PREFILL_STEP_TOKENS, EngineConfig, ModelConfig
 from ..decode.batch import StepInput, _to_device
+from ..decode.head import draw
 from ..host_memory import Trimmer
 from ..prefix_cache import PrefixCache
 from . import guided, logprobs, penalties
@@ -546,8 +547,18 @@ class LLMEngine:
         step.sampling = None if all(p.greedy for p in ps) and not penalised else self._sampling_for(seqs)
         step.sample_top_k = step.sampling is not None and self._sampling_top_k
         step.logprobs = any(p.logprobs is not None for p in ps)
-        step.logit_mask, step.logit_bias = self._constraints(seqs, self.device)
+        # a grammar's mask needs the tokens so far, all known now: filled after the launch, while the step runs
+        step.defer_draw = any(s.guide is not None for s in seqs)
+        step.logit_mask, step.logit_bias = self._constraints(seqs, self.device, masks=not step.defer_draw)
         return True
+
+    def _deferred_draw(self, step: StepInput, seqs: list[Sequence], logits) -> None:
+        """A step launched with its draw deferred (StepInput.defer_draw): the rows' grammar masks filled now, on the
+        host, while the GPU runs the forward, then the draw (decode/head.py) queued behind it; its tokens and
+        logprobs land where the runner's own would."""
+        step.logit_mask = self._constraints(seqs, self.device, biases=False)[0]
+        ids, lp = draw(logits, step)
+        self.runner.greedy_tokens, self.runner.device_logprobs = ids, lp
 
     def _sampling_for(self, seqs: list[Sequence], T: int = 1):
         """StepInput.sampling for these rows, made once per batch composition (no per-step copies in steady
@@ -585,6 +596,8 @@ class LLMEngine:
             logits = logprobs.split_prompt_rows(batch, self._forward(step, last[-1] + 1), last)
             if self.spec is not None:  # the drafter's setup for new requests while their prefill runs
                 self.spec.prepare([s for s, _ in batch if s.in_prefill])
+            if step.defer_draw:  # the grammar masks filled while the forward runs, then the draw
+                self._deferred_draw(step, [s for s, _ in batch], logits)
             greedy = getattr(self.runner, "greedy_tokens", None)  # tokens already taken inside the step
             path = getattr(self.runner, "last_path", "standard")
             planned = (step.sampling is not None or step.logprobs or step.logit_mask is not None
@@ -791,16 +804,16 @@ class LLMEngine:
         mask, bias = self._constraints(seqs, logits.device)
         return logits if mask is None and bias is None else guided.apply(logits, mask, bias)
 
-    def _constraints(self, seqs, device) -> tuple:
+    def _constraints(self, seqs, device, masks: bool = True, biases: bool = True) -> tuple:
         """(the rows' token bitmasks [R, V/32] or None, their (bias ids, values) or None) on `device`: each grammar's
-        mask filled now, from the tokens accepted so far."""
+        mask filled now, from the tokens accepted so far (masks / biases False: that one left None)."""
         mask = bias = None
-        if any(s.guide is not None for s in seqs):
+        if masks and any(s.guide is not None for s in seqs):
             host = torch.empty(len(seqs), guided.words(self.model_cfg.vocab_size), dtype=torch.int32,
                                pin_memory=device.type == "cuda")
             self.guides.fill([s.guide for s in seqs], host)
             mask = host.to(device, non_blocking=True)
-        if any(s.params.logit_bias for s in seqs):
+        if biases and any(s.params.logit_bias for s in seqs):
             bias = guided.bias_tensors([s.params.logit_bias for s in seqs], device)
         return mask, bias
 
