@@ -45,6 +45,7 @@ class Guides:
         self.info = _tokenizer_info(xgr, tokenizer, vocab_size, sorted(stop_ids))
         self.compiler = xgr.GrammarCompiler(self.info)
         self._compiled: dict[str, object] = {}
+        self.batch = None  # xgrammar's threaded filler, made at the first step with two grammars
 
     def matcher(self, g: GuidedDecoding):
         """A fresh matcher of g's grammar (compiled on first use); RequestError naming g.field if it cannot be."""
@@ -78,12 +79,18 @@ class Guides:
         return c.compile_grammar(g.spec)
 
     def fill(self, matchers: list, out: torch.Tensor) -> None:
-        """out [R, words] int32 (CPU): row i := matchers[i]'s allowed next tokens, or every token (None)."""
+        """out [R, words] int32 (CPU): row i := matchers[i]'s allowed next tokens, or every token (None). Several
+        grammars are filled together on xgrammar's threads (one row's fill: 0.4-1.2 ms at Kimi's vocabulary)."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
         for i, m in enumerate(matchers):
             if m is None:
                 out[i].fill_(-1)
-            else:
-                m.fill_next_token_bitmask(out, i)
+        if len(rows) == 1:
+            matchers[rows[0]].fill_next_token_bitmask(out, rows[0])
+        elif rows:
+            if self.batch is None:
+                self.batch = self.xgr.BatchGrammarMatcher()
+            self.batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], out, rows)
 
 
 def _tokenizer_info(xgr, tokenizer, vocab_size: int, stop_ids: list[int]):
