@@ -1,6 +1,26 @@
 #!/usr/bin/env bash
 # The GPU work still waiting, as one device call on the two-GPU kind (~3 min):
 #   run (kind nvidia-h200-x2, carry .commit and .whl):  bash scripts/gpu_pending.sh
+# - #65 after session 32 (CPU-built, none of it on a GPU yet; the head check at a3e91d3 ran first: results/README.md
+#   "Session 32"). In this order, one H100 (the 48B with MXFP4 experts) unless said, carry .commit (and a .whl with
+#   xgrammar + apache-tvm-ffi for the image that lacks them):
+#   1. the MXFP4 experts' grouped kernel (kernels/moe_mxfp4_prefill.py), ~3 min: its GPU tests, then its GB/s and
+#      TFLOP/s against BF16 grouped_mm and the old dequantize loop at 1K / 8K / 32K tokens:
+#        python3 -m pytest -m gpu -q tests/test_kernels_moe_mxfp4_prefill.py
+#        python3 -m peregrine.bench.kernels_moe_mxfp4_prefill
+#   2. the agent turn over HTTP, at most 9 min, against the issue's baseline (plain TTFT p50 2.84 s, TPOT p50 61.3 ms,
+#      ITL p99 328 ms; suffix 7.42 s / 127 ms / 2.08 s; hits 62 % / 18 %): prefix reuse through forks and speculation,
+#      pieces under speculation and sized by time (12 ms), MXFP4 prefill in graphs, lookahead where speculation is
+#      quiet; its JSON now has each level's hits against a perfect cache's and P90 interactivity:
+#        TURNS=4 CHARS=40000 bash scripts/gpu_agent_serve.sh
+#      if the grouped kernel misbehaves, the same with PEREGRINE_MXFP4_GROUPED=0 (the loop) for the A/B
+#   3. MXFP4 prefill against BF16 on one H200 (both 48Bs fit), TTFT 1K / 8K / 32K (target >= 0.7x BF16's tokens/s):
+#        STEPS=ttft LENGTHS=1024,8192,32768 RUNS=3 bash scripts/gpu_prefill.sh   (then MODEL=<the mxfp4 config>)
+#   4. the head check's spec part for a step with speculation on that verifies nothing (now launched ahead): synthetic
+#      1.5 at B = 2, 4, 8 and n-gram with nothing to propose, against plain (target <= 2 % over plain):
+#        PARTS=spec bash scripts/gpu_check.sh
+#   5. #66's GPU tests (the decode graphs' constrained and deferred-draw variants), ~2 min:
+#        python3 -m pytest -m gpu -q tests/test_guided.py tests/test_tools.py
 # - #57 after session 31 (its head check ran on an H100 at 1b89fb0: results/2026-12-06-session31, results/README.md
 #   "Session 31": sampled 1.065-1.131x greedy, all of it the descent over dummy weights' flat rows; 16 pivots a
 #   level measured 1.031 / 1.034x at B = 1 / 8 in the step and is the default since 5f5dbaf; synthetic 3.78 met
