@@ -134,9 +134,9 @@ def test_logit_bias_against_the_host_arithmetic(model_dir):
 
 
 def test_on_the_device_path_and_with_lookahead():
-    """The FakeRunner's "device" draws (for the biased row xgrammar's own masking, not peregrine's): a biased row keeps
-    decode lookahead, a constrained row's draw comes after its step (its mask filled while the step runs), and both
-    draw what the host path draws."""
+    """The FakeRunner's "device" draws (for the biased row xgrammar's own masking, not peregrine's): both keep decode
+    lookahead, a constrained row's draw coming after its step (its mask filled while the step runs, from the tokens
+    the step before gave), and both draw what the host path draws."""
     from peregrine.tokenizer import ByteTokenizer
     from test_lookahead import make_engine
     outs = {}

@@ -556,7 +556,8 @@ class LLMEngine:
         """A step launched with its draw deferred (StepInput.defer_draw): the rows' grammar masks filled now, on the
         host, while the GPU runs the forward, then the draw (decode/head.py) queued behind it; its tokens and
         logprobs land where the runner's own would."""
-        step.logit_mask = self._constraints(seqs, self.device, biases=False)[0]
+        live = [s if not s.finished else None for s in seqs]  # a row that stopped since the launch: any token
+        step.logit_mask = self._constraints(live, self.device, biases=False)[0]
         ids, lp = draw(logits, step)
         self.runner.greedy_tokens, self.runner.device_logprobs = ids, lp
 
@@ -605,6 +606,9 @@ class LLMEngine:
             device = (planned, getattr(self.runner, "device_logprobs", None))
         else:
             logits, greedy, path, device = ahead.logits, ahead.greedy, ahead.path, ahead.device
+            if ahead.deferred is not None:  # its grammars now hold the last step's tokens: masks, then the draw
+                self._deferred_draw(ahead.deferred, [s for s, _ in batch], logits)
+                greedy, device = self.runner.greedy_tokens, (True, self.runner.device_logprobs)
             snaps = {}
         return self._complete(batch, logits, greedy, path, snaps, during, device)
 
@@ -737,8 +741,8 @@ class LLMEngine:
             return False  # (a request that cannot start yet does not stop it)
         if self.forced and self.engine_cfg.tensor_parallel_size > 1 and any(s.request_id in self.forced for s in seqs):
             return False  # replay under TP: every rank takes its own argmax as the next input, not the recorded token
-        if len(seqs) != len(self.scheduler.running) or any(s.finished or s.guide is not None for s in seqs):
-            return False  # a sequence stopped or was aborted since this step was launched; a grammar needs its token
+        if len(seqs) != len(self.scheduler.running) or any(s.finished for s in seqs):
+            return False  # a sequence stopped or was aborted since this step was launched
         with self._lock:
             if self._pending_add or self._pending_abort:  # a new request's prefill joins the next step
                 return False
@@ -761,7 +765,7 @@ class LLMEngine:
         self.stats["lookahead_steps"] += 1
         return Ahead([(s, 1) for s in seqs], logits, getattr(self.runner, "greedy_tokens", None),
                      getattr(self.runner, "last_path", "standard"),
-                     (planned, getattr(self.runner, "device_logprobs", None)))
+                     (planned, getattr(self.runner, "device_logprobs", None)), step if step.defer_draw else None)
 
     @_traced("sample")
     def _sample(self, seqs: list[Sequence], logits) -> list[int]:
@@ -808,10 +812,10 @@ class LLMEngine:
         """(the rows' token bitmasks [R, V/32] or None, their (bias ids, values) or None) on `device`: each grammar's
         mask filled now, from the tokens accepted so far (masks / biases False: that one left None)."""
         mask = bias = None
-        if masks and any(s.guide is not None for s in seqs):
+        if masks and any(s is not None and s.guide is not None for s in seqs):
             host = torch.empty(len(seqs), guided.words(self.model_cfg.vocab_size), dtype=torch.int32,
                                pin_memory=device.type == "cuda")
-            self.guides.fill([s.guide for s in seqs], host)
+            self.guides.fill([s.guide if s is not None else None for s in seqs], host)
             mask = host.to(device, non_blocking=True)
         if biases and any(s.params.logit_bias for s in seqs):
             bias = guided.bias_tensors([s.params.logit_bias for s in seqs], device)

@@ -4,12 +4,13 @@ A request with SamplingParams.guided (a JSON schema, any JSON object, a regex, a
 grammar) gets an xgrammar matcher when it is added (its grammar compiled then, once per distinct grammar: one that
 does not compile is that request's 400). Before each draw of its token the matcher fills the row's token bitmask
 (bit t of word t // 32: token t allowed) on the host; the draw then sees -inf wherever the bit is clear: on the
-device inside the decode step's graph (decode/head.py, StepInput.logit_mask: a graph variant of its own, so
-unconstrained batches keep theirs) or on the host where the host draws. Every accepted token advances the matcher;
+device (decode/head.py: after the step, or for a biased row inside its graph, a variant of its own, so unconstrained
+batches keep theirs) or on the host where the host draws. Every accepted token advances the matcher;
 a grammar that reached its end (the stop token accepted) ends the request. logit_bias (token -> bias) is added to
 the logits before the mask, on the same two paths (StepInput.logit_bias: ids and values, padded to the batch's
-longest). A constrained row never launches the next step ahead (its mask needs this step's token) and carries no
-drafts; a biased row does both, its bias being fixed.
+longest). A step with a constrained row is launched with its draw deferred (StepInput.defer_draw): the host fills
+the masks while the forward runs, then queues the draw, so decode lookahead holds (the step ahead's masks are filled
+once this step's tokens reached the grammars). A constrained or biased row carries no drafts.
 """
 from __future__ import annotations
 

@@ -9,6 +9,9 @@ lookahead step made for a sequence that had already stopped (or was aborted) is 
 only past the sequence's end, inside the blocks and slot the sequence still owned at launch; the
 stream runs it before any later owner's first write, and a reused KDA slot is zeroed on allocation.
 
+A request with a grammar (structured output) keeps it too: the step ahead is launched with its draw deferred, and
+its masks are filled, and its draw queued, once this step's tokens have reached the host and the grammars.
+
 Replay (engine.forced, benchmarks only) keeps lookahead on one GPU: a forced row's next input is its recorded
 token, copied over the device's token (forced_input); under tensor parallel, where every rank takes its own
 argmax as the next input, forced rows run without lookahead.
@@ -30,6 +33,7 @@ class Ahead:
     greedy: torch.Tensor | None  # the runner's on-device tokens of that step (argmax, or draws with sampling)
     path: str
     device: tuple = (False, None)  # (drew its sampled rows / took logprobs on the device, the logprob tensors)
+    deferred: object = None  # its StepInput when its draw waits for the grammar masks (StepInput.defer_draw)
 
 
 class Readback:
