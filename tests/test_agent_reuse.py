@@ -106,6 +106,18 @@ def test_a_fork_without_a_snapshot_is_reused_after_its_first_recompute():
     check_clean(eng, runner, cache)
 
 
+def test_a_prompt_sent_again_without_its_last_tokens_reuses_a_block_back():
+    """A turn that re-sends the last prompt less its tail (aiperf's trace replay drops a partial last block) and goes
+    on: its fork lies before the last prompt's last block end, where the snapshot a block back still serves."""
+    eng, runner, cache = make(snapshots=32, max_num_batched_tokens=128)
+    S = toks(42, 1)  # blocks of 4: its last block ends are 40 and, a block back, 36
+    run(eng, runner, S)
+    before = hits(eng)
+    run(eng, runner, S[:37] + toks(9, 2))  # shares 37 tokens: block 9 (36) is whole
+    assert hits(eng) - before == 36
+    check_clean(eng, runner, cache)
+
+
 def test_a_fork_after_its_twin_was_evicted_is_still_right():
     """The twin a recomputed fork chained through is evicted before the fork's next turn: no wrong reuse."""
     eng, runner, cache = make(num_blocks=40, num_slots=2, snapshots=4, max_num_batched_tokens=128, max_model_len=64)

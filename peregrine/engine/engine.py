@@ -55,6 +55,10 @@ from .stops import TextState
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 4096  # cap when the user sets none: keeps the block reservation per request modest
+# block ends before a prompt's last one that keep a KDA snapshot too: the next turn may re-send this prompt without its
+# last tokens (aiperf's trace replay drops a partial last block; a client trims a trailing message), and a fork inside
+# the last blocks then still finds a state at most this many blocks back
+TAIL_SNAPSHOT_BLOCKS = 1
 CPU_PIECE_LAYERS = 6  # layers a prefill piece on the CPU, where pieces are not sized by time (steps independent of speed)
 
 
@@ -657,8 +661,8 @@ class LLMEngine:
     # ---- prefix caching: which block ends get a KDA snapshot, and the bookkeeping after a step ----
     def _plan_snapshots(self, batch, step: StepInput) -> dict:
         """Snapshot slots for this step's prefill rows: at every block-aligned chunk end, at the
-        prompt's last block ends (floor(P/bs) and floor((P-1)/bs) blocks: what a longer or a repeated
-        prompt can reuse) and where another prompt parts from this one (seq.snap_points: a fork point, or a
+        prompt's last block ends (floor(P/bs), floor((P-1)/bs) and TAIL_SNAPSHOT_BLOCKS more blocks back: what a
+        longer, a repeated or a trimmed prompt can reuse) and where another prompt parts from this one (seq.snap_points: a fork point, or a
         prompt waiting to reuse this one's prefix, scheduler.py). Ends inside a chunk are taken by the KDA layers as they pass them
         (step.kda_snapshots); a chunk's own end after the forward. -> {row: [(position, snapshot)]}."""
         pc, bs = self.prefix_cache, self.cache.block_size
@@ -669,7 +673,9 @@ class LLMEngine:
             if not seq.in_prefill:
                 continue
             s, e, P = seq.num_cached, seq.num_cached + n, seq.prompt_len
-            want = {p for p in (e, P // bs * bs, (P - 1) // bs * bs, *seq.snap_points) if s < p <= e and p % bs == 0}
+            tail = P // bs * bs - TAIL_SNAPSHOT_BLOCKS * bs  # the block ends of the prompt's last blocks
+            want = {p for p in (e, (P - 1) // bs * bs, *range(max(bs, tail), P + 1, bs), *seq.snap_points)
+                    if s < p <= e and p % bs == 0}
             for p in sorted(want):
                 snap = pc.new_snapshot()
                 if snap is None:
