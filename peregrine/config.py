@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -262,9 +263,54 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
 
 
+HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # a Hugging Face model id: owner/name
+
+
+def hub_cache() -> Path:
+    """Where Hugging Face keeps downloaded models (its own environment variables, then its default)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    return Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface") / "hub"
+
+
+def cached_snapshot(model_id: str) -> Path | None:
+    """The Hugging Face cache's copy of model_id (its main revision, else the newest snapshot holding config.json)."""
+    entry = hub_cache() / ("models--" + model_id.replace("/", "--"))
+    ref = entry / "refs" / "main"
+    if ref.is_file():
+        snap = entry / "snapshots" / ref.read_text().strip()
+        if (snap / "config.json").is_file():
+            return snap
+    snaps = sorted((p for p in (entry / "snapshots").glob("*") if (p / "config.json").is_file()),
+                   key=lambda p: p.stat().st_mtime) if (entry / "snapshots").is_dir() else []
+    return snaps[-1] if snaps else None
+
+
+def fetch_model(model_id: str) -> Path:
+    """model_id's folder: the Hugging Face cache's copy, else downloaded through huggingface_hub (vLLM's way); else a
+    ConfigError saying where it looked and how to fetch it."""
+    snap = cached_snapshot(model_id)
+    if snap is not None:
+        return snap
+    why = "huggingface_hub is not installed (pip install huggingface_hub)"
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        snapshot_download = None
+    if snapshot_download is not None:
+        try:
+            return Path(snapshot_download(model_id))
+        except Exception as e:  # offline, unknown id, gated: one line, not a traceback
+            why = f"the download failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+    raise ConfigError(f"model '{model_id}' is not a folder, not a preset and not in the Hugging Face cache "
+                      f"({hub_cache()}), and {why}: fetch it with `hf download {model_id}` (or pass its folder)")
+
+
 def resolve_model(model: str) -> tuple[ModelConfig, Path | None]:
-    """A preset name or a model folder -> (config, folder holding weights or None)."""
+    """A preset name, a model folder or a Hugging Face id -> (config, folder holding weights or None)."""
     p = Path(model)
+    if not p.is_dir() and HF_ID.match(model) and not (PRESET_DIR / f"{model}.json").exists():
+        p = fetch_model(model)
     if p.is_dir():
         cfgp = p / "config.json"
         if not cfgp.exists():
@@ -380,6 +426,8 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.tensor_parallel_size < 1:

@@ -28,7 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-piece-layers", type=int, default=None, metavar="N",
                    help="run such a step's prefill rows in pieces of N layers with a decode step of the running "
                         "requests between two pieces: they wait about one piece per token, not the whole chunk "
-                        "(default 6; 0: off)")
+                        "(default on a GPU: as many layers as fit 12 ms, measured; on the CPU 6; 0: off)")
     g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
                    help="reuse the cached MLA blocks and KDA state snapshots of earlier prompts (default on)")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -36,6 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt+output per sequence (default on one GPU: the model's limit, or what half "
                         "the memory left after the weights holds for --max-num-seqs such sequences, said at start; "
                         "else min(model limit, 4096))")
+    g.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization, metavar="F",
+                   help=f"share of the GPU's memory the engine may use, weights included, as vLLM's (default "
+                        f"{EngineConfig.gpu_memory_utilization}); what it leaves for the caches is said at start")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"], help="MLA latent cache dtype (auto = model dtype)")
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     g.add_argument("--dtype", default=None, help="bf16 or fp32 (default: bf16 on cuda, fp32 on cpu)")
@@ -61,7 +64,8 @@ def engine_config(args) -> EngineConfig:
                         prefill_piece_layers=args.prefill_piece_layers,
                         enable_prefix_caching=args.enable_prefix_caching,
                         kv_cache_dtype=args.kv_cache_dtype, device=args.device, dtype=args.dtype, seed=args.seed,
-                        tensor_parallel_size=args.tensor_parallel_size)
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        gpu_memory_utilization=args.gpu_memory_utilization)
     ecfg.apply_additional_config(args.additional_config)
     ecfg.speculative_config = SpeculativeConfig.parse(getattr(args, "speculative_config", "") or None)
     ecfg.validate()

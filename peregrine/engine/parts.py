@@ -104,9 +104,9 @@ def build_parts(model: str, ecfg: EngineConfig, dummy_weights: bool, log, tp=SIN
     log(f"weights ready in {time.time() - t0:.1f}s")
 
     if auto_len and dev.type == "cuda" and tp.world == 1:
-        ecfg.max_model_len = default_context(cfg, lcfg, ecfg, dtype, torch.cuda.mem_get_info(dev)[0])
+        ecfg.max_model_len = default_context(cfg, lcfg, ecfg, dtype, memory_budget(dev, ecfg.gpu_memory_utilization))
         log(f"max_model_len {ecfg.max_model_len} (the model's limit {cfg.max_position_embeddings}; what "
-            f"{CONTEXT_MEMORY_SHARE:.0%} of the free memory holds for {ecfg.max_num_seqs} full-length sequences; "
+            f"{CONTEXT_MEMORY_SHARE:.0%} of the memory budget holds for {ecfg.max_num_seqs} full-length sequences; "
             "--max-model-len sets it)")
     elif auto_len:
         log(f"max_model_len {ecfg.max_model_len} (default {DEFAULT_MAX_MODEL_LEN} without one GPU's memory to size by; "
@@ -121,10 +121,16 @@ def build_parts(model: str, ecfg: EngineConfig, dummy_weights: bool, log, tp=SIN
         snaps = 0
     room = None
     if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        if need > free * ecfg.gpu_memory_utilization:
-            raise ConfigError(f"caches need {gib(need)} but only {gib(free)} is free: lower --max-model-len or --max-num-seqs")
-        room = free * ecfg.gpu_memory_utilization - need
+        free, total = torch.cuda.mem_get_info(dev)
+        budget = memory_budget(dev, ecfg.gpu_memory_utilization)
+        log(f"GPU memory: {gib(total)} in all, {gib(torch.cuda.memory_reserved(dev))} held by the weights, {gib(free)} "
+            f"free; --gpu-memory-utilization {ecfg.gpu_memory_utilization:g} leaves {gib(budget)} for the caches, "
+            "snapshots and activations")
+        if need > budget:
+            raise ConfigError(f"caches need {gib(need)} but --gpu-memory-utilization {ecfg.gpu_memory_utilization:g} "
+                              f"leaves {gib(budget)}: lower --max-model-len or --max-num-seqs, or raise "
+                              "--gpu-memory-utilization")
+        room = budget - need
     ecfg.max_num_batched_tokens = pick_step_tokens(ecfg, lcfg, dtype, room, tp.world, log)
     if dev.type == "cuda":
         room -= min(room, step_bytes(lcfg, ecfg.max_num_batched_tokens, ecfg.max_model_len, dtype))
@@ -132,7 +138,7 @@ def build_parts(model: str, ecfg: EngineConfig, dummy_weights: bool, log, tp=SIN
         # must hold the same pool)
         if ecfg.prefix_cache_snapshots is None and per_slot and tp.world == 1:
             snaps = min(snaps, max(0, int(room * SNAPSHOT_MEMORY_SHARE // per_slot)))
-        if snaps * per_slot + need > free * ecfg.gpu_memory_utilization:
+        if snaps * per_slot + need > budget:
             raise ConfigError(f"{snaps} prefix-cache snapshots need {gib(snaps * per_slot)} more than is free: "
                               "lower prefix_cache_snapshots")
     cache = ModelCache(lcfg, num_blocks=num_blocks, block_size=ecfg.block_size, num_slots=ecfg.max_num_seqs,
@@ -145,13 +151,20 @@ def build_parts(model: str, ecfg: EngineConfig, dummy_weights: bool, log, tp=SIN
     return cfg, m, cache, runner, folder
 
 
-def default_context(cfg, lcfg, ecfg: EngineConfig, dtype: torch.dtype, free: int) -> int:
-    """The default max_model_len on one GPU with `free` bytes after the weights: the model's limit, or the longest
-    context (whole blocks, at least DEFAULT_MAX_MODEL_LEN) whose max_num_seqs sequences' cache and a prefill's context
-    activations fit CONTEXT_MEMORY_SHARE of what gpu_memory_utilization leaves."""
+def memory_budget(dev, utilization: float) -> int:
+    """Bytes the caches, snapshots and activations may take, as vLLM's --gpu-memory-utilization means it: that share
+    of the GPU's whole memory less what this process holds already (the weights), at most what is free."""
+    free, total = torch.cuda.mem_get_info(dev)
+    return max(0, min(free, int(total * utilization) - torch.cuda.memory_reserved(dev)))
+
+
+def default_context(cfg, lcfg, ecfg: EngineConfig, dtype: torch.dtype, budget: int) -> int:
+    """The default max_model_len on one GPU with `budget` bytes for everything but the weights (memory_budget): the
+    model's limit, or the longest context (whole blocks, at least DEFAULT_MAX_MODEL_LEN) whose max_num_seqs sequences'
+    cache and a prefill's context activations fit CONTEXT_MEMORY_SHARE of it."""
     per_token = (ModelCache.bytes_per_token(lcfg, ecfg.kv_cache_dtype, dtype) * ecfg.max_num_seqs
                  + step_bytes(lcfg, 0, 1, dtype))
-    fit = int(free * ecfg.gpu_memory_utilization * CONTEXT_MEMORY_SHARE) // per_token // ecfg.block_size * ecfg.block_size
+    fit = int(budget * CONTEXT_MEMORY_SHARE) // per_token // ecfg.block_size * ecfg.block_size
     return min(cfg.max_position_embeddings, max(fit, DEFAULT_MAX_MODEL_LEN))
 
 
