@@ -177,13 +177,47 @@ def test_a_grammar_that_cannot_be_compiled_is_the_requests_error(model_dir, kind
 
 
 def test_speculation_beside_a_constrained_row(model_dir):
-    """Speculation (scripted drafts, rejections included) with a constrained row in the batch: that row rides along
-    undrafted and stays in its grammar; the other answers what it answers without speculation."""
+    """Speculation (scripted drafts, rejections included) with a constrained row in the batch, which a drafter without
+    text for it leaves undrafted: it stays in its grammar; the other answers what it answers without speculation."""
     from spec_helpers import ScriptedDrafter
     cfg = {"method": "ngram", "num_speculative_tokens": 3}
     plain, spec = engine(model_dir), engine(model_dir, speculative_config=cfg)
     rep = ([9, 8, 7] * 6, SamplingParams(max_tokens=16, ignore_eos=True))
     want = run(plain, {"r": rep})["r"][2]
-    spec.enable_speculation(cfg, drafter=ScriptedDrafter({tuple(rep[0]): want}, [2, 0, 3], spec.model_cfg.vocab_size))
+    spec.enable_speculation(cfg, drafter=ScriptedDrafter({tuple(rep[0]): want, (3, 3): []}, [2, 0, 3],
+                                                         spec.model_cfg.vocab_size, strict=False))
     got = run(spec, {"r": rep, "c": ([3, 3], guided("choice", CHOICES))})
     assert got["r"][2] == want and got["c"][0] in CHOICES and spec.stats["spec"]["verify_steps"] > 0
+
+
+def test_constrained_and_biased_rows_speculate_inside_their_grammar(model_dir):
+    """Scripted drafts for constrained and biased rows: each verified position is masked by its grammar after the
+    drafts before it (a draft the grammar refuses, and those after it, never verified) and biased; the outputs equal
+    the same requests' without speculation, and drafts were accepted."""
+    from spec_helpers import ScriptedDrafter
+    cfg = {"method": "ngram", "num_speculative_tokens": 3}
+    reqs = {"re": ([4, 5], SamplingParams(max_tokens=20, guided=GuidedDecoding("regex", r"[a-d]{6,12}"))),
+            "g": ([6, 7], guided("grammar", EBNF)),
+            "b": ([8, 9], SamplingParams(max_tokens=12, ignore_eos=True, logit_bias={65: 4.0, 66: -100.0})),
+            "s": ([1, 2], guided("choice", CHOICES, temperature=HOT, seed=3))}
+    want = run(engine(model_dir), reqs)
+    spec = engine(model_dir, speculative_config=cfg)
+    dr = ScriptedDrafter({tuple(p): want[r][2] for r, (p, _) in reqs.items()}, [2, 0, 3, 1], spec.model_cfg.vocab_size)
+    spec.enable_speculation(cfg, drafter=dr)
+    got = run(spec, reqs)
+    assert {r: v[2] for r, v in got.items()} == {r: v[2] for r, v in want.items()}
+    assert spec.stats["spec"]["num_accepted_tokens"] > 0
+    check("regex", r"[a-d]{6,12}", got["re"][0])
+    assert 66 not in got["b"][2]
+
+
+def test_a_draft_the_grammar_refuses_is_not_verified(model_dir):
+    from peregrine.speculative.decoder import SpecDecoder
+    e = engine(model_dir)
+    m = e._guides().matcher(GuidedDecoding("regex", r"ab+c"))
+
+    class Seq:
+        guide = m
+    a, b, c = (e.tokenizer.encode(x)[0] for x in "abc")
+    assert SpecDecoder._in_grammar(Seq, [a, b, b, a, c]) == [a, b, b]  # the second "a" is refused
+    assert m.accept_token(a) and m.accept_token(b) and m.accept_token(c)  # the matcher was stepped back to its start

@@ -43,6 +43,7 @@ from collections import deque
 import torch
 
 from ..decode.batch import StepInput
+from ..engine import guided
 from ..engine.penalties import needs_processing
 from ..engine.sampling import sample as sample_tokens
 from .config import SpeculativeConfig
@@ -51,9 +52,9 @@ from .width import AcceptanceTracker, choose_width
 
 def speculates(p) -> bool:
     """Requests that get drafts: greedy or sampled (the draws are keyed by position, so speculation keeps a sampled
-    request's tokens), without logprobs, logits processing (penalties, min_tokens, logit_bias) or a grammar, which
-    ride along undrafted (a grammar's mask is filled one token at a time)."""
-    return p.logprobs is None and not needs_processing(p) and p.guided is None and p.logit_bias is None
+    request's tokens), constrained or biased too (every verified position masked and biased: _constraints), without
+    logprobs or logits processing (penalties, min_tokens), which ride along undrafted."""
+    return p.logprobs is None and not needs_processing(p)
 
 
 SYNTHETIC_SEED = 0x5EED  # the synthetic acceptance draws' key, beside each request's seed and length
@@ -233,7 +234,7 @@ class SpecDecoder:
             return own[:len(d)]
         return self.tracker.survival(len(d))
 
-    def _draw_sampled(self, batch, drafts, T, logits) -> dict[int, list[int]]:
+    def _draw_sampled(self, batch, step, drafts, T, logits) -> dict[int, list[int]]:
         """Sampled rows with drafts: the token each verify position draws, keyed by (seed, the position of the
         token drawn) as a plain step would draw it (engine/sampling.py). Accepting drafts while they equal these
         draws is speculative sampling for a deterministic drafter (q one-hot): draft x survives with probability
@@ -243,7 +244,7 @@ class SpecDecoder:
         pos = 0
         for i, (seq, n) in enumerate(batch):
             d = drafts.get(i, [])
-            if d and not seq.params.greedy:
+            if d and not seq.params.plain_greedy:  # sampled, or greedy over constrained or biased logits
                 L = len(seq.token_ids)
                 rows += range(pos, pos + len(d) + 1)
                 params += [seq.params] * (len(d) + 1)
@@ -253,7 +254,12 @@ class SpecDecoder:
             pos += T
         if not rows:
             return {}
-        toks = sample_tokens(logits[rows], params, seeds, positions)
+        x = logits[rows]
+        if step.logit_mask is not None or step.logit_bias is not None:  # each position's own mask and bias
+            sel = torch.tensor(rows, device=logits.device)
+            x = guided.apply(x, None if step.logit_mask is None else step.logit_mask[sel],
+                             None if step.logit_bias is None else tuple(t[sel] for t in step.logit_bias))
+        toks = sample_tokens(x, params, seeds, positions)
         out, at = {}, 0
         for i, n in who:
             out[i], at = toks[at:at + n], at + n
@@ -332,6 +338,7 @@ class SpecDecoder:
                     self.stats["width_explore_steps"] += 1
                 self.stats["width_steps"][w] += 1
                 drafts = {i: d[:w] for i, d in drafts.items() if w}
+        drafts = {i: d for i, d in ((i, self._in_grammar(batch[i][0], d)) for i, d in drafts.items()) if d}
         if not drafts:
             return None
         T = 1 + max(len(d) for d in drafts.values())
@@ -351,8 +358,52 @@ class SpecDecoder:
         step.logits_idx = torch.tensor(idx, dtype=torch.long, device=e.device)
         step.spec_tokens = T
         step.kda_ckpt = self.ckpt
+        step.logit_mask, step.logit_bias = self._constraints(batch, drafts, T)
         self._plan_draws(batch, step, T)
         return step, drafts, T
+
+    @staticmethod
+    def _in_grammar(seq, d: list[int]) -> list[int]:
+        """A constrained row's drafts up to the first its grammar refuses (those after it could never be accepted), or
+        through the one that ends it (its stop token: nothing follows)."""
+        m = seq.guide
+        if m is None:
+            return d
+        ok = 0
+        while ok < len(d) and m.accept_token(d[ok]):
+            ok += 1
+            if m.is_terminated():
+                break
+        if ok:
+            m.rollback(ok)
+        return d[:ok]
+
+    def _constraints(self, batch, drafts, T: int) -> tuple:
+        """(token bitmasks [B·T, V/32], biases [B·T, n]) of a verify step's positions, or None each: a constrained
+        row's position j masked by its grammar after its first j drafts (filled here, the matcher stepped through
+        them and back), every position of a biased row biased; other positions unconstrained."""
+        seqs = [s for s, _ in batch]
+        e = self.engine
+        mask = bias = None
+        if any(s.guide is not None for s in seqs):
+            host = torch.full((len(seqs) * T, guided.words(e.model_cfg.vocab_size)), -1, dtype=torch.int32,
+                              pin_memory=e.device.type == "cuda")
+            for i, s in enumerate(seqs):
+                if s.guide is None:
+                    continue
+                d = drafts.get(i, [])
+                for j in range(len(d) + 1):
+                    if s.guide.is_terminated():  # its last draft ends the grammar: no position after it counts
+                        break
+                    s.guide.fill_next_token_bitmask(host, i * T + j)
+                    if j < len(d):
+                        s.guide.accept_token(d[j])  # in the grammar: _in_grammar kept only such drafts
+                if d:
+                    s.guide.rollback(len(d))
+            mask = host.to(e.device, non_blocking=True)
+        if any(s.params.logit_bias for s in seqs):
+            bias = guided.bias_tensors([s.params.logit_bias for s in seqs for _ in range(T)], e.device)
+        return mask, bias
 
     def _plan_draws(self, batch, step, T: int) -> bool:
         """Let the runner draw a pure verify step's sampled rows inside the step (its graph), as a plain step's:
@@ -375,7 +426,7 @@ class SpecDecoder:
         a plain step draws)."""
         out = {}
         for i, (seq, _) in enumerate(batch):
-            if not seq.params.greedy:
+            if not seq.params.plain_greedy:  # sampled, or greedy over constrained or biased logits: the step's draws
                 out[i] = tokens[i * T:i * T + len(drafts.get(i, [])) + 1]
         return out
 
@@ -389,7 +440,8 @@ class SpecDecoder:
         # that only returns logits (no greedy_tokens)
         on_device = step.sampling is not None and greedy is not None
         tgt = (logits.argmax(-1) if greedy is None else greedy).tolist()
-        drawn = self._device_draws(batch, drafts, T, tgt) if on_device else self._draw_sampled(batch, drafts, T, logits)
+        drawn = (self._device_draws(batch, drafts, T, tgt) if on_device
+                 else self._draw_sampled(batch, step, drafts, T, logits))
         out, sample_rows, sample_seqs = [], [], []
         restore_rows, restore_slots, restore_pos, dead = [], [], [], []
         extras = getattr(e.runner, "verify_extras", None)  # a block drafted inside this verify step's graph
