@@ -227,3 +227,14 @@ def test_a_cold_prompt_is_hashed_once_and_only_its_first_block_before_its_forwar
     run(eng, runner, a, max_tokens=1)
     assert hits(eng) == 40 and len(calls) == 10  # the repeat: its 10 lookups hit, each block hashed once
     check_clean(eng, runner, cache)
+
+
+def test_prompts_finishing_beside_each_other_with_the_snapshot_pool_spent():
+    """More prompts end in one step than the snapshot pool can serve: those without a planned snapshot go on without
+    one (a prompt row is never taken for a decode row passing a block end)."""
+    eng, runner, cache = make(snapshots=1, max_num_batched_tokens=64, max_num_seqs=4)
+    ps = [toks(10, 50 + i) for i in range(3)]
+    runner.prompts = [tuple(p) for p in ps]
+    outs = eng.generate(ps, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert outs == [ref_generate(p, 3, ignore_eos=True)[0] for p in ps]
+    check_clean(eng, runner, cache)

@@ -716,8 +716,9 @@ class LLMEngine:
                 pc.attach(snap, seq.blocks[p // bs - 1])
             p = seq.num_cached
             q, start = p // bs * bs, p - (1 + len(acc) if accepted else n)
-            if i in plan or q <= start or p < seq.prompt_len:
-                continue  # a prefill row (its snapshots are planned), or no block end passed by this decode step
+            if i in plan or start < seq.prompt_len or q <= start:
+                continue  # a prefill row (its snapshots are planned, as far as the pool had slots), or no block end
+                # passed by this decode step
             snap = pc.new_snapshot()
             if snap is None:
                 continue
