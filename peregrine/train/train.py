@@ -73,9 +73,9 @@ def recall_example(r: random.Random, context: int, queries: int) -> tuple[list[i
     return shift(seq, scored)
 
 
-def collate(rows: list[tuple[list[int], list[int]]], device) -> tuple[torch.Tensor, torch.Tensor]:
+def collate(rows: list[tuple[list[int], list[int]]], device, pad: int = tasks.PAD) -> tuple[torch.Tensor, torch.Tensor]:
     T = max(len(i) for i, _ in rows)
-    ids = torch.full((len(rows), T), tasks.PAD, dtype=torch.long)
+    ids = torch.full((len(rows), T), pad, dtype=torch.long)
     tgt = torch.full((len(rows), T), IGNORE, dtype=torch.long)
     for b, (i, t) in enumerate(rows):
         ids[b, :len(i)] = torch.tensor(i)
