@@ -674,12 +674,17 @@ class LLMEngine:
                 continue
             s, e, P = seq.num_cached, seq.num_cached + n, seq.prompt_len
             tail = P // bs * bs - TAIL_SNAPSHOT_BLOCKS * bs  # the block ends of the prompt's last blocks
-            want = {p for p in (e, (P - 1) // bs * bs, *range(max(bs, tail), P + 1, bs), *seq.snap_points)
-                    if s < p <= e and p % bs == 0}
-            for p in sorted(want):
+            # in order of worth, for when the pool runs short: the chunk's end, the prompt's last block end, the fork
+            # points, then the tail's earlier ends, deepest first
+            want = dict.fromkeys(p for p in (e, (P - 1) // bs * bs, *seq.snap_points, *range(P // bs * bs, tail - 1, -bs))
+                                 if s < p <= e and p % bs == 0 and p >= bs)
+            got = []
+            for p in want:
                 snap = pc.new_snapshot()
                 if snap is None:
                     break
+                got.append((p, snap))
+            for p, snap in sorted(got, key=lambda x: x[0]):
                 plan.setdefault(i, []).append((p, snap))
                 if p < e:
                     mid.setdefault(i, []).append((p - s, snap))
