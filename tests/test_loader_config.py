@@ -283,3 +283,16 @@ def test_a_hugging_face_id_resolves_through_its_cache_or_says_how_to_fetch_it(tm
     with pytest.raises(ConfigError) as e:
         resolve_model("someone/not-here")
     assert str(tmp_path) in str(e.value) and "hf download someone/not-here" in str(e.value) and "no network" in str(e.value)
+
+
+def test_weights_out_of_memory_is_one_error_line(monkeypatch, capsys):
+    """Weights larger than the card end in one `error:` line that says what to do, not torch's traceback."""
+    import peregrine.engine.parts as parts
+
+    def too_big(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 98.00 GiB")
+    monkeypatch.setattr(parts, "KimiModel", too_big)
+    assert main(["generate", "--model", "tiny-kimi-linear", "--dummy-weights", "--max-tokens", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: the weights of tiny-kimi-linear do not fit on cpu"), err
+    assert "--tensor-parallel-size" in err[-1] and "Traceback" not in "\n".join(err)

@@ -85,16 +85,22 @@ def build_parts(model: str, ecfg: EngineConfig, dummy_weights: bool, log, tp=SIN
             dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
     mem0 = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
-    with torch.device(dev):
-        m = KimiModel(cfg, dtype, tp).eval()
-    lcfg = m.cfg  # this rank's shard (the model's config when tp is off)
-    nparams = sum(p.numel() for p in m.parameters())
-    if dummy_weights:
-        log(f"initialising {nparams / 1e9:.2f}B parameters with seeded dummy weights (seed {ecfg.seed})")
-        init_dummy_weights(m, seed=ecfg.seed, log=log)
-    else:
-        log(f"loading {nparams / 1e9:.2f}B parameters from {folder}")
-        load_weights(m, folder, log=log)
+    try:
+        with torch.device(dev):
+            m = KimiModel(cfg, dtype, tp).eval()
+        lcfg = m.cfg  # this rank's shard (the model's config when tp is off)
+        nparams = sum(p.numel() for p in m.parameters())
+        if dummy_weights:
+            log(f"initialising {nparams / 1e9:.2f}B parameters with seeded dummy weights (seed {ecfg.seed})")
+            init_dummy_weights(m, seed=ecfg.seed, log=log)
+        else:
+            log(f"loading {nparams / 1e9:.2f}B parameters from {folder}")
+            load_weights(m, folder, log=log)
+    except torch.cuda.OutOfMemoryError as e:  # the weights alone exceed the card: a user's choice, not a crash
+        total = f" ({gib(torch.cuda.get_device_properties(dev).total_memory)} in all)" if dev.type == "cuda" else ""
+        raise ConfigError(f"the weights of {cfg.name} do not fit on {dev}{total}: split them with "
+                          f"--tensor-parallel-size, or use a GPU with more memory (`peregrine plan --model {model}` "
+                          "says what fits)") from e
     if ecfg.extra.get("lm_head_scale"):  # checks only: sharper dummy logits, confident greedy choices
         with torch.no_grad():
             m.lm_head.mul_(float(ecfg.extra["lm_head_scale"]))
