@@ -9,8 +9,10 @@ same agent-shaped sessions alone (each turn re-sends the whole conversation plus
 - a replica killed mid-load: every request in flight on it ends (an error or an answer, never a hang), every
   request sent after the kill is answered; restarted, it answers /health 503 while it loads, rejoins and gets
   traffic again;
-- SIGTERM: the replica answers /health 503 while its in-flight request finishes, requests through the router
-  keep being answered, and it exits 0.
+- a drain loses nothing: SIGTERM one replica under load through the router, with cache_aware and with kv_aware:
+  0 failed requests (every answer the single replica's, also the turns the router still sent the draining replica
+  before its health check dropped it), the requests in flight on it finish (streamed and not), /health answers 503
+  or refuses and never 200 while it drains, and it exits 0.
 Each policy's sessions carry their own salt, so no run finds another's blocks; the single replica serves each
 salt's sessions too and is the reference of both the hit rate and the answers. No assertion depends on machine
 speed: every wait is bounded by a generous limit.
@@ -37,6 +39,8 @@ import pytest
 MODEL = "peregrine-tiny"
 BLOCK = 64          # peregrine-tiny's KV block size (/get_server_info kv_block_size)
 LIMIT = 120.0       # generous bound on any one wait
+GRACE = 10.0        # --drain-grace: a draining replica serves what still comes until none has for this long, well
+                    # over the 3 health checks 1 s apart after which the drain phase's router stops sending it work
 SESSIONS, TURNS, PARALLEL = 6, 5, 3
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
 
@@ -78,7 +82,8 @@ class Replica:
 
     def start(self, health_trace: list | None = None) -> None:
         args = [sys.executable, "-m", "peregrine.server", "serve", "--model", MODEL, "--port", str(self.port),
-                "--max-num-seqs", "4", "--log-level", "warning", "--drain-timeout", "60"]
+                "--max-num-seqs", "4", "--log-level", "warning", "--drain-timeout", "60",
+                "--drain-grace", str(GRACE)]
         if self.ev_port:
             args += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                                        "endpoint": f"tcp://*:{self.ev_port}"})]
@@ -131,13 +136,13 @@ def served(r: Replica) -> float:
 
 
 class Router:
-    def __init__(self, policy: str, replicas: list[Replica], log_level: str = "warning"):
+    def __init__(self, policy: str, replicas: list[Replica], log_level: str = "warning", health_failures: int = 1):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [ROUTER, "--host", "127.0.0.1", "--port", str(self.port), "--policy", policy,
                 "--worker-urls", *[r.url for r in replicas],
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+                "--health-check-interval-secs", "1", "--health-failure-threshold", str(health_failures),
                 "--health-success-threshold", "1", "--health-check-timeout-secs", "5",
                 "--request-timeout-secs", str(int(LIMIT)), "--log-level", log_level]
         if policy == "kv_aware":
@@ -195,13 +200,16 @@ def session_spec(salt: str, i: int) -> dict:
     return {"salt": f"{salt}-{i}", "seed": 1000 + i, "sampled": sampled}
 
 
-def run_session(base: str, spec: dict, stream: bool = False, retries: int = 0, log: list | None = None) -> list[str]:
+def run_session(base: str, spec: dict, stream: bool = False, retries: int = 0, log: list | None = None,
+                before_turn=None) -> list[str]:
     """The session's turns in order against `base`; -> the answers. A turn that fails is sent again (an agent
-    retries) at most `retries` times; every attempt is logged (status, sent at)."""
+    retries) at most `retries` times; every attempt is logged (status, sent at). before_turn(t) runs before turn t."""
     rng = random.Random(spec["salt"])
     prompt, answers = "", []
     with httpx.Client(timeout=LIMIT) as c:
         for t in range(TURNS):
+            if before_turn is not None:
+                before_turn(t)
             prompt += tasks(rng, spec["salt"], t)
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 8,
                     "temperature": 0.8 if spec["sampled"] else 0.0, "seed": spec["seed"] + t}
@@ -260,7 +268,8 @@ def test_fleet_behind_vllm_router():
         with ThreadPoolExecutor(4) as ex:
             list(ex.map(lambda r: r.start(), [single, *reps]))
         policies_hit_rate_and_answers((single, reps))
-        kill_restart_and_drain((single, reps))
+        kill_and_restart((single, reps))
+        drain_loses_nothing((single, reps))
     finally:
         for r in [single, *reps]:
             r.stop()
@@ -302,8 +311,8 @@ def policies_hit_rate_and_answers(fleet):
     assert rates["round_robin"] < min(rates["kv_aware"], rates["cache_aware"]), report
 
 
-def kill_restart_and_drain(fleet):
-    """A replica killed mid-load; restarted (503 while it loads), it rejoins; SIGTERM drains it."""
+def kill_and_restart(fleet):
+    """A replica killed mid-load; restarted (503 while it loads), it rejoins."""
     single, reps = fleet
     specs = [session_spec(f"kill-{random.Random(7).randrange(10**6)}", i) for i in range(SESSIONS)]
     ref = run_all(single.url, specs)
@@ -364,36 +373,97 @@ def kill_restart_and_drain(fleet):
             assert time.monotonic() < deadline, "the restarted replica got no traffic"
             run_all(router.url, [session_spec(f"rejoin-{i}", j) for j in range(PARALLEL)])
             i += 1
-
-        # SIGTERM: /health 503 while its in-flight request finishes; the router keeps answering; exit 0
-        long = {"model": MODEL, "prompt": "copy:" + "peregrine" * 10 + "|", "max_tokens": 600, "ignore_eos": True,
-                "temperature": 0}
-        box: dict = {}
-
-        def long_request():
-            box["r"] = httpx.post(victim.url + "/v1/completions", json=long, timeout=LIMIT)
-        t = threading.Thread(target=long_request)
-        t.start()
-        deadline = time.monotonic() + LIMIT
-        while victim.metrics().get("peregrine:num_requests_running", 0) < 1:
-            assert time.monotonic() < deadline and t.is_alive(), "the long request did not start"
-            time.sleep(0.02)
-        victim.proc.send_signal(signal.SIGTERM)
-        draining = []
-        while t.is_alive():
-            try:
-                draining.append(httpx.get(victim.url + "/health", timeout=5).status_code)
-            except httpx.HTTPError:
-                draining.append("refused")
-            time.sleep(0.02)
-        t.join()
-        assert 503 in draining and 200 not in draining, f"/health while draining: {draining}"
-        print(f"restart: /health answered 503 {trace.count(503)} times, then 200; drain: /health 503 "
-              f"{draining.count(503)} times while its request finished")
-        r = box["r"]
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 600, r.text[:300]
-        for i in range(3):  # the router answers while (and after) the replica is gone
-            run_session(router.url, session_spec(f"after-drain-{i}", i))
-        assert victim.proc.wait(LIMIT) == 0
+        print(f"restart: /health answered 503 {trace.count(503)} times, then 200; it got traffic again")
     finally:
         router.stop()
+
+
+def long_request(url: str, stream: bool) -> int:
+    """A 300-token request straight to one replica; -> its completion tokens (a stream must end with [DONE])."""
+    body = {"model": MODEL, "prompt": "copy:" + "peregrine" * 10 + "|", "max_tokens": 300, "ignore_eos": True,
+            "temperature": 0}
+    if not stream:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=LIMIT)
+        assert r.status_code == 200, r.text[:300]
+        return r.json()["usage"]["completion_tokens"]
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=LIMIT) as r:
+        assert r.status_code == 200, r.read()[:300]
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and all('"error"' not in line for line in lines), lines[-3:]
+    return json.loads(lines[-2][6:])["usage"]["completion_tokens"]
+
+
+def poll_health(r: Replica, out: list) -> None:
+    """/health on a new connection each time until the process exits: the status, or "refused" once it stops
+    listening."""
+    while r.proc.poll() is None:
+        try:
+            out.append(httpx.get(r.url + "/health", timeout=5).status_code)
+        except httpx.HTTPError:
+            out.append("refused")
+        time.sleep(0.05)
+
+
+def drain_loses_nothing(fleet):
+    """SIGTERM a replica under load through the router, with cache_aware and with kv_aware: 0 failed requests
+    (every answer the single replica's), its requests in flight finish, /health never 200 while it drains, exit 0.
+    This router drops a replica after 3 failed health checks 1 s apart, so for ~2 s after the signal it still routes
+    there: a session that lives on the replica sends its next turns right after SIGTERM, then fresh sessions start;
+    those are the requests a drain must not lose. (vllm-router retries a refused request on the replica its policy
+    picks: with cache_aware the same one, 5 times in ~0.4 s, so a replica that answered 503 at once lost the
+    session's next turn.)"""
+    single, reps = fleet
+    for policy in ("cache_aware", "kv_aware"):
+        salt = f"drain-{policy}-{random.Random(policy).randrange(10**6)}"
+        specs = [session_spec(salt, i) for i in range(SESSIONS)]
+        pinned = session_spec(f"{salt}-pinned", 0)
+        ref, ref_pinned = run_all(single.url, specs), run_session(single.url, pinned)
+        router = Router(policy, reps, health_failures=3)
+        attempts: list[dict] = []
+        health: list = []
+        box: dict = {}
+        load, side = ThreadPoolExecutor(PARALLEL), ThreadPoolExecutor(3)
+        try:
+            def sigterm(turn):
+                """Before the pinned session's third turn: SIGTERM the replica that served its second, with two long
+                requests in flight on it; before its fourth, fresh sessions start through the router."""
+                if turn == 1:
+                    box["before"] = {r.name: served(r) for r in reps}
+                elif turn == 2:
+                    after = {r.name: served(r) for r in reps}
+                    victim = box["victim"] = max(reps, key=lambda r: after[r.name] - box["before"][r.name])
+                    box["long"] = [side.submit(long_request, victim.url, stream) for stream in (False, True)]
+                    deadline = time.monotonic() + LIMIT
+                    while victim.metrics().get("peregrine:num_requests_running", 0) < 2:
+                        assert time.monotonic() < deadline, "the long requests did not start"
+                        time.sleep(0.02)
+                    box["mark"] = len(victim.log)
+                    victim.proc.send_signal(signal.SIGTERM)
+                    box["poll"] = side.submit(poll_health, victim, health)
+                elif turn == 3:
+                    box["load"] = {s["salt"]: load.submit(run_session, router.url, s, stream=(i % 2 == 0),
+                                                          log=attempts) for i, s in enumerate(specs)}
+            got_pinned = run_session(router.url, pinned, log=attempts, before_turn=sigterm)
+            got = {k: f.result(timeout=10 * LIMIT) for k, f in box["load"].items()}
+            victim = box["victim"]
+            assert victim.proc.wait(LIMIT) == 0
+            box["poll"].result(LIMIT)
+            assert [f.result(LIMIT) for f in box["long"]] == [300, 300], "a request in flight did not finish"
+        finally:
+            router.stop()
+            load.shutdown(wait=False, cancel_futures=True)
+            side.shutdown(wait=False, cancel_futures=True)
+        failed = [a for a in attempts if not a["ok"]]
+        assert not failed, f"{policy}: {len(failed)} of {len(attempts)} requests failed over the drain: {failed}"
+        assert got == ref and got_pinned == ref_pinned, f"{policy}: answers differ from the single replica's"
+        assert 503 in health and 200 not in health, f"/health while draining: {health}"
+        deadline = time.monotonic() + LIMIT
+        while b"drained: exiting" not in victim.log[box["mark"]:]:  # its last line, read by a thread
+            assert time.monotonic() < deadline, victim.log[-2000:]
+            time.sleep(0.05)
+        late = re.search(rb"drained: exiting \((\d+) request", victim.log[box["mark"]:])
+        print(f"drain ({policy}): {len(attempts)} requests through the router, none failed; the draining replica "
+              f"served {late.group(1).decode() if late else '?'} that arrived after SIGTERM; /health 503 "
+              f"x{health.count(503)}, then refused x{health.count('refused')}")
+        victim.start()  # back in the fleet for the next policy

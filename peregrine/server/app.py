@@ -5,8 +5,10 @@ streaming with usage), /v1/models, /health, /metrics; for a router in front of s
 
 Readiness (Lifecycle): with a loader the server listens at once and builds the engine on a thread; until
 it is ready /health and every other endpoint answer 503 (vLLM's error body). SIGTERM (serve's server)
-starts a drain: /health and new requests get 503 while the requests in flight finish; those still running
-after --drain-timeout end with a 503 error, then the process exits.
+starts a drain: /health answers 503 at once, requests that still arrive are served until none has come for
+--drain-grace seconds (a router keeps routing here until its health check sees the 503), then the server stops
+listening and answers what still reaches it with 503 and `Connection: close`; the requests in flight finish, those
+still running after --drain-timeout end with a 503 error, then the process exits.
 
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}:
 400 malformed or unsupported request (param: the field), 404 unknown model
@@ -151,29 +153,49 @@ def unavailable(message: str) -> dict:
 
 class Lifecycle:
     """The server's phase: loading (the model loads, warm-up captures graphs), ready, draining (after SIGTERM:
-    in-flight requests finish, new ones and /health get 503), failed (the model did not load). inflight counts
-    the requests being served (/v1/..., /tokenize, /detokenize), streams until their last byte."""
+    /health gets 503; new requests are served while `accepting`, then get 503; in-flight requests finish), failed
+    (the model did not load). inflight counts the requests being served (/v1/..., /tokenize, /detokenize), streams
+    until their last byte; last_arrival is when the latest POST of them came in."""
 
-    def __init__(self, phase: str = "loading", drain_timeout: float = 60.0):
-        self.phase, self.drain_timeout = phase, drain_timeout
+    def __init__(self, phase: str = "loading", drain_timeout: float = 60.0, drain_grace: float = 0.0):
+        self.phase, self.drain_timeout, self.drain_grace = phase, drain_timeout, drain_grace
         self.detail = "the model is loading"
         self.st: ServerState | None = None
         self.error: BaseException | None = None
         self.inflight = 0
+        self.last_arrival = 0.0
+        self.drain_began = 0.0
+        self.late = 0                 # POSTs that arrived while draining and were served
+        self.accepting = False        # draining, and still serving new requests (the grace)
         self.force = False            # a second signal while draining: cut the requests now
         self.on_drained = None        # serve's server: exit once drained
         self.on_failed = None         # serve's server: exit when the model failed to load
+        self.on_stop_accepting = None  # serve's server: close the listening socket and idle connections
 
     def begin_drain(self) -> None:
         if self.phase == "ready":
             self.phase, self.detail = "draining", "the server is shutting down: it takes no new requests"
-            log.warning("draining: %d request(s) in flight; /health and new requests answer 503; exit when they "
-                        "are done or after %g s (--drain-timeout)", self.inflight, self.drain_timeout)
+            self.drain_began, self.accepting = time.monotonic(), self.drain_grace > 0
+            taking = (f"new requests are served until none has arrived for {self.drain_grace:g} s (--drain-grace)"
+                      if self.accepting else "new requests answer 503")
+            log.warning("draining: %d request(s) in flight; /health answers 503; %s; exit when the requests in "
+                        "flight are done or after %g s (--drain-timeout)", self.inflight, taking, self.drain_timeout)
+
+    def stop_accepting(self, why: str) -> None:
+        """End the grace (idempotent): new requests get 503 and, with serve's server, new connections are refused."""
+        if self.accepting:
+            self.accepting = False
+            log.warning("draining: %s: stopped taking requests (%d served while draining, %d in flight)",
+                        why, self.late, self.inflight)
+        stop, self.on_stop_accepting = self.on_stop_accepting, None
+        if stop is not None:
+            stop()
 
 
 class _Gate:
-    """Pure ASGI middleware: 503 (vLLM's body) for everything but a ready server (/metrics also while draining);
-    counts the requests in flight."""
+    """Pure ASGI middleware: 503 (vLLM's body) for everything but a ready server, except while draining /metrics
+    and, during the grace, every request but /health; counts the requests in flight. Once a draining server stops
+    accepting, its 503s carry `Connection: close`, so a client's kept-alive connection does not bring it more."""
     COUNTED = ("/v1/", "/tokenize", "/detokenize")
 
     def __init__(self, app, life: Lifecycle):
@@ -183,15 +205,21 @@ class _Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         life, path = self.life, scope["path"]
-        if life.phase != "ready" and not (life.phase == "draining" and path == "/metrics"):
+        draining = life.phase == "draining"
+        if life.phase != "ready" and not (draining and (path == "/metrics" or (life.accepting and path != "/health"))):
             body = json.dumps(unavailable(life.detail)).encode()
-            await send({"type": "http.response.start", "status": 503,
-                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            if draining and not life.accepting:
+                headers.append((b"connection", b"close"))
+            await send({"type": "http.response.start", "status": 503, "headers": headers})
             await send({"type": "http.response.body", "body": body})
             return
         counted = path.startswith(self.COUNTED)
         if counted:
             life.inflight += 1
+            if scope["method"] == "POST":  # work; a GET (/v1/models) does not hold a draining server open
+                life.last_arrival = time.monotonic()
+                life.late += int(draining)
         try:
             await self.app(scope, receive, send)
         finally:
@@ -199,22 +227,31 @@ class _Gate:
                 life.inflight -= 1
 
 
+DRAIN_POLL_S = 0.05  # how often the drain looks at the requests in flight and the grace
+
+
 async def _drain_watch(life: Lifecycle) -> None:
-    """Once draining: wait for the in-flight requests (at most drain_timeout), fail what is left with a 503,
-    then hand over to the server's exit (life.on_drained)."""
+    """Once draining: serve what still arrives until none has for drain_grace, then stop accepting; wait for the
+    in-flight requests (at most drain_timeout from the signal), fail what is left with a 503, then hand over to the
+    server's exit (life.on_drained)."""
     while life.phase != "draining":
-        await asyncio.sleep(0.05)
-    deadline = time.monotonic() + life.drain_timeout
-    while life.inflight > 0 and time.monotonic() < deadline and not life.force:
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(DRAIN_POLL_S)
+    deadline = life.drain_began + life.drain_timeout
+    while time.monotonic() < deadline and not life.force:
+        if not life.accepting or time.monotonic() >= max(life.drain_began, life.last_arrival) + life.drain_grace:
+            life.stop_accepting(f"no request for {life.drain_grace:g} s (--drain-grace)")
+            if life.inflight == 0:
+                break
+        await asyncio.sleep(DRAIN_POLL_S)
+    life.stop_accepting("a second signal" if life.force else f"{life.drain_timeout:g} s (--drain-timeout) passed")
     if life.inflight > 0 and life.st is not None:
         n = life.st.aeng.cut(f"the server shut down before this request finished (it waited "
                              f"{life.drain_timeout:g} s, --drain-timeout)")
         log.warning("drain: %d request(s) still running after %g s end with a 503", n, life.drain_timeout)
         end = time.monotonic() + 5.0
         while life.inflight > 0 and time.monotonic() < end:
-            await asyncio.sleep(0.05)
-    log.warning("drained: exiting")
+            await asyncio.sleep(DRAIN_POLL_S)
+    log.warning("drained: exiting (%d request(s) served while draining)", life.late)
     if life.on_drained is not None:
         life.on_drained()
 
@@ -231,16 +268,18 @@ def sse(obj) -> str:
 def create_app(engine=None, tokenizer=None, served_model_name: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
                chat_template: ChatTemplate | None = None, defaults=None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allow_forced_replies: bool = False,
-               loader=None, kv_events=None, drain_timeout: float = 60.0, model_path: str | None = None,
-               tool_parser: str | None = None, reasoning_parser: str | None = None,
+               loader=None, kv_events=None, drain_timeout: float = 60.0, drain_grace: float = 0.0,
+               model_path: str | None = None, tool_parser: str | None = None, reasoning_parser: str | None = None,
                enable_auto_tool_choice: bool = False) -> FastAPI:
     """defaults: the model's GenerationConfig (sampling defaults for requests that set none);
     allow_forced_replies (benchmarks only): /v1/completions takes forced_tokens, the reply the engine emits.
     loader (instead of engine and tokenizer): called on a thread once the server listens, it returns a dict of
     this function's engine, tokenizer, served_model_name, chat_template, defaults, model_path; every endpoint
     answers 503 until it returns. kv_events: a kv_events.KVEventPublisher fed the prefix cache's block events.
+    drain_timeout, drain_grace: serve's --drain-timeout and --drain-grace (Lifecycle); grace 0: a draining server
+    refuses new requests at once.
     tool_parser ("kimi_k2" | "kimi_k3"), reasoning_parser ("kimi_k3"), enable_auto_tool_choice: vLLM's flags."""
-    life = Lifecycle("loading" if loader is not None else "ready", drain_timeout)
+    life = Lifecycle("loading" if loader is not None else "ready", drain_timeout, drain_grace)
     opts = dict(max_queue=max_queue, max_body_bytes=max_body_bytes, allow_forced_replies=allow_forced_replies,
                 kv_events=kv_events, tool_parser=tool_parser, reasoning_parser=reasoning_parser,
                 enable_auto_tool_choice=enable_auto_tool_choice)

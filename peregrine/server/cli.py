@@ -15,6 +15,10 @@ from ..engine_args import add_engine_args, engine_config
 from .limits import DEFAULT_DRAIN_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 from .reply import REASONING_PARSERS, TOOL_PARSERS
 
+# a draining replica serves what still comes until none has for this long: vllm-router routes to it until its health
+# check has seen /health 503, and retries a refused request on the replica its policy picks, the same one
+DEFAULT_DRAIN_GRACE_S = 5.0
+
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
@@ -22,7 +26,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                                           "router in front of several replicas vLLM's /v1/completions/render, "
                                           "/v1/chat/completions/render, /tokenize, /detokenize, /get_server_info and "
                                           "/kv_event_sources. /health answers 503 while the model loads and while "
-                                          "SIGTERM drains.")
+                                          "SIGTERM drains (--drain-grace, --drain-timeout).")
     add_engine_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -34,7 +38,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"largest request body; a larger one gets 413 (default {DEFAULT_MAX_BODY_BYTES >> 20} MiB)")
     g.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_S,
                    help=f"seconds SIGTERM waits for in-flight requests (default {DEFAULT_DRAIN_S:g}); while it waits "
-                        "/health and new requests answer 503, after it the requests still running end with a 503")
+                        "/health answers 503, after it the requests still running end with a 503")
+    g.add_argument("--drain-grace", type=float, default=DEFAULT_DRAIN_GRACE_S,
+                   help="after SIGTERM, the requests that still arrive are served until none has for this many seconds "
+                        f"(default {DEFAULT_DRAIN_GRACE_S:g}), then the server stops listening: a router sends a replica "
+                        "work until its health check sees /health 503, and retries a refused request on the same "
+                        "replica (vllm-router: keep --health-check-interval-secs x --health-failure-threshold under "
+                        "it); 0: refuse new requests at once")
     g.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="publish the prefix cache's blocks as vLLM's KV cache events for a KV-aware router, in vLLM's "
                         "spelling, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
@@ -80,6 +90,8 @@ def cmd_serve(args) -> int:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     if args.drain_timeout < 0:
         raise ConfigError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    if args.drain_grace < 0:
+        raise ConfigError(f"--drain-grace must be >= 0 seconds, got {args.drain_grace}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (kimi_k2 or kimi_k3): the parser reads "
                           "the model's tool calls")
@@ -130,7 +142,7 @@ def cmd_serve(args) -> int:
 
     app = create_app(loader=load, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                      allow_forced_replies=args.allow_forced_replies, kv_events=publisher,
-                     drain_timeout=args.drain_timeout, tool_parser=args.tool_call_parser,
+                     drain_timeout=args.drain_timeout, drain_grace=args.drain_grace, tool_parser=args.tool_call_parser,
                      reasoning_parser=args.reasoning_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
     life = app.state.life
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -138,6 +150,7 @@ def cmd_serve(args) -> int:
     server = _DrainingServer(config, life)
     life.on_drained = lambda: setattr(server, "should_exit", True)
     life.on_failed = lambda e: setattr(server, "should_exit", True)
+    life.on_stop_accepting = server.stop_listening
     log(f"listening on http://{args.host}:{args.port}: /health answers 503 until the model is loaded and warm")
     # uvicorn re-raises a caught SIGTERM to the handler that was there before once it has shut down: a no-op one
     # makes a clean drain exit 0
@@ -150,8 +163,9 @@ def cmd_serve(args) -> int:
 
 class _DrainingServer:
     """uvicorn's Server whose first SIGTERM / SIGINT starts the app's drain (Lifecycle) instead of closing the
-    listening socket at once: /health answers 503 while the requests in flight finish; a second signal ends
-    them now (503). While the model loads a signal exits at once."""
+    listening socket at once: /health answers 503 and what still arrives is served through the grace; then
+    stop_listening closes the socket and the idle connections while the requests in flight finish; a second signal
+    ends them now (503). While the model loads a signal exits at once."""
 
     def __new__(cls, config, life):
         import uvicorn
@@ -165,6 +179,14 @@ class _DrainingServer:
                     life.force = True
                 else:
                     super().handle_exit(sig, frame)
+
+            def stop_listening(self):
+                """New connections are refused; a kept-alive one closes now if idle, else after its response
+                (uvicorn's own shutdown, which runs later, finds them closed)."""
+                for s in getattr(self, "servers", ()):
+                    s.close()
+                for c in list(self.server_state.connections):
+                    c.shutdown()
         return Server(config)
 
 
