@@ -15,6 +15,9 @@ in flight. Each reply is sent as forced_tokens (a server started with --allow-fo
 those, so speculation is accepted on real agent text at the engine's real cost; --unforced: the model's own
 replies, same prompts and max_tokens). Per level also: per-turn context lengths and latencies, and the server's
 speculative acceptance and decode lookahead steps over the level (/metrics deltas).
+
+--workload agentx --traces DIR: InferenceX's agentic benchmark, aiperf's AgentX scenario replaying kv-cache-tester
+traces (bench/agentx.py).
 """
 from __future__ import annotations
 
@@ -351,13 +354,16 @@ def plot(payload: dict | list[dict], path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for pl in payloads:
         lv = pl["levels"]
-        x, y = [v["tok_s_user"] for v in lv], [v["throughput_per_gpu"] for v in lv]
+        xkey = "interactivity_p90" if pl.get("workload") == "agentx" else "tok_s_user"  # InferenceX's x for AgentX
+        x, y = [v[xkey] for v in lv], [v["throughput_per_gpu"] for v in lv]
         ax.plot(x, y, "o-", label=pl.get("label") or pl["model"])
         for v, xi, yi in zip(lv, x, y):
             ax.annotate(f"c={v['concurrency']}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.set_xlabel("interactivity (tok/s/user)")
+    ax.set_xlabel(("P90 " if payload.get("workload") == "agentx" else "") + "interactivity (tok/s/user)")
     ax.set_ylabel("throughput per GPU (output tok/s)")
-    if payload.get("workload") == "agent":
+    if payload.get("workload") == "agentx":
+        ax.set_title(f"{payload['model']}: AgentX traces ({payload['agentx']['n_traces']})")
+    elif payload.get("workload") == "agent":
         a = payload["agent"]
         ax.set_title(f"{payload['model']}: agent sessions, {a['turns']} turns")
     else:
@@ -396,8 +402,20 @@ def run_cli(args) -> int:
     if not 0 <= lo < hi:
         raise ConfigError(f"--token-range needs 0 <= LO < HI, got {args.token_range!r}")
     log = lambda m: print(f"[bench serve] {m}", file=sys.stderr, flush=True)  # noqa: E731
-    agent = getattr(args, "workload", "random") == "agent"
-    if agent:
+    workload = getattr(args, "workload", "random")
+    agent, agentx = workload == "agent", workload == "agentx"
+    if agentx != (getattr(args, "traces", None) is not None):
+        raise ConfigError("--traces is the agentx workload's (and it needs them)")
+    if getattr(args, "duration", None) is not None and (not agentx or not args.duration > 0):
+        raise ConfigError("--duration is the agentx workload's profiled seconds per level, > 0")
+    if agentx:
+        given = [f"--{n.replace('_', '-')}" for n in ("request_rate", "num_prompts", "sessions", "turns",
+                                                       "context_chars", "max_reply_tokens", "vocab_size")
+                 if getattr(args, n, None) is not None] + (["--unforced"] if getattr(args, "unforced", False) else [])
+        if given or _sampling(args):
+            raise ConfigError(f"{', '.join(given) or 'sampling'}: the agentx workload sends the traces' requests as "
+                              "aiperf's AgentX does (streamed, ignore_eos, no sampling fields)")
+    elif agent:
         if rate is not None or args.num_prompts is not None:
             raise ConfigError("--request-rate and --num-prompts describe the random workload; the agent workload's "
                               "requests are its sessions' turns (--sessions, --turns)")
@@ -408,7 +426,12 @@ def run_cli(args) -> int:
     elif getattr(args, "unforced", False):
         raise ConfigError("--unforced is an option of --workload agent")
     try:
-        if agent:
+        if agentx:
+            from .agentx import DURATION_S
+            from .agentx import run as run_agentx
+            payload = run_agentx(args.base_url, args.max_concurrency, args.traces, level_stats, args.model,
+                                 args.num_gpus, args.duration or DURATION_S, args.seed, args.salt, args.timeout, log)
+        elif agent:
             payload = run_agent(args.base_url, args.max_concurrency, args.model, args.num_gpus, args.sessions,
                                 args.turns, args.context_chars, args.vocab_size, not args.unforced,
                                 args.max_reply_tokens, args.salt, args.warmup, args.timeout, args.seed, log,
@@ -422,7 +445,8 @@ def run_cli(args) -> int:
     payload["label"] = args.label
     payload["meta"] = run_metadata()
     slug = payload["model"].replace("/", "_")
-    what = ("serve-agent" if agent else "serve") + (f"-{args.label}" if args.label else "")
+    what = {"agent": "serve-agent", "agentx": "serve-agentx"}.get(workload, "serve")
+    what += f"-{args.label}" if args.label else ""
     path = write_result(result_path(slug, what, args.results_dir), payload)
     log(f"wrote {path}")
     if not args.no_plot:

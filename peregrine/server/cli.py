@@ -214,9 +214,16 @@ def add_bench_serve_parser(bench_subparsers) -> argparse.ArgumentParser:
     from ..bench.cli import add_sampling_args
     add_sampling_args(p, "sampled requests (default: greedy, temperature 0)")
     g = p.add_argument_group("workload (docs/benchmarks.md §3d)")
-    g.add_argument("--workload", choices=["random", "agent"], default="random",
+    g.add_argument("--workload", choices=["random", "agent", "agentx"], default="random",
                    help="random: random token-id prompts (default); agent: coding-agent sessions, every turn re-sending "
-                        "the conversation, each reply sent as forced_tokens (the server needs --allow-forced-replies)")
+                        "the conversation, each reply sent as forced_tokens (the server needs --allow-forced-replies); "
+                        "agentx: InferenceX's agentic benchmark, aiperf's AgentX scenario replaying --traces "
+                        "(docs/benchmarks.md §3e)")
+    g.add_argument("--traces", default=None, metavar="DIR",
+                   help="agentx: a folder of kv-cache-tester traces (*.json), e.g. tests/agentx/traces")
+    g.add_argument("--duration", type=float, default=None, metavar="S",
+                   help="agentx: profiled seconds per level after its warmup (default 1800, the scenario's; it refuses "
+                        "under 900)")
     g.add_argument("--sessions", type=int, default=None,
                    help="agent: sessions per level (default: the level's --max-concurrency)")
     g.add_argument("--turns", type=int, default=None, help="agent: turns per session (default 8)")
@@ -229,8 +236,8 @@ def add_bench_serve_parser(bench_subparsers) -> argparse.ArgumentParser:
     g.add_argument("--unforced", action="store_true",
                    help="agent: no forced_tokens (the model's own replies; same prompts and max_tokens)")
     g.add_argument("--salt", default=None,
-                   help="agent: text each session opens with, so runs share no cached prefix (default: random, "
-                        "recorded in the JSON)")
+                   help="agent: text each session opens with, so runs share no cached prefix; agentx: the seed of the "
+                        "cache-bust markers (default: random, recorded in the JSON)")
     p.set_defaults(func=cmd_bench_serve)
     return p
 
