@@ -391,6 +391,34 @@ class EngineConfig:
         "prefill_piece_layers": "int >= 0 (0: off)",
         "prefill_piece_ms": "number > 0",
     }
+    # what each key does, for docs/configuration.md (python -m peregrine.reference renders it; tests/test_docs.py
+    # checks that every key has a description)
+    ADDITIONAL_HELP = {
+        "decode_backend": "The path that serves pure decode steps. latency_specialized is the fast path on a GPU: "
+                          "fused kernels, one CUDA graph per batch size. standard serves every step and is the "
+                          "reference. Steps the fast path cannot serve go to standard.",
+        "max_decode_batch": "The largest batch the latency_specialized path serves. Larger decode steps go to "
+                            "standard.",
+        "cuda_graphs": "Replay steps from captured CUDA graphs. false runs every step eagerly (slower, no capture "
+                       "at start).",
+        "prefill_graphs": "Replay the token-parallel work of prefill steps from CUDA graphs, one set per token "
+                          "bucket, captured at start. Needs cuda_graphs. Off (logged) under tensor parallel, with "
+                          "AttnRes layers (K3), in FP32, and for MXFP4 experts without the grouped kernel.",
+        "decode_lookahead": "Launch the next decode step before this step's tokens are read back. Stop checks then "
+                            "run one step late.",
+        "tp_allreduce": "Tensor parallel, latency_specialized path: how the output projections are summed. auto "
+                        "uses a one-shot all-reduce over symmetric memory where it is available, else NCCL.",
+        "pdl": "latency_specialized path on Hopper: Programmatic Dependent Launch, so each kernel starts while the "
+               "one before it drains.",
+        "tp_slice_replicated": "Tensor parallel: give each rank a slice of the router and of the MLA latent "
+                               "projections, joined by an all-gather. Measured slower at B <= 8, so off.",
+        "prefix_cache_snapshots": "KDA state snapshots the prefix cache keeps. null: 64 (engine/parts.py), shrunk "
+                                  "on one GPU to what fits beside the caches.",
+        "prefill_piece_layers": "Same as --prefill-piece-layers: layers per prefill piece beside running decodes. "
+                                "null: sized by prefill_piece_ms on a GPU, 6 on the CPU. 0: off. Always off under "
+                                "tensor parallel.",
+        "prefill_piece_ms": "Time budget of one prefill piece on a GPU. null: 12 ms (engine/pieces.py).",
+    }
 
     def apply_additional_config(self, text_or_dict) -> None:
         d = text_or_dict

@@ -1,5 +1,8 @@
 """The user-facing text: the README is a short guide whose every link exists, every document the package's
-help text cites is in the repository, and what the README says the embedded model answers, it answers."""
+help text cites is in the repository, and what the README says the embedded model answers, it answers. The
+configuration reference (docs/configuration.md) is the code's own output, every environment variable the package
+reads is in peregrine/envs.py, the docs state one test time, and every `peregrine` command they show uses real
+options."""
 from __future__ import annotations
 
 import re
@@ -41,6 +44,25 @@ def test_every_cited_doc_exists():
     cited = {(f.relative_to(ROOT), m) for f in files if f.is_file() for m in DOC_CITE.findall(f.read_text())}
     missing = sorted(f"{f}: {m}" for f, m in cited if not (ROOT / m).exists())
     assert not missing, "cited but missing: " + ", ".join(missing)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation but '-' dropped, spaces as '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_anchor_exists():
+    """A link to a section (`page.md#anchor`, `#anchor`) names a heading that page has."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    heads = {d: {_anchor(h) for h in re.findall(r"^#+\s+(.*)$", re.sub(r"```.*?```", "", d.read_text(), flags=re.S), re.M)}
+             for d in docs}
+    bad = []
+    for doc in docs:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", doc.read_text()):
+            page = (doc.parent / target).resolve() if target else doc
+            if page.suffix == ".md" and page in heads and anchor not in heads[page]:
+                bad.append(f"{doc.relative_to(ROOT)} -> {target}#{anchor}")
+    assert not bad, "links to missing sections: " + ", ".join(bad)
 
 
 # --- what the README says peregrine-tiny answers, checked by asking it -----------------------------------------
@@ -133,3 +155,119 @@ def test_generate_default_prompt_gets_an_answer(capsys):
 
     assert main(["generate", "--quiet"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+# --- the configuration reference and the commands the docs show -------------------------------------------------
+
+ENV_NAME = re.compile(r"\bPEREGRINE_[A-Z0-9_]+\b")
+# a variable read by its literal name: os.environ.get("X"), os.environ["X"] (not an assignment), "X" in os.environ
+ENV_READ = re.compile(r'os\.environ(?:\.get\(|\[)\s*"([A-Z][A-Z0-9_]*)"(?!\]\s*=[^=])|"([A-Z][A-Z0-9_]*)" in os\.environ')
+TEST_TIME = re.compile(r"tests take about (\d+) minutes")
+
+
+def test_configuration_reference_is_the_code():
+    """docs/configuration.md is what peregrine.reference renders from the code today."""
+    from peregrine.reference import COMMAND, render
+
+    assert (ROOT / "docs/configuration.md").read_text() == render(), f"docs/configuration.md is stale: run `{COMMAND}`"
+
+
+def test_every_additional_config_key_and_speculative_field_is_described():
+    import dataclasses
+
+    from peregrine.config import EngineConfig
+    from peregrine.reference import SPECULATIVE_HELP
+    from peregrine.speculative.config import SpeculativeConfig
+
+    assert list(EngineConfig.ADDITIONAL_HELP) == list(EngineConfig.ADDITIONAL_KEYS), \
+        "EngineConfig.ADDITIONAL_HELP needs one line per ADDITIONAL_KEYS key, in the same order"
+    assert all(h.strip() for h in EngineConfig.ADDITIONAL_HELP.values())
+    assert list(SPECULATIVE_HELP) == [f.name for f in dataclasses.fields(SpeculativeConfig)], \
+        "peregrine/reference.py SPECULATIVE_HELP needs one line per SpeculativeConfig field, in the same order"
+
+
+def test_every_environment_variable_is_in_the_registry_and_read():
+    """peregrine/envs.py lists every PEREGRINE_* name in peregrine/ (and every other variable read there by name);
+    every entry's file names it, so nothing listed is gone from the code."""
+    from peregrine import envs
+
+    own = {ROOT / "peregrine/envs.py", ROOT / "peregrine/reference.py"}
+    files = [f for f in ROOT.glob("peregrine/**/*.py") if f not in own]
+    named = {n for f in files for n in ENV_NAME.findall(f.read_text())}
+    assert named == set(envs.PACKAGE), (f"not in peregrine/envs.py: {sorted(named - set(envs.PACKAGE))}; "
+                                        f"listed but named nowhere in peregrine/: {sorted(set(envs.PACKAGE) - named)}")
+    read = {a or b for f in files for a, b in ENV_READ.findall(f.read_text())}
+    assert read <= set(envs.PACKAGE) | set(envs.OTHER), f"read but not in peregrine/envs.py: {sorted(read - set(envs.PACKAGE) - set(envs.OTHER))}"
+    assert set(ENV_NAME.findall((ROOT / "tests/conftest.py").read_text())) == set(envs.TEST_SWITCHES)
+    for table in (envs.SWITCHES, envs.AB_SWITCHES, envs.TEST_SWITCHES, envs.OTHER, envs.SETS):
+        for name, v in table.items():
+            assert f'"{name}"' in (ROOT / v.read_in).read_text(), f"{v.read_in} does not name {name}"
+
+
+def test_one_stated_test_time():
+    """The README says how long the test command takes; every doc that says it gives the same figure."""
+    said = TEST_TIME.findall((ROOT / "README.md").read_text())
+    assert len(said) == 1, "README.md states the test time once: 'The tests take about N minutes'"
+    for doc in sorted((ROOT / "docs").glob("*.md")):
+        assert set(TEST_TIME.findall(doc.read_text())) <= set(said), f"{doc.name} states another test time"
+    assert TEST_TIME.search((ROOT / "docs/development.md").read_text()), "docs/development.md states the test time"
+
+
+def _commands(text: str) -> list[list[str]]:
+    """The `peregrine ...` command lines of a page's shell code (indented blocks, fenced blocks without a language
+    or in a shell's), continuations joined, each as its words up to a shell separator."""
+    import shlex
+
+    lines, out = [], []
+    fence = None  # the open fenced block's language; shell blocks are read, others (python, json, text) not
+    for ln in text.splitlines():
+        if ln.startswith("```"):
+            fence = None if fence is not None else ln[3:].strip()
+            continue
+        if fence in ("", "sh", "bash", "shell", "console") or fence is None and ln.startswith("    "):
+            lines.append(ln.strip())
+    joined = "\n".join(lines).replace("\\\n", " ")
+    for ln in joined.splitlines():
+        lex = shlex.shlex(ln, posix=True, punctuation_chars=True)
+        lex.whitespace_split = True
+        try:
+            tokens = list(lex)
+        except ValueError:  # not shell (an unbalanced quote in Python code)
+            continue
+        part: list[str] = []
+        for t in [*tokens, ";"]:
+            if t and set(t) <= set("();<>|&"):  # a shell separator ends a command
+                for i, w in enumerate(part):
+                    if w == "peregrine" or w.endswith("/peregrine"):
+                        out.append(part[i + 1:])
+                        break
+                part = []
+            else:
+                part.append(t)
+    return out
+
+
+def test_doc_commands_use_real_options():
+    """Every option a `peregrine ...` command in the README's and the docs' code blocks passes is one its parser
+    knows (a renamed or removed option fails here, not in a reader's shell)."""
+    import argparse
+
+    from peregrine.cli import build_parser
+
+    def sub(p, name):
+        acts = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        return acts[0].choices.get(name) if acts else None
+
+    top = build_parser()
+    bad = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        page = doc.relative_to(ROOT)
+        for words in _commands(doc.read_text()):
+            p, i = top, 0
+            while i < len(words) and (q := sub(p, words[i])) is not None:
+                p, i = q, i + 1
+            assert p is not top, f"{page}: `peregrine {' '.join(words)}` names no command"
+            known = {s for a in p._actions for s in a.option_strings}
+            bad += [f"{page}: peregrine {' '.join(words[:i])} {w}" for w in words[i:]
+                    if w.startswith("--") and w.split("=")[0] not in known]
+    assert not bad, "options no parser knows: " + "; ".join(bad)
