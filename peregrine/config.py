@@ -325,6 +325,7 @@ def resolve_model(model: str) -> tuple[ModelConfig, Path | None]:
 
 
 # ----------------------------------------------------------------------------
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"  # vLLM's switch for the same mode, honoured as --batch-invariant
 DECODE_BACKENDS = ("standard", "latency_specialized")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 TP_ALLREDUCE = ("auto", "nccl")
@@ -375,6 +376,9 @@ class EngineConfig:
     # TP: router logits and MLA latent/q-down projections as a slice per rank + all-gather (true), or
     # computed whole on every rank (false: no extra collective, the default until measured on the GPU)
     tp_slice_replicated: bool = False
+    # --batch-invariant (or vLLM's VLLM_BATCH_INVARIANT=1): a request's tokens and logprobs do not depend on the batch
+    # (docs/correctness.md §5); the fused kernels plan from static sizes only
+    batch_invariant: bool = field(default_factory=lambda: os.environ.get(BATCH_INVARIANT_ENV, "0") == "1")
     speculative_config: object = None         # --speculative-config (peregrine.speculative.config.SpeculativeConfig, dict or JSON)
     extra: dict = field(default_factory=dict)
 
@@ -454,6 +458,10 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.batch_invariant and self.decode_backend == "latency_specialized" and self.max_num_seqs > self.max_decode_batch:
+            raise ConfigError(f"--batch-invariant with latency_specialized needs --max-num-seqs <= max_decode_batch "
+                              f"({self.max_decode_batch}), got {self.max_num_seqs}: a larger decode step would take the "
+                              "standard path, whose bits differ from the fused kernels'")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.block_size < 1:

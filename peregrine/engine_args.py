@@ -39,6 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization, metavar="F",
                    help=f"share of the GPU's memory the engine may use, weights included, as vLLM's (default "
                         f"{EngineConfig.gpu_memory_utilization}); what it leaves for the caches is said at start")
+    g.add_argument("--batch-invariant", action="store_true", default=None,
+                   help="a request's tokens and logprobs do not depend on the requests batched beside it (docs/"
+                        "correctness.md); vLLM's VLLM_BATCH_INVARIANT=1 turns it on too; costs some decode speed")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"], help="MLA latent cache dtype (auto = model dtype)")
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     g.add_argument("--dtype", default=None, help="bf16 or fp32 (default: bf16 on cuda, fp32 on cpu)")
@@ -66,6 +69,8 @@ def engine_config(args) -> EngineConfig:
                         kv_cache_dtype=args.kv_cache_dtype, device=args.device, dtype=args.dtype, seed=args.seed,
                         tensor_parallel_size=args.tensor_parallel_size,
                         gpu_memory_utilization=args.gpu_memory_utilization)
+    if getattr(args, "batch_invariant", None):
+        ecfg.batch_invariant = True
     ecfg.apply_additional_config(args.additional_config)
     ecfg.speculative_config = SpeculativeConfig.parse(getattr(args, "speculative_config", "") or None)
     ecfg.validate()

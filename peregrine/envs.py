@@ -97,6 +97,11 @@ TEST_SWITCHES = {
 
 # other programs' variables that peregrine reads
 OTHER = {
+    "VLLM_BATCH_INVARIANT": Var(
+        "1", "off",
+        "vLLM's switch for batch-invariant decoding, honoured as `--batch-invariant`: a request's tokens and logprobs "
+        "do not depend on the requests beside it. docs/correctness.md says what it guarantees.",
+        "peregrine/config.py"),
     "HF_HUB_CACHE": Var(
         "a folder", "$HF_HOME/hub",
         "Where `--model owner/name` looks for a Hugging Face download before it downloads one.",

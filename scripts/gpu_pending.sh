@@ -21,6 +21,13 @@
 #        PARTS=spec bash scripts/gpu_check.sh
 #   5. #66's GPU tests (the decode graphs' constrained and deferred-draw variants), ~2 min:
 #        python3 -m pytest -m gpu -q tests/test_guided.py tests/test_tools.py
+# - #69 batch invariance (session 33, CPU only): --batch-invariant pins the fused decode kernels' plans to static
+#   sizes (gemm invariant_config, MLA invariant_splits); GPU prefill is not invariant yet. On one H100, ~4 min:
+#   1. the tests at the tiny preset's shapes, compiled (greedy and sampled probes beside others, bitwise):
+#        python3 -m pytest -m gpu -q tests/test_batch_invariance.py
+#   2. its cost, the step against the default at B = 1, 2, 4, 8 (target <= 1.15x), same run:
+#        VLLM_BATCH_INVARIANT=1 peregrine bench decode --model kimi-linear-48b-a3b --dummy-weights --batch-sizes 1,2,4,8
+#        peregrine bench decode --model kimi-linear-48b-a3b --dummy-weights --batch-sizes 1,2,4,8
 # - #57 after session 31 (its head check ran on an H100 at 1b89fb0: results/2026-12-06-session31, results/README.md
 #   "Session 31": sampled 1.065-1.131x greedy, all of it the descent over dummy weights' flat rows; 16 pivots a
 #   level measured 1.031 / 1.034x at B = 1 / 8 in the step and is the default since 5f5dbaf; synthetic 3.78 met

@@ -289,7 +289,7 @@ def write_plan(plan: dict, meta: dict, path=gemm.PLAN_PATH) -> None:
     entries = old.get("entries", {}) | plan
     path.write_text(json.dumps({"meta": meta, "entries": entries}, indent=1, sort_keys=True) + "\n")
     gemm.load_plan.cache_clear()
-    gemm.lookup.cache_clear()
+    gemm._lookup.cache_clear()
     gemm._tuned_rows.cache_clear()
 
 

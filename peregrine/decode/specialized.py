@@ -67,7 +67,7 @@ def _verify_rows() -> int:
 
 def _mm(x, w, out=None):
     """Skinny GEMM up to _verify_rows() rows; cuBLAS/torch beyond (verify steps of B·T rows)."""
-    if x.shape[0] <= _verify_rows():
+    if x.shape[0] <= _verify_rows() or kernels.batch_invariant():  # (cuBLAS picks its kernel by M)
         return skinny_gemm(x, w, out=out)
     return x @ w.T if out is None else torch.matmul(x, w.T, out=out)
 
@@ -78,12 +78,15 @@ class SpecializedRunner:
     device_sampler = True  # honours StepInput.sampling / .logprobs / .penalties in its step (_head)
 
     def __init__(self, model, cache, standard, *, max_batch: int = 8, cuda_graphs: bool = True, log=print,
-                 max_blocks: int | None = None, allreduce: str = "auto", pdl: bool = False):
+                 max_blocks: int | None = None, allreduce: str = "auto", pdl: bool = False,
+                 batch_invariant: bool = False):
         if not 1 <= max_batch <= MAX_DECODE_BATCH:
             raise ValueError(f"max_decode_batch must be in 1..{MAX_DECODE_BATCH}, got {max_batch}")
         self.model, self.cache, self.standard, self.max_batch, self.log = model, cache, standard, max_batch, log
         self.cfg = model.cfg
         self.pdl = pdl  # Programmatic Dependent Launch for this runner's kernels (captured into its graphs)
+        # --batch-invariant: kernels planned from static sizes only (kernels.set_batch_invariant), for this runner's steps
+        self.batch_invariant, self.max_len = batch_invariant, (max_blocks or cache.num_blocks) * cache.block_size
         # verify steps' MLA: a sequence's query rows a program takes (0: each row its own sequence, expanded)
         self.verify_query_rows = int(os.environ.get(VERIFY_MLA_ENV, "1"))
         self.fused_uv_max_b = FUSED_UV_MAX_B  # _mla_attend's combine and W_UV in one launch up to this many rows
@@ -224,6 +227,7 @@ class SpecializedRunner:
     # ---- the step ----
     def _pdl_step(self, step):
         """The step with this runner's PDL setting, for eager runs, warm-up and graph capture alike."""
+        kernels.set_batch_invariant(self.batch_invariant, self.max_len)
         with kernels_pdl(self.pdl):
             return self._step(step)
 
@@ -367,7 +371,7 @@ class SpecializedRunner:
         elif T > 1:  # verify: the kernel gives row t of a sequence its table and the length up to itself
             kw = dict(tokens_per_seq=T, query_rows=self.verify_query_rows)
         args = (qh, c.latent[mi], c.scale[mi] if c.fp8 else None, tables, lens, attn.sm_scale)
-        if B <= self.fused_uv_max_b and uv_why_not(qh, w_uv, attn.r) is None:  # W_UV in the combine: [B, H·v]
+        if (B <= self.fused_uv_max_b or self.batch_invariant) and uv_why_not(qh, w_uv, attn.r) is None:  # W_UV in the combine: [B, H·v]
             return mla_decode(*args, kv_lora_rank=attn.r, w_uv=w_uv, **kw)
         o_lat = mla_decode(*args, kv_lora_rank=attn.r, **kw)
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape(B, -1)

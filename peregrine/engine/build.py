@@ -41,6 +41,11 @@ def build_engine(model: str, engine_cfg: EngineConfig | None = None, dummy_weigh
         from ..parallel.driver import TPDriver
         runner = TPDriver(runner, tp)
     engine = LLMEngine(runner, cfg, ecfg, cache, tokenizer=tok)
+    if ecfg.batch_invariant:
+        log("batch invariant: " + ("every step on the CPU" if m.lm_head.device.type == "cpu" else
+            "decode steps on latency_specialized; prefill and the standard path's decode on the GPU are not "
+            "invariant yet (docs/correctness.md)" if ecfg.decode_backend == "latency_specialized" else
+            "not on the GPU's standard path yet: use latency_specialized for invariant decode (docs/correctness.md)"))
     if engine.spec is not None and engine.spec.rates is not None:
         log(engine.spec.synthetic_note)  # at start, where the operator reads it
     engine.model = m

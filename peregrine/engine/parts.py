@@ -220,4 +220,4 @@ def make_runner(model, cache, ecfg: EngineConfig, log):
     from ..decode.specialized import SpecializedRunner
     return SpecializedRunner(model, cache, standard, max_batch=ecfg.max_decode_batch, cuda_graphs=ecfg.cuda_graphs, log=log,
                              max_blocks=min(math.ceil(ecfg.max_model_len / ecfg.block_size), cache.num_blocks),
-                             allreduce=ecfg.tp_allreduce, pdl=ecfg.pdl)
+                             allreduce=ecfg.tp_allreduce, pdl=ecfg.pdl, batch_invariant=ecfg.batch_invariant)

@@ -22,6 +22,25 @@ except Exception:  # pragma: no cover - depends on the install
 MIN_CAPABILITY = (9, 0)  # the kernels are tuned for Hopper; older GPUs take the standard path
 
 
+# batch-invariant mode (--batch-invariant, docs/correctness.md §5): while on, the decode kernels take their tiles, split
+# counts and plans from static sizes only (the weights' shapes, max_model_len), never from the batch, so a row's bits
+# do not depend on the rows beside it. Set by the runner before each step and capture (engines in one process may differ).
+_invariant = {"on": False, "max_len": 0}
+
+
+def set_batch_invariant(on: bool, max_len: int = 0) -> None:
+    _invariant["on"], _invariant["max_len"] = bool(on), int(max_len)
+
+
+def batch_invariant() -> bool:
+    return _invariant["on"]
+
+
+def invariant_max_len() -> int:
+    """The longest sequence an invariant-mode MLA decode may see (its fixed split length comes from it)."""
+    return _invariant["max_len"]
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels import interpreting
+from peregrine.kernels import batch_invariant, interpreting
 from peregrine.kernels.pdl import launch_kwargs, pdl_wait
 
 PLAN_PATH = Path(__file__).with_name("gemm_plan.json")
@@ -217,8 +217,18 @@ def plan_key(M: int, N: int, K: int) -> str:
     return f"{M},{N},{K}"
 
 
-@functools.lru_cache(maxsize=4096)
+def invariant_config(N: int, K: int) -> dict:
+    """Batch-invariant mode's config for every M: tl.dot on 16-row tiles (one MMA shape), the tiles and split-K of
+    (N, K) alone, no cuBLAS: each row's reduction over K is the same whatever the rows beside it."""
+    return {**heuristic(FMA_MAX_ROWS + 1, N, K), "dot": True, "BLOCK_M": DOT_MIN_ROWS}
+
+
 def lookup(M: int, N: int, K: int) -> dict:
+    return invariant_config(N, K) if batch_invariant() else _lookup(M, N, K)
+
+
+@functools.lru_cache(maxsize=4096)
+def _lookup(M: int, N: int, K: int) -> dict:
     """The plan's config for (M, N, K); for an M the plan was not tuned at (verify steps: B·T rows, e.g. 3, 5-7),
     that of the smallest tuned M' > M of the same (N, K): its tiles hold M's rows too (the rest masked) and the
     kernel streams the same weights. The heuristic only where no M' >= M was tuned: at M = 3 it had taken
@@ -323,6 +333,7 @@ def tiling(M: int, N: int, K: int, cfg: dict) -> tuple[tuple[int, int, int], int
     dot = cfg.get("dot", M > FMA_MAX_ROWS)
     bm = min(max(DOT_MIN_ROWS, triton.next_power_of_2(M)), WIDE_MAX_ROWS) if dot else min(triton.next_power_of_2(M),
                                                                                             FMA_MAX_ROWS)
+    bm = cfg.get("BLOCK_M", bm)  # batch-invariant mode: one tile height for every M
     k_per = triton.cdiv(triton.cdiv(K, split), bk) * bk
     split = triton.cdiv(K, k_per)  # drop splits that would start past K
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=dot, EVEN_K=k_per * split == K,

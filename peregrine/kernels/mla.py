@@ -37,7 +37,7 @@ programs that split v would each re-read all of (b, h)'s FP32 partials (S · 2 K
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import available, interpreting, read_plan_entries
+from . import available, batch_invariant, interpreting, invariant_max_len, read_plan_entries
 from .gemm import arrival_counters
 from .pdl import launch_kwargs, pdl_wait
 
@@ -53,6 +53,7 @@ LOG2E = 1.4426950408889634  # scores go through exp2: fold log2(e) into the scal
 MIN_DOT = 16                # smallest tl.dot dimension on the tensor cores
 CPU_SMS = 8                 # pretend SM count off-GPU: keeps interpreter grids small
 MAX_SPLITS = 256            # bounds the partial buffers and the combine tile
+INVARIANT_SPLITS = 64       # batch-invariant mode: every step this many splits of max_model_len / 64 tokens each
 L_FLOOR = tl.constexpr(1e-30)  # softmax sums are >= 1 when any token exists; length 0 gives 0/floor = 0
 FLT_BIG = tl.constexpr(3.0e38)  # finite stand-in for the max of an all-inactive split set
 SC_FLOOR = tl.constexpr(1e-30)  # log2 of an FP8 scale: a zero scale (all-zero entry) stays finite
@@ -484,6 +485,16 @@ def _verify_tiling(latent_dtype) -> MlaTiling:
     return FP32_VERIFY_TILING if latent_dtype == torch.float32 else FP8_VERIFY_TILING if fp8 else VERIFY_TILING
 
 
+def invariant_splits(latent_dtype, max_len: int) -> tuple[MlaTiling, int]:
+    """Batch-invariant mode's (tiling, splits): the dtype's default tiles and a fixed split length, so a row's
+    splits cover the same tokens whatever the batch (B, the other rows' lengths, the graph's context bucket)."""
+    fp8 = latent_dtype == torch.float8_e4m3fn
+    t = FP8_TILING if fp8 else FP32_TILING if latent_dtype == torch.float32 else DEFAULT_TILING
+    chunk = triton.cdiv(triton.cdiv(max(1, max_len), INVARIANT_SPLITS), t.block_n) * t.block_n
+    chunk = max(chunk, triton.cdiv(t.min_split_tokens, t.block_n) * t.block_n)
+    return replace(t, min_split_tokens=chunk), INVARIANT_SPLITS
+
+
 def mla_partials(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lora_rank,
                  num_splits=None, tiling: MlaTiling | None = None, direct_out=None, tokens_per_seq: int = 1,
                  query_rows: int = 0) -> Partials:
@@ -500,9 +511,12 @@ def mla_partials(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_l
     assert (scale is not None) == fp8, "scale is required exactly for an FP8 cache"
     assert B % T == 0 and block_tables.shape[0] == context_lens.shape[0] == B // T
     capacity = block_tables.shape[1] * page
-    qr = verify_query_rows(T, query_rows) if T > 1 else 0
+    invariant = batch_invariant()
+    qr = (1 if invariant else verify_query_rows(T, query_rows)) if T > 1 else 0  # invariant: a verify row as a decode's
     programs = B // T * triton.cdiv(T, qr) if T > 1 else B
-    if qr > 1:  # verify with M = query rows x heads: its own tiling, splits sized for its programs
+    if invariant and tiling is None and num_splits is None:
+        t, S = invariant_splits(latent.dtype, invariant_max_len() or capacity)
+    elif qr > 1:  # verify with M = query rows x heads: its own tiling, splits sized for its programs
         t = tiling or _verify_tiling(latent.dtype)
         S = min(num_splits or pick_num_splits(max(programs, 1), H, capacity, q.device, t), MAX_SPLITS)
     else:  # decode, or verify a row a program (the decode's M, tiling and plan, as for B·T rows)
