@@ -53,7 +53,6 @@ LOG2E = 1.4426950408889634  # scores go through exp2: fold log2(e) into the scal
 MIN_DOT = 16                # smallest tl.dot dimension on the tensor cores
 CPU_SMS = 8                 # pretend SM count off-GPU: keeps interpreter grids small
 MAX_SPLITS = 256            # bounds the partial buffers and the combine tile
-INVARIANT_SPLITS = 64       # batch-invariant mode: every step this many splits of max_model_len / 64 tokens each
 L_FLOOR = tl.constexpr(1e-30)  # softmax sums are >= 1 when any token exists; length 0 gives 0/floor = 0
 FLT_BIG = tl.constexpr(3.0e38)  # finite stand-in for the max of an all-inactive split set
 SC_FLOOR = tl.constexpr(1e-30)  # log2 of an FP8 scale: a zero scale (all-zero entry) stays finite
@@ -486,13 +485,14 @@ def _verify_tiling(latent_dtype) -> MlaTiling:
 
 
 def invariant_splits(latent_dtype, max_len: int) -> tuple[MlaTiling, int]:
-    """Batch-invariant mode's (tiling, splits): the dtype's default tiles and a fixed split length, so a row's
-    splits cover the same tokens whatever the batch (B, the other rows' lengths, the graph's context bucket)."""
+    """Batch-invariant mode's (tiling, splits): the dtype's default tiles, and splits of a fixed length from max_len
+    alone (at least the tiling's minimum split), so a row's splits cover the same tokens whatever the batch (B, the
+    other rows' lengths, the graph's context bucket)."""
     fp8 = latent_dtype == torch.float8_e4m3fn
     t = FP8_TILING if fp8 else FP32_TILING if latent_dtype == torch.float32 else DEFAULT_TILING
-    chunk = triton.cdiv(triton.cdiv(max(1, max_len), INVARIANT_SPLITS), t.block_n) * t.block_n
-    chunk = max(chunk, triton.cdiv(t.min_split_tokens, t.block_n) * t.block_n)
-    return replace(t, min_split_tokens=chunk), INVARIANT_SPLITS
+    splits = min(MAX_SPLITS, triton.cdiv(max(1, max_len), t.min_split_tokens))  # 128K tokens: 256 splits of 512
+    chunk = triton.cdiv(triton.cdiv(max(1, max_len), splits), t.block_n) * t.block_n
+    return replace(t, min_split_tokens=chunk), splits
 
 
 def mla_partials(q, latent, scale, block_tables, context_lens, sm_scale, *, kv_lora_rank,
