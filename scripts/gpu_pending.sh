@@ -28,6 +28,9 @@
 #   2. its cost, the step against the default at B = 1, 2, 4, 8 (target <= 1.15x), same run:
 #        VLLM_BATCH_INVARIANT=1 peregrine bench decode --model kimi-linear-48b-a3b --dummy-weights --batch-sizes 1,2,4,8
 #        peregrine bench decode --model kimi-linear-48b-a3b --dummy-weights --batch-sizes 1,2,4,8
+#   3. TTFT at 8K with and without it (prefill is not invariant yet on the GPU: this is the cost of what is):
+#        VLLM_BATCH_INVARIANT=1 peregrine bench ttft --model kimi-linear-48b-a3b --dummy-weights
+#        peregrine bench ttft --model kimi-linear-48b-a3b --dummy-weights
 # - #57 after session 31 (its head check ran on an H100 at 1b89fb0: results/2026-12-06-session31, results/README.md
 #   "Session 31": sampled 1.065-1.131x greedy, all of it the descent over dummy weights' flat rows; 16 pivots a
 #   level measured 1.031 / 1.034x at B = 1 / 8 in the step and is the default since 5f5dbaf; synthetic 3.78 met
