@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 AIPERF = ROOT / ".venv-aiperf" / "bin" / "aiperf"
@@ -59,34 +55,14 @@ def write_model(folder: Path) -> None:
     (folder / "chat_template.jinja").write_text(TEMPLATE)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def served(model: Path, log: Path):
     """`peregrine serve` of the model folder (dummy weights, NAME) until the block ends; -> its base URL."""
-    port = _free_port()
-    with log.open("wb") as out:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "peregrine", "serve", "--model", str(model), "--dummy-weights", "--port", str(port),
-             "--served-model-name", NAME, "--max-num-seqs", "4", "--log-level", "warning"],
-            stdout=out, stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})  # one thread beside the other test worker (CI has 2 cores)
+    from conftest import start_server
+    server, url = start_server(["--model", str(model), "--dummy-weights", "--served-model-name", NAME,
+                                "--max-num-seqs", "4", "--log-level", "warning"], timeout=LIMIT, log=log)
     try:
-        deadline = time.monotonic() + LIMIT
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert server.poll() is None, f"peregrine serve exited: {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "peregrine serve did not come up"
-            time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
         server.kill()
         server.wait(30)

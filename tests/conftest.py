@@ -97,9 +97,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def start_server(args: list[str], timeout: float = 120.0, env: dict | None = None):
+def start_server(args: list[str], timeout: float = 120.0, env: dict | None = None, log=None):
     """`python -m peregrine.server serve ARGS --port P` on a free loopback port, once /health answers.
-    -> (process, base url); the caller ends the process."""
+    -> (process, base url); the caller ends the process. log: a Path its output goes to (else a pipe), whose tail
+    a failed start shows."""
     import socket
     import subprocess
     import sys
@@ -113,8 +114,11 @@ def start_server(args: list[str], timeout: float = 120.0, env: dict | None = Non
     env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
     if os.environ.get("PYTEST_XDIST_WORKER"):  # the test command's workers fill the cores: a server with torch's
         env.setdefault("OMP_NUM_THREADS", "1")  # default threads beside them ran its soak 4x slower (oversubscribed)
+    out = log.open("wb") if log is not None else subprocess.PIPE
     proc = subprocess.Popen([sys.executable, "-m", "peregrine.server", "serve", *args, "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+                            stdout=out, stderr=subprocess.STDOUT, env=env)
+    if log is not None:
+        out.close()  # the child holds its own copy
     deadline = time.time() + timeout
     while True:
         try:
@@ -124,5 +128,5 @@ def start_server(args: list[str], timeout: float = 120.0, env: dict | None = Non
             pass
         if proc.poll() is not None or time.time() > deadline:
             proc.kill()
-            raise AssertionError("server did not come up")
+            raise AssertionError("server did not come up" + (f": {log.read_text()[-3000:]}" if log is not None else ""))
         time.sleep(0.2)

@@ -50,6 +50,8 @@ from pathlib import Path
 
 import httpx
 
+from .metrics import parse_counters
+
 
 DURATION_S = 1800          # the scenario's profiled time when not given (it refuses under 900 s)
 IDLE_CAP_S = 10.0          # the scenario's system idle cap: a lull with no request in flight lasts at most this
@@ -58,7 +60,6 @@ WARMUP_TOKENS = 1          # warmup turns only prime the prefix cache
 JOIN_EPS_S = 1e-6          # a subagent ending this close after a parent turn's start still joins it (rounding)
 MARKER = "[rid:{}]\n\n"    # aiperf's cache-bust marker shape (12 hex digits): same length, other digits
 COUNTERS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries")  # the counters aiperf scrapes for the hit rate
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*?)(?:_total)?(?:\{[^}]*\})? ([-+0-9.eEinfNa]+)$")  # a /metrics line
 # block text: words a large vocabulary has as single tokens (with their leading space); a byte- or character-level
 # one gets single characters instead (calibrate)
 WORDS = ("the of and to in is it for on with as at by from this that be or an are not was but all can has one new "
@@ -628,12 +629,7 @@ async def server_counters(client: httpx.AsyncClient, base_url: str) -> dict:
         r.raise_for_status()
     except httpx.HTTPError:
         return {}
-    out: dict = {}
-    for line in r.text.splitlines():
-        m = _SAMPLE.match(line)
-        if m and m.group(1) in COUNTERS:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-    return out
+    return parse_counters(r.text, COUNTERS)
 
 
 def counter_delta(before: dict, after: dict) -> dict | None:

@@ -26,12 +26,13 @@ import hashlib
 import json
 import os
 import random
-import re
 import statistics
 import sys
 import time
 
 import httpx
+
+from .metrics import parse_counters
 
 PCTS = (50, 90, 99)
 
@@ -158,7 +159,6 @@ COUNTERS = {"peregrine:spec_drafts": "drafts", "peregrine:spec_draft_tokens": "d
             "peregrine:spec_accepted_tokens": "accepted_tokens", "peregrine:decode_lookahead_steps": "lookahead_steps",
             "peregrine:decode_steps": "engine_steps", "peregrine:prefix_cache_hits": "prefix_cache_hit_tokens",
             "peregrine:prefix_cache_queries": "prefix_cache_query_tokens"}
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*?)(?:_total)?(?:\{[^}]*\})? ([-+0-9.eEinfNa]+)$")
 
 
 def agent_turns(n_sessions: int, turns: int, context_chars: int, vocab_size: int, seed: int = 0, salt: str = "",
@@ -213,18 +213,13 @@ def reuse_against_perfect(level: dict, sessions: list, block_size: int | None) -
 
 
 def server_counters(base_url: str) -> dict:
-    """The COUNTERS now (summed over labels), from /metrics; {} when it cannot be read."""
+    """The COUNTERS now (under their short names), from /metrics; {} when it cannot be read."""
     try:
         r = httpx.get(base_url.rstrip("/") + "/metrics", timeout=30)
         r.raise_for_status()
     except httpx.HTTPError:
         return {}
-    out: dict = {}
-    for line in r.text.splitlines():
-        m = _SAMPLE.match(line)
-        if m and m.group(1) in COUNTERS:
-            out[COUNTERS[m.group(1)]] = out.get(COUNTERS[m.group(1)], 0.0) + float(m.group(2))
-    return out
+    return {COUNTERS[k]: v for k, v in parse_counters(r.text, COUNTERS).items()}
 
 
 def counter_deltas(before: dict, after: dict) -> dict:

@@ -217,6 +217,7 @@ def plan_key(M: int, N: int, K: int) -> str:
     return f"{M},{N},{K}"
 
 
+@functools.cache
 def invariant_config(N: int, K: int) -> dict:
     """Batch-invariant mode's config for every M: tl.dot on 16-row tiles (one MMA shape), the tiles and split-K of
     (N, K) alone, no cuBLAS: each row's reduction over K is the same whatever the rows beside it."""
