@@ -326,6 +326,8 @@ def resolve_model(model: str) -> tuple[ModelConfig, Path | None]:
 
 # ----------------------------------------------------------------------------
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"  # vLLM's switch for the same mode, honoured as --batch-invariant
+INVARIANT_ALIGN = 64  # batch-invariant mode's KDA chunk (fla's BT): block sizes, prefix hits, prefill chunk ends and
+#   snapshot cuts are its multiples in that mode, so a prompt's KDA chunks are the same however the prompt is split
 DECODE_BACKENDS = ("standard", "latency_specialized")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 TP_ALLREDUCE = ("auto", "nccl")
@@ -462,6 +464,16 @@ class EngineConfig:
             raise ConfigError(f"--batch-invariant with latency_specialized needs --max-num-seqs <= max_decode_batch "
                               f"({self.max_decode_batch}), got {self.max_num_seqs}: a larger decode step would take the "
                               "standard path, whose bits differ from the fused kernels'")
+        if self.batch_invariant:
+            small = [f"{name} {v}" for name, v in (("block_size", self.block_size),
+                                                    ("--max-num-batched-tokens", self.max_num_batched_tokens),
+                                                    ("max_prefill_tokens_while_decoding",
+                                                     self.max_prefill_tokens_while_decoding)) if v is not None
+                     and (v % INVARIANT_ALIGN if name == "block_size" else v < INVARIANT_ALIGN)]
+            if small:
+                raise ConfigError(f"--batch-invariant needs a block size that is a multiple of {INVARIANT_ALIGN} and "
+                                  f"prefill budgets of at least {INVARIANT_ALIGN} tokens (a prompt is split only at "
+                                  f"multiples of the KDA chunk, {INVARIANT_ALIGN}), got {', '.join(small)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.block_size < 1:

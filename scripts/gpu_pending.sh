@@ -21,14 +21,17 @@
 #        PARTS=spec bash scripts/gpu_check.sh
 #   5. #66's GPU tests (the decode graphs' constrained and deferred-draw variants), ~2 min:
 #        python3 -m pytest -m gpu -q tests/test_guided.py tests/test_tools.py
-# - #69 batch invariance (session 33, CPU only): --batch-invariant pins the fused decode kernels' plans to static
-#   sizes (gemm invariant_config, MLA invariant_splits); GPU prefill is not invariant yet. On one H100, ~4 min:
-#   1. the tests at the tiny preset's shapes, compiled (greedy and sampled probes beside others, bitwise):
+# - #69 batch invariance (sessions 33-34, CPU only): --batch-invariant pins the fused decode kernels' plans to static
+#   sizes (gemm invariant_config, MLA invariant_splits) and, since session 34, runs prefill through fixed forms
+#   (gemm prefill_invariant_config for every projection and expert, the flash MLA kernel without KV splits, fla per
+#   row, prompts split at multiples of 64, prefix reuse of prompt blocks only). On one H100, ~6 min:
+#   1. the tests, compiled: the tiny preset's shapes and the 48B's widths (3 layers: greedy and sampled probes
+#      alone, beside others, after a prefix hit, in chunks and in pieces, bitwise):
 #        python3 -m pytest -m gpu -q tests/test_batch_invariance.py
 #   2. its cost, the step against the default at B = 1, 2, 4, 8 (target <= 1.15x), same run:
 #        VLLM_BATCH_INVARIANT=1 peregrine bench decode --model kimi-linear-48b-a3b --dummy-weights --batch-sizes 1,2,4,8
 #        peregrine bench decode --model kimi-linear-48b-a3b --dummy-weights --batch-sizes 1,2,4,8
-#   3. TTFT at 8K with and without it (prefill is not invariant yet on the GPU: this is the cost of what is):
+#   3. TTFT at 8K with and without it (the fixed-tile prefill GEMMs and the per-expert loop are its cost):
 #        VLLM_BATCH_INVARIANT=1 peregrine bench ttft --model kimi-linear-48b-a3b --dummy-weights
 #        peregrine bench ttft --model kimi-linear-48b-a3b --dummy-weights
 # - #57 after session 31 (its head check ran on an H100 at 1b89fb0: results/2026-12-06-session31, results/README.md

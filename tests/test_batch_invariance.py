@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from conftest import dummy_model_dir
+from conftest import DEVICE, dummy_model_dir
 from peregrine import kernels
 from peregrine.config import PRESET_DIR, ConfigError, EngineConfig
 from peregrine.engine import SamplingParams
@@ -48,7 +48,8 @@ def _mode_off_after():
 
 
 def engine(model_dir, **kw):
-    ecfg = EngineConfig(max_num_seqs=8, max_model_len=512, block_size=16, dtype="bfloat16", batch_invariant=True, **kw)
+    kw = {"max_num_seqs": 8, "max_model_len": 512, "block_size": 64, "dtype": "bfloat16", **kw}
+    ecfg = EngineConfig(batch_invariant=True, **kw)
     return build_engine(model_dir, ecfg, log=lambda m: None)[0]
 
 
@@ -56,12 +57,12 @@ def prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 290) for _ in range(n)]
 
 
-def serve(e, reqs: list[tuple[list[int], float, int]], logprobs: int | None = 2) -> list[tuple]:
+def serve(e, reqs: list[tuple[list[int], float, int]], logprobs: int | None = 2, tokens: int = TOKENS) -> list[tuple]:
     """Each (prompt, temperature, seed)'s (tokens, logprobs with their top-2) from one engine run, every request
     added before the first step."""
     done = {}
     for i, (p, temperature, seed) in enumerate(reqs):
-        sp = SamplingParams(temperature=temperature, max_tokens=TOKENS, seed=seed, logprobs=logprobs, ignore_eos=True)
+        sp = SamplingParams(temperature=temperature, max_tokens=tokens, seed=seed, logprobs=logprobs, ignore_eos=True)
         e.add_request(p, sp, on_token=lambda o, i=i: done.__setitem__(i, o) if o.finished else None)
     while e.has_unfinished():
         e.step()
@@ -83,33 +84,143 @@ def test_fused_decode_is_batch_invariant(model_dir):
     assert e.stats["steps_by_path"]["latency_specialized"] > 0
 
 
-def test_standard_path_is_batch_invariant_across_cache_chunks_pieces_and_speculation(model_dir):
-    """The standard path: one probe alone against the same probe after a request that shares its first 96 tokens
-    (a prefix-cache hit), with its prompt in chunks of 40 tokens, prefilled in pieces while another request
-    decodes, and with n-gram speculation on (greedy: speculative decoding gives plain decoding's tokens, its verify
-    rows computed T at a time)."""
-    rng = random.Random(5)
-    probe = (prompt(rng, 150), 0.0, 1)
-    alone = serve(engine(model_dir), [probe])[0]
-
-    e = engine(model_dir)
-    serve(e, [(probe[0][:100] + prompt(rng, 20), 0.0, 2)])
+def standard_cases(model_dir, dtype: str, rng: random.Random) -> dict[str, list]:
+    """One greedy and one sampled probe (200-token prompts: the KDA layers' chunk form) served by the standard path in
+    the mode: alone, in batches of 3, 5 and 16 of random lengths (the greedy one at a random place), after prompts
+    that share their first 150 tokens (a 128-token prefix hit), in 100-token budgets (chunks of 64), in pieces beside
+    a decoding request -> {case: answers}."""
+    probes = [(prompt(rng, 200), 0.0, 1), (prompt(rng, 200), 1.0, 2)]
+    out = {"alone": [serve(engine(model_dir, dtype=dtype), [p])[0] for p in probes]}
+    for others in (1, 3, 14):
+        rest = [(prompt(rng, rng.randrange(5, 150)), float(i % 2), 10 + i) for i in range(others)]
+        at = rng.randrange(others + 1)
+        batch = rest[:at] + probes[:1] + rest[at:] + probes[1:]
+        got = serve(engine(model_dir, dtype=dtype, max_num_seqs=16), batch)
+        out[f"in a batch of {others + 2}"] = [got[batch.index(p)] for p in probes]
+    e = engine(model_dir, dtype=dtype)
+    serve(e, [(p[0][:150] + prompt(rng, 20), 0.0, 3) for p in probes])
     hits0 = e.prefix_cache.stats["hit_tokens"]
-    assert serve(e, [probe])[0] == alone, "after a prefix-cache hit"
-    assert e.prefix_cache.stats["hit_tokens"] >= hits0 + 96, "the probe did not hit the cache"
-
-    assert serve(engine(model_dir, max_num_batched_tokens=40), [probe])[0] == alone, "in 40-token chunks"
-
-    e = engine(model_dir, max_prefill_tokens_while_decoding=24)
+    out["after a prefix-cache hit"] = [serve(e, [p])[0] for p in probes]
+    assert e.prefix_cache.stats["hit_tokens"] >= hits0 + 2 * 128, "the probes did not hit the cache"
+    e = engine(model_dir, dtype=dtype, max_num_batched_tokens=100)
+    out["in 100-token budgets"] = [serve(e, [p])[0] for p in probes]
+    e = engine(model_dir, dtype=dtype, max_prefill_tokens_while_decoding=64)
     e.add_request(prompt(rng, 10), SamplingParams(max_tokens=60, ignore_eos=True))
     for _ in range(3):
         e.step()
-    assert serve(e, [probe])[0] == alone, "prefilled in pieces beside a decoding request"
+    out["in pieces beside a decode"] = [serve(e, [p])[0] for p in probes]
+    return out
 
-    # a row asking for logprobs gets no drafts (speculative/decoder.py): tokens only, against plain decoding's
-    e = engine(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
-    assert serve(e, [probe], logprobs=None)[0][0] == alone[0], "greedy speculation differs from plain decoding"
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_standard_path_is_batch_invariant(model_dir, dtype):
+    """The standard path in the mode (PyTorch's forms on the CPU): each probe's tokens and logprobs, bit for bit, in
+    every case of standard_cases. FP32 shows any change of summation order (BF16 rounding hides most): without the
+    mode's forms (chunk_kda's scan over a row's chunks, the batched decode attention, conv1d) it fails."""
+    out = standard_cases(model_dir, dtype, random.Random(5))
+    for case, got in out.items():
+        assert got == out["alone"], f"{dtype}: {case}: a probe's answer changed"
+
+
+def test_decoded_blocks_are_recomputed_and_speculation_gives_plain_tokens(model_dir):
+    """A next turn (the last prompt + its 80 generated tokens + new ones) answers as on a cold engine: the blocks the
+    decode steps wrote are not reused (their bits are the decode kernels', not a prefill's), and greedy n-gram
+    speculation (verify rows computed as decode rows) gives plain decoding's tokens. FP32."""
+    rng = random.Random(7)
+    first = prompt(rng, 120)
+    e = engine(model_dir, dtype="float32")
+    toks = serve(e, [(first, 0.0, 1)], tokens=80)[0][0]
+    turn2 = (first + toks + prompt(rng, 30), 0.0, 2)
+    assert serve(e, [turn2])[0] == serve(engine(model_dir, dtype="float32"), [turn2])[0], "a reused decoded block"
+    assert e.prefix_cache.stats["hit_tokens"] >= 64, "the first prompt's block was not reused"
+
+    probe = (prompt(rng, 150), 0.0, 3)
+    alone = serve(engine(model_dir, dtype="float32"), [probe], logprobs=None)[0][0]
+    e = engine(model_dir, dtype="float32",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    assert serve(e, [probe], logprobs=None)[0][0] == alone, "greedy speculation differs from plain decoding"
     assert e.stats["spec"]["verify_steps"] > 0, "nothing was verified: the comparison shows nothing"
+
+
+def test_standard_path_kernel_forms_are_batch_invariant(model_dir):
+    """The forms the GPU takes in the mode, here in Triton's interpreter (BF16): fixed-tile GEMMs for every
+    projection, the router in FP32 and each used expert, the one-pass norms, the flash attention without KV splits.
+    A probe alone and first of 3 prompts (its rows at the same places in each tile: the interpreter's dot is numpy's
+    BLAS, whose bits, unlike the GPU's MMA, depend on a row's place in the tile): bit for bit."""
+    from peregrine.models import layers
+    rng = random.Random(9)
+    probe = (prompt(rng, 70), 0.0, 1)
+    rest = [(prompt(rng, n), 1.0, 5 + n) for n in (40, 9)]
+    old, layers.INVARIANT_KERNELS = layers.INVARIANT_KERNELS, True
+    try:
+        alone = serve(engine(model_dir), [probe], tokens=2)[0]
+        assert serve(engine(model_dir), [probe] + rest, tokens=2)[0] == alone, "beside 2 others"
+    finally:
+        layers.INVARIANT_KERNELS = old
+
+
+def test_kernel_forms_rows_do_not_depend_on_the_step():
+    """Kernel level: the fixed-tile GEMM gives each row the same bits at any row count; the flash attention's
+    invariant config gives a query the same bits cold, after a prefix (warm) and in a chunk, and splits nothing
+    (without it a long-context row of few queries takes KV splits, summed in another order)."""
+    from peregrine.kernels.gemm import prefill_invariant_config, skinny_gemm
+    from dataclasses import replace
+    from peregrine.kernels.mla_prefill import invariant_config, mla_prefill
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 200, generator=g).bfloat16()
+    w = torch.randn(136, 200, generator=g).bfloat16()
+    full = skinny_gemm(x, w, config=prefill_invariant_config(136, 200))
+    for a, b in [(0, 1), (0, 12), (64, 128), (128, 300)]:  # (tile-aligned starts: see the test above)
+        assert torch.equal(skinny_gemm(x[a:b], w, config=prefill_invariant_config(136, 200)), full[a:b]), (a, b)
+    H, Dn, Dr, Dv, L = 2, 32, 16, 32, 800  # FP32: a change of summation order shows
+    q = torch.randn(L, H, Dn + Dr, generator=g)
+    kn, kr, v = (torch.randn(*sh, generator=g) for sh in ((L, H, Dn), (L, Dr), (L, H, Dv)))
+    cfg = invariant_config(Dn, Dr, Dv, torch.float32)
+    cold = mla_prefill(q, kn, kr, v, 0.1, 0, config=cfg)
+    for start, T in [(768, 32), (640, 160), (512, 64)]:  # (starts on the query tile, as above)
+        part = mla_prefill(q[start:start + T], kn[:start + T], kr[:start + T], v[:start + T], 0.1, start, config=cfg)
+        assert torch.equal(part, cold[start:start + T]), (start, T)
+    split = mla_prefill(q[640:], kn, kr, v, 0.1, 640, config=replace(cfg, num_splits=4))  # what the mode avoids
+    assert not torch.equal(split, cold[640:]), "KV splits changed nothing: the check above shows nothing"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the 48B's widths: compiled kernels and fla on a GPU")
+def test_gpu_48b_widths_are_batch_invariant(tmp_path_factory):
+    """Kimi-Linear-48B's widths (3 layers: dense, MLA + MoE, KDA + MoE; BF16, dummy weights) on the GPU, decode on
+    latency_specialized: a greedy and a sampled 700-token probe alone, beside 5 others, after a 640-token prefix hit,
+    in 200-token budgets and in pieces beside a decode: the same tokens and logprobs, bit for bit."""
+    import gc
+    raw = json.loads((PRESET_DIR / "kimi-linear-48b-a3b.json").read_text())
+    raw["num_hidden_layers"] = 3
+    raw["linear_attn_config"] = {**raw["linear_attn_config"], "kda_layers": [3], "full_attn_layers": [1, 2]}
+    d = dummy_model_dir(tmp_path_factory, raw, "k48", seed=4)
+
+    def run(reqs, **kw):
+        e = engine(d, decode_backend="latency_specialized", max_model_len=2048, **kw)
+        out = serve(e, reqs)
+        del e
+        gc.collect()
+        torch.cuda.empty_cache()
+        return out
+
+    rng = random.Random(13)
+    probes = [(prompt(rng, 700), 0.0, 1), (prompt(rng, 700), 1.0, 2)]
+    alone = [run([p])[0] for p in probes]
+    rest = [(prompt(rng, rng.randrange(5, 900)), float(i % 2), 10 + i) for i in range(5)]
+    batch = rest[:2] + probes[:1] + rest[2:] + probes[1:]
+    got = run(batch)
+    assert [got[batch.index(p)] for p in probes] == alone, "beside 5 others"
+    e = engine(d, decode_backend="latency_specialized", max_model_len=2048)
+    serve(e, [(p[0][:650] + prompt(rng, 40), 0.0, 3) for p in probes])
+    assert [serve(e, [p])[0] for p in probes] == alone, "after a prefix-cache hit"
+    assert e.prefix_cache.stats["hit_tokens"] >= 2 * 640
+    del e
+    assert [run([p], max_num_batched_tokens=200)[0] for p in probes] == alone, "in 200-token budgets"
+    e = engine(d, decode_backend="latency_specialized", max_model_len=2048, max_prefill_tokens_while_decoding=128)
+    e.add_request(prompt(rng, 10), SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        e.step()
+    assert serve(e, probes) == alone, "in pieces beside a decode"
 
 
 def test_mla_decode_rows_do_not_depend_on_the_batch():

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from .. import kernels
 from ..engine import guided
 from ..engine.request import MAX_LOGIT_BIAS
 from .batch import StepInput
@@ -226,10 +227,14 @@ class StandardRunner:
     name = "standard"
 
     def __init__(self, model, cache, *, cuda_graphs: bool = True, max_graph_batch: int = 16, log=None,
-                 prefill_graph_tokens: int = 0):
+                 prefill_graph_tokens: int = 0, batch_invariant: bool = False, max_len: int = 0):
         """prefill_graph_tokens: prefill steps of up to this many tokens replay piecewise CUDA graphs
-        (decode/prefill_graphs.py; 0: eager)."""
+        (decode/prefill_graphs.py; 0: eager). batch_invariant: the mode's forms (docs/correctness.md §5), eager: they
+        loop over rows and experts on the host."""
         self.model, self.cache = model, cache
+        self.batch_invariant, self.max_len = batch_invariant, max_len
+        if batch_invariant:
+            cuda_graphs, prefill_graph_tokens = False, 0
         self.last_path = "standard"
         self.fallback_reasons: dict[str, int] = {}
         on_gpu = cuda_graphs and cache.latent.is_cuda
@@ -252,6 +257,7 @@ class StandardRunner:
     def _forward(self, step: StepInput):
         """The logits, or (logits, tokens[, logprobs]) for a decode step the engine planned to draw here (and a
         pure verify step whose sampled rows the speculative decoder planned to draw here: a token each row)."""
+        kernels.set_batch_invariant(self.batch_invariant, self.max_len)
         logits = self.model(step, self.cache)
         if (self.device_sampler and (step.is_decode or step.spec_tokens) and (step.sampling is not None or step.logprobs)
                 and not step.defer_draw):
@@ -292,6 +298,7 @@ class StandardRunner:
 
         def advance():
             with torch.inference_mode():  # per piece: the caller's code between pieces runs outside it
+                kernels.set_batch_invariant(self.batch_invariant, self.max_len)  # (a decode step ran in between)
                 return next(gen)
         return advance
 

@@ -2,7 +2,7 @@
 config, weights, caches, runner), the tensor-parallel ranks, the engine."""
 from __future__ import annotations
 
-from ..config import EngineConfig, resolve_model
+from ..config import INVARIANT_ALIGN, EngineConfig, resolve_model
 from ..parallel.group import SINGLE, TPGroup
 from ..parallel.slicing import shard_config
 from ..tokenizer import load_tokenizer
@@ -42,10 +42,10 @@ def build_engine(model: str, engine_cfg: EngineConfig | None = None, dummy_weigh
         runner = TPDriver(runner, tp)
     engine = LLMEngine(runner, cfg, ecfg, cache, tokenizer=tok)
     if ecfg.batch_invariant:
-        log("batch invariant: " + ("every step on the CPU" if m.lm_head.device.type == "cpu" else
-            "decode steps on latency_specialized; prefill and the standard path's decode on the GPU are not "
-            "invariant yet (docs/correctness.md)" if ecfg.decode_backend == "latency_specialized" else
-            "not on the GPU's standard path yet: use latency_specialized for invariant decode (docs/correctness.md)"))
+        log("batch invariant: prefill " + ("in PyTorch's invariant forms" if m.lm_head.device.type == "cpu" else
+            "through fixed-tile GEMMs, the flash attention without KV splits and fla's KDA chunks") +
+            f", prompts split only at multiples of {INVARIANT_ALIGN} tokens, decode on {ecfg.decode_backend}, "
+            "prefix reuse of prompt blocks only (docs/correctness.md §5)")
     if engine.spec is not None and engine.spec.rates is not None:
         log(engine.spec.synthetic_note)  # at start, where the operator reads it
     engine.model = m

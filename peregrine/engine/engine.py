@@ -39,7 +39,7 @@ from typing import Callable
 import torch.profiler
 
 from ..cache import ModelCache
-from ..config import PREFILL_STEP_TOKENS, EngineConfig, ModelConfig
+from ..config import INVARIANT_ALIGN, PREFILL_STEP_TOKENS, EngineConfig, ModelConfig
 from ..decode.batch import StepInput, _to_device
 from ..decode.head import draw
 from ..host_memory import Trimmer
@@ -124,8 +124,10 @@ class LLMEngine:
         self.prefix_cache = PrefixCache(cache.blocks, cache.block_size, getattr(cache, "num_snapshots", 0),
                                         needs_state=bool(model_cfg.kda_layers),
                                         enabled=getattr(engine_cfg, "enable_prefix_caching", False))
+        self.invariant = bool(getattr(engine_cfg, "batch_invariant", False))
         self.scheduler = Scheduler(cache, engine_cfg.max_num_seqs, engine_cfg.max_num_batched_tokens, self.max_model_len,
-                                   getattr(engine_cfg, "max_prefill_tokens_while_decoding", None), self.prefix_cache)
+                                   getattr(engine_cfg, "max_prefill_tokens_while_decoding", None), self.prefix_cache,
+                                   align=INVARIANT_ALIGN if self.invariant else 1)
         self._lock = threading.Lock()        # guards the pending queues and the live-request table
         self._step_lock = threading.Lock()   # held while the engine state is being changed
         self._pending_add: list[Sequence] = []
@@ -712,7 +714,10 @@ class LLMEngine:
             toks = seq.token_ids
             if acc and (len(seq.block_hashes) + 1) * bs <= seq.num_cached:  # a block completed: its tokens whole
                 toks = toks + list(acc)
-            pc.register(seq.blocks, seq.block_hashes, toks, seq.num_cached, seq.prompt_hashes or ())
+            # batch-invariant mode keeps only blocks its prompt's prefill computed: a decoded token's latent and KDA
+            # state are computed by the decode kernels, whose bits differ from a prefill of the same tokens
+            done = min(seq.num_cached, seq.prompt_len) if self.invariant else seq.num_cached
+            pc.register(seq.blocks, seq.block_hashes, toks, done, seq.prompt_hashes or ())
             if not pc.needs_state:
                 continue
             for p, snap in plan.get(i, []):
@@ -721,7 +726,7 @@ class LLMEngine:
                 pc.attach(snap, seq.blocks[p // bs - 1])
             p = seq.num_cached
             q, start = p // bs * bs, p - (1 + len(acc) if accepted else n)
-            if i in plan or start < seq.prompt_len or q <= start:
+            if i in plan or start < seq.prompt_len or q <= start or self.invariant:
                 continue  # a prefill row (its snapshots are planned, as far as the pool had slots), or no block end
                 # passed by this decode step
             snap = pc.new_snapshot()

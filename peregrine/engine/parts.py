@@ -213,11 +213,19 @@ def pick_step_tokens(ecfg: EngineConfig, cfg, dtype, room: float | None, tp_worl
 
 def make_runner(model, cache, ecfg: EngineConfig, log):
     from ..decode.standard import StandardRunner
+    max_blocks = min(math.ceil(ecfg.max_model_len / ecfg.block_size), cache.num_blocks)
     standard = StandardRunner(model, cache, cuda_graphs=ecfg.cuda_graphs, max_graph_batch=ecfg.max_decode_batch, log=log,
-                              prefill_graph_tokens=ecfg.max_num_batched_tokens if ecfg.prefill_graphs else 0)
+                              prefill_graph_tokens=ecfg.max_num_batched_tokens if ecfg.prefill_graphs else 0,
+                              batch_invariant=ecfg.batch_invariant, max_len=max_blocks * cache.block_size)
+    if ecfg.decode_backend == "standard" and ecfg.batch_invariant and cache.latent.is_cuda:
+        # the standard path's invariant decode is eager and row by row: the fused path serves decode at full speed
+        log("batch invariant: decode steps on latency_specialized (the standard path's invariant decode is eager, "
+            "one row at a time)")
+        ecfg.decode_backend = "latency_specialized"
+        ecfg.validate()
     if ecfg.decode_backend == "standard":
         return standard
     from ..decode.specialized import SpecializedRunner
     return SpecializedRunner(model, cache, standard, max_batch=ecfg.max_decode_batch, cuda_graphs=ecfg.cuda_graphs, log=log,
-                             max_blocks=min(math.ceil(ecfg.max_model_len / ecfg.block_size), cache.num_blocks),
+                             max_blocks=max_blocks,
                              allreduce=ecfg.tp_allreduce, pdl=ecfg.pdl, batch_invariant=ecfg.batch_invariant)

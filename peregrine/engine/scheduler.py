@@ -33,8 +33,10 @@ from .request import Sequence
 class Scheduler:
     def __init__(self, cache: ModelCache, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  max_prefill_tokens_while_decoding: int | None = None, prefix_cache: PrefixCache | None = None,
-                 pack_tokens: int = PREFILL_STEP_TOKENS[-1]):
-        self.cache, self.pack_tokens = cache, pack_tokens
+                 pack_tokens: int = PREFILL_STEP_TOKENS[-1], align: int = 1):
+        """align: a prompt chunk that does not finish its prompt ends at a multiple of it (batch-invariant mode:
+        the KDA chunk, so a prompt's chunks are the same however the budget splits it)."""
+        self.cache, self.pack_tokens, self.align = cache, pack_tokens, align
         self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len = (
             max_num_seqs, max_num_batched_tokens, max_model_len)
         self.decode_budget = min(max_prefill_tokens_while_decoding or max_num_batched_tokens, max_num_batched_tokens)
@@ -119,7 +121,7 @@ class Scheduler:
         for seq in self.running:
             n = len(seq.token_ids) - seq.num_cached
             if seq.in_prefill:
-                n = max(0, min(n, room()))
+                n = self._take(seq, room())
                 used += n
             if n > 0:
                 out.append((seq, n))
@@ -130,10 +132,20 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._admit(seq, hit)
-            n = min(seq.prompt_len - seq.num_cached, room())
+            n = self._take(seq, room())
+            if n == 0:  # admitted; its first chunk is the next step's (the room left is under one aligned chunk)
+                break
             used += n
             out.append((seq, n))
         return out
+
+    def _take(self, seq: Sequence, room: int) -> int:
+        """Prompt tokens of seq for this step within room: all it has left, or a chunk ending at a multiple of align."""
+        left = len(seq.token_ids) - seq.num_cached
+        n = max(0, min(left, room))
+        if n < left and self.align > 1:
+            n = max(0, (seq.num_cached + n) // self.align * self.align - seq.num_cached)
+        return n
 
     def take_loads(self) -> list[tuple[int, int]]:
         loads, self.loads = self.loads, []

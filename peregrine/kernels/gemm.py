@@ -224,6 +224,19 @@ def invariant_config(N: int, K: int) -> dict:
     return {**heuristic(FMA_MAX_ROWS + 1, N, K), "dot": True, "BLOCK_M": DOT_MIN_ROWS}
 
 
+PREFILL_INVARIANT_TILE = (64, 128, 64)  # (BLOCK_M, BLOCK_N, BLOCK_K) of the standard path's GEMMs in batch-invariant
+#   mode: one wgmma-sized tile for every row count, no split-K, so a token's row sums over K in one order in any step
+
+
+def prefill_invariant_config(N: int, K: int) -> dict:
+    """Batch-invariant mode's config for the standard path (prefill steps, any M): one tile, no split-K, never
+    cuBLAS (whose kernel depends on M). Its rows differ in bits from the decode config's (invariant_config):
+    a token is computed by one of the two, and each is invariant on its own."""
+    bm, bn, bk = PREFILL_INVARIANT_TILE
+    return {"kernel": "plain", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1, "num_warps": 4,
+            "num_stages": 3, "dot": True, "reduce": "kernel", "prefetch": False}
+
+
 def lookup(M: int, N: int, K: int) -> dict:
     return invariant_config(N, K) if batch_invariant() else _lookup(M, N, K)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -77,6 +77,13 @@ def pick_config(dn: int, dr: int, dv: int, dtype: torch.dtype, T: int) -> Prefil
     if T <= SMALL_T:
         return SMALL_T_CONFIG
     return CONFIGS.get((dn, dr, dv), PrefillConfig())
+
+
+def invariant_config(dn: int, dr: int, dv: int, dtype: torch.dtype) -> PrefillConfig:
+    """Batch-invariant mode's config for every query count: the long-prompt tiles and no KV split (a split and its
+    combine sum a row's keys in another order). A key block past a query's position adds exactly nothing to it, so
+    its bits do not depend on the query block, the step's other queries or where the step starts."""
+    return replace(pick_config(dn, dr, dv, dtype, SMALL_T + 1), num_splits=1)
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from ..config import ModelConfig
-from .layers import HFParam, param, rms_norm, split_rows
+from ..config import INVARIANT_ALIGN, ModelConfig
+from .layers import HFParam, linear, param, rms_norm, split_rows
 
 QK_NORM_EPS = 1e-6  # eps of the q/k L2 norms (docs/models.md)
 CHUNK = 32  # KDA chunk: the intra-chunk [C, C, K] decay tensor grows with C, the chunk count shrinks
@@ -57,7 +57,7 @@ _FLA = None
 def causal_conv(x_ext: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Depthwise causal conv + SiLU. x_ext [B, W-1+T, C] (state then new inputs), w [C, W] -> [B, T, C] FP32."""
     W = w.shape[1]
-    if x_ext.shape[1] - (W - 1) >= CONV1D_MIN_TOKENS:
+    if x_ext.shape[1] - (W - 1) >= CONV1D_MIN_TOKENS and not kernels.batch_invariant():  # (the mode: one form, any T)
         y = F.conv1d(x_ext.float().transpose(1, 2), w.float().unsqueeze(1), groups=w.shape[0])  # [B, C, T]
         return F.silu(y.transpose(1, 2))
     win = x_ext.float().unfold(1, W, 1)  # [B, T, C, W], tap j is input t-(W-1)+j
@@ -145,6 +145,24 @@ def chunk_kda(q, k, v, g, beta, S0=None, chunk: int = CHUNK):
     return o, S_after[:, :, -1]
 
 
+def chunk_kda_aligned(q, k, v, g, beta, S0, chunk: int = INVARIANT_ALIGN):
+    """Batch-invariant mode's prefill form: chunk_kda one whole chunk at a time from S0 (the last zero-padded to a
+    whole chunk), each chunk's state passed to the next. A token's bits then depend only on its chunk and the state
+    before it, so a prompt split at chunk multiples (a prefix hit, chunked prefill, snapshot cuts) gives the same
+    bits as the whole prompt (chunk_kda's log-depth scan over a row's chunks sums in an order set by the row's start)."""
+    T = q.shape[1]
+    pad = (-T) % chunk
+    if pad:  # zero gate, k, v and β: the padded steps leave the state unchanged
+        q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, 0, 0, pad))
+    outs, S = [], S0
+    for a in range(0, T + pad, chunk):
+        o, S = chunk_kda(q[:, a:a + chunk], k[:, a:a + chunk], v[:, a:a + chunk], g[:, a:a + chunk],
+                         beta[:, a:a + chunk], S0=S, chunk=chunk)
+        outs.append(o)
+    return torch.cat(outs, 1)[:, :T], S
+
+
 class KDA(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype):
         super().__init__()
@@ -180,19 +198,25 @@ class KDA(nn.Module):
 
     def project(self, x: torch.Tensor):
         """x [N, D] -> qkv (raw, pre-conv) [N, 3Hd], f [N, Hd], beta logits [N, H], r [N, Hd]."""
-        qkv, fa, ga, b = (x @ self.in_proj.T).split(self.splits, dim=-1)
-        f = fa @ self.f_b.T
-        r = ga if self.g_b is None else ga @ self.g_b.T
+        qkv, fa, ga, b = linear(x, self.in_proj).split(self.splits, dim=-1)
+        f = linear(fa, self.f_b)
+        r = ga if self.g_b is None else linear(ga, self.g_b)
         return qkv, f, b, r
 
-    def mix(self, y: torch.Tensor, f, b, S: torch.Tensor, trace: torch.Tensor | None = None) -> torch.Tensor:
+    def mix(self, y: torch.Tensor, f, b, S: torch.Tensor, trace: torch.Tensor | None = None,
+            prefill: bool = False) -> torch.Tensor:
         """y [B, T, 3Hd] conv outputs for B sequences of T tokens; S [B,H,K,V] updated in place -> o [B,T,H,d] FP32.
-        trace [T, H, K, V] (B = 1): receives the state after each token (speculative rollback)."""
+        trace [T, H, K, V] (B = 1): receives the state after each token (speculative rollback). prefill: a prompt's
+        tokens (batch-invariant mode takes the aligned chunk form for any length; decode and verify rows the recurrence)."""
         H, d = self.H, self.d
         q, k, v = y.unflatten(-1, (3, H, d)).unbind(2)
         q, k = l2norm(q) * d ** -0.5, l2norm(k)
         g = kda_gate(f, self.A_log, self.dt_bias, H, self.cfg.kda_gate_lower_bound)
         beta = torch.sigmoid(b.float())
+        if prefill and trace is None and kernels.batch_invariant():
+            o, S_end = chunk_kda_aligned(q, k, v, g, beta, S)
+            S.copy_(S_end)
+            return o
         if y.shape[1] >= CHUNKED_MIN_TOKENS and trace is None:  # long prefill: the chunked form, exact up to rounding
             o, S_end = chunk_kda(q, k, v, g, beta, S0=S)
             S.copy_(S_end)
@@ -304,7 +328,7 @@ class KDA(nn.Module):
 
     def output(self, o: torch.Tensor, r: torch.Tensor, dtype) -> torch.Tensor:
         """o [..., H, d] FP32, r [..., Hd] -> W_o (RMSNorm(o)·w ⊙ σ(r))."""
-        return self.gate_norm(o, r, dtype) @ self.o_proj.T
+        return linear(self.gate_norm(o, r, dtype), self.o_proj)
 
     def prefill_short(self, qkv, f, b, r, state, conv, slot, cuts, cache, kl, out) -> None:
         """One short prefill row through the one-kernel recurrence (kernels/kda.py, the decode kernel, which
@@ -330,7 +354,7 @@ class KDA(nn.Module):
 
     def post(self, out: torch.Tensor, pre=None) -> torch.Tensor:
         """W_o over the core's rows (token-parallel: prefill graphs capture it)."""
-        return out @ self.o_proj.T
+        return linear(out, self.o_proj)
 
     def core(self, pre, step, cache) -> torch.Tensor:
         """The recurrence over the step's rows: pre = project(x) (rows past the step's tokens, a prefill
@@ -352,7 +376,12 @@ class KDA(nn.Module):
             x_ext = torch.cat([conv[slots], sel(qkv).unsqueeze(1).to(conv.dtype)], 1)
             conv[slots] = x_ext[:, 1:]
             S = state[slots]
-            o = self.mix(causal_conv(x_ext, self.conv_w), sel(f).unsqueeze(1), sel(b).unsqueeze(1), S)
+            y = causal_conv(x_ext, self.conv_w)
+            if kernels.batch_invariant():  # one row at a time: torch's reductions pick their split by the tensor's size
+                o = torch.cat([self.mix(y[j:j + 1], sel(f)[j:j + 1, None], sel(b)[j:j + 1, None], S[j:j + 1])
+                               for j in range(y.shape[0])])
+            else:
+                o = self.mix(y, sel(f).unsqueeze(1), sel(b).unsqueeze(1), S)
             state[slots] = S
             o = self.gate_norm(o[:, 0], sel(r), dt)
             if tok is None:
@@ -365,8 +394,11 @@ class KDA(nn.Module):
         plain = getattr(step, "kda_ckpt", None) is None
         fast_ok = qkv.is_cuda and dt != torch.float32 and plain and len(dec) < len(step.q_lens)  # prefill rows
         ops = fla_ops() if fast_ok else None
+        # batch-invariant mode: every prefill row in one form (fla's chunks, or chunk_kda_aligned), each row in its own
+        # call, so its bits depend on its chunk-aligned cuts alone, not on its length or the rows beside it
+        invariant = kernels.batch_invariant()
         short = (plain and len(dec) < len(step.q_lens) and (fast_ok if SHORT_ROWS_KERNEL is None else SHORT_ROWS_KERNEL)
-                 and kernels.available(qkv.device))
+                 and kernels.available(qkv.device) and not invariant)
         rows = []
         for i, q in enumerate(step.q_lens):
             if q == 1:
@@ -381,7 +413,7 @@ class KDA(nn.Module):
             rows.append((i, q, cuts, h, [(c, sn) for c, sn in cuts if c <= h]))  # head: cuts up to h
         # long rows of one step whose fla part ends at one cut share one varlen chunk_kda call (fla's ~1 ms of
         # host work per call: once per layer, not per row)
-        varlen = ops is not None and (self.cfg.kda_gate_lower_bound is None or VARLEN_BOUNDED_GATE)
+        varlen = ops is not None and (self.cfg.kda_gate_lower_bound is None or VARLEN_BOUNDED_GATE) and not invariant
         together = [row for row in rows if row[3] and len(row[4]) == 1] if varlen else []
         if len(together) > 1:  # heads ending at their one cut: one varlen fla call for all of them
             self.prefill_fla_rows(ops, [(offs[i], offs[i] + h, step.kda_slots[i:i + 1], head[0][1])
@@ -412,7 +444,7 @@ class KDA(nn.Module):
                 o, lo = [], 0
                 for hi, snap in head:
                     o.append(self.mix(y[:, lo:hi], f[a + lo:a + hi].unsqueeze(0), b[a + lo:a + hi].unsqueeze(0), S,
-                                      trace=None if ck is None else ck[0][kl, i, :h]))
+                                      trace=None if ck is None else ck[0][kl, i, :h], prefill=True))
                     if snap is not None:
                         cache.snap_state[kl, snap] = S[0]
                         cache.snap_conv[kl, snap] = x_ext[0, hi:hi + W1]  # the W-1 inputs before that position

@@ -9,7 +9,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .kda import KDA
-from .layers import DenseMLP, HFParam, RMSNorm, add_rms_norm, param
+from .layers import DenseMLP, HFParam, RMSNorm, add_rms_norm, linear, param
 from .mla import MLA
 from .moe import MoE, activation
 from ..parallel.group import SINGLE
@@ -149,7 +149,7 @@ class KimiModel(nn.Module):
         if self.output_res is not None:
             blocks = self._blocks if idx is None else [b[idx] for b in self._blocks]
             h = self.output_res(h, blocks)
-        return self.tp.all_gather((self.norm(h) @ self.lm_head.T).float(), -1)  # vocab-parallel lm_head
+        return self.tp.all_gather(linear(self.norm(h), self.lm_head).float(), -1)  # vocab-parallel lm_head
 
     def forward(self, step, cache, record: list | None = None) -> torch.Tensor:
         """Logits [S, V] FP32 of each sequence's last new token."""

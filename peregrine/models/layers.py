@@ -25,13 +25,43 @@ FUSED: bool | None = None  # kernels for prefill-sized steps: the one-pass RMSNo
 FUSED_MIN_ROWS = 64  # fewer rows: decode steps keep the torch form the specialized path is checked against
 
 
+INVARIANT_KERNELS: bool | None = None  # batch-invariant mode's kernel forms on the standard path (fixed-tile GEMMs,
+#   the one-pass norms, the flash attention without splits): None on the GPU; True also under the interpreter (tests)
+
+
+def invariant_kernels(x: torch.Tensor) -> bool:
+    """Whether this step runs batch-invariant mode's kernel forms (docs/correctness.md §5): the mode is on and the
+    kernels run here (the GPU; the CPU's interpreter where INVARIANT_KERNELS says)."""
+    from .. import kernels
+    if not kernels.batch_invariant() or INVARIANT_KERNELS is False:
+        return False
+    return (x.is_cuda or bool(INVARIANT_KERNELS)) and kernels.available(x.device)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T; in batch-invariant mode with the same bits for a row whatever the rows beside it."""
+    from .. import kernels
+    if not kernels.batch_invariant():
+        return x @ w.T
+    x2 = x.reshape(-1, x.shape[-1])
+    if invariant_kernels(x):  # one fixed-tile GEMM for every row count (cuBLAS picks its kernel, so a row's sums, by M)
+        from ..kernels.gemm import prefill_invariant_config, skinny_gemm
+        y = skinny_gemm(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, config=prefill_invariant_config(*w.shape))
+    else:  # PyTorch a row at a time: a BLAS GEMM's kernel and edge tiles change with M, one row's product does not
+        y = torch.cat([r @ w.T for r in x2.split(1)]) if x2.shape[0] > 1 else x2 @ w.T
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
 def fused(x: torch.Tensor, switch: bool | None = None) -> bool:
     """Whether this step's token-parallel elementwise work takes the kernels: `switch` (default FUSED)
-    True / False, or None: a prefill-sized step on the GPU outside FP32."""
+    True / False, or None: a prefill-sized step on the GPU outside FP32 (any step in batch-invariant mode: the
+    kernels reduce a row in one order whatever the rows, torch's reductions pick their split by the tensor's size)."""
     from .. import kernels
     switch = FUSED if switch is None else switch
     if switch is False:
         return False
+    if invariant_kernels(x):
+        return kernels.available(x.device)
     rows = x.numel() // max(1, x.shape[-1])
     on = switch or (x.is_cuda and x.dtype != torch.float32 and rows >= FUSED_MIN_ROWS)
     return bool(on) and kernels.available(x.device)
@@ -99,11 +129,11 @@ class DenseMLP(nn.Module):
         self.down = param(hidden, inter, dtype=dtype)
 
     def forward(self, x):
-        gu = x @ self.gate_up.T
+        gu = linear(x, self.gate_up)
         if self.act is swiglu and gu.dim() == 2 and fused(gu):  # one pass (weight 1: the same rounding as the torch form's)
             from ..kernels.moe_prefill import swiglu_weighted
-            return swiglu_weighted(gu, gu.new_ones(gu.shape[0], dtype=torch.float32)) @ self.down.T
-        return self.act(gu) @ self.down.T
+            return linear(swiglu_weighted(gu, gu.new_ones(gu.shape[0], dtype=torch.float32)), self.down)
+        return linear(self.act(gu), self.down)
 
     def hf_params(self, prefix: str) -> list[HFParam]:
         D = self.gate_up.shape[1]

@@ -12,15 +12,19 @@ plain PyTorch a block of queries at a time. Decode uses the absorbed form over t
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
 from ..parallel.group import SINGLE
 from ..parallel.slicing import slicing
-from .layers import HFParam, param, rms_norm, split_rows
+from .. import kernels
+from .layers import HFParam, invariant_kernels, linear, param, rms_norm, split_rows
 
 PREFILL_KERNEL: bool | None = None  # None: the Triton flash kernel wherever it is available on a GPU; tests force it
 TORCH_QUERY_BLOCK = 256  # queries per block in the PyTorch prefill: scores [H, 256, L] FP32 stay small
+KEY_BLOCK = 64  # batch-invariant mode's PyTorch prefill: keys in fixed blocks from position 0 (an online softmax), so
+#   a query's sums do not depend on how many keys the step holds (a prefix hit, a chunk) or how many queries
 
 
 def use_prefill_kernel(q: torch.Tensor) -> bool:
@@ -89,10 +93,10 @@ class MLA(nn.Module):
 
     def project(self, x):
         """x [N, D] -> q [N, H, nope+rope], cache entries [N, r+rope] (normalised latent | k_r), gate logits [N, H·v] or None."""
-        q, kva, g = (x @ self.in_proj.T).split(self.splits, dim=-1)
+        q, kva, g = linear(x, self.in_proj).split(self.splits, dim=-1)
         q, kva = self.gather_sliced(q, kva)
         if self.q_b is not None:
-            q = rms_norm(q, self.q_a_norm, self.cfg.mla_norm_eps) @ self.q_b.T
+            q = linear(rms_norm(q, self.q_a_norm, self.cfg.mla_norm_eps), self.q_b)
         c = rms_norm(kva[:, : self.r], self.kv_norm, self.cfg.mla_norm_eps)
         return q.view(-1, self.H, self.cfg.qk_head_dim), torch.cat([c, kva[:, self.r:]], -1), (g if self.gate_dim else None)
 
@@ -112,12 +116,16 @@ class MLA(nn.Module):
         """One sequence: q [T, H, nope+rope] at positions start.., lat [L, r+rope] -> [T, H, v] FP32 (the flash
         kernel writes the model dtype straight into `out` when it is given in that dtype)."""
         dt = self.kv_b.dtype
-        kv = (lat[:, : self.r].to(dt) @ self.kv_b.T).view(-1, self.H, self.nope + self.vd)
-        if use_prefill_kernel(q):
+        kv = linear(lat[:, : self.r].to(dt), self.kv_b).view(-1, self.H, self.nope + self.vd)
+        invariant = kernels.batch_invariant()
+        if use_prefill_kernel(q) or (invariant and invariant_kernels(q)):
             from ..kernels import mla_prefill_sdpa as cold
-            from ..kernels.mla_prefill import mla_prefill
+            from ..kernels.mla_prefill import invariant_config, mla_prefill
             args = (q.to(dt), kv[..., : self.nope], lat[:, self.r:].to(dt), kv[..., self.nope:], self.sm_scale)
             dst = out if out is not None and out.dtype == dt else None
+            if invariant:  # cold and warm rows alike through the flash kernel, its config fixed, no KV splits
+                o = mla_prefill(*args, start, out=dst, config=invariant_config(self.nope, self.rope, self.vd, dt))
+                return o if o is out else o.float()
             if cold.usable(q, q.shape[0], lat.shape[0], start):  # a cold row: cuDNN's fused attention
                 o = dst if dst is not None else torch.empty(q.shape[0], self.H, self.vd, dtype=dt, device=q.device)
                 if cold.try_attend(*args, out=o):
@@ -127,6 +135,8 @@ class MLA(nn.Module):
         kv = kv.float()
         k = torch.cat([kv[..., : self.nope], lat[:, None, self.r:].float().expand(-1, self.H, -1)], -1)
         T, L = q.shape[0], lat.shape[0]
+        if invariant:
+            return self.prefill_attn_blocks(q.float(), k, kv[..., self.nope:], start)
         out = torch.empty(T, self.H, self.vd, dtype=torch.float32, device=q.device)
         for a in range(0, T, TORCH_QUERY_BLOCK):
             b = min(T, a + TORCH_QUERY_BLOCK)
@@ -135,6 +145,33 @@ class MLA(nn.Module):
             p = torch.softmax(s.masked_fill(causal, float("-inf")), -1)
             out[a:b] = torch.einsum("htl,lhv->thv", p, kv[..., self.nope:])
         return out
+
+    def prefill_attn_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+        """Batch-invariant mode's PyTorch prefill: q [T, H, c], k [L, H, c], v [L, H, v] FP32 -> [T, H, v], the keys
+        KEY_BLOCK at a time from position 0 (the last block zero-padded) with an online softmax: every product has
+        one shape, and a block past a query's position adds exactly nothing to it."""
+        T, L = q.shape[0], k.shape[0]
+        pad = (-L) % KEY_BLOCK
+        k, v = F.pad(k, (0, 0, 0, 0, 0, pad)), F.pad(v, (0, 0, 0, 0, 0, pad))
+        qpos = start + torch.arange(T, device=q.device)
+        m = torch.full((self.H, T), float("-inf"), device=q.device)
+        l = torch.zeros(self.H, T, device=q.device)
+        acc = torch.zeros(self.H, T, v.shape[-1], device=q.device)
+        for j in range(0, L, KEY_BLOCK):
+            s = torch.einsum("thc,lhc->htl", q, k[j:j + KEY_BLOCK]) * self.sm_scale
+            s = s.masked_fill(torch.arange(j, j + KEY_BLOCK, device=q.device)[None, :] > qpos[:, None], float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))  # key 0 is in the first block: finite from there on
+            alpha, p = torch.exp(m - m_new), torch.exp(s - m_new.unsqueeze(-1))
+            l = l * alpha + p.sum(-1)
+            acc = acc * alpha.unsqueeze(-1) + torch.einsum("htl,lhv->htv", p, v[j:j + KEY_BLOCK])
+            m = m_new
+        return (acc / l.unsqueeze(-1)).transpose(0, 1)
+
+    def decode_rows_invariant(self, q: torch.Tensor, cache, block_tables, ctx: list[int]) -> torch.Tensor:
+        """Batch-invariant mode's decode attention: row by row over exactly its own keys (the batched form reduces over
+        the batch's longest context, so a row's sums change with the rows beside it) -> [S, H, v] FP32."""
+        return torch.cat([self.decode_attn(q[i:i + 1], cache, block_tables[i:i + 1], torch.tensor([n], device=q.device), n)
+                          for i, n in enumerate(ctx)]) if ctx else q.new_empty(0, self.H, self.vd, dtype=torch.float32)
 
     def warm_cold_attention(self, max_T: int, log=None) -> int:
         """Build the cuDNN plans cold rows of up to max_T tokens use (kernels/mla_prefill_sdpa.py; every MLA
@@ -155,7 +192,7 @@ class MLA(nn.Module):
         gate = pre[2]
         if gate is not None:
             o = o * torch.sigmoid(gate.float())
-        return o.to(self.o_proj.dtype) @ self.o_proj.T
+        return linear(o.to(self.o_proj.dtype), self.o_proj)
 
     def core(self, pre, step, cache) -> torch.Tensor:
         """Cache writes and attention over the step's rows: pre = project(x) (rows past the step's tokens,
@@ -163,7 +200,13 @@ class MLA(nn.Module):
         N = step.input_ids.shape[0]
         q, entries = pre[0][:N], pre[1][:N]
         cache.write_latent(self.layer, step.slot_mapping, entries)
-        if step.is_decode:
+        if kernels.batch_invariant() and (step.is_decode or step.spec_tokens):
+            # decode rows one at a time; a verify row's T queries as T decode rows (speculation gives plain decoding's bits)
+            T = step.spec_tokens or 1
+            rows = [(i, c - T + 1 + t) for i, c in enumerate(step.context_lens) for t in range(T)]
+            tables = step.block_tables[torch.tensor([i for i, _ in rows], device=step.block_tables.device)]
+            o = self.decode_rows_invariant(q, cache, tables, [n for _, n in rows])
+        elif step.is_decode:
             o = self.decode_attn(q, cache, step.block_tables, step.context_lens_t, step.max_context)
         else:
             dec = [i for i, n in enumerate(step.q_lens) if n == 1]
@@ -172,7 +215,11 @@ class MLA(nn.Module):
             kern = not dec and use_prefill_kernel(q) and q.dtype != torch.float32
             o = torch.empty(N, self.H, self.vd, dtype=self.kv_b.dtype if kern else torch.float32, device=q.device)
             a = 0
-            if dec:  # decode sequences of a mixed step still take the absorbed path
+            if dec and kernels.batch_invariant():
+                _, tok, idx = step.decode_rows()
+                o[tok] = self.decode_rows_invariant(q[tok], cache, step.block_tables[idx],
+                                                    [step.context_lens[i] for i in dec]).to(o.dtype)
+            elif dec:  # decode sequences of a mixed step still take the absorbed path
                 _, tok, idx = step.decode_rows()
                 o[tok] = self.decode_attn(q[tok], cache, step.block_tables[idx], step.context_lens_t[idx],
                                           max(step.context_lens[i] for i in dec))

@@ -62,13 +62,16 @@ def router_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     up-casting both to an FP32 SIMT GEMM (H200, 8K tokens x 256 experts: ~0.2 ms a layer, 21 ms of a 32K
     prefill); decode steps keep the FP32 form the specialized router kernel is checked against."""
     global BF16_ROUTER
+    if layers.invariant_kernels(x):  # batch-invariant mode: the fixed-tile GEMM in FP32 (IEEE dots), any row count
+        from ..kernels.gemm import prefill_invariant_config, skinny_gemm
+        return skinny_gemm(x.float(), w.float(), config=prefill_invariant_config(*w.shape))
     if (BF16_ROUTER is not False and x.is_cuda and x.dtype == w.dtype == torch.bfloat16
             and x.shape[0] >= GLUE_MIN_TOKENS):
         try:
             return torch.mm(x, w.T, out_dtype=torch.float32)
         except (TypeError, RuntimeError, NotImplementedError):  # a torch without mm's out_dtype on this GPU
             BF16_ROUTER = False
-    return x.float() @ w.float().T
+    return layers.linear(x.float(), w.float())
 
 
 FUSED_ROUTER: bool | None = None  # the router's sigmoid, bias, top-k and renormalisation in one kernel per token
@@ -103,7 +106,9 @@ def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None, add: t
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
     if grouped is None:  # the grouped GEMM on CUDA/BF16; its CPU fallback is slower than looping over used experts
-        grouped = mx is not None or (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16)
+        # (batch-invariant mode loops over them too: cuBLAS's grouped GEMM picks its kernel by the rows of each)
+        grouped = mx is not None or (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+                                     and not layers.invariant_kernels(x))
     w_flat = w.flatten()[order]  # each pair's routing weight, applied before the down GEMM
     fused = fused_glue(x, act)
     if fused:
@@ -123,13 +128,13 @@ def grouped_experts(x, w13, w2, ids, w, act, grouped: bool | None = None, add: t
         offs = torch.cumsum(counts, 0).to(torch.int32)  # bincount would sync on its size
         h = weighted(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs), w_flat)
         ys = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
-    else:  # older torch / other dtypes: loop over the experts actually used
+    else:  # older torch / other dtypes / batch-invariant mode: loop over the experts actually used
         xs = x[order // k]
         ys = torch.empty(N * k, w2.shape[1], dtype=x.dtype, device=x.device)
         sf = flat[order]
         for e in torch.unique(sf).tolist():
             m = sf == e
-            ys[m] = weighted(xs[m] @ w13[e].T, w_flat[m]) @ w2[e].T
+            ys[m] = layers.linear(weighted(layers.linear(xs[m], w13[e]), w_flat[m]), w2[e])
     if fused:  # each pair's row among the sorted ones, then the sum over k straight from them
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)
@@ -290,7 +295,7 @@ class MoE(nn.Module):
         ids, w = route_logits(self.router_logits(x), self.bias, c.num_experts_per_token, c.moe_renormalize,
                               c.routed_scaling_factor, x)
         self.last_ids = ids
-        z = x @ self.down.T if self.latent else x
+        z = layers.linear(x, self.down) if self.latent else x
         after = tuple(t for t in (self.shared(x) if self.shared is not None else None, residual) if t is not None)
         mx_grouped = self.mx and mxfp4_grouped(z)
         fold = not self.latent and (mx_grouped or not self.mx)  # the experts' combine adds `after` itself
@@ -301,7 +306,7 @@ class MoE(nn.Module):
             y = grouped_experts(z, self.w13, self.w2, ids, w, self.act, add=after if fold else (), mx=mx)
         if self.latent:
             lo, hi = self.tp.span(self.norm.shape[0])
-            y = rms_norm(self.tp.all_reduce(y), self.norm, c.rms_norm_eps)[:, lo:hi] @ self.up.T
+            y = layers.linear(rms_norm(self.tp.all_reduce(y), self.norm, c.rms_norm_eps)[:, lo:hi], self.up)
         for t in () if fold else after:
             y = y + t
         return y
