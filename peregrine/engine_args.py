@@ -40,8 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"share of the GPU's memory the engine may use, weights included, as vLLM's (default "
                         f"{EngineConfig.gpu_memory_utilization}); what it leaves for the caches is said at start")
     g.add_argument("--batch-invariant", action="store_true", default=None,
-                   help="a request's tokens and logprobs do not depend on the requests batched beside it (docs/"
-                        "correctness.md); vLLM's VLLM_BATCH_INVARIANT=1 turns it on too; costs some decode speed")
+                   help="a request's tokens and logprobs do not depend on the requests batched beside it, a prefix-"
+                        "cache hit or how its prompt is chunked (docs/correctness.md); vLLM's VLLM_BATCH_INVARIANT=1 "
+                        "turns it on too; costs speed, prefill most (fixed-tile GEMMs, the experts one at a time)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"], help="MLA latent cache dtype (auto = model dtype)")
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     g.add_argument("--dtype", default=None, help="bf16 or fp32 (default: bf16 on cuda, fp32 on cpu)")
