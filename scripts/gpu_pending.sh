@@ -25,15 +25,12 @@
 #   sizes (gemm invariant_config, MLA invariant_splits) and, since session 34, runs prefill through fixed forms
 #   (gemm prefill_invariant_config for every projection and expert, the flash MLA kernel without KV splits, fla per
 #   row, prompts split at multiples of 64, prefix reuse of prompt blocks only). On one H100, ~6 min:
+#   all three in one call: bash scripts/gpu_invariance.sh (commit results/invariance/ and its logs)
 #   1. the tests, compiled: the tiny preset's shapes and the 48B's widths (3 layers: greedy and sampled probes
 #      alone, beside others, after a prefix hit, in chunks and in pieces, bitwise):
 #        python3 -m pytest -m gpu -q tests/test_batch_invariance.py
-#   2. its cost, the step against the default at B = 1, 2, 4, 8 (target <= 1.15x), same run:
-#        VLLM_BATCH_INVARIANT=1 peregrine bench decode --model kimi-linear-48b-a3b --dummy-weights --batch-sizes 1,2,4,8
-#        peregrine bench decode --model kimi-linear-48b-a3b --dummy-weights --batch-sizes 1,2,4,8
-#   3. TTFT at 8K with and without it (the fixed-tile prefill GEMMs and the per-expert loop are its cost):
-#        VLLM_BATCH_INVARIANT=1 peregrine bench ttft --model kimi-linear-48b-a3b --dummy-weights
-#        peregrine bench ttft --model kimi-linear-48b-a3b --dummy-weights
+#   2. its cost, the step against the default at B = 1, 2, 4, 8 (target <= 1.15x), same run
+#   3. TTFT at 8K with and without it (the fixed-tile prefill GEMMs and the per-expert loop are its cost)
 # - #57 after session 31 (its head check ran on an H100 at 1b89fb0: results/2026-12-06-session31, results/README.md
 #   "Session 31": sampled 1.065-1.131x greedy, all of it the descent over dummy weights' flat rows; 16 pivots a
 #   level measured 1.031 / 1.034x at B = 1 / 8 in the step and is the default since 5f5dbaf; synthetic 3.78 met
