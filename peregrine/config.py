@@ -464,6 +464,9 @@ class EngineConfig:
             raise ConfigError(f"--batch-invariant with latency_specialized needs --max-num-seqs <= max_decode_batch "
                               f"({self.max_decode_batch}), got {self.max_num_seqs}: a larger decode step would take the "
                               "standard path, whose bits differ from the fused kernels'")
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            raise ConfigError("--batch-invariant does not work with --tensor-parallel-size > 1 yet: the all-reduce "
+                              "picks its algorithm, and so its summation order, by the message's size (the batch's)")
         if self.batch_invariant:
             small = [f"{name} {v}" for name, v in (("block_size", self.block_size),
                                                     ("--max-num-batched-tokens", self.max_num_batched_tokens),

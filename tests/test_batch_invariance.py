@@ -248,7 +248,8 @@ def test_mla_decode_rows_do_not_depend_on_the_batch():
 
 
 def test_the_switches():
-    """--batch-invariant and VLLM_BATCH_INVARIANT=1 turn it on; a batch the fused path cannot take is refused."""
+    """--batch-invariant and VLLM_BATCH_INVARIANT=1 turn it on; a batch the fused path cannot take, a block size or budget
+    that would split a prompt off the KDA chunk, and tensor parallelism are refused with a message naming them."""
     import os
     from peregrine.cli import build_parser
     from peregrine.engine_args import engine_config
@@ -265,3 +266,10 @@ def test_the_switches():
         os.environ.pop("VLLM_BATCH_INVARIANT") if old is None else os.environ.__setitem__("VLLM_BATCH_INVARIANT", old)
     with pytest.raises(ConfigError, match="max_decode_batch"):
         EngineConfig(batch_invariant=True, decode_backend="latency_specialized", max_num_seqs=12).validate()
+    with pytest.raises(ConfigError, match="multiple of 64"):
+        EngineConfig(batch_invariant=True, block_size=16).validate()
+    with pytest.raises(ConfigError, match="at least 64 tokens"):
+        EngineConfig(batch_invariant=True, max_num_batched_tokens=40).validate()
+    with pytest.raises(ConfigError, match="tensor-parallel-size"):
+        EngineConfig(batch_invariant=True, tensor_parallel_size=2).validate()
+    EngineConfig(batch_invariant=True, block_size=128, max_num_batched_tokens=64).validate()
