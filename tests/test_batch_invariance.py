@@ -122,6 +122,16 @@ def test_standard_path_is_batch_invariant(model_dir, dtype):
         assert got == out["alone"], f"{dtype}: {case}: a probe's answer changed"
 
 
+def test_k3_standard_path_is_batch_invariant(tmp_path_factory):
+    """tiny-k3 (AttnRes, SiTU, the MLA output gate, latent MoE with MXFP4 experts, the bounded KDA gate), FP32: the
+    same cases. (In the mode it failed every one until AttnRes computed a token's weights along its own row and the
+    MXFP4 experts took the mode's GEMM.)"""
+    d = dummy_model_dir(tmp_path_factory, json.loads((PRESET_DIR / "tiny-k3.json").read_text()), "k3", seed=3)
+    out = standard_cases(d, "float32", random.Random(5))
+    for case, got in out.items():
+        assert got == out["alone"], f"k3: {case}: a probe's answer changed"
+
+
 def test_decoded_blocks_are_recomputed_and_speculation_gives_plain_tokens(model_dir):
     """A next turn (the last prompt + its 80 generated tokens + new ones) answers as on a cold engine: the blocks the
     decode steps wrote are not reused (their bits are the decode kernels', not a prefill's), and greedy n-gram

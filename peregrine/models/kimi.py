@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import kernels
 from ..config import ModelConfig
 from .kda import KDA
 from .layers import DenseMLP, HFParam, RMSNorm, add_rms_norm, linear, param
@@ -33,7 +34,12 @@ class AttnRes(nn.Module):
     def forward(self, p: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
         V = torch.stack([*blocks, p]).float()  # [n+1, N, D]
         k = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + self.eps)
-        alpha = torch.softmax(k @ (self.norm.float() * self.proj.float()[0]), 0)  # [n+1, N]
+        w = self.norm.float() * self.proj.float()[0]
+        if kernels.batch_invariant():  # a token's weights computed along its own row: a matrix-vector product's kernel
+            # and a softmax over dim 0 (vectorised across tokens, its tail scalar) change with the number of tokens
+            alpha = torch.softmax((k * w).sum(-1).T.contiguous(), -1).T  # [n+1, N]
+        else:
+            alpha = torch.softmax(k @ w, 0)  # [n+1, N]
         return (alpha.unsqueeze(-1) * V).sum(0).to(p.dtype)
 
 

@@ -194,7 +194,7 @@ def mxfp4_experts(x, q13, s13, q2, s2, ids, w, act, chunk: int = MX_CHUNK, dequa
             w13 = dequantize(q13[sel], s13[sel], x.dtype)
             w2 = dequantize(q2[sel], s2[sel], x.dtype)
             for j, n in enumerate(counts[a:a + chunk]):
-                ys_sorted[row:row + n] = act(xs[row:row + n] @ w13[j].T) @ w2[j].T
+                ys_sorted[row:row + n] = layers.linear(act(layers.linear(xs[row:row + n], w13[j])), w2[j])
                 row += n
             del w13, w2
         ys[order] = ys_sorted
