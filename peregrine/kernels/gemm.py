@@ -228,6 +228,7 @@ PREFILL_INVARIANT_TILE = (64, 128, 64)  # (BLOCK_M, BLOCK_N, BLOCK_K) of the sta
 #   mode: one wgmma-sized tile for every row count, no split-K, so a token's row sums over K in one order in any step
 
 
+@functools.cache
 def prefill_invariant_config(N: int, K: int) -> dict:
     """Batch-invariant mode's config for the standard path (prefill steps, any M): one tile, no split-K, never
     cuBLAS (whose kernel depends on M). Its rows differ in bits from the decode config's (invariant_config):

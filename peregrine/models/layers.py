@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
+
 HFParam = tuple[str, torch.Tensor, tuple[int, ...]]
 
 
@@ -32,7 +34,6 @@ INVARIANT_KERNELS: bool | None = None  # batch-invariant mode's kernel forms on 
 def invariant_kernels(x: torch.Tensor) -> bool:
     """Whether this step runs batch-invariant mode's kernel forms (docs/correctness.md §5): the mode is on and the
     kernels run here (the GPU; the CPU's interpreter where INVARIANT_KERNELS says)."""
-    from .. import kernels
     if not kernels.batch_invariant() or INVARIANT_KERNELS is False:
         return False
     return (x.is_cuda or bool(INVARIANT_KERNELS)) and kernels.available(x.device)
@@ -40,7 +41,6 @@ def invariant_kernels(x: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T; in batch-invariant mode with the same bits for a row whatever the rows beside it."""
-    from .. import kernels
     if not kernels.batch_invariant():
         return x @ w.T
     x2 = x.reshape(-1, x.shape[-1])
@@ -56,12 +56,11 @@ def fused(x: torch.Tensor, switch: bool | None = None) -> bool:
     """Whether this step's token-parallel elementwise work takes the kernels: `switch` (default FUSED)
     True / False, or None: a prefill-sized step on the GPU outside FP32 (any step in batch-invariant mode: the
     kernels reduce a row in one order whatever the rows, torch's reductions pick their split by the tensor's size)."""
-    from .. import kernels
     switch = FUSED if switch is None else switch
     if switch is False:
         return False
     if invariant_kernels(x):
-        return kernels.available(x.device)
+        return True
     rows = x.numel() // max(1, x.shape[-1])
     on = switch or (x.is_cuda and x.dtype != torch.float32 and rows >= FUSED_MIN_ROWS)
     return bool(on) and kernels.available(x.device)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError, ModelConfig
+from .. import kernels
 from . import layers, mxfp4
 from .layers import DenseMLP, HFParam, param, rms_norm, situ, swiglu
 from ..parallel.group import SINGLE
@@ -62,11 +63,8 @@ def router_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     up-casting both to an FP32 SIMT GEMM (H200, 8K tokens x 256 experts: ~0.2 ms a layer, 21 ms of a 32K
     prefill); decode steps keep the FP32 form the specialized router kernel is checked against."""
     global BF16_ROUTER
-    if layers.invariant_kernels(x):  # batch-invariant mode: the fixed-tile GEMM in FP32 (IEEE dots), any row count
-        from ..kernels.gemm import prefill_invariant_config, skinny_gemm
-        return skinny_gemm(x.float(), w.float(), config=prefill_invariant_config(*w.shape))
     if (BF16_ROUTER is not False and x.is_cuda and x.dtype == w.dtype == torch.bfloat16
-            and x.shape[0] >= GLUE_MIN_TOKENS):
+            and x.shape[0] >= GLUE_MIN_TOKENS and not kernels.batch_invariant()):  # (the mode: linear's FP32 form)
         try:
             return torch.mm(x, w.T, out_dtype=torch.float32)
         except (TypeError, RuntimeError, NotImplementedError):  # a torch without mm's out_dtype on this GPU
@@ -160,7 +158,6 @@ def mxfp4_grouped(x: torch.Tensor) -> bool:
     run (MX_GROUPED None), or wherever MX_GROUPED says (True: the interpreter's CPU tests)."""
     if MX_GROUPED is not None:
         return MX_GROUPED
-    from .. import kernels
     return x.is_cuda and kernels.available(x.device)
 
 
